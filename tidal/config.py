@@ -1,0 +1,217 @@
+"""Configuration dataclasses: the one source of defaults for tidal.
+
+Every dataclass validates itself in ``__post_init__`` and raises :class:`ConfigError` with a
+message naming the offending field. Nothing else in tidal reads environment variables.
+Pure Python: no torch here, so the simulator and the policies can import it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3,
+    "ti": 1024**4, "tib": 1024**4,
+}
+
+
+def parse_size(value: str | int | float, name: str = "size") -> int:
+    """Parse a memory size such as ``512MiB``, ``2GB`` or ``1048576`` into bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}: expected a size like 512MiB, got {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ConfigError(f"{name}: must be >= 0, got {value}")
+        return int(value)
+    m = _SIZE_RE.match(str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"{name}: cannot parse {value!r} as a size (examples: 512MiB, 2GiB, 1000000)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def env_str(name: str, default: str | None = None) -> str | None:
+    """The single place where tidal reads the environment."""
+    return os.environ.get(name, default)
+
+
+# --------------------------------------------------------------------------------------------
+# Model architecture (shape) -- shared by the engine (to build the model) and the simulator
+# (to cost it). Field names follow the Hugging Face Llama config where one exists.
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelArch:
+    architecture: str  # "llama" | "qwen2" | "mistral" ...
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # e.g. {"rope_type": "llama3", "factor": 8.0, ...}
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # QKV bias (Qwen2)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                  "num_kv_heads", "head_dim"):
+            if getattr(self, f) <= 0:
+                raise ConfigError(f"model {f} must be > 0, got {getattr(self, f)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+
+    # ---- sizes used by the memory planner and the cost model ----
+    def kv_bytes_per_token(self, dtype_bytes: int, num_layers: int | None = None) -> int:
+        layers = self.num_layers if num_layers is None else num_layers
+        return 2 * layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def params_per_layer(self) -> int:
+        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
+        q = self.num_heads * self.head_dim
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
+        mlp = 3 * h * self.intermediate_size
+        return attn + mlp + 2 * h
+
+    def num_params(self) -> int:
+        emb = self.vocab_size * self.hidden_size
+        head = 0 if self.tie_word_embeddings else emb
+        return emb + head + self.num_layers * self.params_per_layer() + self.hidden_size
+
+
+# --------------------------------------------------------------------------------------------
+# Engine configuration
+# --------------------------------------------------------------------------------------------
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass
+class ModelConfig:
+    model: str | None = None  # path to a .gguf file or an HF directory; None = default model
+    dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with native bf16, else float32
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    max_model_len: int | None = None  # default: the model's context length
+    seed: int = 0
+    num_threads: int | None = None  # CPU intra-op threads; default: all cores
+    layer_range: tuple[int, int] | None = None  # build only layers [start, end) (a pipeline stage)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if not (self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device)):
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ConfigError(f"max_model_len must be > 0, got {self.max_model_len}")
+        if self.num_threads is not None and self.num_threads <= 0:
+            raise ConfigError(f"num_threads must be > 0, got {self.num_threads}")
+        if self.layer_range is not None:
+            a, b = self.layer_range
+            if not 0 <= a < b:
+                raise ConfigError(f"layer_range must be [start, end) with 0 <= start < end; got {self.layer_range}")
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: int | str | None = None  # bytes for the KV pool on CPU (default 512MiB)
+    gpu_memory_utilization: float = 0.9  # fraction of free GPU memory for weights+KV on CUDA
+    swap_space: int | str = "1GiB"  # host memory for swapped-out KV blocks
+    num_blocks_override: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_size(self.kv_cache_memory, "kv_cache_memory")
+            if self.kv_cache_memory <= 0:
+                raise ConfigError("kv_cache_memory must be > 0")
+        self.swap_space = parse_size(self.swap_space, "swap_space")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_blocks_override is not None and self.num_blocks_override <= 0:
+            raise ConfigError(f"num_blocks_override must be > 0, got {self.num_blocks_override}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64  # most requests running at once
+    max_num_batched_tokens: int = 512  # token budget of one step (chunked prefill)
+    long_prefill_token_threshold: int = 0  # 0 = a single prefill may take the whole budget
+    preemption_mode: str = "recompute"
+    batching: str = "continuous"  # policy name(s) from tidal.policies, joined with "+"
+    max_queued_requests: int | None = None  # bounded waiting queue (server); None = unbounded
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0:
+            raise ConfigError(f"max_num_seqs must be > 0, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise ConfigError(f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError("long_prefill_token_threshold must be >= 0")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ConfigError(
+                f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}; got {self.preemption_mode!r}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ConfigError("max_queued_requests must be >= 0")
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from flat keyword arguments (``LLM(model=..., max_num_seqs=...)``, CLI flags)."""
+        parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
+        owners = {
+            f.name: part for part, klass in (("model", ModelConfig), ("cache", CacheConfig),
+                                             ("scheduler", SchedulerConfig)) for f in fields(klass)
+        }
+        for key, value in kwargs.items():
+            if key not in owners:
+                raise ConfigError(f"unknown engine argument {key!r}")
+            if value is not None or key == "model":
+                parts[owners[key]][key] = value
+        return cls(ModelConfig(**parts["model"]), CacheConfig(**parts["cache"]),
+                   SchedulerConfig(**parts["scheduler"]))
+
+    @staticmethod
+    def field_names() -> list[str]:
+        return [f.name for klass in (ModelConfig, CacheConfig, SchedulerConfig) for f in fields(klass)]
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def default_cpu_threads() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
+__all__ = [
+    "CacheConfig", "ConfigError", "EngineConfig", "ModelArch", "ModelConfig", "SchedulerConfig",
+    "cdiv", "default_cpu_threads", "env_str", "parse_size",
+]
