@@ -1,0 +1,250 @@
+"""Instance scheduler: continuous batching with a token budget, chunked prefill and preemption.
+
+Pure decision code: it sees requests and block ids, never tensors or clocks (``now`` is an
+argument). Each ``schedule`` returns a :class:`StepPlan` saying how many tokens each request
+advances; each ``update`` applies the executor's :class:`StepResult`. The engine and the
+simulator drive the very same object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from tidal.config import SchedulerConfig
+from tidal.core.kv_manager import KVCacheManager
+from tidal.core.plan import BatchComposition, RequestUpdate, ScheduledChunk, StepPlan, StepResult
+from tidal.core.policy import SchedulerView, SchedulingPolicy
+from tidal.core.request import FinishReason, Request, RequestStatus
+
+
+class RequestRejected(ValueError):
+    """The request can never run on this instance (too long for the context or the KV pool)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        policy: SchedulingPolicy | None = None,
+        max_model_len: int | None = None,
+        watermark: float = 0.01,
+    ):
+        self.config = config
+        self.kv = kv
+        self.policy = policy or SchedulingPolicy()
+        self.max_model_len = max_model_len
+        self.watermark = watermark
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.swapped: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._finished_since_plan: list[str] = []
+        self._step_id = 0
+
+    # ------------------------------------------------------------------ requests in / out
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise RequestRejected(f"request id {req.request_id!r} is already in use")
+        n = req.num_prompt_tokens
+        if self.max_model_len is not None and n >= self.max_model_len:
+            raise RequestRejected(
+                f"the prompt has {n} tokens; this model's context length is {self.max_model_len}, "
+                f"which must also hold at least one output token", param="prompt")
+        if self.kv.blocks_for_tokens(n + 1) > self.kv.num_blocks:
+            raise RequestRejected(
+                f"the prompt has {n} tokens but the KV cache holds only "
+                f"{self.kv.num_blocks * self.kv.block_size} tokens", param="prompt")
+        if req.max_model_len is None:
+            req.max_model_len = self.max_model_len
+        req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort_requests(self, request_ids: Iterable[str], now: float = 0.0) -> list[str]:
+        done = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None:
+                self.finish_request(rid, FinishReason.ABORT, now=now)
+                done.append(rid)
+        return done
+
+    def finish_request(self, request_id: str, reason: FinishReason, stop_reason: int | str | None = None,
+                       now: float = 0.0) -> None:
+        """End a request (stop string found, abort, ...) and free its blocks at once."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        for queue in (self.running, self.waiting, self.swapped):
+            if req in queue:
+                queue.remove(req)
+                break
+        self.kv.free(request_id)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.stop_reason = stop_reason
+        req.finish_time = now
+        self._finished_since_plan.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.swapped)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def view(self, now: float) -> SchedulerView:
+        return SchedulerView(
+            now=now, running=tuple(self.running), waiting=tuple(self.waiting),
+            num_free_blocks=self.kv.num_free_blocks, num_total_blocks=self.kv.num_blocks,
+            block_size=self.kv.block_size, max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens)
+
+    # ------------------------------------------------------------------ scheduling
+    def _chunk_len(self, req: Request, budget: int) -> int:
+        n = min(req.num_uncomputed_tokens, budget)
+        cap = self.config.long_prefill_token_threshold
+        if cap and n > 1:
+            n = min(n, cap)
+        return n
+
+    def _make_chunk(self, req: Request, n: int) -> ScheduledChunk:
+        start = req.num_computed_tokens
+        sample = start + n == req.num_tokens
+        return ScheduledChunk(
+            request_id=req.request_id, token_ids=tuple(req.token_ids(start, start + n)), start=start,
+            block_table=tuple(self.kv.block_table(req.request_id)), sample=sample,
+            sampling=req.sampling_params, output_index=req.num_output_tokens)
+
+    def _preempt(self, victim: Request, swap_out: list[tuple[int, int]]) -> None:
+        self.running.remove(victim)
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        if self.config.preemption_mode == "swap":
+            moves = self.kv.swap_out(victim.request_id)
+            if moves is not None:
+                swap_out.extend(moves)
+                victim.status = RequestStatus.SWAPPED
+                self.swapped.append(victim)
+                return
+        # recompute: drop the KV, keep the tokens; it re-enters at the head of the queue
+        self.kv.free(victim.request_id)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.WAITING
+        self.waiting.insert(0, victim)
+
+    def schedule(self, now: float) -> StepPlan:
+        view = self.view(now)
+        budget = self.policy.token_budget(view)
+        max_seqs = self.policy.max_num_seqs(view)
+        reserve = int(self.watermark * self.kv.num_blocks)
+        chunks: list[ScheduledChunk] = []
+        scheduled: set[str] = set()
+        preempted: list[str] = []
+        swap_out: list[tuple[int, int]] = []
+        swap_in: list[tuple[int, int]] = []
+
+        # 1. running requests, in admission order: decodes and unfinished prefills
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            req = self.running[idx]
+            n = self._chunk_len(req, budget)
+            while self.kv.allocate(req.request_id, req.num_computed_tokens + n) is None:
+                others_hold = self.kv.num_blocks - self.kv.num_free_blocks - self.kv.num_blocks_of(req.request_id)
+                if others_hold == 0:  # it alone outgrew the whole pool: the pool is its context
+                    self.finish_request(req.request_id, FinishReason.LENGTH, now=now)
+                    req = None
+                    break
+                candidates = [r for r in self.running if r.request_id not in scheduled]
+                victim = self.policy.preemption_victim(candidates)
+                self._preempt(victim, swap_out)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    req = None
+                    break
+            if req is None:
+                continue  # the list shifted under idx
+            chunks.append(self._make_chunk(req, n))
+            scheduled.add(req.request_id)
+            budget -= n
+            idx += 1
+
+        # 2. admissions, only when nothing was preempted this step (else we would thrash)
+        if not preempted:
+            while self.swapped and len(self.running) < max_seqs:
+                req = self.swapped[0]
+                moves = self.kv.swap_in(req.request_id, reserve=reserve)
+                if moves is None:
+                    break
+                swap_in.extend(moves)
+                self.swapped.pop(0)
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                if budget > 0:
+                    n = self._chunk_len(req, budget)
+                    if self.kv.allocate(req.request_id, req.num_computed_tokens + n) is not None:
+                        chunks.append(self._make_chunk(req, n))
+                        scheduled.add(req.request_id)
+                        budget -= n
+            admitted: list[Request] = []
+            if not self.swapped:
+                for req in self.policy.order_waiting(list(self.waiting), now):
+                    if budget <= 0 or len(self.running) >= max_seqs:
+                        break
+                    if not self.policy.admit(view, req, admitted):
+                        continue
+                    n = self._chunk_len(req, budget)
+                    if self.kv.allocate(req.request_id, req.num_computed_tokens + n, reserve=reserve) is None:
+                        break
+                    self.waiting.remove(req)
+                    req.status = RequestStatus.RUNNING
+                    if req.first_scheduled_time is None:
+                        req.first_scheduled_time = now
+                    self.running.append(req)
+                    admitted.append(req)
+                    chunks.append(self._make_chunk(req, n))
+                    scheduled.add(req.request_id)
+                    budget -= n
+
+        finished, self._finished_since_plan = tuple(self._finished_since_plan), []
+        self._step_id += 1
+        return StepPlan(step_id=self._step_id, chunks=tuple(chunks), composition=BatchComposition.of(chunks),
+                        swap_out=tuple(swap_out), swap_in=tuple(swap_in), preempted=tuple(preempted),
+                        finished=finished)
+
+    # ------------------------------------------------------------------ results
+    def update(self, plan: StepPlan, result: StepResult, now: float) -> list[RequestUpdate]:
+        updates: list[RequestUpdate] = []
+        for chunk in plan.chunks:
+            req = self.requests.get(chunk.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += chunk.num_tokens
+            if not chunk.sample:
+                continue
+            token = result.sampled[chunk.request_id]
+            req.output_token_ids.append(token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            upd = RequestUpdate(chunk.request_id, [token])
+            lp = result.logprobs.get(chunk.request_id)
+            if lp is not None:
+                upd.new_logprobs.append(lp)
+            stop = req.check_stop()
+            if stop is not None:
+                reason, stop_reason = stop
+                self.finish_request(req.request_id, reason, stop_reason, now=now)
+                upd.finished, upd.finish_reason, upd.stop_reason = True, reason.value, stop_reason
+            updates.append(upd)
+        self.policy.observe(plan, result)
+        return updates

@@ -1,0 +1,282 @@
+"""LLMEngine: one instance of the real shell.
+
+It owns the model, the paged KV tensors, the pure scheduler and block manager, and the output
+side (incremental detokenization, stop strings, n > 1 fan-out). ``step()`` runs one scheduler
+step on the model and returns the outputs that changed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tidal.config import ConfigError, EngineConfig, default_cpu_threads
+from tidal.core.kv_manager import KVCacheManager
+from tidal.core.plan import RequestUpdate, StepResult
+from tidal.core.request import FinishReason, Request, RequestClass
+from tidal.core.sampling import SamplingParams
+from tidal.core.scheduler import RequestRejected, Scheduler
+from tidal.engine.kv_cache import PagedKVCache, kv_block_bytes
+from tidal.engine.loader import LoadedCheckpoint, load_checkpoint
+from tidal.engine.model import LlamaModel
+from tidal.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tidal.engine.runner import ModelRunner
+from tidal.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from tidal.policies import build_policy
+
+log = logging.getLogger("tidal.engine")
+
+DEFAULT_CPU_KV_MEMORY = 512 * 1024**2
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device cuda was requested but no CUDA device is available")
+    return dev
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    if dt is torch.float16 and device.type == "cpu":
+        raise ConfigError("float16 is not supported on CPU; use bfloat16 or float32")
+    return dt
+
+
+@dataclass
+class _Child:
+    index: int
+    request: Request
+    detok: IncrementalDetokenizer
+    text: str = ""  # all text so far (after stop-string truncation)
+    sent: int = 0  # characters already emitted
+    tok_sent: int = 0  # token ids already emitted
+    lp_sent: int = 0  # logprob entries already emitted
+    logprobs: list = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _Group:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: list[_Child]
+    arrival_time: float
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, checkpoint: LoadedCheckpoint | None = None,
+                 tokenizer: Tokenizer | None = None):
+        self.config = config = config or EngineConfig()
+        mc, cc, sc = config.model, config.cache, config.scheduler
+        self.device = resolve_device(mc.device)
+        self.dtype = resolve_dtype(mc.dtype, self.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(mc.num_threads or default_cpu_threads())
+        torch.manual_seed(mc.seed)
+        self.checkpoint = ckpt = checkpoint or load_checkpoint(mc.model)
+        self.arch = arch = ckpt.arch
+        self.tokenizer = tokenizer or Tokenizer.from_checkpoint(ckpt)
+        self.max_model_len = min(mc.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
+        self.model = LlamaModel(arch, self.dtype, self.device, mc.layer_range, max_positions=self.max_model_len)
+        self.model.load_weights(ckpt.weights())
+        layer_ids = self.model.layer_ids
+        block_bytes = kv_block_bytes(arch, cc.block_size, self.dtype, len(layer_ids))
+        num_blocks = self._num_blocks(block_bytes)
+        num_host = cc.swap_space // block_bytes if sc.preemption_mode == "swap" else 0
+        self.kv_cache = PagedKVCache(arch, layer_ids, num_blocks, cc.block_size, self.dtype, self.device, num_host)
+        self.kv_manager = KVCacheManager(num_blocks, cc.block_size, num_host)
+        self.policy = build_policy(sc)
+        self.scheduler = Scheduler(sc, self.kv_manager, self.policy, self.max_model_len)
+        self.runner = ModelRunner(self.model, self.kv_cache, seed=mc.seed)
+        self.eos_token_ids = tuple(arch.eos_token_ids) or (
+            (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
+        self._groups: dict[str, _Group] = {}
+        self._child_parent: dict[str, tuple[str, int]] = {}
+        self.last_result: StepResult | None = None
+        self.num_steps = 0
+        log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
+                 ckpt.path, self.device, self.dtype, num_blocks, cc.block_size, self.max_model_len)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> LLMEngine:
+        return cls(EngineConfig.from_kwargs(**kwargs))
+
+    def _num_blocks(self, block_bytes: int) -> int:
+        cc = self.config.cache
+        if cc.num_blocks_override:
+            return cc.num_blocks_override
+        if cc.kv_cache_memory is not None or self.device.type == "cpu":
+            budget = cc.kv_cache_memory or DEFAULT_CPU_KV_MEMORY
+        else:  # CUDA: a fraction of the device's memory, less what is already used, less activations
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            sc = self.config.scheduler
+            act = sc.max_num_batched_tokens * (4 * self.arch.intermediate_size + 4 * self.arch.vocab_size) * 4
+            budget = int(total * cc.gpu_memory_utilization) - used - act
+        n = budget // block_bytes
+        if n < 1:
+            raise ConfigError(f"the KV cache budget ({budget} bytes) holds no block of {block_bytes} bytes")
+        return int(n)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt: str | list[int] | None = None,
+                    params: SamplingParams | None = None, *, prompt_token_ids: list[int] | None = None,
+                    arrival_time: float | None = None, priority: int = 0,
+                    request_class: str | RequestClass = RequestClass.ONLINE) -> None:
+        params = params or SamplingParams()
+        text = prompt if isinstance(prompt, str) else None
+        if prompt_token_ids is None:
+            if isinstance(prompt, str):
+                prompt_token_ids = self.tokenizer.encode(prompt)
+            elif prompt is not None:
+                prompt_token_ids = list(prompt)
+        if not prompt_token_ids:
+            raise RequestRejected("the prompt is empty", param="prompt")
+        vocab = self.arch.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise RequestRejected(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        if request_id in self._groups:
+            raise RequestRejected(f"request id {request_id!r} is already in use")
+        if params.max_tokens is not None and len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise RequestRejected(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{len(prompt_token_ids)} tokens and max_tokens is {params.max_tokens}", param="max_tokens")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        group = _Group(request_id, text, list(prompt_token_ids), params, [], arrival)
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            child_params = params
+            if params.n > 1:
+                child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + i)
+            req = Request(child_id, list(prompt_token_ids), child_params, arrival_time=arrival,
+                          eos_token_ids=self.eos_token_ids, priority=priority,
+                          request_class=RequestClass(request_class))
+            self.scheduler.add_request(req)  # raises RequestRejected before anything is kept
+            detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
+                                           skip_special_tokens=params.skip_special_tokens)
+            group.children.append(_Child(i, req, detok, logprobs=[] if params.logprobs is not None else None))
+            self._child_parent[child_id] = (request_id, i)
+        self._groups[request_id] = group
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        now = time.monotonic()
+        for rid in request_ids:
+            group = self._groups.pop(rid, None)
+            if group is None:
+                continue
+            for ch in group.children:
+                self.scheduler.finish_request(ch.request.request_id, FinishReason.ABORT, now=now)
+                self._child_parent.pop(ch.request.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule(time.monotonic())
+        result = self.runner.execute(plan)
+        self.last_result = result
+        self.num_steps += 1
+        updates = self.scheduler.update(plan, result, time.monotonic())
+        return self._process(updates)
+
+    def _process(self, updates: list[RequestUpdate]) -> list[RequestOutput]:
+        touched: dict[str, _Group] = {}
+        for upd in updates:
+            parent = self._child_parent.get(upd.request_id)
+            if parent is None:
+                continue
+            group = self._groups[parent[0]]
+            ch = group.children[parent[1]]
+            self._apply(group, ch, upd)
+            touched[group.request_id] = group
+        outs = []
+        for group in touched.values():
+            outs.append(self._output(group))
+            if all(ch.finish_reason is not None for ch in group.children):
+                del self._groups[group.request_id]
+                for ch in group.children:
+                    self._child_parent.pop(ch.request.request_id, None)
+        return outs
+
+    def _apply(self, group: _Group, ch: _Child, upd: RequestUpdate) -> None:
+        sp = group.params
+        new_text = ch.detok.add_tokens(upd.new_token_ids)
+        if ch.logprobs is not None:
+            ch.logprobs.extend(upd.new_logprobs)
+            ch.cumulative_logprob += sum(lp.logprob for lp in upd.new_logprobs)
+        before = len(ch.text)
+        ch.text += new_text
+        if upd.finished:
+            ch.text += ch.detok.flush()
+            ch.finish_reason, ch.stop_reason = upd.finish_reason, upd.stop_reason
+        if sp.stop and ch.stop_reason is None:
+            longest = max(len(s) for s in sp.stop)
+            lo = max(0, before - longest + 1)
+            hits = [(ch.text.find(s, lo), s) for s in sp.stop]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                i, s = min(hits)
+                ch.text = ch.text[: i + len(s)] if sp.include_stop_str_in_output else ch.text[:i]
+                ch.finish_reason, ch.stop_reason = FinishReason.STOP.value, s
+                if not upd.finished:
+                    self.scheduler.finish_request(ch.request.request_id, FinishReason.STOP, s, now=time.monotonic())
+
+    def _output(self, group: _Group) -> RequestOutput:
+        outs = []
+        longest = max((len(s) for s in group.params.stop), default=0)
+        for ch in group.children:
+            visible = len(ch.text)
+            if ch.finish_reason is None and longest > 1:
+                visible = max(ch.sent, visible - (longest - 1))  # hold back a possible stop-string prefix
+            delta = ch.text[ch.sent:visible]
+            ch.sent = visible
+            req = ch.request
+            outs.append(CompletionOutput(
+                index=ch.index, text=ch.text[:visible], token_ids=list(req.output_token_ids),
+                logprobs=list(ch.logprobs) if ch.logprobs is not None else None,
+                cumulative_logprob=ch.cumulative_logprob if ch.logprobs is not None else None,
+                finish_reason=ch.finish_reason, stop_reason=ch.stop_reason, delta_text=delta,
+                delta_token_ids=req.output_token_ids[ch.tok_sent:],
+                delta_logprobs=ch.logprobs[ch.lp_sent:] if ch.logprobs else []))
+            ch.tok_sent = len(req.output_token_ids)
+            ch.lp_sent = len(ch.logprobs) if ch.logprobs else 0
+        first = group.children[0].request
+        metrics = RequestMetrics(group.arrival_time, first.first_scheduled_time, first.first_token_time,
+                                 first.finish_time, sum(c.request.num_preemptions for c in group.children))
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs,
+                             finished=all(ch.finish_reason is not None for ch in group.children), metrics=metrics)
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> dict[str, Any]:
+        kv = self.kv_manager
+        return {
+            "num_requests_running": self.scheduler.num_running,
+            "num_requests_waiting": self.scheduler.num_waiting,
+            "kv_cache_usage_perc": kv.usage,
+            "num_kv_blocks": kv.num_blocks,
+            "num_free_kv_blocks": kv.num_free_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "policy": self.policy.state(),
+        }

@@ -1,0 +1,314 @@
+"""Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2) over a paged KV cache.
+
+The model can be built for a layer range (a pipeline stage: hidden states in and out; the first
+stage embeds, the last one norms and projects) and can drop and restore decoder layers in place.
+Attention reads and writes the paged KV tensors through the per-step :class:`AttentionBatch`,
+which the runner builds; there is no global attention context.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tidal.config import ConfigError, ModelArch
+
+
+# ------------------------------------------------------------------------------------ RoPE
+def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
+    """Inverse frequencies, with the Llama-3 / linear scaling rules when configured."""
+    dim = arch.head_dim
+    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    sc = arch.rope_scaling or {}
+    kind = sc.get("rope_type", sc.get("type", "default"))
+    if kind in ("default", None):
+        return inv.float()
+    if kind == "linear":
+        return (inv / float(sc["factor"])).float()
+    if kind == "llama3":
+        # Llama 3.1 frequency-dependent scaling: long wavelengths divided by `factor`, short ones
+        # kept, a smooth blend between the two thresholds.
+        factor = float(sc["factor"])
+        lo, hi = float(sc.get("low_freq_factor", 1.0)), float(sc.get("high_freq_factor", 4.0))
+        orig = float(sc.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv
+        lo_wl, hi_wl = orig / lo, orig / hi
+        smooth = (orig / wavelen - lo) / (hi - lo)
+        blended = (1 - smooth) * inv / factor + smooth * inv
+        out = torch.where(wavelen > lo_wl, inv / factor, inv)
+        mid = (wavelen <= lo_wl) & (wavelen >= hi_wl)
+        return torch.where(mid, blended, out).float()
+    raise ConfigError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+
+
+class Rotary(nn.Module):
+    def __init__(self, arch: ModelArch, max_positions: int, device: torch.device):
+        super().__init__()
+        inv = rope_inv_freq(arch).to(device)
+        t = torch.arange(max_positions, device=device, dtype=torch.float32)
+        freqs = torch.outer(t, inv)
+        self.register_buffer("cos", freqs.cos(), persistent=False)  # [P, D/2]
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, D]; rotate-half convention (as the HF checkpoints expect)."""
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+# ------------------------------------------------------------------------------------ batch
+@dataclass
+class PrefillSeq:
+    """One prefill chunk inside the flat token batch: tokens ``[offset, offset+n)``."""
+
+    offset: int
+    num_tokens: int
+    start: int  # position of its first token (tokens already cached before it)
+    block_table: torch.Tensor  # [num_blocks] long
+    mask: torch.Tensor | None  # [G*n, ctx] bool for the grouped query layout
+
+
+@dataclass
+class AttentionBatch:
+    """Per-step tensors the attention layers need. Decodes come first in the token order."""
+
+    positions: torch.Tensor  # [T] long
+    slot_mapping: torch.Tensor  # [T] long: block * block_size + offset of each new token
+    num_decodes: int
+    decode_block_tables: torch.Tensor | None  # [D, max_blocks] long
+    decode_mask: torch.Tensor | None  # [D, 1, 1, max_ctx] bool, True = attend
+    prefills: list[PrefillSeq]
+    block_size: int
+
+
+class KVLayer:
+    """The paged K and V tensors of one layer: [num_blocks, block_size, kv_heads, head_dim]."""
+
+    __slots__ = ("k", "v")
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor):
+        self.k, self.v = k, v
+
+
+def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, kv: KVLayer,
+                    batch: AttentionBatch, scale: float) -> torch.Tensor:
+    """Write the new K/V into their slots, then attend over each request's cached context.
+
+    q: [T, H, D]; k_new, v_new: [T, KVH, D]. Returns [T, H, D]. Grouped-query attention is done
+    by folding each group of query heads into the query-length axis of its KV head, so K/V are
+    never repeated.
+    """
+    T, H, D = q.shape
+    KVH = k_new.shape[1]
+    G = H // KVH
+    nb, bs = kv.k.shape[0], kv.k.shape[1]
+    kv.k.view(nb * bs, KVH, D).index_copy_(0, batch.slot_mapping, k_new)
+    kv.v.view(nb * bs, KVH, D).index_copy_(0, batch.slot_mapping, v_new)
+    out = torch.empty_like(q)
+    nd = batch.num_decodes
+    if nd:
+        bt = batch.decode_block_tables
+        ctx = bt.shape[1] * bs
+        k = kv.k[bt].view(nd, ctx, KVH, D).transpose(1, 2)  # [nd, KVH, ctx, D]
+        v = kv.v[bt].view(nd, ctx, KVH, D).transpose(1, 2)
+        qd = q[:nd].view(nd, KVH, G, D)
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=batch.decode_mask, scale=scale)
+        out[:nd] = o.reshape(nd, H, D)
+    for p in batch.prefills:
+        ctx = p.start + p.num_tokens
+        k = kv.k[p.block_table].view(-1, KVH, D)[:ctx].transpose(0, 1)  # [KVH, ctx, D]
+        v = kv.v[p.block_table].view(-1, KVH, D)[:ctx].transpose(0, 1)
+        n = p.num_tokens
+        qp = q[p.offset:p.offset + n].view(n, KVH, G, D).permute(1, 2, 0, 3).reshape(KVH, G * n, D)
+        if p.mask is None:  # no cached prefix: plain causal attention (query i sees keys <= i)
+            qp4 = qp.view(KVH, G, n, D)
+            o = F.scaled_dot_product_attention(qp4, k.unsqueeze(1), v.unsqueeze(1), is_causal=True, scale=scale)
+        else:
+            o = F.scaled_dot_product_attention(qp, k, v, attn_mask=p.mask, scale=scale).view(KVH, G, n, D)
+        out[p.offset:p.offset + n] = o.permute(2, 0, 1, 3).reshape(n, H, D)
+    return out
+
+
+# ------------------------------------------------------------------------------------ layers
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+        self.q_size, self.kv_size = q, kv
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.qkv_proj = nn.Linear(arch.hidden_size, q + 2 * kv, bias=arch.attention_bias)
+        self.o_proj = nn.Linear(q, arch.hidden_size, bias=False)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.scale = arch.head_dim ** -0.5
+
+    def forward(self, h: torch.Tensor, rotary: Rotary, kv: KVLayer, batch: AttentionBatch) -> torch.Tensor:
+        T = h.shape[0]
+        x = self.input_layernorm(h)
+        qkv = self.qkv_proj(x)
+        q = qkv[:, : self.q_size].view(T, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size: self.q_size + self.kv_size].view(T, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
+        q = rotary(q, batch.positions)
+        k = rotary(k, batch.positions)
+        a = paged_attention(q, k, v, kv, batch, self.scale)
+        h = h + self.o_proj(a.view(T, self.q_size))
+        x = self.post_attention_layernorm(h)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return h + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaModel(nn.Module):
+    """A decoder for layers ``[start, end)``; embeds if ``start == 0``, norms/projects if last."""
+
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device,
+                 layer_range: tuple[int, int] | None = None, max_positions: int | None = None):
+        super().__init__()
+        self.arch = arch
+        self.dtype, self.device = dtype, device
+        start, end = layer_range or (0, arch.num_layers)
+        if not 0 <= start < end <= arch.num_layers:
+            raise ConfigError(f"layer range [{start}, {end}) is outside the model's {arch.num_layers} layers")
+        self.start, self.end = start, end
+        self.is_first, self.is_last = start == 0, end == arch.num_layers
+        with torch.device("meta"):  # build without memory; weights are materialised by load_weights
+            self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size) if self.is_first else None
+            self.layers = nn.ModuleDict({str(i): DecoderLayer(arch) for i in range(start, end)})
+            self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if self.is_last else None
+            self.lm_head = (nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+                            if self.is_last and not (arch.tie_word_embeddings and self.is_first) else None)
+        self.rotary = Rotary(arch, max_positions or arch.max_position_embeddings, device)
+        self._tied = arch.tie_word_embeddings
+
+    # ----------------------------------------------------------------- weights
+    def _target(self, name: str) -> tuple[nn.Module, str, slice | None] | None:
+        """Map an HF weight name to (module, param name, rows of a fused matrix) or None."""
+        parts = name.split(".")
+        if name == "model.embed_tokens.weight":
+            if self.embed_tokens is not None:
+                return self.embed_tokens, "weight", None
+            if self.is_last and self._tied and self.lm_head is not None:
+                return self.lm_head, "weight", None
+            return None
+        if name == "model.norm.weight":
+            return (self.norm, "weight", None) if self.norm is not None else None
+        if name == "lm_head.weight":
+            return (self.lm_head, "weight", None) if self.lm_head is not None else None
+        if parts[:2] != ["model", "layers"] or parts[2] not in self.layers:
+            return None
+        layer = self.layers[parts[2]]
+        sub = ".".join(parts[3:])
+        q, kv, inter = layer.q_size, layer.kv_size, self.arch.intermediate_size
+        rows = {
+            "self_attn.q_proj": ("qkv_proj", slice(0, q)),
+            "self_attn.k_proj": ("qkv_proj", slice(q, q + kv)),
+            "self_attn.v_proj": ("qkv_proj", slice(q + kv, q + 2 * kv)),
+            "self_attn.o_proj": ("o_proj", None),
+            "mlp.gate_proj": ("gate_up_proj", slice(0, inter)),
+            "mlp.up_proj": ("gate_up_proj", slice(inter, 2 * inter)),
+            "mlp.down_proj": ("down_proj", None),
+            "input_layernorm": ("input_layernorm", None),
+            "post_attention_layernorm": ("post_attention_layernorm", None),
+        }
+        mod_name, pname = sub.rsplit(".", 1)
+        if mod_name not in rows:
+            return None
+        target, sl = rows[mod_name]
+        return getattr(layer, target), pname, sl
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Materialise parameters from HF-named fp32 tensors (fusing q/k/v and gate/up)."""
+        staged: dict[tuple[int, str], torch.Tensor] = {}
+        for name, tensor in weights:
+            t = self._target(name)
+            if t is None:
+                continue
+            mod, pname, rows = t
+            key = (id(mod), pname)
+            cur = getattr(mod, pname)
+            if key not in staged:
+                staged[key] = torch.empty(cur.shape, dtype=self.dtype, device=self.device)
+                if cur.is_meta:
+                    staged[key].fill_(float("nan"))  # makes a missing part of a fused matrix visible
+                else:
+                    staged[key].copy_(cur)
+            dst = staged[key] if rows is None else staged[key][rows]
+            if dst.shape != tensor.shape:
+                raise ConfigError(f"weight {name}: shape {tuple(tensor.shape)} != expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            setattr(mod, pname, nn.Parameter(staged[key], requires_grad=False))
+        missing = [n for n, p in self.named_parameters() if p.is_meta]
+        if missing:
+            raise ConfigError(f"weights missing from the checkpoint: {', '.join(missing[:5])}")
+        for n, p in self.named_parameters():
+            if torch.isnan(p).any():
+                raise ConfigError(f"weight {n} was only partly loaded")
+
+    # ----------------------------------------------------------------- drop / restore
+    @property
+    def layer_ids(self) -> list[int]:
+        return sorted(int(k) for k in self.layers)
+
+    def drop_layers(self, layer_ids: Iterable[int]) -> int:
+        """Delete the parameters of these layers in place; returns the bytes freed."""
+        freed = 0
+        for i in layer_ids:
+            layer = self.layers[str(i)]
+            freed += sum(p.numel() * p.element_size() for p in layer.parameters())
+            del self.layers[str(i)]
+        return freed
+
+    def restore_layers(self, layer_ids: Iterable[int], weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Rebuild dropped layers and load their weights (from the checkpoint or a peer)."""
+        ids = sorted(set(layer_ids))
+        for i in ids:
+            if not self.start <= i < self.end:
+                raise ConfigError(f"layer {i} is outside this stage [{self.start}, {self.end})")
+            if str(i) in self.layers:
+                raise ConfigError(f"layer {i} is present; nothing to restore")
+            with torch.device("meta"):
+                self.layers[str(i)] = DecoderLayer(self.arch)
+        self.layers = nn.ModuleDict(dict(sorted(self.layers.items(), key=lambda kv: int(kv[0]))))
+        wanted = {f"model.layers.{i}." for i in ids}
+        self.load_weights((n, t) for n, t in weights if any(n.startswith(w) for w in wanted))
+
+    # ----------------------------------------------------------------- forward
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_tokens is None:
+            raise RuntimeError("this stage has no embedding (it is not the first stage)")
+        return self.embed_tokens(input_ids)
+
+    def forward(self, h: torch.Tensor, batch: AttentionBatch, kv_caches: dict[int, KVLayer],
+                layer_ids: Iterable[int] | None = None) -> torch.Tensor:
+        """Run the present layers (or ``layer_ids``) on hidden states ``h`` [T, hidden]."""
+        for i in (self.layer_ids if layer_ids is None else layer_ids):
+            h = self.layers[str(i)](h, self.rotary, kv_caches[i], batch)
+        return h
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        if self.norm is None:
+            raise RuntimeError("this stage has no head (it is not the last stage)")
+        h = self.norm(h)
+        w = self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
+        return F.linear(h, w).float()

@@ -1,0 +1,107 @@
+"""Model runner: executes one StepPlan on the real model and returns a StepResult.
+
+This is the real shell's counterpart of the simulator's cost-model executor. It applies the
+plan's block copies (swap out, swap in), lays the scheduled tokens out as one flat batch
+(decodes first, then prefill chunks), runs the model once, and samples where the plan says so.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tidal.core.plan import ScheduledChunk, StepPlan, StepResult
+from tidal.engine.kv_cache import PagedKVCache
+from tidal.engine.model import AttentionBatch, LlamaModel, PrefillSeq
+from tidal.engine.sampler import Sampler
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_cache: PagedKVCache, seed: int = 0):
+        self.model = model
+        self.kv = kv_cache
+        self.device = kv_cache.device
+        self.block_size = kv_cache.block_size
+        self.sampler = Sampler(seed)
+
+    # ------------------------------------------------------------------ batch layout
+    def _build_batch(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, AttentionBatch]:
+        bs = self.block_size
+        dev = self.device
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decodes = [c for c in chunks if c.is_decode]
+        prefills = [c for c in chunks if not c.is_decode]
+        for c in decodes:
+            p = c.start
+            ids.append(c.token_ids[0])
+            positions.append(p)
+            slots.append(c.block_table[p // bs] * bs + p % bs)
+        pre_seqs: list[PrefillSeq] = []
+        for c in prefills:
+            offset = len(ids)
+            ids.extend(c.token_ids)
+            pos = range(c.start, c.start + c.num_tokens)
+            positions.extend(pos)
+            bt = c.block_table
+            slots.extend(bt[p // bs] * bs + p % bs for p in pos)
+            nblk = -(-c.context_len // bs)
+            table = torch.tensor(bt[:nblk], dtype=torch.long, device=dev)
+            mask = None
+            if c.start > 0:  # a cached prefix: query i sees keys [0, start + i]
+                G = self.model.arch.num_heads // self.model.arch.num_kv_heads
+                q_pos = torch.arange(c.start, c.context_len, device=dev).unsqueeze(1)
+                mask = (torch.arange(c.context_len, device=dev).unsqueeze(0) <= q_pos).repeat(G, 1)
+            pre_seqs.append(PrefillSeq(offset, c.num_tokens, c.start, table, mask))
+        dec_tables = dec_mask = None
+        if decodes:
+            width = max(-(-c.context_len // bs) for c in decodes)
+            rows = [list(c.block_table[:width]) + [0] * (width - min(width, len(c.block_table))) for c in decodes]
+            dec_tables = torch.tensor(rows, dtype=torch.long, device=dev)
+            ctx = torch.tensor([c.context_len for c in decodes], device=dev)
+            dec_mask = (torch.arange(width * bs, device=dev).unsqueeze(0) < ctx.unsqueeze(1)).view(
+                len(decodes), 1, 1, width * bs)
+        batch = AttentionBatch(
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decodes=len(decodes), decode_block_tables=dec_tables, decode_mask=dec_mask,
+            prefills=pre_seqs, block_size=bs)
+        return torch.tensor(ids, dtype=torch.long, device=dev), batch
+
+    # ------------------------------------------------------------------ step
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        t0 = time.perf_counter()
+        self.sampler.forget(plan.finished)
+        self.kv.swap_out(plan.swap_out)
+        self.kv.swap_in(plan.swap_in)
+        result = StepResult(step_id=plan.step_id, composition=plan.composition)
+        if plan.is_empty:
+            result.step_time_s = time.perf_counter() - t0
+            return result
+        ordered = [c for c in plan.chunks if c.is_decode] + [c for c in plan.chunks if not c.is_decode]
+        input_ids, batch = self._build_batch(ordered)
+        h = self.model.embed(input_ids)
+        h = self.model(h, batch, self.kv.layers)
+        # logits only where a token is sampled: the last token of each finishing chunk
+        rows, sampling = [], []
+        offset = 0
+        for c in ordered:
+            offset += c.num_tokens
+            if c.sample:
+                rows.append(offset - 1)
+                sampling.append(c)
+        if sampling:
+            logits = self.model.compute_logits(h[torch.tensor(rows, device=self.device)])
+            tokens, lps = self.sampler.sample(
+                logits, [c.request_id for c in sampling], [c.sampling for c in sampling])
+            for c, tok, lp in zip(sampling, tokens, lps, strict=True):
+                result.sampled[c.request_id] = tok
+                if lp is not None:
+                    result.logprobs[c.request_id] = lp
+        elif self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        result.step_time_s = time.perf_counter() - t0
+        return result
