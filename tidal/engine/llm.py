@@ -25,6 +25,14 @@ class LLM:
         self.engine = LLMEngine.from_kwargs(model=model, **engine_args)
         self._ids = itertools.count()
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """Wrap an already built engine (tests and tools that share one loaded checkpoint)."""
+        self = cls.__new__(cls)
+        self.engine = engine
+        self._ids = itertools.count()
+        return self
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

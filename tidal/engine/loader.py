@@ -340,7 +340,6 @@ def _gguf_rope_scaling(reader: Any, arch_name: str, path: str) -> dict | None:
         "attn_factor": "attention_factor",
         "yarn_beta_fast": "beta_fast",
         "yarn_beta_slow": "beta_slow",
-        "yarn_log_multiplier": "mscale_all_dim",
     }
     for key in reader.fields:
         if not key.startswith(prefix):
@@ -421,8 +420,6 @@ def _load_hf(path: str) -> LoadedCheckpoint:
         raise ModelLoadError(f"cannot read {cfg_path}: {_one_line(e)}") from e
     if not isinstance(cfg, dict):
         raise ModelLoadError(f"{cfg_path} is not a JSON object")
-    if isinstance(cfg.get("text_config"), dict) and "model_type" not in cfg:
-        cfg = cfg["text_config"]
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
@@ -528,11 +525,10 @@ def _hf_tensor_names(files: list[str], tie: bool, path: str) -> dict[str, str]:
         except Exception as e:
             raise ModelLoadError(f"cannot read safetensors file {file}: {_one_line(e)}") from e
         for key in keys:
-            if key in ("model.embed_tokens.weight", "model.norm.weight") or _HF_LAYER_RE.match(key):
-                names[key] = key
-            elif key == "lm_head.weight" and not tie:
-                names[key] = key
             # anything else (rotary_emb.inv_freq buffers, a tied lm_head copy, ...) is not a weight we use
+            wanted = key in ("model.embed_tokens.weight", "model.norm.weight") or bool(_HF_LAYER_RE.match(key))
+            if wanted or (key == "lm_head.weight" and not tie):
+                names[key] = key
     if "model.embed_tokens.weight" not in names:
         raise ModelLoadError(f"no model.embed_tokens.weight in the safetensors files of {path}")
     return names

@@ -24,6 +24,8 @@ class ModelRunner:
         self.device = kv_cache.device
         self.block_size = kv_cache.block_size
         self.sampler = Sampler(seed)
+        self.keep_logits = False  # tests: keep the last step's logits per request
+        self.last_logits: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ batch layout
     def _build_batch(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, AttentionBatch]:
@@ -95,6 +97,8 @@ class ModelRunner:
                 sampling.append(c)
         if sampling:
             logits = self.model.compute_logits(h[torch.tensor(rows, device=self.device)])
+            if self.keep_logits:
+                self.last_logits = {c.request_id: logits[i].cpu() for i, c in enumerate(sampling)}
             tokens, lps = self.sampler.sample(
                 logits, [c.request_id for c in sampling], [c.sampling for c in sampling])
             for c, tok, lp in zip(sampling, tokens, lps, strict=True):

@@ -1,0 +1,59 @@
+"""Shared fixtures: the default checkpoint and tokenizer are loaded once per test session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def smol_ckpt():
+    from tidal.engine.loader import load_checkpoint
+
+    return load_checkpoint(None)
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer(smol_ckpt):
+    from tidal.engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_checkpoint(smol_ckpt)
+
+
+@pytest.fixture(scope="session")
+def make_engine(smol_ckpt, smol_tokenizer):
+    """Build an LLMEngine on the shared SmolLM2 checkpoint with the given engine arguments."""
+    from tidal.config import EngineConfig
+    from tidal.engine.llm_engine import LLMEngine
+
+    def build(ckpt=None, tokenizer=None, **kwargs):
+        kwargs.setdefault("dtype", "float32")
+        ck = ckpt or smol_ckpt
+        return LLMEngine(EngineConfig.from_kwargs(model=ck.path, **kwargs), checkpoint=ck,
+                         tokenizer=tokenizer or (smol_tokenizer if ckpt is None else None))
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def hf_smol(smol_ckpt):
+    """transformers' own model on the same GGUF weights (the reference implementation)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(smol_ckpt.path), gguf_file=os.path.basename(smol_ckpt.path), dtype=torch.float32)
+    return model.eval()
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    import torch
+
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()

@@ -1,0 +1,116 @@
+"""Command line: ``tidal generate | serve | bench``.
+
+Engine flags are the config dataclass fields with dashes (``--max-num-seqs``); errors in
+arguments or in loading a model end with one line naming the problem, not a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from tidal.config import ConfigError, EngineConfig
+
+ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
+    ("--model", dict(default=None, help="path to a .gguf file or a Hugging Face directory (default: SmolLM2-135M-Instruct)")),
+    ("--dtype", dict(default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="weights and KV dtype")),
+    ("--device", dict(default="auto", help="auto | cpu | cuda | cuda:N")),
+    ("--max-model-len", dict(type=int, default=None, help="context length (default: the model's)")),
+    ("--max-num-seqs", dict(type=int, default=None, help="most requests running at once")),
+    ("--max-num-batched-tokens", dict(type=int, default=None, help="token budget of one step (prefill chunk)")),
+    ("--long-prefill-token-threshold", dict(type=int, default=None, help="cap on one request's prefill chunk")),
+    ("--kv-cache-memory", dict(default=None, help="KV pool size on CPU or CUDA, e.g. 512MiB")),
+    ("--gpu-memory-utilization", dict(type=float, default=None, help="fraction of GPU memory for weights+KV")),
+    ("--block-size", dict(type=int, default=None, help="tokens per KV block")),
+    ("--swap-space", dict(default=None, help="host memory for swapped-out KV, e.g. 1GiB")),
+    ("--preemption-mode", dict(default=None, choices=["recompute", "swap"], help="what preemption does")),
+    ("--batching", dict(default=None, help="scheduling policy name(s), joined with +")),
+    ("--max-queued-requests", dict(type=int, default=None, help="bound of the waiting queue (server)")),
+    ("--num-threads", dict(type=int, default=None, help="CPU threads for the model (default: all cores)")),
+    ("--seed", dict(type=int, default=None, help="engine seed for unseeded sampling")),
+]
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    for flag, kw in ENGINE_FLAGS:
+        g.add_argument(flag, **kw)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    names = set(EngineConfig.field_names())
+    out = {}
+    for flag, _ in ENGINE_FLAGS:
+        key = flag[2:].replace("-", "_")
+        val = getattr(args, key, None)
+        if key in names and (val is not None or key == "model"):
+            out[key] = val
+    return out
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from tidal import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.sampling_seed, stop=args.stop or [])
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+    else:
+        out = llm.generate([args.prompt], params)[0]
+    print(out.outputs[0].text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tidal", description="tidal LLM serving engine")
+    p.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ERROR")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="complete one prompt and print the text")
+    g.add_argument("prompt")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    add_engine_flags(g)
+    g.set_defaults(func=_cmd_generate)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    from tidal.bench import offline
+
+    offline.add_parser(bsub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from tidal.core.sampling import SamplingParamsError
+    from tidal.core.scheduler import RequestRejected
+
+    errors: tuple[type[BaseException], ...] = (ConfigError, SamplingParamsError, RequestRejected, FileNotFoundError)
+    try:
+        from tidal.engine.loader import ModelLoadError
+        errors += (ModelLoadError,)
+    except ImportError:  # pragma: no cover - torch missing
+        pass
+    try:
+        return int(args.func(args) or 0)
+    except errors as e:
+        print(f"tidal: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
