@@ -66,6 +66,19 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
+    def add_running(self, req: Request) -> bool:
+        """Admit a request whose first ``num_computed_tokens`` of KV arrive from elsewhere (a
+        migration, a prefill-to-decode hand-off). Its blocks are allocated now; False if no room."""
+        self.add_request(req)
+        if self.kv.allocate(req.request_id, req.num_computed_tokens) is None:
+            self.requests.pop(req.request_id)
+            self.waiting.remove(req)
+            return False
+        self.waiting.remove(req)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return True
+
     def abort_requests(self, request_ids: Iterable[str], now: float = 0.0) -> list[str]:
         done = []
         for rid in request_ids:

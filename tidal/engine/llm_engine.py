@@ -54,6 +54,21 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 @dataclass
+class RequestSnapshot:
+    """A request in flight, as plain data: what export_request gives and import_request takes."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: SamplingParams
+    num_computed_tokens: int
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (K, V) [tokens, kv_heads, head_dim]
+    priority: int = 0
+    request_class: str = "online"
+
+
+@dataclass
 class _Child:
     index: int
     request: Request
@@ -172,6 +187,40 @@ class LLMEngine:
             group.children.append(_Child(i, req, detok, logprobs=[] if params.logprobs is not None else None))
             self._child_parent[child_id] = (request_id, i)
         self._groups[request_id] = group
+
+    # ------------------------------------------------------------------ migration
+    def export_request(self, request_id: str, layers: list[int] | None = None) -> RequestSnapshot:
+        """Everything needed to continue ``request_id`` elsewhere: its tokens, parameters and the
+        KV of its computed tokens as plain CPU tensors (by layer). The request stays here until
+        aborted, so a failed import loses nothing."""
+        group = self._groups[request_id]
+        if len(group.children) != 1:
+            raise ValueError("only n=1 requests can be exported")
+        req = group.children[0].request
+        kv = self.kv_cache.export(self.kv_manager.block_table(req.request_id), layers, 0, req.num_computed_tokens)
+        return RequestSnapshot(request_id, group.prompt, list(req.prompt_token_ids), list(req.output_token_ids),
+                               group.params, req.num_computed_tokens, kv, req.priority, req.request_class.value)
+
+    def import_request(self, snap: RequestSnapshot) -> None:
+        """Continue a request exported by another engine; its cached KV is written into our pool."""
+        if snap.request_id in self._groups:
+            raise RequestRejected(f"request id {snap.request_id!r} is already in use")
+        req = Request(snap.request_id, list(snap.prompt_token_ids), snap.params, arrival_time=time.monotonic(),
+                      eos_token_ids=self.eos_token_ids, priority=snap.priority,
+                      request_class=RequestClass(snap.request_class))
+        req.output_token_ids = list(snap.output_token_ids)
+        req.num_computed_tokens = snap.num_computed_tokens
+        if not self.scheduler.add_running(req):
+            raise RequestRejected("no room in the KV cache for the imported request")
+        self.kv_cache.import_(self.kv_manager.block_table(req.request_id), snap.kv, start=0)
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
+                                       skip_special_tokens=snap.params.skip_special_tokens)
+        child = _Child(0, req, detok, logprobs=[] if snap.params.logprobs is not None else None)
+        if req.output_token_ids:
+            child.text = detok.add_tokens(req.output_token_ids)
+        self._groups[snap.request_id] = _Group(snap.request_id, snap.prompt, list(snap.prompt_token_ids),
+                                               snap.params, [child], req.arrival_time)
+        self._child_parent[snap.request_id] = (snap.request_id, 0)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         if isinstance(request_ids, str):

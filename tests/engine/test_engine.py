@@ -1,0 +1,234 @@
+"""Engine behaviour on the real model: preemption, KV moves, layer drop/restore, sampling, stops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.engine.test_parity import mixed_prompts
+from tidal import LLM, SamplingParams
+from tidal.core.request import FinishReason
+from tidal.core.scheduler import RequestRejected
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+def run_all(engine, prompts, params=GREEDY):
+    return [o.outputs[0].token_ids for o in
+            LLM.from_engine(engine).generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+@pytest.fixture(scope="module")
+def prompts(smol_tokenizer):
+    return mixed_prompts(smol_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def reference(make_engine, prompts):
+    """Greedy outputs with a KV pool large enough for everything."""
+    return run_all(make_engine(max_num_batched_tokens=64), prompts)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_tiny_kv_pool_preempts_and_matches(make_engine, prompts, reference, mode):
+    # 40 blocks of 16 tokens = 640 tokens for 8 requests that need ~1,100 together
+    engine = make_engine(max_num_batched_tokens=64, num_blocks_override=40, preemption_mode=mode,
+                         swap_space="64MiB")
+    outs = run_all(engine, prompts)
+    assert engine.scheduler.num_preemptions > 0, "the pool was not tight enough to preempt"
+    assert outs == reference
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
+    assert engine.kv_manager.host_pool.num_free == engine.kv_manager.host_pool.num_blocks
+    engine.kv_manager.check_invariants()
+
+
+def test_abort_frees_blocks_at_once(make_engine, prompts):
+    engine = make_engine(max_num_batched_tokens=64)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), None, GREEDY, prompt_token_ids=p)
+    for _ in range(6):
+        engine.step()
+    assert engine.kv_manager.num_free_blocks < engine.kv_manager.num_blocks
+    engine.abort_request([str(i) for i in range(len(prompts))])
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
+    assert not engine.has_unfinished_requests()
+    assert engine.step() == []
+
+
+def test_export_import_moves_request_between_engines(make_engine, prompts, reference):
+    """Run a request on engine A for a while, export it, import it into engine B, finish there."""
+    a, b = make_engine(max_num_batched_tokens=64), make_engine(max_num_batched_tokens=64, block_size=8)
+    p = prompts[5]
+    a.add_request("m", None, GREEDY, prompt_token_ids=p)
+    while len(a.scheduler.requests["m"].output_token_ids) < 7:
+        a.step()
+    snap = a.export_request("m")
+    assert snap.num_computed_tokens == len(p) + 6
+    assert set(snap.kv) == set(range(a.arch.num_layers))
+    assert snap.kv[0][0].shape == (len(p) + 6, a.arch.num_kv_heads, a.arch.head_dim)
+    a.abort_request("m")
+    assert a.kv_manager.num_free_blocks == a.kv_manager.num_blocks
+    b.import_request(snap)
+    out = None
+    while b.has_unfinished_requests():
+        for o in b.step():
+            out = o
+    assert out.outputs[0].token_ids == reference[5]
+    assert b.kv_manager.num_free_blocks == b.kv_manager.num_blocks
+
+
+def test_drop_and_restore_layers_round_trip(make_engine, prompts, reference, smol_ckpt):
+    engine = make_engine(max_num_batched_tokens=64)
+    blocks = engine.kv_manager.num_blocks
+    freed = engine.model.drop_layers(range(20, 30))
+    assert freed > 0 and engine.model.layer_ids == list(range(20))
+    kv_freed = engine.kv_cache.drop_layers(range(20, 30))
+    assert kv_freed > 0
+    engine.model.restore_layers(range(20, 30), smol_ckpt.weights())
+    engine.kv_cache.add_layers(range(20, 30))
+    assert engine.model.layer_ids == list(range(30))
+    assert engine.kv_manager.num_blocks == blocks
+    assert run_all(engine, prompts) == reference
+
+
+def test_seeded_sampling_is_reproducible(make_engine, prompts):
+    engine = make_engine()
+    sp = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=16, ignore_eos=True)
+    a = run_all(engine, prompts[:3], sp)
+    b = run_all(engine, prompts[:3], sp)
+    c = run_all(engine, prompts[:3], sp.clone(seed=99))
+    assert a == b
+    assert a != c
+    g = run_all(engine, prompts[:3], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert a != g  # temperature sampling does not collapse to greedy
+
+
+def test_top_k_1_equals_greedy(make_engine, prompts, reference):
+    engine = make_engine()
+    sp = SamplingParams(temperature=1.0, top_k=1, max_tokens=20, ignore_eos=True)
+    assert run_all(engine, prompts[:4], sp) == reference[:4]
+
+
+def test_logprobs_match_log_softmax(make_engine, prompts):
+    engine = make_engine()
+    engine.runner.keep_logits = True
+    engine.add_request("lp", None, SamplingParams(temperature=0, max_tokens=1, logprobs=5), prompt_token_ids=prompts[1])
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    lp = outs[-1].outputs[0].logprobs[0]
+    ref = engine.runner.last_logits["lp"].log_softmax(-1)
+    top = ref.topk(5)
+    assert lp.token_id == int(ref.argmax())
+    assert lp.logprob == pytest.approx(float(ref.max()), abs=1e-5)
+    assert [t for t, _ in lp.top] == top.indices.tolist()
+    assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-5)
+
+
+def test_stop_string_truncates_and_finishes(make_engine, smol_tokenizer):
+    engine = make_engine()
+    llm = LLM.from_engine(engine)
+    base = llm.generate(["1, 2, 3, 4,"], SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]
+    assert "7" in base.text
+    out = llm.generate(["1, 2, 3, 4,"], SamplingParams(temperature=0, max_tokens=20, stop=["7"]))[0].outputs[0]
+    assert out.text == base.text[: base.text.index("7")]
+    assert out.finish_reason == "stop" and out.stop_reason == "7"
+    inc = llm.generate(["1, 2, 3, 4,"], SamplingParams(temperature=0, max_tokens=20, stop=["7"],
+                                                        include_stop_str_in_output=True))[0].outputs[0]
+    assert inc.text == base.text[: base.text.index("7") + 1]
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
+
+
+def test_stop_token_ids_and_length(make_engine):
+    llm = LLM.from_engine(make_engine())
+    base = llm.generate(["1, 2, 3, 4,"], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+    assert base.finish_reason == "length" and len(base.token_ids) == 12
+    stop_tok = base.token_ids[3]
+    out = llm.generate(["1, 2, 3, 4,"], SamplingParams(temperature=0, max_tokens=12,
+                                                        stop_token_ids=[stop_tok]))[0].outputs[0]
+    first = base.token_ids.index(stop_tok)
+    assert out.token_ids == base.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+
+
+def test_eos_stops_unless_ignored(make_engine):
+    llm = LLM.from_engine(make_engine())
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    out = llm.chat(chat, SamplingParams(temperature=0, max_tokens=64))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason is None
+    assert "Paris" in out.text
+    assert out.token_ids[-1] in llm.engine.eos_token_ids
+    forced = llm.chat(chat, SamplingParams(temperature=0, max_tokens=len(out.token_ids) + 5,
+                                           ignore_eos=True))[0].outputs[0]
+    assert len(forced.token_ids) == len(out.token_ids) + 5
+    assert forced.token_ids[: len(out.token_ids)] == out.token_ids
+
+
+def test_streamed_deltas_concatenate_to_text(make_engine):
+    engine = make_engine()
+    engine.add_request("s", "Write three emoji and some accented words like café:",
+                       SamplingParams(temperature=0.8, seed=3, max_tokens=40, stop=["zzz"]))
+    text, toks, last = "", [], None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            text += o.outputs[0].delta_text
+            toks += o.outputs[0].delta_token_ids
+            last = o
+    assert last.finished
+    assert text == last.outputs[0].text
+    assert toks == last.outputs[0].token_ids
+    assert "\ufffd" not in text or "\ufffd" in engine.tokenizer.decode(toks)
+
+
+def test_n_greater_than_one(make_engine):
+    llm = LLM.from_engine(make_engine())
+    out = llm.generate(["Tell me a color:"], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8))[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    assert out.finished
+
+
+def test_rejections(make_engine):
+    engine = make_engine(max_model_len=64)
+    with pytest.raises(RequestRejected):
+        engine.add_request("long", None, SamplingParams(max_tokens=4), prompt_token_ids=[5] * 80)
+    with pytest.raises(RequestRejected):
+        engine.add_request("mt", None, SamplingParams(max_tokens=60), prompt_token_ids=[5] * 10)
+    with pytest.raises(RequestRejected):
+        engine.add_request("empty", "", SamplingParams())
+    with pytest.raises(RequestRejected):
+        engine.add_request("oov", None, SamplingParams(), prompt_token_ids=[10**9])
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
+    # max_tokens=None fills the context and finishes with "length"
+    engine.add_request("fill", None, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+                       prompt_token_ids=[5] * 10)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert len(outs[-1].outputs[0].token_ids) == 54 and outs[-1].outputs[0].finish_reason == FinishReason.LENGTH.value
+
+
+def test_kv_pool_grow_and_shrink_at_run_time(make_engine, prompts, reference):
+    engine = make_engine(num_blocks_override=64, max_num_batched_tokens=64)
+    kvm, kvc = engine.kv_manager, engine.kv_cache
+    for i, p in enumerate(prompts[:4]):
+        engine.add_request(str(i), None, GREEDY, prompt_token_ids=p)
+    for _ in range(5):
+        engine.step()
+    kvm.grow(32)
+    kvc.grow(32)
+    for _ in range(5):
+        engine.step()
+    moves = kvm.shrink(40)
+    assert moves is not None
+    kvc.shrink(40, moves)
+    assert kvm.num_blocks == kvc.num_blocks == 56
+    assert kvc.layers[0].k.shape[0] == 56
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o.outputs[0].token_ids
+    assert [done[str(i)] for i in range(4)] == reference[:4]
+    assert torch.is_tensor(kvc.layers[0].k)
