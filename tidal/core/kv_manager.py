@@ -144,6 +144,8 @@ class KVCacheManager:
     def allocate(self, request_id: str, num_tokens: int, reserve: int = 0) -> KVAllocation | None:
         """Make room for ``num_tokens`` tokens in total; ``None`` if the pool cannot (then the
         caller preempts). ``reserve`` blocks must stay free afterwards (an admission watermark)."""
+        if request_id in self._host_tables:
+            raise ValueError(f"request {request_id} is swapped out; swap it in before allocating")
         need = self.blocks_needed(request_id, num_tokens)
         if need > self.pool.num_free - reserve:
             return None
@@ -173,6 +175,8 @@ class KVCacheManager:
     def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
         """Move the request's blocks to host blocks. Returns (device, host) copies, or None if
         the host pool is too small (then the caller falls back to recompute)."""
+        if request_id in self._host_tables:
+            raise ValueError(f"request {request_id} is already swapped out")
         table = self._tables.get(request_id, [])
         host = self.host_pool.allocate(len(table))
         if host is None:

@@ -45,6 +45,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._finished_since_plan: list[str] = []
+        self._pending_updates: list[RequestUpdate] = []  # finishes decided while scheduling
         self._step_id = 0
 
     # ------------------------------------------------------------------ requests in / out
@@ -160,6 +161,8 @@ class Scheduler:
         view = self.view(now)
         budget = self.policy.token_budget(view)
         max_seqs = self.policy.max_num_seqs(view)
+        # the admission watermark only matters while the pool is shared; an empty pool admits
+        # whatever fits (else a recomputed request larger than num_blocks - reserve would starve)
         reserve = int(self.watermark * self.kv.num_blocks)
         chunks: list[ScheduledChunk] = []
         scheduled: set[str] = set()
@@ -176,6 +179,8 @@ class Scheduler:
                 others_hold = self.kv.num_blocks - self.kv.num_free_blocks - self.kv.num_blocks_of(req.request_id)
                 if others_hold == 0:  # it alone outgrew the whole pool: the pool is its context
                     self.finish_request(req.request_id, FinishReason.LENGTH, now=now)
+                    self._pending_updates.append(RequestUpdate(
+                        req.request_id, [], finished=True, finish_reason=FinishReason.LENGTH.value))
                     req = None
                     break
                 candidates = [r for r in self.running if r.request_id not in scheduled]
@@ -196,7 +201,7 @@ class Scheduler:
         if not preempted:
             while self.swapped and len(self.running) < max_seqs:
                 req = self.swapped[0]
-                moves = self.kv.swap_in(req.request_id, reserve=reserve)
+                moves = self.kv.swap_in(req.request_id, reserve=reserve if self.running else 0)
                 if moves is None:
                     break
                 swap_in.extend(moves)
@@ -217,7 +222,8 @@ class Scheduler:
                     if not self.policy.admit(view, req, admitted):
                         continue
                     n = self._chunk_len(req, budget)
-                    if self.kv.allocate(req.request_id, req.num_computed_tokens + n, reserve=reserve) is None:
+                    held = reserve if self.running else 0
+                    if self.kv.allocate(req.request_id, req.num_computed_tokens + n, reserve=held) is None:
                         break
                     self.waiting.remove(req)
                     req.status = RequestStatus.RUNNING
@@ -237,7 +243,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ results
     def update(self, plan: StepPlan, result: StepResult, now: float) -> list[RequestUpdate]:
-        updates: list[RequestUpdate] = []
+        updates, self._pending_updates = self._pending_updates, []
         for chunk in plan.chunks:
             req = self.requests.get(chunk.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
