@@ -178,6 +178,50 @@ class BenchContext:
         return {"bfloat16": torch.bfloat16, "float32": torch.float32}[self.dtype]
 
 
+class CpuMeter:
+    """CPU time used by *other* processes while a run lasts, in cores (from /proc/stat and our rusage).
+
+    The machine may be shared: a second busy process on a 2-core box can slow a 2-thread run many
+    times over (threads wait at every barrier), so each timed run records how busy the rest was.
+    """
+
+    def __init__(self) -> None:
+        self.t0 = self.busy0 = self.own0 = None
+
+    @staticmethod
+    def _busy_s() -> float | None:
+        try:
+            with open("/proc/stat") as f:
+                parts = f.readline().split()
+        except OSError:
+            return None
+        vals = [int(x) for x in parts[1:]]
+        idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
+        steal = vals[7] if len(vals) > 7 else 0
+        guest = sum(vals[8:10]) if len(vals) > 9 else 0  # already counted in user/nice
+        hz = os.sysconf("SC_CLK_TCK")
+        return (sum(vals) - idle - steal - guest) / hz
+
+    @staticmethod
+    def _own_s() -> float:
+        t = os.times()
+        return t.user + t.system
+
+    def start(self) -> None:
+        self.t0, self.busy0, self.own0 = time.perf_counter(), self._busy_s(), self._own_s()
+
+    def other_cores(self) -> float | None:
+        """Mean number of cores the other processes kept busy since ``start``."""
+        busy = self._busy_s()
+        if busy is None or self.busy0 is None:
+            return None
+        wall = time.perf_counter() - self.t0
+        if wall <= 0:
+            return None
+        other = (busy - self.busy0) - (self._own_s() - self.own0)
+        return max(0.0, other / wall)
+
+
 class SystemRunner:
     name = ""
     notes = ""
@@ -577,6 +621,8 @@ class BenchOptions:
     hf_cb_max_batch_tokens: int = 512
     hf_cb_page_size: int = 64
     measure_peak: bool = True
+    peak_square_n: int = 2048
+    peak_samples: int = 5
     prefill_runs: bool = True
     command: str | None = None
     quiet: bool = False  # no progress lines
@@ -690,7 +736,8 @@ def run_benchmark(opts: BenchOptions) -> BenchResult:
     # ---------------------------------------------------------------- machine peak
     if opts.measure_peak:
         prog.line(f"measuring matmul peak ({opts.dtype})", count=False)
-        report["peak"] = measure_matmul_peak(arch.hidden_size, opts.dtype)
+        report["peak"] = measure_matmul_peak(arch.hidden_size, opts.dtype, square_n=opts.peak_square_n,
+                                             samples=opts.peak_samples)
 
     # ---------------------------------------------------------------- load
     runners: dict[str, SystemRunner] = {}
@@ -733,12 +780,18 @@ def run_benchmark(opts: BenchOptions) -> BenchResult:
                 except Exception as e:  # noqa: BLE001
                     failed[name] = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
                     prog.line(f"workload {w.name}: {name} FAILED in warm-up: {failed[name]}")
-                raw[name] = {"wall": [], "prefill": [], "tokens": [], "dec_toks": [], "dec_secs": [], "steps": []}
+                raw[name] = {"wall": [], "prefill": [], "tokens": [], "dec_toks": [], "dec_secs": [], "steps": [],
+                             "other_cores": []}
+            names = list(runners)
             for rep in range(opts.repeats):
-                for name, runner in runners.items():
+                k = rep % len(names)  # rotate who goes first, so no system always follows the same one
+                for name in names[k:] + names[:k]:
+                    runner = runners[name]
                     if name in failed:
                         continue
                     r = raw[name]
+                    meter = CpuMeter()
+                    meter.start()
                     try:
                         out = runner.generate(w.prompts, w.output_len)
                     except Exception as e:  # noqa: BLE001
@@ -746,6 +799,7 @@ def run_benchmark(opts: BenchOptions) -> BenchResult:
                         prog.line(f"workload {w.name} rep {rep + 1}: {name} FAILED: {failed[name]}")
                         continue
                     r["wall"].append(out.wall_s)
+                    r["other_cores"].append(meter.other_cores())
                     r["tokens"].append(out.num_output_tokens)
                     generated[name] = out.token_ids
                     if out.steps is not None:
@@ -753,8 +807,10 @@ def run_benchmark(opts: BenchOptions) -> BenchResult:
                         r["dec_toks"].append(dt)
                         r["dec_secs"].append(ds)
                         r["steps"].extend(out.steps)
+                    oc = r["other_cores"][-1]
                     prog.line(f"workload {w.name} rep {rep + 1}/{opts.repeats}: {name:8s} "
-                              f"{out.wall_s:8.2f} s  {out.num_output_tokens / out.wall_s:9.1f} out tok/s")
+                              f"{out.wall_s:8.2f} s  {out.num_output_tokens / out.wall_s:9.1f} out tok/s"
+                              + (f"  (other processes: {oc:.2f} cores)" if oc is not None else ""))
                     if opts.prefill_runs:
                         try:
                             pre = runner.generate(w.prompts, 1)
@@ -806,6 +862,9 @@ def _summarize(name: str, w: Workload, r: dict[str, Any], failure: str | None,
         wall_s=wall, wall_s_all=r["wall"], output_tokens=tokens, output_tokens_all=r["tokens"],
         expected_output_tokens=w.expected_output_tokens, output_tok_s=tokens / wall,
     )
+    oc = [x for x in r["other_cores"] if x is not None]
+    row["other_cores_all"] = oc
+    row["other_cores_median"] = _median(oc)
     if failure:
         row["reason"] = f"failed in a later repeat: {failure}"
     decode_tokens = tokens - w.num_requests  # the first token of each request comes out of its prefill
@@ -921,7 +980,7 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"workload {wname}: {w['description']} ({w['prompt_tokens']} prompt tokens, "
                      f"{w['expected_output_tokens']} output tokens)")
         hdr = (f"  {'system':9s}{'wall s':>9s}{'out tok/s':>11s}{'decode tok/s':>14s}{'decode est':>12s}"
-               f"{'prefill s':>11s}{'tokens':>9s}{'=tidal':>9s}  notes")
+               f"{'prefill s':>11s}{'tokens':>9s}{'=tidal':>9s}{'others':>8s}  notes")
         lines.append(hdr)
         for name, row in w["results"].items():
             if row["status"] == "failed":
@@ -937,7 +996,18 @@ def format_report(report: dict[str, Any]) -> str:
                 notes = row["reason"] + "; " + notes
             lines.append(f"  {name:9s}{_fmt(row['wall_s'], '.2f'):>9s}{_fmt(row['output_tok_s']):>11s}"
                          f"{_fmt(row.get('decode_tok_s')):>14s}{_fmt(row.get('decode_tok_s_est')):>12s}"
-                         f"{_fmt(row.get('prefill_s'), '.2f'):>11s}{row['output_tokens']:>9d}{match:>9s}  {notes}")
+                         f"{_fmt(row.get('prefill_s'), '.2f'):>11s}{row['output_tokens']:>9d}{match:>9s}"
+                         f"{_fmt(row.get('other_cores_median'), '.2f'):>8s}  {notes}")
+    lines.append("")
+    lines.append("columns: wall s = median wall time of a run; decode tok/s = tidal: its decode-only steps, peers: "
+                 "= decode est; decode est = (output - 1/request) / (wall - prefill-only wall); =tidal = requests "
+                 "whose greedy tokens equal tidal's; others = cores kept busy by other processes during the runs")
+    busy = [row.get("other_cores_median") or 0.0 for w in report["workloads"].values()
+            for row in w["results"].values()]
+    if busy and max(busy) > 0.25:
+        lines.append(f"WARNING: other processes used up to {max(busy):.2f} of {m['cores']} cores during the runs: "
+                     "the timings are perturbed (with all cores in use, one busy neighbour can slow a run "
+                     "several-fold)")
     lines.append("")
     lines.append("ratios, tidal / peer (output tok/s; decode est in brackets):")
     for wname, w in report["workloads"].items():

@@ -55,10 +55,13 @@ class Rotary(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)  # [P, D/2]
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for these positions, [T, 1, D/2], computed once per step."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, D]; rotate-half convention (as the HF checkpoints expect)."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
@@ -84,7 +87,7 @@ class PrefillSeq:
     num_tokens: int
     start: int  # position of its first token (tokens already cached before it)
     block_table: torch.Tensor  # [num_blocks] long
-    mask: torch.Tensor | None  # [G*n, ctx] bool for the grouped query layout
+    mask: torch.Tensor | None  # [n, ctx] bool (True = attend); None when there is no cached prefix
 
 
 @dataclass
@@ -98,6 +101,7 @@ class AttentionBatch:
     decode_mask: torch.Tensor | None  # [D, 1, 1, max_ctx] bool, True = attend
     prefills: list[PrefillSeq]
     block_size: int
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, sin) of `positions`, set by the model
 
 
 class KVLayer:
@@ -109,13 +113,22 @@ class KVLayer:
         self.k, self.v = k, v
 
 
+def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """Blocks of ``block_table`` ([..., nblk]) as one tensor [..., nblk * block_size, KVH, D].
+
+    index_select on a flat index is several times faster on CPU than advanced indexing."""
+    nb, bs, kvh, d = cache.shape
+    out = cache.index_select(0, block_table.reshape(-1))
+    return out.view(*block_table.shape[:-1], block_table.shape[-1] * bs, kvh, d)
+
+
 def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, kv: KVLayer,
                     batch: AttentionBatch, scale: float) -> torch.Tensor:
     """Write the new K/V into their slots, then attend over each request's cached context.
 
-    q: [T, H, D]; k_new, v_new: [T, KVH, D]. Returns [T, H, D]. Grouped-query attention is done
-    by folding each group of query heads into the query-length axis of its KV head, so K/V are
-    never repeated.
+    q: [T, H, D]; k_new, v_new: [T, KVH, D]. Returns [T, H, D]. For decodes, each group of
+    query heads sharing a KV head is folded into the query-length axis of that head, so K/V are
+    gathered once and never repeated; prefills use SDPA's grouped-query mode.
     """
     T, H, D = q.shape
     KVH = k_new.shape[1]
@@ -123,29 +136,37 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k
     nb, bs = kv.k.shape[0], kv.k.shape[1]
     kv.k.view(nb * bs, KVH, D).index_copy_(0, batch.slot_mapping, k_new)
     kv.v.view(nb * bs, KVH, D).index_copy_(0, batch.slot_mapping, v_new)
-    out = torch.empty_like(q)
     nd = batch.num_decodes
+    if nd and not batch.prefills:
+        return _decode_attention(q, kv, batch, scale)
+    out = torch.empty_like(q)
     if nd:
-        bt = batch.decode_block_tables
-        ctx = bt.shape[1] * bs
-        k = kv.k[bt].view(nd, ctx, KVH, D).transpose(1, 2)  # [nd, KVH, ctx, D]
-        v = kv.v[bt].view(nd, ctx, KVH, D).transpose(1, 2)
-        qd = q[:nd].view(nd, KVH, G, D)
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=batch.decode_mask, scale=scale)
-        out[:nd] = o.reshape(nd, H, D)
+        out[:nd] = _decode_attention(q[:nd], kv, batch, scale)
     for p in batch.prefills:
-        ctx = p.start + p.num_tokens
-        k = kv.k[p.block_table].view(-1, KVH, D)[:ctx].transpose(0, 1)  # [KVH, ctx, D]
-        v = kv.v[p.block_table].view(-1, KVH, D)[:ctx].transpose(0, 1)
         n = p.num_tokens
-        qp = q[p.offset:p.offset + n].view(n, KVH, G, D).permute(1, 2, 0, 3).reshape(KVH, G * n, D)
-        if p.mask is None:  # no cached prefix: plain causal attention (query i sees keys <= i)
-            qp4 = qp.view(KVH, G, n, D)
-            o = F.scaled_dot_product_attention(qp4, k.unsqueeze(1), v.unsqueeze(1), is_causal=True, scale=scale)
+        qp = q[p.offset:p.offset + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if p.mask is None:  # no cached prefix: attend over the chunk's own fresh K/V, causally
+            k = k_new[p.offset:p.offset + n].transpose(0, 1).unsqueeze(0)
+            v = v_new[p.offset:p.offset + n].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale, enable_gqa=G > 1)
         else:
-            o = F.scaled_dot_product_attention(qp, k, v, attn_mask=p.mask, scale=scale).view(KVH, G, n, D)
-        out[p.offset:p.offset + n] = o.permute(2, 0, 1, 3).reshape(n, H, D)
+            ctx = p.start + n
+            k = _gather(kv.k, p.block_table)[:ctx].transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
+            v = _gather(kv.v, p.block_table)[:ctx].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qp, k, v, attn_mask=p.mask, scale=scale, enable_gqa=G > 1)
+        out[p.offset:p.offset + n] = o[0].transpose(0, 1)
     return out
+
+
+def _decode_attention(q: torch.Tensor, kv: KVLayer, batch: AttentionBatch, scale: float) -> torch.Tensor:
+    nd, H, D = q.shape
+    KVH = kv.k.shape[2]
+    bt = batch.decode_block_tables
+    k = _gather(kv.k, bt).transpose(1, 2)  # [nd, KVH, ctx, D]
+    v = _gather(kv.v, bt).transpose(1, 2)
+    qd = q.view(nd, KVH, H // KVH, D)
+    o = F.scaled_dot_product_attention(qd, k, v, attn_mask=batch.decode_mask, scale=scale)
+    return o.reshape(nd, H, D)
 
 
 # ------------------------------------------------------------------------------------ layers
@@ -163,15 +184,16 @@ class DecoderLayer(nn.Module):
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
         self.scale = arch.head_dim ** -0.5
 
-    def forward(self, h: torch.Tensor, rotary: Rotary, kv: KVLayer, batch: AttentionBatch) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, kv: KVLayer, batch: AttentionBatch) -> torch.Tensor:
         T = h.shape[0]
         x = self.input_layernorm(h)
         qkv = self.qkv_proj(x)
         q = qkv[:, : self.q_size].view(T, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size: self.q_size + self.kv_size].view(T, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
-        q = rotary(q, batch.positions)
-        k = rotary(k, batch.positions)
+        cos, sin = batch.rope
+        q = Rotary.apply(q, cos, sin)
+        k = Rotary.apply(k, cos, sin)
         a = paged_attention(q, k, v, kv, batch, self.scale)
         h = h + self.o_proj(a.view(T, self.q_size))
         x = self.post_attention_layernorm(h)
@@ -302,8 +324,9 @@ class LlamaModel(nn.Module):
     def forward(self, h: torch.Tensor, batch: AttentionBatch, kv_caches: dict[int, KVLayer],
                 layer_ids: Iterable[int] | None = None) -> torch.Tensor:
         """Run the present layers (or ``layer_ids``) on hidden states ``h`` [T, hidden]."""
+        batch.rope = self.rotary.tables(batch.positions, h.dtype)
         for i in (self.layer_ids if layer_ids is None else layer_ids):
-            h = self.layers[str(i)](h, self.rotary, kv_caches[i], batch)
+            h = self.layers[str(i)](h, kv_caches[i], batch)
         return h
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:

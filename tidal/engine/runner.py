@@ -53,9 +53,8 @@ class ModelRunner:
             table = torch.tensor(bt[:nblk], dtype=torch.long, device=dev)
             mask = None
             if c.start > 0:  # a cached prefix: query i sees keys [0, start + i]
-                G = self.model.arch.num_heads // self.model.arch.num_kv_heads
                 q_pos = torch.arange(c.start, c.context_len, device=dev).unsqueeze(1)
-                mask = (torch.arange(c.context_len, device=dev).unsqueeze(0) <= q_pos).repeat(G, 1)
+                mask = torch.arange(c.context_len, device=dev).unsqueeze(0) <= q_pos
             pre_seqs.append(PrefillSeq(offset, c.num_tokens, c.start, table, mask))
         dec_tables = dec_mask = None
         if decodes:

@@ -1,0 +1,99 @@
+"""``tidal bench offline``: workloads, FLOP accounting, and a tiny end-to-end run against transformers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tidal.bench import offline as ob
+from tidal.config import ModelArch
+
+
+def test_workloads_are_deterministic_and_shaped():
+    names = ["a", "b", "c"]
+    w1 = ob.make_workloads(names, vocab_size=1000, avoid_ids=[0, 1, 2], seed=3)
+    w2 = ob.make_workloads(names, vocab_size=1000, avoid_ids=[0, 1, 2], seed=3)
+    assert [w.prompts for w in w1] == [w.prompts for w in w2]
+    a, b, c = w1
+    assert a.num_requests == 64 and all(32 <= n <= 512 for n in a.prompt_lens)
+    assert len(set(a.prompt_lens)) > 10  # really spread, not constant
+    assert b.num_requests == 32 and set(b.prompt_lens) == {128}
+    assert c.num_requests == 1 and c.prompt_lens == [128]
+    assert all(w.output_len == 128 for w in w1)
+    assert all(t not in (0, 1, 2) and 0 <= t < 1000 for w in w1 for p in w.prompts for t in p)
+    other = ob.make_workloads(["b"], vocab_size=1000, seed=4)[0]
+    assert other.prompts != b.prompts
+    small = ob.make_workloads(names, vocab_size=1000, num_requests=2, output_len=8)
+    assert [w.num_requests for w in small] == [2, 2, 1]
+    assert all(w.output_len == 8 and w.expected_output_tokens == 8 * w.num_requests for w in small)
+    with pytest.raises(ValueError):
+        ob.make_workloads(["z"], vocab_size=1000)
+
+
+def test_decode_flops():
+    arch = ModelArch("llama", vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2,
+                     num_kv_heads=1, head_dim=4, tie_word_embeddings=True)
+    per_layer = 8 * 8 + 2 * 8 * 4 + 8 * 8 + 3 * 8 * 16
+    assert ob.linear_params(arch) == 2 * per_layer + 100 * 8
+    # batch 3 at context 10 each: matmuls + QK^T and PV over 10 keys per head per layer
+    assert ob.decode_step_flops(arch, 3, 30) == 2 * ob.linear_params(arch) * 3 + 4 * 30 * 2 * 4 * 2
+
+
+def test_ratios_pick_best_peer():
+    rows = {"tidal": {"status": "ok", "output_tok_s": 100.0, "decode_tok_s_est": 50.0},
+            "hf": {"status": "ok", "output_tok_s": 50.0, "decode_tok_s_est": 25.0},
+            "hf-cb": {"status": "ok", "output_tok_s": 80.0, "decode_tok_s_est": None},
+            "llamacpp": {"status": "failed", "reason": "x"}}
+    r = ob._ratios(rows)
+    assert r["output_tok_s"] == {"hf": 2.0, "hf-cb": 1.25}
+    assert r["decode_tok_s_est"] == {"hf": 2.0}
+    assert r["best_peer"] == "hf-cb" and r["tidal_over_best_peer"] == 1.25
+
+
+def test_unknown_system_is_an_error():
+    with pytest.raises(ValueError):
+        ob.resolve_systems(["tidal", "vllm"])
+
+
+@pytest.mark.timeout(300)
+def test_tiny_run_tidal_vs_hf(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "res" / "offline.json"
+    opts = ob.BenchOptions(workloads=["b"], systems=["tidal", "hf"], repeats=1, dtype="float32", num_requests=2,
+                           output_len=8, output=str(out), peak_square_n=256, peak_samples=2, quiet=True)
+    res = ob.run_benchmark(opts)
+
+    rep = json.loads(out.read_text())
+    for key in ("command", "machine", "model", "options", "systems", "workloads", "peak", "peak_fraction", "plot"):
+        assert key in rep, key
+    m = rep["machine"]
+    assert m["cores"] >= 1 and m["dtype"] == "float32" and m["torch"] and m["num_threads"] >= 1
+    assert rep["systems"]["tidal"]["status"] == "ok" and rep["systems"]["hf"]["status"] == "ok"
+    assert set(rep["workloads"]) == {"b"}
+    w = rep["workloads"]["b"]
+    assert w["num_requests"] == 2 and w["output_len"] == 8 and w["expected_output_tokens"] == 16
+    for name in ("tidal", "hf"):
+        row = w["results"][name]
+        assert row["status"] == "ok", row
+        assert row["output_tokens"] == 16 and row["output_tokens_all"] == [16]
+        assert row["wall_s"] > 0 and row["output_tok_s"] > 0
+        assert row["prefill_s"] > 0
+        assert row["decode_tok_s"] is None or row["decode_tok_s"] > 0
+    assert w["results"]["tidal"]["decode_tok_s"] > 0  # from tidal's own decode steps
+    assert w["ratios"]["output_tok_s"]["hf"] > 0 and w["ratios"]["best_peer"] == "hf"
+    assert rep["peak"]["square"]["gflops"] > 0 and rep["peak"]["skinny"]["gflops"] > 0
+    pf = rep["peak_fraction"]
+    assert pf["status"] == "ok" and pf["batch"] == 2 and 0 < pf["fraction_of_square_peak"]
+
+    png = tmp_path / "res" / "offline.png"
+    assert rep["plot"] == str(png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    gen = res.generated["b"]
+    assert [len(t) for t in gen["tidal"]] == [8, 8]
+    assert [len(t) for t in gen["hf"]] == [8, 8]
+    assert gen["tidal"] == gen["hf"]  # greedy, float32: the same tokens
+    assert w["results"]["hf"]["greedy_match_requests"] == 2
+    assert "workload b" in res.text and "tidal/hf" in res.text
