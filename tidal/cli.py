@@ -7,7 +7,9 @@ arguments or in loading a model end with one line naming the problem, not a trac
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
 import sys
 from typing import Any
 
@@ -64,6 +66,44 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from tidal.engine.async_engine import AsyncLLM
+    from tidal.engine.llm_engine import LLMEngine
+    from tidal.server.app import build_app
+
+    engine = LLMEngine.from_kwargs(**engine_kwargs(args))
+    llm = AsyncLLM(engine)
+    app = build_app(llm, args.served_model_name)
+    name = app.state.serving.model_name
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                port = args.port
+                for srv in self.servers:
+                    for sock in srv.sockets:
+                        port = sock.getsockname()[1]
+                print(f"serving {name} on http://{args.host}:{port}", file=sys.stderr, flush=True)
+
+    level = str(args.log_level).lower()
+    if level not in uvicorn.config.LOG_LEVELS:
+        level = "warning"
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=level, access_log=args.access_log,
+                            timeout_graceful_shutdown=5)
+
+    def _on_term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal: make that a clean exit
+    signal.signal(signal.SIGTERM, _on_term)
+    with contextlib.suppress(KeyboardInterrupt):
+        Server(config).run()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tidal", description="tidal LLM serving engine")
     p.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ERROR")
@@ -80,6 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_engine_flags(g)
     g.set_defaults(func=_cmd_generate)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed when ready)")
+    s.add_argument("--served-model-name", default=None, help="model name in the API (default: the checkpoint's)")
+    s.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    add_engine_flags(s)
+    s.set_defaults(func=_cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command", required=True)

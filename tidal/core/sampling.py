@@ -63,6 +63,8 @@ class SamplingParams:
             raise SamplingParamsError("min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise SamplingParamsError("min_tokens", "min_tokens must not exceed max_tokens")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63 - self.n:
+            raise SamplingParamsError("seed", f"seed must fit in a signed 64-bit integer, got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise SamplingParamsError("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -59,6 +59,11 @@ class AsyncLLM:
             self._thread = None
 
     @property
+    def is_running(self) -> bool:
+        """True while the engine thread is alive and has not failed."""
+        return self.dead is None and self._thread is not None and self._thread.is_alive()
+
+    @property
     def stats(self) -> dict[str, Any]:
         return dict(self._stats)
 

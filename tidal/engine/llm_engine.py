@@ -173,15 +173,25 @@ class LLMEngine:
                 f"{len(prompt_token_ids)} tokens and max_tokens is {params.max_tokens}", param="max_tokens")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         group = _Group(request_id, text, list(prompt_token_ids), params, [], arrival)
+        reqs = []
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             child_params = params
             if params.n > 1:
                 child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + i)
-            req = Request(child_id, list(prompt_token_ids), child_params, arrival_time=arrival,
-                          eos_token_ids=self.eos_token_ids, priority=priority,
-                          request_class=RequestClass(request_class))
-            self.scheduler.add_request(req)  # raises RequestRejected before anything is kept
+            reqs.append(Request(child_id, list(prompt_token_ids), child_params, arrival_time=arrival,
+                                eos_token_ids=self.eos_token_ids, priority=priority,
+                                request_class=RequestClass(request_class)))
+        added: list[str] = []
+        try:
+            for req in reqs:
+                self.scheduler.add_request(req)
+                added.append(req.request_id)
+        except RequestRejected:
+            self.scheduler.abort_requests(added)  # all children or none
+            raise
+        for i, req in enumerate(reqs):
+            child_id = req.request_id
             detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
                                            skip_special_tokens=params.skip_special_tokens)
             group.children.append(_Child(i, req, detok, logprobs=[] if params.logprobs is not None else None))

@@ -1,0 +1,134 @@
+"""The FastAPI app: OpenAI-compatible endpoints plus health, tokenizer, metrics and admin routes.
+
+``build_app(async_llm, served_model_name)`` wires an :class:`AsyncLLM` (whose engine loop runs on
+its own thread) into an app whose lifespan starts and stops that loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+
+import tidal
+from tidal.server.errors import APIError, install_handlers
+from tidal.server.metrics import ServerMetrics, batch_size_cap
+from tidal.server.protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest, parse_body
+from tidal.server.serving_chat import OpenAIServingChat
+
+
+def engine_alive(llm: Any) -> bool:
+    return bool(llm.is_running)
+
+
+def _jsonable(x: Any) -> Any:
+    """Plain JSON values (policy state may hold tuples, enums, inf)."""
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple, set)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if x is None or isinstance(x, (bool, int, str)):
+        return x
+    return getattr(x, "value", str(x))
+
+
+def build_app(async_llm: Any, served_model_name: str | None = None) -> FastAPI:
+    engine = async_llm.engine
+    name = served_model_name or engine.arch.name or "tidal-model"
+    metrics = ServerMetrics(async_llm, name)
+    serving = OpenAIServingChat(async_llm, name, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async_llm.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(async_llm.shutdown)
+
+    app = FastAPI(title="tidal", version=tidal.__version__, lifespan=lifespan)
+    app.state.llm = async_llm
+    app.state.serving = serving
+    app.state.metrics = metrics
+    install_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serving.run(request, serving.create_completion(request))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serving.run(request, serving.create_chat_completion(request))
+
+    def model_card() -> ModelCard:
+        return ModelCard(id=name, root=str(engine.checkpoint.path), max_model_len=engine.max_model_len)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse(ModelList(data=[model_card()]).model_dump())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        serving.check_model(model_id)
+        return JSONResponse(model_card().model_dump())
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine_alive(async_llm):
+            return Response(status_code=200)
+        reason = f"the engine loop is not running: {async_llm.dead}" if async_llm.dead else "engine not running"
+        return APIError(reason, 503, code="engine_dead").response()
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": tidal.__version__})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        req: TokenizeRequest = await parse_body(request, TokenizeRequest)
+        serving.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError("send exactly one of prompt or messages", 400, param="prompt")
+        if req.prompt is not None:
+            tokens = serving.encode(req.prompt, "prompt", add_special_tokens=req.add_special_tokens is not False)
+        else:
+            tokens = serving.chat_prompt(req.messages or [], req.add_generation_prompt is not False).token_ids
+        return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        req: DetokenizeRequest = await parse_body(request, DetokenizeRequest)
+        serving.check_model(req.model)
+        bad = next((t for t in req.tokens if not 0 <= t < len(engine.tokenizer)), None)
+        if bad is not None:
+            raise APIError(f"tokens: token id {bad} is out of range [0, {len(engine.tokenizer)})", 400,
+                           param="tokens")
+        return JSONResponse({"prompt": engine.tokenizer.decode(req.tokens)})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        body, ctype = metrics.render()
+        return Response(body, media_type=ctype)
+
+    @app.get("/admin/state")
+    async def admin_state() -> JSONResponse:
+        stats = async_llm.stats
+        policy = stats.pop("policy", None)
+        cfg = engine.config
+        return JSONResponse(_jsonable({
+            "model": name, "alive": engine_alive(async_llm), "max_model_len": engine.max_model_len,
+            "stats": stats, "policy": policy,
+            "batch_size_cap": batch_size_cap({"policy": policy}, cfg.scheduler.max_num_seqs),
+            "scheduler": dataclasses.asdict(cfg.scheduler), "cache": dataclasses.asdict(cfg.cache),
+            "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
+        }))
+
+    return app

@@ -1,0 +1,155 @@
+"""Prometheus metrics, named like vLLM's with a ``tidal:`` prefix, on a registry of the app's own.
+
+Request-level histograms and counters are fed by the handlers (through :class:`RequestTracker`,
+timed with ``time.monotonic()``); the engine gauges are read from ``AsyncLLM.stats`` (a snapshot
+the engine thread refreshes every step and when idle) by a custom collector, so they are fresh at
+every scrape without the scrape touching the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from tidal.engine.outputs import RequestOutput
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0)
+LONG_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                240.0, 480.0, 960.0, 1920.0)
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+def batch_size_cap(stats: dict[str, Any], default: int) -> int:
+    """The current cap on running requests: the policy's (if it adapts one) else the configured one."""
+    policy = stats.get("policy") or {}
+    cap = policy.get("max_num_seqs") if isinstance(policy, dict) else None
+    return int(cap) if isinstance(cap, (int, float)) and not isinstance(cap, bool) else default
+
+
+class _EngineCollector:
+    """Gauges (and the preemption counter) from the engine's latest stats snapshot."""
+
+    def __init__(self, llm: Any, model_name: str):
+        self.llm = llm
+        self.model_name = model_name
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, doc, labels=["model_name"])
+        g.add_metric([self.model_name], float(value))
+        return g
+
+    def collect(self) -> Iterable[Metric]:
+        s = self.llm.stats
+        total = int(s.get("num_kv_blocks", 0))
+        free = int(s.get("num_free_kv_blocks", 0))
+        yield self._gauge("tidal:num_requests_running", "Requests running on the engine.",
+                          s.get("num_requests_running", 0))
+        yield self._gauge("tidal:num_requests_waiting", "Requests waiting (or swapped out).",
+                          s.get("num_requests_waiting", 0))
+        yield self._gauge("tidal:kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).",
+                          s.get("kv_cache_usage_perc", 0.0))
+        yield self._gauge("tidal:num_kv_blocks_used", "KV blocks in use.", total - free)
+        yield self._gauge("tidal:num_kv_blocks_total", "KV blocks in the pool.", total)
+        cap = batch_size_cap(s, self.llm.engine.scheduler.config.max_num_seqs)
+        yield self._gauge("tidal:batch_size_cap", "Current cap on running requests.", cap)
+        pre = CounterMetricFamily("tidal:num_preemptions", "Preemptions since start.", labels=["model_name"])
+        pre.add_metric([self.model_name], float(s.get("num_preemptions", 0)))
+        yield pre
+        policy = s.get("policy")
+        if isinstance(policy, dict):
+            g = GaugeMetricFamily("tidal:policy_state", "Numeric state of the scheduling policy.",
+                                  labels=["model_name", "key"])
+            for key, val in policy.items():
+                if isinstance(val, (int, float)) and not isinstance(val, bool):
+                    g.add_metric([self.model_name, str(key)], float(val))
+            yield g
+
+
+class ServerMetrics:
+    def __init__(self, llm: Any, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        r, lab = self.registry, ["model_name"]
+        self.ttft = Histogram("tidal:time_to_first_token_seconds", "Time to first token (server side).",
+                              lab, buckets=TTFT_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram("tidal:inter_token_latency_seconds", "Time between output tokens.",
+                             lab, buckets=ITL_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("tidal:e2e_request_latency_seconds", "Request latency, arrival to finish.",
+                             lab, buckets=LONG_BUCKETS, registry=r).labels(model_name)
+        self.queue = Histogram("tidal:request_queue_time_seconds", "Time waiting before first scheduled.",
+                               lab, buckets=LONG_BUCKETS, registry=r).labels(model_name)
+        self.prompt_tokens = Counter("tidal:prompt_tokens", "Prompt tokens processed.", lab,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter("tidal:generation_tokens", "Tokens generated.", lab,
+                                         registry=r).labels(model_name)
+        self.success = Counter("tidal:request_success", "Finished requests (choices) by finish reason.",
+                               ["model_name", "finished_reason"], registry=r)
+        for reason in FINISH_REASONS:
+            self.success.labels(model_name, reason)
+        self.rejected = Counter("tidal:request_rejected",
+                                "Requests refused at submission (queue full, rejected prompt, dead engine).",
+                                ["model_name", "status"], registry=r)
+        r.register(_EngineCollector(llm, model_name))
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def tracker(self, start: float) -> RequestTracker:
+        return RequestTracker(self, start)
+
+
+class RequestTracker:
+    """Latency bookkeeping of one engine request, fed with its outputs as they arrive."""
+
+    def __init__(self, metrics: ServerMetrics, start: float):
+        self.m = metrics
+        self.start = start
+        self.last_token: float | None = None
+        self.queued_seen = False
+        self.finished: dict[int, str] = {}
+        self.num_choices = 0
+        self.done = False
+
+    def accepted(self, num_prompt_tokens: int, num_choices: int) -> None:
+        self.m.prompt_tokens.inc(num_prompt_tokens)
+        self.num_choices = num_choices
+
+    def observe(self, out: RequestOutput) -> None:
+        now = time.monotonic()
+        new = sum(len(c.delta_token_ids) for c in out.outputs)
+        if new:
+            if self.last_token is None:
+                self.m.ttft.observe(now - self.start)
+            else:
+                self.m.itl.observe(now - self.last_token)
+            self.last_token = now
+            self.m.generation_tokens.inc(new)
+        mt = out.metrics
+        if not self.queued_seen and mt is not None and mt.first_scheduled_time is not None:
+            self.m.queue.observe(max(0.0, mt.first_scheduled_time - mt.arrival_time))
+            self.queued_seen = True
+        for c in out.outputs:
+            if c.finish_reason is not None and c.index not in self.finished:
+                self.finished[c.index] = c.finish_reason
+                self.m.success.labels(self.m.model_name, c.finish_reason).inc()
+        if out.finished and not self.done:
+            self.done = True
+            self.m.e2e.observe(time.monotonic() - self.start)
+
+    def close(self) -> None:
+        """The stream ended (normally, or because the client went away): count what was cut off."""
+        if self.done:
+            return
+        self.done = True
+        for i in range(self.num_choices):
+            if i not in self.finished:
+                self.m.success.labels(self.m.model_name, "abort").inc()
+        self.m.e2e.observe(time.monotonic() - self.start)
