@@ -1,0 +1,369 @@
+"""``tidal bench serve`` end to end against a stub OpenAI server with known token timing.
+
+The stub (FastAPI + uvicorn on a free loopback port, in a thread) streams ``max_tokens`` tokens:
+the first after ``ttft`` seconds, then one every ``itl`` seconds (or ``per_chunk`` tokens per chunk,
+listed in ``token_ids``), and a final usage chunk. A prompt containing ``SLOW`` waits ``slow_ttft``
+instead; with ``serial_s`` set, the first tokens are produced one request at a time (a FIFO lock
+held ``serial_s``), so latency grows with load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+import uvicorn  # noqa: E402
+from fastapi import FastAPI, Request  # noqa: E402
+from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
+
+from tidal.cli import main as cli_main  # noqa: E402
+
+TOL = 0.015  # seconds of slack for a loaded 2-core machine
+MODEL = "stub-model"
+
+
+class Stub:
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self, ttft: float = 0.2, itl: float = 0.05, per_chunk: int = 1, slow_ttft: float | None = None,
+              serial_s: float | None = None) -> None:
+        self.ttft, self.itl, self.per_chunk = ttft, itl, per_chunk
+        self.slow_ttft, self.serial_s = slow_ttft, serial_s
+        self.lock: asyncio.Lock | None = None
+        self.bodies: list[dict] = []
+
+
+def build_stub(stub: Stub) -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": MODEL, "object": "model"}]}
+
+    async def stream(body: dict, chat: bool):
+        n = int(body["max_tokens"])
+        if chat:
+            text = body["messages"][-1]["content"]
+            prompt_tokens = len(text.split()) + 5
+        else:
+            prompt = body["prompt"]
+            text = prompt if isinstance(prompt, str) else ""
+            prompt_tokens = len(prompt) if isinstance(prompt, list) else len(prompt.split())
+        start = asyncio.get_running_loop().time()
+        wait = stub.slow_ttft if (stub.slow_ttft is not None and "SLOW" in text) else stub.ttft
+        if chat:  # the role chunk carries no token
+            yield "data: " + json.dumps({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}) + "\n\n"
+        loop = asyncio.get_running_loop()
+        if stub.serial_s is not None:
+            if stub.lock is None:
+                stub.lock = asyncio.Lock()
+            async with stub.lock:
+                await asyncio.sleep(stub.serial_s)
+            first = loop.time()
+        else:
+            first = start + wait
+        sent = 0
+        while sent < n:  # token j is due at first + j * itl (absolute times: no drift)
+            k = min(stub.per_chunk, n - sent) if sent else 1
+            await asyncio.sleep(max(0.0, first + (sent + k - 1) * stub.itl - loop.time()))
+            sent += k
+            fin = "length" if sent == n else None
+            if chat:
+                choice = {"index": 0, "delta": {"content": " tok" * k}, "finish_reason": fin}
+            else:
+                choice = {"index": 0, "text": " tok" * k, "finish_reason": fin}
+            if stub.per_chunk > 1:
+                choice["token_ids"] = list(range(k))
+            yield "data: " + json.dumps({"id": "x", "choices": [choice]}) + "\n\n"
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+        yield "data: " + json.dumps({"id": "x", "choices": [], "usage": usage}) + "\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def handle(request: Request, chat: bool):
+        body = await request.json()
+        stub.bodies.append(body)
+        if body.get("model") != MODEL:
+            return JSONResponse({"error": {"message": f"model {body.get('model')!r} not found"}}, status_code=404)
+        return StreamingResponse(stream(body, chat), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await handle(request, True)
+
+    @app.post("/_config")
+    async def configure(request: Request):
+        stub.reset(**(await request.json()))
+        return {"ok": True}
+
+    @app.get("/_bodies")
+    async def bodies():
+        return stub.bodies
+
+    return app
+
+
+def serve_stub() -> None:
+    """Run the stub on a free loopback port (its own process); the first stdout line is the port."""
+    stub = Stub()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    print(sock.getsockname()[1], flush=True)
+    uvicorn.Server(uvicorn.Config(build_stub(stub), log_level="error", access_log=False)).run(sockets=[sock])
+
+
+class StubClient:
+    """The test's handle on the stub process: ``reset`` configures it, ``bodies`` are the requests seen."""
+
+    def __init__(self, url: str):
+        self.url = url
+
+    def reset(self, **kw) -> None:
+        r = httpx.post(f"{self.url}/_config", json=kw, timeout=10, trust_env=False)
+        r.raise_for_status()
+
+    @property
+    def bodies(self) -> list[dict]:
+        return httpx.get(f"{self.url}/_bodies", timeout=10, trust_env=False).json()
+
+
+@pytest.fixture(scope="module")
+def stub_server():
+    # a separate process, so the client's timing never waits on the stub for the GIL
+    proc = subprocess.Popen([sys.executable, __file__], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline())
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{url}/v1/models", timeout=2, trust_env=False).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "stub server did not start"
+            time.sleep(0.05)
+        yield StubClient(url), url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def bench(args: list[str], capsys) -> tuple[int, str, str]:
+    code = cli_main(["bench", "serve", "--no-progress", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ============================================================================ latencies
+@pytest.mark.parametrize("endpoint,per_chunk", [("completions", 1), ("chat", 1), ("completions", 2)])
+def test_latencies_match_the_stub(stub_server, tmp_path: Path, capsys, endpoint: str, per_chunk: int):
+    stub, url = stub_server
+    stub.reset(ttft=0.2, itl=0.05, per_chunk=per_chunk)
+    k = 7 if per_chunk == 2 else 6
+    out = tmp_path / "r.json"
+    code, stdout, err = bench(["--base-url", url, "--workload", f"fixed:16:{k}", "--num-requests", "4",
+                               "--rate", "20", "--tokenizer", "none", "--endpoint", endpoint,
+                               "--output", str(out)], capsys)
+    assert code == 0, err
+    res = json.loads(out.read_text())
+    assert res["completed"] == 4 and res["failed"] == 0
+    assert res["model"] == MODEL  # from GET /v1/models
+    for key in ("duration_s", "request_throughput", "output_throughput", "slo_attainment", "goodput",
+                "config", "machine", "command"):
+        assert key in res
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        assert set(res[key]) >= {"mean", "p50", "p90", "p99"}
+    # the requests really asked for exact lengths
+    body = stub.bodies[-1]
+    assert body["max_tokens"] == k and body["ignore_eos"] is True and body["stream_options"]["include_usage"]
+    e2e = 0.2 + 0.05 * (k - 1)
+    # medians within TOL; every single value within 3 TOL (one scheduling hiccup on a busy machine)
+    for r in res["requests"]:
+        assert r["success"], r
+        assert r["output_tokens"] == k and r["counted_tokens"] == k
+        assert r["prompt_tokens"] == (16 + 5 if endpoint == "chat" else 16)
+        assert len(r["itl_s"]) == k - 1  # a 2-token chunk's gap is split in two
+        assert abs(r["ttft_s"] - 0.2) < 3 * TOL, r["ttft_s"]
+        assert abs(r["e2e_s"] - e2e) < 3 * TOL, r["e2e_s"]
+        assert all(abs(g - 0.05) < 3 * TOL for g in r["itl_s"]), r["itl_s"]
+    assert abs(res["ttft_ms"]["p50"] / 1000 - 0.2) < TOL, res["ttft_ms"]
+    assert abs(res["e2el_ms"]["p50"] / 1000 - e2e) < TOL, res["e2el_ms"]
+    assert abs(res["itl_ms"]["p50"] / 1000 - 0.05) < TOL, res["itl_ms"]
+    assert abs(res["tpot_ms"]["p50"] / 1000 - 0.05) < TOL, res["tpot_ms"]
+    assert res["itl_ms"]["count"] == 4 * (k - 1)
+    assert res["slo_attainment"] == 1.0  # no SLO: attain = succeed
+    for suffix in ("_cdf.png", "_timeline.png"):
+        png = tmp_path / f"r{suffix}"
+        assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
+    assert "Serving Benchmark Result" in stdout and "Mean TTFT (ms)" in stdout
+
+
+def test_slo_attainment_half_the_requests(stub_server, tmp_path: Path, capsys):
+    stub, url = stub_server
+    stub.reset(ttft=0.03, itl=0.01, slow_ttft=0.3)
+    data = [{"instruction": f"{'SLOW' if i % 2 else 'fast'} question number {i}", "input": "",
+             "output": "one two three"} for i in range(8)]
+    ds = tmp_path / "alpaca.json"
+    ds.write_text(json.dumps(data))
+    out = tmp_path / "slo.json"
+    code, stdout, err = bench(["--base-url", url, "--workload", "alpaca-real", "--dataset", str(ds),
+                               "--num-requests", "8", "--rate", "50", "--tokenizer", "none",
+                               "--slo", "ttft=150,tpot=100", "--warmup-requests", "0", "--output", str(out)], capsys)
+    assert code == 0, err
+    res = json.loads(out.read_text())
+    assert res["completed"] == 8
+    assert res["slo"] == {"ttft": 150.0, "tpot": 100.0}
+    assert res["slo_attainment"] == 0.5
+    assert res["slo_attainment_by_metric"] == {"ttft": 0.5, "tpot": 1.0}
+    good = [r for r in res["requests"] if r["ttft_s"] < 0.15]
+    assert len(good) == 4
+    assert res["goodput"]["request_throughput"] == pytest.approx(4 / res["duration_s"])
+    assert res["goodput"]["output_throughput"] == pytest.approx(sum(r["output_tokens"] for r in good)
+                                                                / res["duration_s"])
+    assert "SLO attainment (%):" in stdout
+
+
+def test_capacity_search_finds_the_serial_limit(stub_server, tmp_path: Path, capsys):
+    # first tokens are made one at a time, 50 ms each: near-regular arrivals (burstiness 400) queue up
+    # beyond 20 req/s; request k (from 0) then waits about k * (50 ms - 1/rate). With 12 requests and
+    # TTFT <= 100 ms for 90% (11 of them), the capacity is about 22 req/s.
+    stub, url = stub_server
+    stub.reset(itl=0.005, serial_s=0.05)
+    out = tmp_path / "cap.json"
+    code, stdout, err = bench(["--base-url", url, "--workload", "fixed:8:3", "--num-requests", "12",
+                               "--burstiness", "400", "--tokenizer", "none", "--slo", "ttft=100",
+                               "--capacity-search", "--target-attainment", "0.9", "--search-low", "8",
+                               "--search-high", "48", "--search-tolerance", "0.15", "--warmup-requests", "0",
+                               "--output", str(out)], capsys)
+    assert code == 0, err
+    res = json.loads(out.read_text())
+    cs = res["capacity_search"]
+    assert cs["probes"][0]["rate"] == 8 and cs["probes"][0]["passed"]
+    assert cs["probes"][1]["rate"] == 48 and not cs["probes"][1]["passed"]
+    assert 14 <= cs["capacity_rps"] <= 24, cs
+    assert cs["first_failing_rps"] > cs["capacity_rps"]
+    assert res["rate"] == cs["capacity_rps"] and res["slo_attainment"] >= 0.9
+    assert (tmp_path / "cap_capacity.png").exists()
+    assert "Capacity (req/s):" in stdout
+
+
+def test_duration_bounds_the_run(stub_server, tmp_path: Path, capsys):
+    stub, url = stub_server
+    stub.reset(ttft=0.02, itl=0.01)
+    out = tmp_path / "d.json"
+    t = time.monotonic()
+    code, _, err = bench(["--base-url", url, "--workload", "fixed:8:200", "--duration", "0.5", "--rate", "20",
+                          "--drain-timeout", "0.5", "--tokenizer", "none", "--warmup-requests", "0",
+                          "--output", str(out), "--no-plots"], capsys)
+    assert code == 0, err
+    assert time.monotonic() - t < 5
+    res = json.loads(out.read_text())
+    # requests of 200 tokens take ~2 s: all sent within 0.5 s, cut off after the 0.5 s drain
+    assert res["num_requests"] >= 3
+    assert all(r["arrival_s"] < 0.5 for r in res["requests"])
+    assert res["failed"] == res["num_requests"]
+    assert all("cancelled" in r["error"] for r in res["requests"])
+    assert res["duration_s"] < 1.3
+
+
+def test_trace_replay_against_the_stub(stub_server, tmp_path: Path, capsys):
+    stub, url = stub_server
+    stub.reset(ttft=0.01, itl=0.002)
+    trace = tmp_path / "t.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                     "2023-11-16 18:15:46.0000000,10,3\n2023-11-16 18:15:47.0000000,20,4\n"
+                     "2023-11-16 18:15:49.0000000,30,5\n")
+    out = tmp_path / "t.json"
+    code, _, err = bench(["--base-url", url, "--trace", str(trace), "--time-scale", "10", "--tokenizer", "none",
+                          "--output", str(out), "--no-plots"], capsys)
+    assert code == 0, err
+    res = json.loads(out.read_text())
+    assert [r["arrival_s"] for r in res["requests"]] == pytest.approx([0.0, 0.1, 0.3])
+    assert [r["output_tokens"] for r in res["requests"]] == [3, 4, 5]
+    assert all(abs(r["send_s"] - r["arrival_s"]) < 0.02 for r in res["requests"])
+
+
+# ============================================================================ bad arguments
+def _one_line_error(code: int, err: str) -> str:
+    assert code == 2, err
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def test_missing_trace_file(tmp_path: Path, capsys):
+    code, _, err = bench(["--base-url", "http://127.0.0.1:9", "--trace", str(tmp_path / "nope.csv"),
+                          "--output", str(tmp_path / "x.json")], capsys)
+    assert "not found" in _one_line_error(code, err)
+
+
+def test_malformed_trace_row_names_the_line(tmp_path: Path, capsys):
+    trace = tmp_path / "bad.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n"
+                     "2023-11-16 18:15:50.9951690,396,109\n2023-11-16 18:15:51.0,abc,10\n")
+    code, _, err = bench(["--base-url", "http://127.0.0.1:9", "--trace", str(trace),
+                          "--output", str(tmp_path / "x.json")], capsys)
+    line = _one_line_error(code, err)
+    assert f"{trace}:4:" in line and "ContextTokens" in line
+    mc = tmp_path / "bad.jsonl"
+    mc.write_text('{"timestamp": 0, "input_length": 5, "output_length": 2}\n{"timestamp": 1, "input_len')
+    code, _, err = bench(["--base-url", "http://127.0.0.1:9", "--trace", str(mc),
+                          "--output", str(tmp_path / "x.json")], capsys)
+    assert f"{mc}:2:" in _one_line_error(code, err)
+
+
+def test_unreachable_url(tmp_path: Path, capsys):
+    port = _free_port()
+    t = time.monotonic()
+    code, _, err = bench(["--base-url", f"http://127.0.0.1:{port}", "--workload", "fixed:8:8", "--tokenizer",
+                          "none", "--output", str(tmp_path / "x.json")], capsys)
+    line = _one_line_error(code, err)
+    assert "cannot connect" in line and str(port) in line
+    assert time.monotonic() - t < 10
+    assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.parametrize("slo", ["ttft", "ttft=abc", "latency=5", "ttft=100,ttft=200", "ttft=-1"])
+def test_bad_slo_syntax(tmp_path: Path, capsys, slo: str):
+    code, _, err = bench(["--base-url", "http://127.0.0.1:9", "--workload", "fixed:8:8", "--slo", slo,
+                          "--output", str(tmp_path / "x.json")], capsys)
+    assert "slo" in _one_line_error(code, err).lower()
+
+
+def test_bad_workload_and_wrong_model(stub_server, tmp_path: Path, capsys):
+    code, _, err = bench(["--base-url", "http://127.0.0.1:9", "--workload", "nonsense",
+                          "--output", str(tmp_path / "x.json")], capsys)
+    assert "unknown workload" in _one_line_error(code, err)
+    stub, url = stub_server
+    stub.reset(ttft=0.0, itl=0.0)
+    code, _, err = bench(["--base-url", url, "--model", "other", "--workload", "fixed:8:2", "--tokenizer", "none",
+                          "--output", str(tmp_path / "x.json")], capsys)
+    line = _one_line_error(code, err)
+    assert "HTTP 404" in line and "not found" in line
+
+
+if __name__ == "__main__":
+    serve_stub()

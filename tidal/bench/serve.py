@@ -1,0 +1,485 @@
+"""``tidal bench serve``: TTFT, TPOT, ITL, SLO attainment, goodput and capacity of a live server.
+
+Works against any OpenAI-compatible server (tidal, vLLM, llama.cpp). It builds a workload
+(:mod:`tidal.bench.workloads`), sends it with the streaming client (:mod:`tidal.bench.client`) and
+summarizes the records with the shared metric definitions (:mod:`tidal.bench.metrics`), then writes
+a JSON report (summary, config, machine, command, per-request records) and PNG plots
+(:mod:`tidal.bench.plots`) and prints a summary table.
+
+With ``--capacity-search`` it finds the highest request rate whose SLO attainment is at least
+``--target-attainment``: every probe replays the same requests (same lengths and prompts, same
+arrival pattern rescaled to the probe's average rate), bounded by ``--num-requests`` or
+``--duration``; every probe is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shlex
+import sys
+from dataclasses import replace
+from datetime import datetime, timezone
+from typing import Any
+
+from tidal.bench import metrics as M
+from tidal.bench import workloads as W
+from tidal.bench.client import BenchError, ClientOptions, check_server, normalize_base_url
+from tidal.bench.client import run as run_client
+
+DEFAULT_OUTPUT = os.path.join("results", "serve.json")
+DEFAULT_NUM_REQUESTS = 100
+PROG = "tidal bench serve"
+
+
+# ============================================================================ arguments
+def _rate(text: str) -> float:
+    v = float(text)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return v
+
+
+def _pos_int(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return v
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
+    g.add_argument("--model", default=None, help="model name to request (default: the first of GET /v1/models)")
+    g.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
+                   help="/v1/completions or /v1/chat/completions")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="do not send ignore_eos (outputs may end before max_tokens)")
+    g.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
+    g.add_argument("--request-timeout", type=_rate, default=600.0, help="seconds one request may take")
+
+    g = p.add_argument_group("workload")
+    g.add_argument("--workload", default=None,
+                   help="fixed:IN:OUT | uniform:A-B:C-D | " + " | ".join(W.SHAPES) +
+                        " | alpaca-real | sharegpt-lengths | arxiv-lengths (default with --trace: the trace)")
+    g.add_argument("--trace", default=None, help="timed trace to replay: Azure CSV or Mooncake JSONL")
+    g.add_argument("--time-scale", type=_rate, default=None,
+                   help="trace replay speedup: arrival t becomes t / X (2 = twice as fast)")
+    g.add_argument("--dataset", default=None, help="file for alpaca-real / *-lengths (default: in --traces-dir)")
+    g.add_argument("--traces-dir", default=None, help="folder of the shared traces (default: ../shared/traces)")
+    g.add_argument("--num-requests", type=_pos_int, default=None,
+                   help=f"requests per run or probe (default {DEFAULT_NUM_REQUESTS} unless --duration)")
+    g.add_argument("--duration", type=_rate, default=None,
+                   help="seconds of arrivals per run or probe; requests still running --drain-timeout later "
+                        "are cancelled and count as failed")
+    g.add_argument("--rate", type=_rate, default=None,
+                   help="request rate (req/s; default inf = all at once; with --trace: rescale the trace "
+                        "to this average rate, keeping its pattern)")
+    g.add_argument("--burstiness", type=_rate, default=None,
+                   help="Gamma arrivals shape: 1 = Poisson (default), < 1 burstier")
+    g.add_argument("--max-concurrency", type=_pos_int, default=None, help="most requests in flight")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-input-len", type=_pos_int, default=None, help="clip prompt lengths")
+    g.add_argument("--max-output-len", type=_pos_int, default=None, help="clip output lengths")
+    g.add_argument("--tokenizer", default="default",
+                   help="'default' (tidal's default model), an HF tokenizer dir or .gguf file, or 'none' "
+                        "(approximate text prompts)")
+    g.add_argument("--prompt-format", choices=["auto", "ids", "text"], default="auto",
+                   help="ids: token-id arrays (completions only); text: text of exact token length; "
+                        "auto: ids for completions with a tokenizer, else text")
+    g.add_argument("--drain-timeout", type=float, default=60.0,
+                   help="with --duration: seconds to wait for running requests after the last arrival")
+    g.add_argument("--warmup-requests", type=int, default=1, help="short requests sent before measuring")
+
+    g = p.add_argument_group("SLOs and capacity")
+    g.add_argument("--slo", default=None, help="latency SLOs in ms, e.g. ttft=2000,tpot=200,e2e=30000")
+    g.add_argument("--capacity-search", action="store_true",
+                   help="search the highest rate whose SLO attainment >= --target-attainment")
+    g.add_argument("--target-attainment", type=float, default=0.9)
+    g.add_argument("--search-low", type=_rate, default=0.5, help="lowest rate probed (req/s)")
+    g.add_argument("--search-high", type=_rate, default=32.0, help="highest rate probed (req/s)")
+    g.add_argument("--search-tolerance", type=_rate, default=0.1,
+                   help="stop when the bracket's high/low <= 1 + this")
+    g.add_argument("--max-probes", type=_pos_int, default=8)
+
+    g = p.add_argument_group("output")
+    g.add_argument("--output", default=DEFAULT_OUTPUT, help="JSON result path (PNGs are written beside it)")
+    g.add_argument("--no-plots", action="store_true")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="online serving benchmark: TTFT, TPOT, ITL, SLO attainment, goodput, capacity",
+                       description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+# ============================================================================ helpers
+def machine_info() -> dict[str, Any]:
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count()
+    return {"cores": os.cpu_count(), "usable_cores": usable, "cpu_model": cpu,
+            "python": platform.python_version(), "platform": platform.platform()}
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def _config(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if k != "func" and not callable(v)}
+
+
+class _Tok:
+    """Adapter of a tidal/HF tokenizer to :class:`tidal.bench.workloads.TokenizerLike`."""
+
+    def __init__(self, tok: Any, name: str):
+        self.tok = tok
+        self.name = name
+        hf = getattr(tok, "hf", tok)
+        self.vocab_size = len(hf)
+        self.special_ids = [int(i) for i in getattr(hf, "all_special_ids", [])]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Any) -> str:
+        return self.tok.decode(list(ids))
+
+
+def load_tokenizer(spec: str) -> _Tok | None:
+    if spec == "none":
+        return None
+    try:
+        if spec == "default":
+            from tidal.engine.loader import load_checkpoint
+            from tidal.engine.tokenizer import Tokenizer
+
+            ckpt = load_checkpoint(None)
+            return _Tok(Tokenizer.from_checkpoint(ckpt), ckpt.arch.name)
+        if os.path.isdir(spec):
+            from transformers import AutoTokenizer
+
+            return _Tok(AutoTokenizer.from_pretrained(spec), os.path.basename(spec.rstrip("/")))
+        from tidal.engine.loader import load_checkpoint
+        from tidal.engine.tokenizer import Tokenizer
+
+        return _Tok(Tokenizer.from_checkpoint(load_checkpoint(spec)), os.path.basename(spec))
+    except BenchError:
+        raise
+    except Exception as e:  # model files, transformers: one line, not a traceback
+        raise BenchError(f"cannot load tokenizer {spec!r}: {' '.join(str(e).split())[:300]}") from None
+
+
+def _validate(args: argparse.Namespace) -> tuple[M.SLO, dict[str, Any]]:
+    slo = M.parse_slo(args.slo)
+    extra: dict[str, Any] = {}
+    if args.extra_body:
+        try:
+            extra = json.loads(args.extra_body)
+        except json.JSONDecodeError as e:
+            raise BenchError(f"--extra-body is not JSON: {e.msg}") from None
+        if not isinstance(extra, dict):
+            raise BenchError("--extra-body must be a JSON object")
+    if args.trace is not None and not os.path.isfile(args.trace):
+        raise BenchError(f"trace file not found: {args.trace}")
+    if args.dataset is not None and not os.path.isfile(args.dataset):
+        raise BenchError(f"dataset file not found: {args.dataset}")
+    if args.tokenizer not in ("default", "none") and not os.path.exists(args.tokenizer):
+        raise BenchError(f"tokenizer not found: {args.tokenizer}")
+    if args.capacity_search:
+        if args.rate is not None or args.time_scale is not None:
+            raise BenchError("--capacity-search picks the rates itself; drop --rate/--time-scale "
+                             "(set the range with --search-low/--search-high)")
+        if not 0 < args.target_attainment <= 1:
+            raise BenchError("--target-attainment must be in (0, 1]")
+        if not args.search_low < args.search_high:
+            raise BenchError("--search-low must be below --search-high")
+        if args.max_probes < 2:
+            raise BenchError("--max-probes must be >= 2 (the low and the high bound)")
+    if args.endpoint == "chat" and args.prompt_format == "ids":
+        raise BenchError("--prompt-format ids needs --endpoint completions (chat messages are text)")
+    if args.tokenizer == "none" and args.prompt_format == "ids":
+        raise BenchError("--prompt-format ids needs a tokenizer (--tokenizer default or a path)")
+    if args.warmup_requests < 0:
+        raise BenchError("--warmup-requests must be >= 0")
+    return slo, extra
+
+
+def _workload_options(args: argparse.Namespace, rate: float | None, num: int | None) -> W.WorkloadOptions:
+    return W.WorkloadOptions(
+        workload=args.workload, num_requests=num, duration_s=args.duration if not args.capacity_search else None,
+        rate=rate, burstiness=args.burstiness, seed=args.seed, trace=args.trace, time_scale=args.time_scale,
+        dataset=args.dataset, traces_dir=args.traces_dir or _default_traces_dir(),
+        max_input_len=args.max_input_len, max_output_len=args.max_output_len)
+
+
+def _default_traces_dir() -> str:
+    """``../shared/traces`` of the project root (beside the ``tidal`` package), else of the cwd."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cand = os.path.join(os.path.dirname(root), "shared", "traces")
+    return cand if os.path.isdir(cand) else os.path.join("..", "shared", "traces")
+
+
+def specs_at_rate(base: list[W.RequestSpec], rate: float, duration_s: float | None) -> list[W.RequestSpec]:
+    """The same requests with arrivals rescaled to average ``rate`` (cut at ``duration_s``)."""
+    arr = W.rescale_to_rate([s.arrival_s for s in base], rate)
+    out = [replace(s, arrival_s=float(t)) for s, t in zip(base, arr, strict=True)]
+    if duration_s is not None:
+        out = [s for s in out if s.arrival_s < duration_s]
+    return out
+
+
+# ============================================================================ running
+class _Bar:
+    def __init__(self, total: int, desc: str, enabled: bool):
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=desc, unit="req", file=sys.stderr, dynamic_ncols=True, leave=True)
+
+    def update(self, rec: M.RequestRecord) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _run_once(specs: list[W.RequestSpec], copts: ClientOptions, slo: M.SLO, desc: str, progress: bool
+              ) -> tuple[list[M.RequestRecord], dict[str, Any]]:
+    bar = _Bar(len(specs), desc, progress)
+    try:
+        records, duration = run_client(specs, copts, bar.update)
+    finally:
+        bar.close()
+    return records, M.summarize(records, duration, slo)
+
+
+def _warmup(specs: list[W.RequestSpec], copts: ClientOptions, n: int) -> None:
+    if n <= 0 or not specs:
+        return
+    probe = [replace(specs[i % len(specs)], arrival_s=0.0, output_len=min(specs[i % len(specs)].output_len, 4))
+             for i in range(n)]
+    records, _ = run_client(probe, replace(copts, time_limit_s=None, max_concurrency=None))
+    bad = [r for r in records if not r.success]
+    if bad:
+        raise BenchError(f"test request to {copts.url} failed: {bad[0].error}")
+
+
+def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    slo, extra = _validate(args)
+    base_url = normalize_base_url(args.base_url)
+    num = args.num_requests
+    if num is None and args.duration is None:
+        num = DEFAULT_NUM_REQUESTS
+    # lengths and arrivals first: bad workloads and trace files fail before any traffic
+    wl_rate, wl_n = args.rate, num
+    if args.capacity_search:  # one base workload (at 1 req/s, or the trace's times) rescaled per probe
+        wl_rate = None if args.trace else 1.0
+        if wl_n is None:  # duration-bounded probes: enough arrivals for the highest rate
+            wl_n = int(math.ceil(args.search_high * args.duration * 1.5)) + 16
+    lengths = W.make_requests(_workload_options(args, wl_rate, wl_n))
+    models = check_server(base_url)
+    model = args.model or (models[0] if models else None)
+    if not model:
+        raise BenchError(f"{base_url}/v1/models lists no model; pass --model")
+    tok = load_tokenizer(args.tokenizer)
+    fmt = args.prompt_format
+    if fmt == "auto":
+        fmt = "ids" if tok is not None and args.endpoint == "completions" else "text"
+    if args.workload == "alpaca-real" and tok is not None:  # real output lengths need the tokenizer
+        lengths = W.make_requests(_workload_options(args, wl_rate, wl_n), tok)
+    specs = W.materialize(lengths, tok, fmt, seed=args.seed, special_ids=tok.special_ids if tok else ())
+    copts = ClientOptions(base_url=base_url, model=model, endpoint=args.endpoint, temperature=args.temperature,
+                          ignore_eos=args.ignore_eos, max_concurrency=args.max_concurrency,
+                          request_timeout_s=args.request_timeout,
+                          time_limit_s=args.duration, drain_s=args.drain_timeout, extra_body=extra)
+    _warmup(specs, copts, args.warmup_requests)
+    print(f"{PROG}: {model} at {base_url} ({args.endpoint}), workload "
+          f"{args.workload or 'trace ' + str(args.trace)}, {len(specs)} requests, prompts as {fmt}"
+          f"{' (tokenizer ' + tok.name + ')' if tok else ''}", file=sys.stderr)
+    progress = not args.no_progress
+    search_report = None
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    if args.capacity_search:
+        search = M.CapacitySearch(args.search_low, args.search_high, args.target_attainment,
+                                  args.search_tolerance, args.max_probes)
+        by_rate: dict[float, tuple[list[M.RequestRecord], dict[str, Any], list[W.RequestSpec]]] = {}
+        while (rate := search.next_rate()) is not None:
+            probe_specs = specs_at_rate(specs, rate, args.duration)
+            records, summary = _run_once(probe_specs, copts, slo, f"rate {rate:.3g}/s", progress)
+            search.record(rate, summary["slo_attainment"] or 0.0, summary)
+            by_rate[rate] = (records, summary, probe_specs)
+            print(f"  probe {len(search.probes)}: rate {rate:.4g} req/s -> attainment "
+                  f"{summary['slo_attainment'] or 0:.1%} ({'pass' if search.probes[-1].passed else 'fail'})",
+                  file=sys.stderr)
+        search_report = search.report()
+        shown = search.capacity if search.capacity is not None else search.probes[0].rate
+        records, summary, used = by_rate[shown]
+        summary = dict(summary, rate=shown)
+    else:
+        records, summary = _run_once(specs, copts, slo, "requests", progress)
+        used = specs
+        summary = dict(summary, rate=args.rate if args.rate is not None else (None if args.trace else "inf"))
+    wl = {"name": args.workload or f"trace {os.path.basename(args.trace)}", "trace": args.trace, "prompt_format": fmt,
+          "tokenizer": tok.name if tok else None, **W.length_stats(used)}
+    result: dict[str, Any] = {
+        **summary,
+        "model": model,
+        "base_url": base_url,
+        "endpoint": args.endpoint,
+        "workload": wl,
+        "capacity_search": search_report,
+        "started_at": started,
+        "config": _config(args),
+        "machine": machine_info(),
+        "command": shlex.join(["tidal", "bench", "serve", *_argv_tail()]),
+        "requests": [r.to_dict() for r in records],
+    }
+    return result
+
+
+def _argv_tail() -> list[str]:
+    argv = sys.argv[1:]
+    if "serve" in argv:
+        return argv[argv.index("serve") + 1:]
+    return argv
+
+
+# ============================================================================ reporting
+def _f(x: Any, spec: str = ".2f") -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, str):
+        return x
+    return format(x, spec)
+
+
+def format_summary(r: dict[str, Any]) -> str:
+    w = 50
+    lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=w, c="=")]
+
+    def row(label: str, value: Any, spec: str = ".2f") -> None:
+        lines.append(f"{label:<36}{_f(value, spec):>14}")
+
+    lines.append(f"model: {r['model']}  ({r['base_url']}, {r['endpoint']})")
+    wl = r["workload"]
+    rate = r.get("rate")
+    lines.append(f"workload: {wl['name']}, {wl['num_requests']} requests, prompts as {wl['prompt_format']}, "
+                 f"rate {'trace times' if rate is None else rate}"
+                 + (f" x{r['config']['time_scale']:g}" if rate is None and r["config"].get("time_scale") else ""))
+    row("Successful requests:", r["completed"], "d")
+    row("Failed requests:", r["failed"], "d")
+    row("Benchmark duration (s):", r["duration_s"])
+    row("Total input tokens:", r["total_input_tokens"], "d")
+    row("Total generated tokens:", r["total_output_tokens"], "d")
+    row("Request throughput (req/s):", r["request_throughput"])
+    row("Output token throughput (tok/s):", r["output_throughput"])
+    row("Total token throughput (tok/s):", r["total_token_throughput"])
+    lines.append("{s:{c}^{n}}".format(s=" SLO ", n=w, c="-"))
+    lines.append(f"SLOs: {', '.join(f'{k} <= {v:g} ms' for k, v in r['slo'].items()) or 'none (attain = succeed)'}")
+    att = r["slo_attainment"]
+    row("SLO attainment (%):", None if att is None else 100 * att)
+    for k, v in (r.get("slo_attainment_by_metric") or {}).items():
+        row(f"  meeting {k} (%):", None if v is None else 100 * v)
+    row("Goodput (req/s):", r["goodput"]["request_throughput"])
+    row("Goodput (output tok/s):", r["goodput"]["output_throughput"])
+    for key, title in (("ttft_ms", "Time to First Token"), ("tpot_ms", "Time per Output Token (excl. 1st token)"),
+                       ("itl_ms", "Inter-token Latency"), ("e2el_ms", "End-to-end Latency")):
+        d = r[key]
+        lines.append("{s:{c}^{n}}".format(s=f" {title} ", n=w, c="-"))
+        short = key.split("_")[0].upper()
+        row(f"Mean {short} (ms):", d["mean"])
+        row(f"Median {short} (ms):", d["p50"])
+        row(f"P90 {short} (ms):", d["p90"])
+        row(f"P99 {short} (ms):", d["p99"])
+    cs = r.get("capacity_search")
+    if cs:
+        lines.append("{s:{c}^{n}}".format(s=" Capacity search ", n=w, c="-"))
+        lines.append(f"target attainment {cs['target_attainment']:.0%}; {cs['note']}")
+        for p in cs["probes"]:
+            lines.append(f"  rate {p['rate']:>9.4g} req/s   attainment {100 * p['attainment']:6.1f}%   "
+                         f"{'pass' if p['passed'] else 'fail'}")
+        cap = cs["capacity_rps"]
+        row("Capacity (req/s):", cap, ".3g")
+    if r.get("errors"):
+        lines.append("{s:{c}^{n}}".format(s=" Errors ", n=w, c="-"))
+        for msg, n in r["errors"].items():
+            lines.append(f"  {n} x {msg}")
+    lines.append("=" * w)
+    return "\n".join(lines)
+
+
+def write_result(result: dict[str, Any], path: str, plots: bool) -> list[str]:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    written: list[str] = []
+    if plots:
+        from tidal.bench import plots as P
+
+        try:
+            written = P.write_plots(result, path)
+        except Exception as e:  # a plot must never lose the measurements
+            print(f"{PROG}: warning: plots failed: {e}", file=sys.stderr)
+    result["plots"] = written
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(_jsonable(result), f, indent=1)
+        f.write("\n")
+    return written
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        result = run_benchmark(args)
+        plots = write_result(result, args.output, not args.no_plots)
+    except (BenchError, ValueError) as e:  # WorkloadError, SLOError and bad values of the pure modules
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"{PROG}: error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    print(format_summary(result))
+    print(f"wrote {args.output}" + (f" and {', '.join(plots)}" if plots else ""))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tidal.bench.serve ...`` == ``tidal bench serve ...``."""
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = ["add_arguments", "add_parser", "format_summary", "load_tokenizer", "machine_info", "main", "run",
+           "run_benchmark", "specs_at_rate", "write_result"]
