@@ -35,9 +35,13 @@ def build_policy(config: SchedulerConfig) -> SchedulingPolicy:
     unknown = [n for n in names if n not in _REGISTRY]
     if unknown:
         raise ConfigError(f"batching: unknown policy {unknown[0]!r}; available: {', '.join(available_policies())}")
-    if len(names) > 1:
-        raise ConfigError(f"batching: policy combinations ({config.batching}) are not available yet")
-    return _REGISTRY[names[0]](config)
+    if len(set(names)) != len(names):
+        raise ConfigError(f"batching: {config.batching!r} names a policy twice")
+    if len(names) == 1:
+        return _REGISTRY[names[0]](config)
+    from tidal.policies.compose import CompositePolicy
+
+    return CompositePolicy([_REGISTRY[n](config) for n in names])
 
 
 @register_policy("continuous")
