@@ -30,6 +30,9 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--preemption-mode", dict(default=None, choices=["recompute", "swap"], help="what preemption does")),
     ("--batching", dict(default=None, help="scheduling policy name(s), joined with +")),
     ("--max-queued-requests", dict(type=int, default=None, help="bound of the waiting queue (server)")),
+    ("--tbt-slo-ms", dict(type=float, default=None, help="decode-latency SLO for the SLA/SLO-aware policies")),
+    ("--policy-arg", dict(action="append", default=None, dest="policy_args", metavar="NAME=VALUE",
+                          help="policy parameter, repeatable (e.g. bucket.theta=0.5)")),
     ("--num-threads", dict(type=int, default=None, help="CPU threads for the model (default: all cores)")),
     ("--seed", dict(type=int, default=None, help="engine seed for unseeded sampling")),
 ]
@@ -44,8 +47,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     names = set(EngineConfig.field_names())
     out = {}
-    for flag, _ in ENGINE_FLAGS:
-        key = flag[2:].replace("-", "_")
+    for flag, kw in ENGINE_FLAGS:
+        key = kw.get("dest", flag[2:].replace("-", "_"))
         val = getattr(args, key, None)
         if key in names and (val is not None or key == "model"):
             out[key] = val

@@ -158,6 +158,8 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     batching: str = "continuous"  # policy name(s) from tidal.policies, joined with "+"
     max_queued_requests: int | None = None  # bounded waiting queue (server); None = unbounded
+    tbt_slo_ms: float | None = None  # decode-latency SLO the SLA / SLO-aware policies aim for
+    policy_args: dict[str, Any] = field(default_factory=dict)  # "bucket.theta": 0.5, "sla.alpha": ...
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
@@ -171,6 +173,22 @@ class SchedulerConfig:
                 f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}; got {self.preemption_mode!r}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ConfigError("max_queued_requests must be >= 0")
+        if self.tbt_slo_ms is not None and self.tbt_slo_ms <= 0:
+            raise ConfigError(f"tbt_slo_ms must be > 0, got {self.tbt_slo_ms}")
+        if isinstance(self.policy_args, (list, tuple)):  # ["bucket.theta=0.5", ...] from the CLI
+            self.policy_args = parse_policy_args(self.policy_args)
+
+    def policy_arg(self, key: str, default: Any) -> Any:
+        """A policy parameter (``"sla.alpha"``), converted to the default's type."""
+        if key not in self.policy_args:
+            return default
+        value = self.policy_args[key]
+        try:
+            if isinstance(default, bool):
+                return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes", "on")
+            return type(default)(value) if default is not None else value
+        except (TypeError, ValueError):
+            raise ConfigError(f"policy argument {key}: cannot use {value!r} as {type(default).__name__}") from None
 
 
 @dataclass
@@ -200,6 +218,16 @@ class EngineConfig:
         return [f.name for klass in (ModelConfig, CacheConfig, SchedulerConfig) for f in fields(klass)]
 
 
+def parse_policy_args(items: list[str] | tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = str(item).partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"policy argument {item!r}: expected NAME=VALUE, e.g. sla.d_sla_ms=50")
+        out[key.strip()] = value.strip()
+    return out
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -213,5 +241,5 @@ def default_cpu_threads() -> int:
 
 __all__ = [
     "CacheConfig", "ConfigError", "EngineConfig", "ModelArch", "ModelConfig", "SchedulerConfig",
-    "cdiv", "default_cpu_threads", "env_str", "parse_size",
+    "cdiv", "default_cpu_threads", "env_str", "parse_policy_args", "parse_size",
 ]

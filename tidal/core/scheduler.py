@@ -47,6 +47,7 @@ class Scheduler:
         self._finished_since_plan: list[str] = []
         self._pending_updates: list[RequestUpdate] = []  # finishes decided while scheduling
         self._step_id = 0
+        self.last_caps = {"max_num_seqs": config.max_num_seqs, "token_budget": config.max_num_batched_tokens}
 
     # ------------------------------------------------------------------ requests in / out
     def add_request(self, req: Request) -> None:
@@ -161,6 +162,7 @@ class Scheduler:
         view = self.view(now)
         budget = self.policy.token_budget(view)
         max_seqs = self.policy.max_num_seqs(view)
+        self.last_caps = {"max_num_seqs": max_seqs, "token_budget": budget}
         # the admission watermark only matters while the pool is shared; an empty pool admits
         # whatever fits (else a recomputed request larger than num_blocks - reserve would starve)
         reserve = int(self.watermark * self.kv.num_blocks)

@@ -337,5 +337,7 @@ class LLMEngine:
             "num_kv_blocks": kv.num_blocks,
             "num_free_kv_blocks": kv.num_free_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
+            "batch_size_cap": self.scheduler.last_caps["max_num_seqs"],
+            "token_budget": self.scheduler.last_caps["token_budget"],
             "policy": self.policy.state(),
         }

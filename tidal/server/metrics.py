@@ -28,7 +28,9 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 
 def batch_size_cap(stats: dict[str, Any], default: int) -> int:
-    """The current cap on running requests: the policy's (if it adapts one) else the configured one."""
+    """The current cap on running requests: what the scheduler last used, else the configured one."""
+    if isinstance(stats.get("batch_size_cap"), int):
+        return stats["batch_size_cap"]
     policy = stats.get("policy") or {}
     cap = policy.get("max_num_seqs") if isinstance(policy, dict) else None
     return int(cap) if isinstance(cap, (int, float)) and not isinstance(cap, bool) else default
