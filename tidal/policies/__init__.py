@@ -1,5 +1,10 @@
-"""Pure scheduling policies and their registry (see ``registry.py``)."""
+"""Pure scheduling policies and their registry (see ``registry.py``).
 
+Importing this package registers every policy: ``continuous`` (the baseline), ``static``,
+``bucket`` (BucketServe), ``memory`` and ``sla`` (Pang et al.), ``slo-compose`` (DynaServe).
+"""
+
+from tidal.policies import bucket, memory, sla, slo_compose, static  # noqa: F401  (registers them)
 from tidal.policies.registry import available_policies, build_policy, register_policy
 
 __all__ = ["available_policies", "build_policy", "register_policy"]

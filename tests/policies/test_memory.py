@@ -1,0 +1,155 @@
+"""``memory``: Pang et al. Alg. 1 (Eq. 7-14) worked by hand, and the cap it puts on the real Scheduler."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tidal.config import ConfigError, SchedulerConfig
+from tidal.core.kv_manager import KVCacheManager
+from tidal.core.plan import StepResult
+from tidal.core.policy import SchedulerView
+from tidal.core.request import FinishReason, Request, RequestStatus
+from tidal.core.sampling import SamplingParams
+from tidal.core.scheduler import Scheduler
+from tidal.policies import build_policy
+from tidal.policies.memory import (
+    MemoryPolicy,
+    Welford,
+    clt_batch_size,
+    linear_batch_size,
+    safety_buffer,
+    theta_of,
+)
+
+
+def req(rid: str, prompt_len: int, max_tokens: int | None = 4, outputs: int = 0, computed: int | None = None) -> Request:
+    r = Request(rid, [100 + i % 50 for i in range(prompt_len)], SamplingParams(max_tokens=max_tokens))
+    r.output_token_ids = [7] * outputs
+    r.num_computed_tokens = r.num_tokens - 1 if computed is None else computed
+    return r
+
+
+def view(running=(), waiting=(), total=1000, free=None, block_size=16, max_seqs=256) -> SchedulerView:
+    return SchedulerView(now=0.0, running=tuple(running), waiting=tuple(waiting),
+                         num_free_blocks=total if free is None else free, num_total_blocks=total,
+                         block_size=block_size, max_num_seqs=max_seqs, max_num_batched_tokens=512)
+
+
+def test_theta_is_the_normal_quantile():
+    assert theta_of(0.05) == pytest.approx(1.644854, abs=1e-6)  # Phi^-1(0.95), from the table
+    assert theta_of(0.01) == pytest.approx(2.326348, abs=1e-6)
+    assert theta_of(0.5) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_eq12_and_eq14_by_hand():
+    # mu = 10 blocks, sigma = 4 blocks, eps_M = 0.05 (theta = 1.644854), eta = 1000 blocks
+    theta = 1.644854
+    # Eq. 12: sigma*theta = 6.579416; (6.579416)^2 + 4*10*1000 = 40043.2887; sqrt = 200.108193
+    #         b <= ((200.108193 - 6.579416) / 20)^2 = 9.676439^2 = 93.6335
+    b12 = clt_batch_size(10, 4, 1000, theta)
+    assert b12 == pytest.approx(93.6335, abs=1e-3)
+    # Check against Eq. 11: mu_S + theta*sigma_S = 10*b + 6.579416*sqrt(b) = eta
+    assert 10 * b12 + 4 * theta * math.sqrt(b12) == pytest.approx(1000, abs=1e-6)
+    # L0 = theta*sigma_S at that b = 6.579416 * 9.676439 = 63.6653 blocks
+    l0 = safety_buffer(10, 4, 1000, theta)
+    assert l0 == pytest.approx(63.6653, abs=1e-3)
+    # Eq. 14: floor((1000 - 63.6653) / 10) = floor(93.633) = 93
+    assert linear_batch_size(1000, l0, 10) == 93
+    # no variance: no buffer, b = eta / mu
+    assert safety_buffer(10, 0, 1000, theta) == 0.0
+    assert linear_batch_size(1000, 0.0, 10) == 100
+    # a memory too small for one mean request gives 0 (the policy clamps it)
+    assert linear_batch_size(5, 0.0, 10) == 0
+
+
+def test_welford_matches_the_textbook_formulas():
+    xs = [6, 10, 14, 3, 25, 9]
+    w = Welford()
+    for x in xs:
+        w.add(x)
+    mean = sum(xs) / len(xs)
+    var = sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)
+    assert w.mean == pytest.approx(mean) and w.variance == pytest.approx(var)
+    a, b = Welford(), Welford()
+    for x in xs[:2]:
+        a.add(x)
+    for x in xs[2:]:
+        b.add(x)
+    m = a.merged(b)
+    assert (m.n, m.mean, m.variance) == (6, pytest.approx(mean), pytest.approx(var))
+
+
+def test_policy_computes_alg1_from_observed_lengths_and_clamps():
+    cfg = SchedulerConfig(max_num_seqs=256, policy_args={"memory.min_samples": 3, "memory.eps_m": 0.05})
+    pol = MemoryPolicy(cfg)
+    # three finished requests of 6, 10 and 14 blocks (block_size 16): mu = 10, sigma = 4 (sample std)
+    fin = [req("f1", 80, outputs=16), req("f2", 150, outputs=10), req("f3", 200, outputs=24)]
+    assert [math.ceil(r.num_tokens / 16) for r in fin] == [6, 10, 14]
+    pol.max_num_seqs(view(waiting=fin))  # the policy sees them while they are queued...
+    for r in fin:  # ... and they finish
+        r.status, r.finish_reason = RequestStatus.FINISHED, FinishReason.STOP
+    pol.observe(None, StepResult(0))
+    assert (pol.stats.n, pol.stats.mean, pol.stats.std) == (3, pytest.approx(10), pytest.approx(4))
+    # prefill work waiting, a few decodes running: b_t = 93 (worked by hand above)
+    decodes = [req(f"d{i}", 10, outputs=1) for i in range(5)]
+    assert pol.max_num_seqs(view(running=decodes, waiting=[req("w", 10, computed=0)])) == 93
+    st = pol.state()
+    assert st["b_mem"] == 93 and st["estimate"] == "observed"
+    assert st["l0_blocks"] == pytest.approx(63.6653, abs=1e-3) and st["b_eq12"] == pytest.approx(93.6335, abs=1e-3)
+    # line 6: never below the running decodes ...
+    many = [req(f"m{i}", 10, outputs=1) for i in range(120)]
+    assert pol.max_num_seqs(view(running=many, waiting=[req("w", 10, computed=0)])) == 120
+    # ... nor above B_max
+    small = MemoryPolicy(SchedulerConfig(max_num_seqs=50, policy_args={"memory.min_samples": 3}))
+    small.stats = pol.stats
+    assert small.max_num_seqs(view(running=decodes, waiting=[req("w", 10, computed=0)])) == 50
+    # line 4: no prefill work -> b_t = b_{t-1}
+    b = pol.max_num_seqs(view(running=decodes, waiting=[req("w", 10, computed=0)]))
+    assert pol.max_num_seqs(view(running=decodes, total=10)) == b
+    # a fixed L0 (memory.l0, blocks) replaces the CLT buffer: floor((1000 - 100) / 10) = 90
+    fixed = MemoryPolicy(SchedulerConfig(max_num_seqs=256, policy_args={"memory.min_samples": 3, "memory.l0": 100}))
+    fixed.stats = pol.stats
+    assert fixed.max_num_seqs(view(waiting=[req("w", 10, computed=0)])) == 90
+
+
+def test_before_enough_samples_the_pending_requests_expected_lengths_are_used():
+    pol = MemoryPolicy(SchedulerConfig(max_num_seqs=256))
+    # expected footprints: (100 + 60) / 16 -> 10 blocks each; no variance -> b = 1000 / 10
+    waiting = [req(f"w{i}", 100, max_tokens=60, computed=0) for i in range(4)]
+    assert pol.max_num_seqs(view(waiting=waiting)) == 100
+    assert pol.state()["estimate"] == "expected"
+    # aborted requests do not count as samples
+    r = waiting[0]
+    r.status, r.finish_reason = RequestStatus.FINISHED, FinishReason.ABORT
+    pol.observe(None, StepResult(0))
+    assert pol.stats.n == 0
+
+
+def test_bad_parameters_are_rejected():
+    with pytest.raises(ConfigError, match="eps_m"):
+        MemoryPolicy(SchedulerConfig(policy_args={"memory.eps_m": 1.5}))
+
+
+def test_memory_cap_binds_on_the_real_scheduler():
+    # 100 requests of 40 + 60 tokens = 7 blocks each (block 16); a 200-block pool fits 28 of them
+    cfg = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=256, batching="memory")
+    sched = Scheduler(cfg, KVCacheManager(200, 16), policy=build_policy(cfg), watermark=0.0)
+    for i in range(100):
+        sched.add_request(Request(f"r{i}", [100 + i % 50] * 40, SamplingParams(max_tokens=60)))
+    binding = 0
+    for step in range(3000):
+        if not sched.has_unfinished():
+            break
+        before = sched.num_running
+        plan = sched.schedule(step * 0.01)
+        cap = sched.last_caps["max_num_seqs"]
+        assert sched.num_running <= cap or sched.num_running <= before
+        binding += sched.num_running == cap < cfg.max_num_seqs and bool(sched.waiting)
+        sched.update(plan, StepResult(plan.step_id, sampled={c.request_id: 7 for c in plan.chunks if c.sample},
+                                      step_time_s=0.01, composition=plan.composition), step * 0.01)
+    assert not sched.has_unfinished()
+    assert binding > 0
+    assert sched.policy.state()["b_mem"] == 28  # floor(200 / 7), sigma = 0
+    assert sched.num_preemptions == 0

@@ -1,0 +1,174 @@
+"""``slo-compose``: DynaServe Alg. 2's budget from a profile table, the table's refinement, and the
+real Scheduler keeping each step's prefill within the budget M."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from tidal.config import ConfigError, SchedulerConfig
+from tidal.core.kv_manager import KVCacheManager
+from tidal.core.plan import StepResult
+from tidal.core.policy import SchedulerView
+from tidal.core.request import Request
+from tidal.core.sampling import SamplingParams
+from tidal.core.scheduler import Scheduler
+from tidal.policies import build_policy
+from tidal.policies.profile_table import ProfileTable
+from tidal.policies.slo_compose import SLOComposePolicy
+
+
+def hand_table() -> ProfileTable:
+    # prefill-only batches (d = 0, ctx = 0): 10 ms at p = 0, 30 ms at p = 100, 90 ms at p = 200
+    return ProfileTable.load([
+        {"prefill_tokens": 0, "mean_context": 0, "decode_count": 0, "time_s": 0.010},
+        {"prefill_tokens": 100, "mean_context": 0, "decode_count": 0, "time_s": 0.030},
+        {"prefill_tokens": 200, "mean_context": 0, "decode_count": 0, "time_s": 0.090},
+    ])
+
+
+def test_prediction_by_hand():
+    t = hand_table()
+    assert len(t) == 3  # cells p // 64 = 0, 1, 3
+    # least squares through (0, 10), (100, 30), (200, 90) ms: slope = 8 / 20000 * 1000 = 0.4 ms/token,
+    # intercept = 43.33 - 40 = 3.33 ms (the d and ctx columns are all zero and stay 0)
+    w, b0 = 0.0004, 0.010 / 3
+    # a seen cell: its mean, moved along the slope from its centroid
+    assert t.predict(200, 0, 0) == pytest.approx(0.090, abs=1e-6)
+    assert t.predict(220, 0, 0) == pytest.approx(0.090 + 20 * w, abs=1e-6)
+    assert t.predict(50, 0, 0) == pytest.approx(0.010 + 50 * w, abs=1e-6)
+    # an unseen cell (p // 64 == 2): the regression
+    assert t.predict(150, 0, 0) == pytest.approx(b0 + 150 * w, abs=1e-6)
+
+
+def test_max_prefill_allowed_by_hand():
+    t = hand_table()
+    # target 60 ms: cells 0 and 1 peak at 35.2 and 40.8 ms; cell 2 (regression) crosses 60 ms at
+    # p = (60 - 3.333) / 0.4 = 141.67 -> 141; cell 3 starts at 86.8 ms
+    assert t.max_prefill(0.060, 0, 0, limit=255) == 141
+    assert t.max_prefill(0.030, 0, 0, limit=255) == 50  # cell 0: 10 + 0.4 p <= 30
+    assert t.max_prefill(0.005, 0, 0, limit=255) == 0  # even p = 0 misses it
+    assert t.max_prefill(1.0, 0, 0, limit=255) == 255
+    assert ProfileTable().max_prefill(0.05, 0, 0, limit=300) == 300  # an empty table allows everything
+
+    # the policy: all decodes first (none here), then M = 141, as the token budget
+    cfg = SchedulerConfig(max_num_batched_tokens=255, tbt_slo_ms=60, batching="slo-compose")
+    pol = SLOComposePolicy(cfg, table=t)
+    v = SchedulerView(now=0.0, running=(), waiting=(), num_free_blocks=10, num_total_blocks=10, block_size=16,
+                      max_num_seqs=64, max_num_batched_tokens=255)
+    assert pol.token_budget(v) == 141 and pol.M == 141
+    assert pol.state()["budget_predicted_ms"] == pytest.approx(0.010 / 3 * 1e3 + 141 * 0.4, abs=1e-3)
+    # a target nothing meets: M falls to the floor of one block
+    tight = SLOComposePolicy(SchedulerConfig(max_num_batched_tokens=255, tbt_slo_ms=5), table=t)
+    assert tight.token_budget(v) == 16
+
+
+def test_budget_adds_the_decodes_and_respects_the_configured_budget():
+    # 20 decodes at context 100: t = 5 ms + 0.5 ms * d + 0.05 ms * p (a table learned from that model)
+    t = ProfileTable()
+    rng = random.Random(0)
+    for _ in range(200):
+        p, d, ctx = rng.randrange(0, 512), rng.randrange(0, 64), rng.randrange(10, 1000)
+        t.record(p, ctx, d, 0.005 + 0.0005 * d + 0.00005 * p)
+    running = tuple(Request(f"r{i}", [1] * 99, SamplingParams(max_tokens=8), output_token_ids=[7],
+                            num_computed_tokens=99) for i in range(20))
+    v = SchedulerView(now=0.0, running=running, waiting=(), num_free_blocks=10, num_total_blocks=100,
+                      block_size=16, max_num_seqs=64, max_num_batched_tokens=1024)
+    pol = SLOComposePolicy(SchedulerConfig(max_num_batched_tokens=1024, tbt_slo_ms=40), table=t)
+    # M = (40 - 5 - 10) / 0.05 = 500 tokens, on top of the 20 decodes
+    assert pol.token_budget(v) == 20 + pol.M
+    assert abs(pol.M - 500) <= 1
+    assert pol.state()["decode_count"] == 20 and pol.state()["decode_context"] == 100
+    small = SLOComposePolicy(SchedulerConfig(max_num_batched_tokens=256, tbt_slo_ms=40), table=t)
+    assert small.token_budget(v) == 256 and small.M == 236  # capped by the configured budget
+
+
+def test_table_refines_toward_measured_times():
+    t = ProfileTable()
+    # learned elsewhere: 1 ms per decode
+    for d in (4, 8, 16, 32):
+        t.record(0, 512, d, 0.001 * d)
+    guess = t.predict(128, 512, 8)  # an unseen cell: extrapolated from decode-only data
+    truth = 0.030
+    errs = [abs(guess - truth)]
+    for _ in range(10):
+        t.record(128, 512, 8, truth)
+        errs.append(abs(t.predict(128, 512, 8) - truth))
+    assert errs[0] > 0.015 and errs[-1] < 1e-9
+    assert all(a >= b - 1e-12 for a, b in zip(errs, errs[1:], strict=False))
+    # drift: the machine slows to 40 ms; the capped running mean follows it
+    errs = []
+    for _ in range(300):
+        t.record(128, 512, 8, 0.040)
+        errs.append(abs(t.predict(128, 512, 8) - 0.040))
+    assert errs[-1] < 1e-3 and errs[-1] < errs[0] / 50
+    # the regression extrapolates a linear law to unseen cells
+    r = ProfileTable()
+    rng = random.Random(1)
+    law = lambda p, c, d: 0.004 + 0.0001 * p + 0.0004 * d + 2e-7 * d * c + 1e-8 * p * c  # noqa: E731
+    for _ in range(50):
+        p, c, d = rng.randrange(512), rng.randrange(2048), rng.randrange(64)
+        r.record(p, c, d, law(p, c, d))
+    assert r.predict(700, 3000, 100) == pytest.approx(law(700, 3000, 100), rel=1e-4)
+
+
+def test_dump_and_load_round_trip_through_json():
+    t = hand_table()
+    t.record(10, 300, 5, 0.02)
+    u = ProfileTable.load(json.loads(json.dumps(t.dump())))
+    for q in [(0, 0, 0), (150, 0, 0), (220, 0, 0), (10, 300, 5), (400, 900, 30)]:
+        assert u.predict(*q) == pytest.approx(t.predict(*q), abs=1e-12)
+    assert len(u) == len(t) and u.num_samples == t.num_samples
+    pol = SLOComposePolicy(SchedulerConfig(tbt_slo_ms=50))
+    pol.seed(t.dump())
+    assert pol.state()["table_cells"] == len(t)
+
+
+def test_needs_an_slo():
+    with pytest.raises(ConfigError, match="tbt_slo_ms"):
+        build_policy(SchedulerConfig(batching="slo-compose"))
+
+
+def step_time(plan) -> float:
+    """A fake GPU: 5 ms + 0.5 ms per decode + 1 us per decode per context token + 0.1 ms per prefill token."""
+    dec = [c.context_len for c in plan.chunks if c.is_decode]
+    ctx = sum(dec) / len(dec) if dec else 0.0
+    comp = plan.composition
+    return 0.005 + 0.0005 * comp.num_decode_seqs + 1e-6 * comp.num_decode_seqs * ctx + 0.0001 * comp.num_prefill_tokens
+
+
+def test_slo_compose_keeps_prefill_within_m_on_the_real_scheduler():
+    cfg = SchedulerConfig(max_num_seqs=48, max_num_batched_tokens=512, batching="slo-compose", tbt_slo_ms=50)
+    pol = build_policy(cfg)
+    sched = Scheduler(cfg, KVCacheManager(2000, 16), policy=pol, watermark=0.0)
+    rng = random.Random(0)
+    arrivals = sorted((rng.uniform(0, 3.0), i) for i in range(80))
+    now, k, log = 0.0, 0, []
+    for _ in range(5000):
+        while k < len(arrivals) and arrivals[k][0] <= now:
+            i = arrivals[k][1]
+            sched.add_request(Request(f"r{i}", [100 + i % 50] * rng.randrange(50, 700),
+                                      SamplingParams(max_tokens=rng.randrange(10, 80)), arrival_time=now))
+            k += 1
+        if not sched.has_unfinished():
+            if k == len(arrivals):
+                break
+            now = arrivals[k][0]
+            continue
+        plan = sched.schedule(now)
+        st = pol.state()
+        assert plan.composition.num_prefill_tokens <= st["M"]  # prefill never exceeds M
+        assert sched.last_caps["token_budget"] == st["token_budget"] <= cfg.max_num_batched_tokens
+        t = step_time(plan)
+        log.append((plan.composition, st["M"], t))
+        sched.update(plan, StepResult(plan.step_id, sampled={c.request_id: 7 for c in plan.chunks if c.sample},
+                                      step_time_s=t, composition=plan.composition), now)
+        now += t
+    assert k == len(arrivals) and not sched.has_unfinished()
+    assert any(c.num_prefill_tokens == m < cfg.max_num_batched_tokens - c.num_decode_seqs for c, m, _ in log)
+    # once the table has a few samples, every step that carries prefill stays within the 50 ms SLO
+    late = [t for c, _, t in log[20:] if c.num_prefill_tokens]
+    assert late and max(late) <= 0.050 + 1e-6
+    assert pol.state()["table_cells"] > 5

@@ -1,0 +1,311 @@
+"""``bucket``: BucketServe's adaptive length buckets and memory-safe batch size.
+
+Zheng et al., "BucketServe: Bucket-Based Dynamic Batching for Smart and Efficient LLM Inference
+Serving", Sec. IV (Alg. 1, Eq. 1-6). Waiting requests are grouped into buckets over sequence
+length; the layout starts as one bucket ``[0, L_max)``, splits at midpoints under load and
+merges back when the queue drains (Alg. 1). Each step's admissions come from one bucket (a
+batch is formed from one bucket), and the number of running requests is capped by the
+memory-safe batch size N_max (Eq. 5-6).
+
+Choices made here, where the paper leaves room:
+
+* **Bucket key S = the prompt length.** The paper buckets for the *prefill* ("Dynamic Batching
+  with Prefill Bucketing", Sec. II-B, e.g. buckets [0-256], [256-1024] of input tokens); output
+  lengths are unknown at admission and decode runs under continuous batching. The prompt is the
+  only length known exactly, and it is what a padded prefill batch pads. Prompts of ``L_max``
+  tokens or more fall in the last bucket.
+* **Memory S for N_max = prompt + most output, capped at L_max**
+  (``min(request.expected_total_tokens, L_max)``). Eq. 6 bounds the KV a batch holds; in the
+  paper's disaggregated prefill instance that is the prompt, but in tidal's colocated engine a
+  request's KV grows until it finishes, so its largest footprint is the honest S.
+* **N_max in KV blocks** (what the policy sees of memory)::
+
+      N_max = max(1, floor(m_safe_frac * num_total_blocks / mean_i ceil(S_i / block_size)))
+
+  i.e. Eq. 6 with M_safe = m_safe_frac x the KV pool (Eq. 5; the pool is the memory left after
+  the weights) and every S_i replaced by the group's mean, in blocks. Alg. 1's N_max (split size
+  m and merge threshold) takes the mean over all waiting requests; the cap returned by
+  ``max_num_seqs`` takes it over the running requests plus the chosen bucket's waiting ones
+  (the set that will share the pool). :func:`max_safe_batch_size` is Eq. 6 in bytes for a
+  model shape.
+* **Order.** Requests are grouped by (priority, class, bucket). Groups go lower priority first,
+  then online before offline, then the group holding the earliest arrival first (the paper's
+  order for online buckets; also used between offline buckets so that none starves). Inside a
+  group online requests are FCFS; offline ones SJF (default), LJF or FCFS by
+  ``bucket.offline_order`` (job length = memory S, then prompt length, then arrival).
+* **One bucket per batch, work-conserving.** ``admit`` refuses a request while an earlier group
+  in the order still has members not admitted this step; once the chosen group is exhausted
+  the next one may fill the rest of the step.
+* **AdjustBuckets** runs once each time the waiting set changes (arrivals, admissions), one
+  round of Alg. 1 per run; repeated runs keep splitting while the load lasts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tidal.config import ConfigError, ModelArch, SchedulerConfig
+from tidal.core.plan import StepPlan, StepResult
+from tidal.core.policy import SchedulerView, SchedulingPolicy
+from tidal.core.request import Request, RequestClass
+from tidal.policies.registry import register_policy
+
+OFFLINE_ORDERS = ("sjf", "ljf", "fcfs")
+
+
+# ============================================================================ pure formulas
+def bucket_key(request: Request) -> int:
+    """S for bucketing: the prompt length (the paper's prefill bucketing)."""
+    return request.num_prompt_tokens
+
+
+def memory_len(request: Request, l_max: int) -> int:
+    """S for memory: the most KV tokens the request may hold (prompt + max output), capped."""
+    return max(1, min(request.expected_total_tokens, l_max))
+
+
+def waste_ratio(lengths: Sequence[int]) -> float:
+    """Padding waste of a batch padded to its longest sequence: (S_max - S_avg) / S_max (Eq. 2)."""
+    if not lengths:
+        return 0.0
+    s_max = max(lengths)
+    return (s_max - sum(lengths) / len(lengths)) / s_max if s_max > 0 else 0.0
+
+
+def max_safe_batch_size(arch: ModelArch, dtype_bytes: int, m_remain_bytes: int,
+                        seq_lens: int | Sequence[int], m_safe_frac: float = 0.9) -> int:
+    """N_max = max{N | sum_{i<=N} S_i <= M_safe / (2 L H D B)}, M_safe = 0.9 M_remain (Eq. 5-6).
+
+    ``seq_lens`` is one S shared by every request (then N_max = floor(M_safe / (2LHDB S))) or the
+    lengths in admission order (then the longest prefix that fits). 2LHDB is
+    ``arch.kv_bytes_per_token(dtype_bytes)`` (H = the KV heads, which Eq. 1's H is for MHA).
+    """
+    per_token = arch.kv_bytes_per_token(dtype_bytes)
+    budget_tokens = m_safe_frac * m_remain_bytes / per_token  # M_safe / (2LHDB)
+    if isinstance(seq_lens, int):
+        if seq_lens <= 0:
+            raise ValueError("sequence length must be > 0")
+        return int(budget_tokens // seq_lens)
+    n, used = 0, 0
+    for s in seq_lens:
+        used += s
+        if used > budget_tokens:
+            break
+        n += 1
+    return n
+
+
+def max_safe_batch_blocks(num_total_blocks: int, block_size: int, seq_lens: Iterable[int],
+                          m_safe_frac: float = 0.9) -> int | None:
+    """Eq. 6 in KV blocks with every S_i set to the mean:
+    floor(m_safe_frac * num_total_blocks / mean_i ceil(S_i / block_size)); None for no lengths."""
+    blocks = [-(-max(1, s) // block_size) for s in seq_lens]
+    if not blocks:
+        return None
+    mean_blocks = sum(blocks) / len(blocks)
+    return math.floor(m_safe_frac * num_total_blocks / mean_blocks)
+
+
+@dataclass
+class Bucket:
+    """One length range [low, up) and the waiting requests (or any items) in it."""
+
+    low: int
+    up: int
+    members: list = field(default_factory=list)
+
+    @property
+    def mid(self) -> int:
+        return (self.low + self.up) // 2
+
+    def as_list(self) -> list[int]:
+        return [self.low, self.up, len(self.members)]
+
+
+def assign(bounds: Sequence[tuple[int, int]], items: Iterable[Any],
+           key: Callable[[Any], int] = bucket_key) -> list[Bucket]:
+    """Put each item in the bucket with low <= S < up (Alg. 1 lines 2-9); S >= L_max goes last."""
+    buckets = [Bucket(lo, up) for lo, up in bounds]
+    for item in items:
+        s = key(item)
+        for b in buckets:
+            if b.low <= s < b.up:
+                b.members.append(item)
+                break
+        else:  # S >= L_max: the last bucket
+            buckets[-1].members.append(item)
+    return buckets
+
+
+def adjust_buckets(buckets: list[Bucket], n_max: int, theta: float = 0.5, l_max: int | None = None,
+                   key: Callable[[Any], int] = bucket_key) -> list[Bucket]:
+    """One round of AdjustBuckets (Alg. 1 lines 10-29): merge everything into [0, L_max) when
+    the total is below N_max; else split each bucket holding more than m = N_max members of which
+    more than theta lie below its midpoint."""
+    total = sum(len(b.members) for b in buckets)
+    if total < n_max:
+        up = l_max if l_max is not None else buckets[-1].up
+        return [Bucket(0, up, [m for b in buckets for m in b.members])]
+    out: list[Bucket] = []
+    for b in buckets:
+        n = len(b.members)
+        below = [m for m in b.members if key(m) < b.mid]
+        if n > n_max and len(below) / n > theta and b.up - b.low >= 2:
+            out.append(Bucket(b.low, b.mid, below))
+            out.append(Bucket(b.mid, b.up, [m for m in b.members if key(m) >= b.mid]))
+        else:
+            out.append(b)
+    return out
+
+
+def expected_waste(buckets: Sequence[Bucket], key: Callable[[Any], int] = bucket_key) -> float:
+    """Eq. 3 over the empirical length distribution: mean over members of (1 - S / U_b)."""
+    terms = [1.0 - min(key(m), b.up) / b.up for b in buckets for m in b.members if b.up > 0]
+    return sum(terms) / len(terms) if terms else 0.0
+
+
+# ============================================================================ the policy
+class BucketPolicy(SchedulingPolicy):
+    name = "bucket"
+
+    def __init__(self, theta: float = 0.5, l_max: int = 8192, m_safe_frac: float = 0.9,
+                 offline_order: str = "sjf"):
+        if not 0.0 <= theta < 1.0:
+            raise ConfigError(f"bucket.theta must be in [0, 1), got {theta}")
+        if l_max < 2:
+            raise ConfigError(f"bucket.l_max must be >= 2, got {l_max}")
+        if not 0.0 < m_safe_frac <= 1.0:
+            raise ConfigError(f"bucket.m_safe_frac must be in (0, 1], got {m_safe_frac}")
+        if offline_order not in OFFLINE_ORDERS:
+            raise ConfigError(f"bucket.offline_order must be one of {', '.join(OFFLINE_ORDERS)}; "
+                              f"got {offline_order!r}")
+        self.theta, self.l_max, self.m_safe_frac, self.offline_order = theta, l_max, m_safe_frac, offline_order
+        self.buckets: list[Bucket] = [Bucket(0, l_max)]
+        self.groups: list[list[Request]] = []  # admission order, chosen group first
+        self._group_of: dict[str, int] = {}
+        self._sig: tuple | None = None
+        self._geometry: tuple[int, int] | None = None  # (num_total_blocks, block_size)
+        self.n_max: int | None = None  # Alg. 1's N_max over the waiting requests
+        self.n_max_batch: int | None = None  # the cap over running + the chosen bucket
+        self._admit_view: SchedulerView | None = None
+        self._ptr = 0
+        self.num_splits = self.num_merges = 0
+        self.padding_waste_last = 0.0
+        self._waste_sum = 0.0
+        self._waste_steps = 0
+
+    # ---------------------------------------------------------------- bucketing
+    def _mem(self, r: Request) -> int:
+        return memory_len(r, self.l_max)
+
+    def _nmax(self, requests: Iterable[Request]) -> int | None:
+        if self._geometry is None:
+            return None
+        total_blocks, block_size = self._geometry
+        n = max_safe_batch_blocks(total_blocks, block_size, (self._mem(r) for r in requests), self.m_safe_frac)
+        return None if n is None else max(1, n)
+
+    def _job_key(self, r: Request) -> tuple:
+        if r.request_class is RequestClass.ONLINE or self.offline_order == "fcfs":
+            return (r.arrival_time,)
+        sign = 1 if self.offline_order == "sjf" else -1
+        return (sign * self._mem(r), sign * r.num_prompt_tokens, r.arrival_time)
+
+    def _sync(self, waiting: Sequence[Request]) -> None:
+        """Re-bucket the waiting queue and run AdjustBuckets once, when it changed."""
+        n_max = self._nmax(waiting)
+        sig = (tuple(r.request_id for r in waiting), n_max)
+        if sig == self._sig:
+            return
+        self._sig = sig
+        self.n_max = n_max
+        buckets = assign([(b.low, b.up) for b in self.buckets], waiting)
+        if n_max is not None:  # AdjustBuckets needs N_max, known once a view was seen
+            before = len(buckets)
+            buckets = adjust_buckets(buckets, n_max, self.theta, self.l_max)
+            if len(buckets) > before:
+                self.num_splits += len(buckets) - before
+            elif len(buckets) < before:
+                self.num_merges += 1
+        self.buckets = buckets
+        groups: dict[tuple, list[Request]] = {}
+        for bi, b in enumerate(buckets):
+            for r in b.members:
+                cls = 0 if r.request_class is RequestClass.ONLINE else 1
+                groups.setdefault((r.priority, cls, bi), []).append(r)
+        for members in groups.values():
+            members.sort(key=self._job_key)
+        ordered = sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1],
+                                                         min(r.arrival_time for r in kv[1]), kv[0][2]))
+        self.groups = [members for _, members in ordered]
+        self._group_of = {r.request_id: gi for gi, members in enumerate(self.groups) for r in members}
+        self._admit_view = None
+
+    # ---------------------------------------------------------------- SchedulingPolicy
+    def order_waiting(self, waiting: list[Request], now: float) -> list[Request]:
+        self._sync(waiting)
+        return [r for members in self.groups for r in members]
+
+    def max_num_seqs(self, view: SchedulerView) -> int:
+        self._geometry = (view.num_total_blocks, view.block_size)
+        self._sync(view.waiting)
+        chosen = self.groups[0] if self.groups else []
+        self.n_max_batch = self._nmax([*view.running, *chosen])
+        return view.max_num_seqs if self.n_max_batch is None else min(view.max_num_seqs, self.n_max_batch)
+
+    def admit(self, view: SchedulerView, request: Request, admitted: Sequence[Request]) -> bool:
+        g = self._group_of.get(request.request_id)
+        if g is None:
+            return True  # not bucketed (order_waiting was not asked): nothing to hold it back
+        if view is not self._admit_view:  # a new step: start again from the chosen group
+            self._admit_view, self._ptr = view, 0
+        ids = {r.request_id for r in admitted}
+        while self._ptr < g and all(r.request_id in ids for r in self.groups[self._ptr]):
+            self._ptr += 1  # that group is exhausted: the next may fill the step
+        return g <= self._ptr
+
+    def observe(self, plan: StepPlan, result: StepResult) -> None:
+        lengths = [c.context_len for c in plan.chunks]
+        if not lengths:
+            return
+        self.padding_waste_last = waste_ratio(lengths)
+        self._waste_sum += self.padding_waste_last
+        self._waste_steps += 1
+
+    def state(self) -> dict:
+        chosen = None
+        if self.groups:
+            g = self.groups[0]
+            b = next(b for b in self.buckets if g[0] in b.members)
+            chosen = {"low": b.low, "up": b.up, "class": g[0].request_class.value,
+                      "priority": g[0].priority, "waiting": len(g)}
+        return {
+            "policy": self.name,
+            "theta": self.theta,
+            "l_max": self.l_max,
+            "m_safe_frac": self.m_safe_frac,
+            "offline_order": self.offline_order,
+            "n_max": self.n_max,
+            "n_max_batch": self.n_max_batch,
+            "buckets": [b.as_list() for b in self.buckets],
+            "num_buckets": len(self.buckets),
+            "num_waiting": sum(len(b.members) for b in self.buckets),
+            "num_groups": len(self.groups),
+            "chosen": chosen,
+            "num_splits": self.num_splits,
+            "num_merges": self.num_merges,
+            "expected_waste": expected_waste(self.buckets),
+            "padding_waste_last": self.padding_waste_last,
+            "padding_waste_mean": self._waste_sum / self._waste_steps if self._waste_steps else 0.0,
+            "padding_steps": self._waste_steps,
+        }
+
+
+@register_policy("bucket")
+def _bucket(config: SchedulerConfig) -> SchedulingPolicy:
+    return BucketPolicy(theta=config.policy_arg("bucket.theta", 0.5), l_max=config.policy_arg("bucket.l_max", 8192),
+                        m_safe_frac=config.policy_arg("bucket.m_safe_frac", 0.9),
+                        offline_order=str(config.policy_arg("bucket.offline_order", "sjf")).lower())

@@ -1,0 +1,186 @@
+"""``memory``: memory-aware dynamic batch size (Pang et al., Alg. 1, Eq. 7-14).
+
+The cap on running requests, b_t, is the largest batch whose total KV footprint
+S = sum_i (l_in,i + l_out,i) (Eq. 7) stays within the pool with probability 1 - eps_M.
+S is approximately normal by the CLT, S ~ N(b*mu, b*sigma^2) (Eq. 8-10), with mu and sigma the mean
+and standard deviation of one request's total length. Everything is counted in KV **blocks**,
+as the paper suggests for paged engines: one request's footprint is ceil((l_in + l_out) / block_size).
+
+- eta: the KV blocks available to requests. This is the paper's M_max: the whole KV pool after
+  weights and activations. So it is ``view.num_total_blocks`` (free blocks plus the blocks that
+  running requests hold; nothing else holds device blocks here). It is read each step, so a pool
+  that grows or shrinks at run time is followed.
+- mu, sigma: Welford's online mean/variance of the footprints of finished requests (aborted ones
+  are left out: they were cut short). Until ``memory.min_samples`` have finished, the expected
+  footprints of the requests now waiting or running (prompt + the most output each may produce)
+  are pooled in. ``memory.prior_len`` is used only when there is nothing to estimate from.
+- theta = Phi^-1(1 - eps_M) (the text after Eq. 11), from ``statistics.NormalDist``.
+- L0, the safety buffer: the CLT margin theta * sigma_S = theta * sigma * sqrt(b) at the batch
+  size of Eq. 12. The paper writes L0 = eta - (theta*sigma_S + mu_S). Read literally at that batch
+  size, this gives 0. The margin is what makes the linear rule of Eq. 14 agree with Eq. 12. L0 is
+  refreshed every ``memory.l0_every`` updates ("computed offline and updated online
+  periodically") and whenever the estimate's source changes, or fixed with ``memory.l0`` (blocks).
+- b_t = floor((eta - L0) / mu) (Eq. 14, Alg. 1 line 5), clamped to [max(N_d, b_min), B_max]
+  (line 6). N_d is the number of running decodes; B_max = ``config.max_num_seqs``.
+
+Alg. 1 line 4 changes b_t only while there is prefill work: waiting requests, or running
+requests still in prefill. Otherwise b_t stays at b_{t-1}. The paper also requires N_d > 0, but
+only so that the footprint estimate is non-zero. Here the expected lengths of the pending
+requests give that estimate, so the first batch is sized too. The paper gives no numeric
+eps_M, so the default here is 0.05.
+"""
+
+from __future__ import annotations
+
+import math
+from statistics import NormalDist
+
+from tidal.config import ConfigError, SchedulerConfig, cdiv
+from tidal.core.plan import StepPlan, StepResult
+from tidal.core.policy import SchedulerView, SchedulingPolicy
+from tidal.core.request import FinishReason, Request
+from tidal.policies.registry import register_policy
+
+
+class Welford:
+    """Online mean and (sample) variance, with Chan's merge for pooling two sets."""
+
+    __slots__ = ("n", "mean", "m2")
+
+    def __init__(self, n: int = 0, mean: float = 0.0, m2: float = 0.0):
+        self.n, self.mean, self.m2 = n, mean, m2
+
+    def add(self, x: float) -> None:
+        self.n += 1
+        d = x - self.mean
+        self.mean += d / self.n
+        self.m2 += d * (x - self.mean)
+
+    def merged(self, other: Welford) -> Welford:
+        if other.n == 0:
+            return Welford(self.n, self.mean, self.m2)
+        if self.n == 0:
+            return Welford(other.n, other.mean, other.m2)
+        n = self.n + other.n
+        d = other.mean - self.mean
+        return Welford(n, self.mean + d * other.n / n, self.m2 + other.m2 + d * d * self.n * other.n / n)
+
+    @property
+    def variance(self) -> float:
+        return self.m2 / (self.n - 1) if self.n > 1 else 0.0
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(max(self.variance, 0.0))
+
+
+def theta_of(eps_m: float) -> float:
+    """theta = Phi^-1(1 - eps_M) (Pang et al., text after Eq. 11)."""
+    return NormalDist().inv_cdf(1.0 - eps_m)
+
+
+def clt_batch_size(mu: float, sigma: float, eta: float, theta: float) -> float:
+    """Pang Eq. 12: b <= ((sqrt((sigma*theta)^2 + 4*mu*eta) - sigma*theta) / (2*mu))^2 (real-valued)."""
+    if mu <= 0:
+        raise ValueError("mu must be > 0")
+    st = sigma * theta
+    return ((math.sqrt(st * st + 4.0 * mu * max(eta, 0.0)) - st) / (2.0 * mu)) ** 2
+
+
+def safety_buffer(mu: float, sigma: float, eta: float, theta: float) -> float:
+    """L0 = theta * sigma_S at the Eq. 12 batch size (sigma_S = sigma*sqrt(b), Eq. 9), so that Eq. 14 == Eq. 12."""
+    return theta * sigma * math.sqrt(clt_batch_size(mu, sigma, eta, theta))
+
+
+def linear_batch_size(eta: float, l0: float, mu: float) -> int:
+    """Pang Eq. 14 / Alg. 1 line 5: b_t = floor((eta - L0) / (E[l_in] + E[l_out]))."""
+    if mu <= 0:
+        raise ValueError("mu must be > 0")
+    # a hair of tolerance so that exact quotients (e.g. 50.0) do not floor to 49 through rounding
+    return max(int(math.floor((eta - l0) / mu + 1e-9)), 0)
+
+
+class MemoryPolicy(SchedulingPolicy):
+    name = "memory"
+
+    def __init__(self, config: SchedulerConfig):
+        self.eps_m = config.policy_arg("memory.eps_m", 0.05)
+        if not 0.0 < self.eps_m < 1.0:
+            raise ConfigError(f"memory.eps_m must be in (0, 1), got {self.eps_m}")
+        self.theta = theta_of(self.eps_m)
+        self.l0_fixed = config.policy_arg("memory.l0", -1.0)  # blocks; < 0: from the CLT (Eq. 10-12)
+        self.l0_every = config.policy_arg("memory.l0_every", 16)
+        self.min_samples = config.policy_arg("memory.min_samples", 8)
+        self.prior_len = config.policy_arg("memory.prior_len", 1024)  # tokens
+        self.b_min = config.policy_arg("memory.b_min", 1)
+        self.b_max = config.max_num_seqs
+        if self.l0_every <= 0 or self.min_samples < 0 or self.prior_len <= 0 or not 1 <= self.b_min <= self.b_max:
+            raise ConfigError("memory: need l0_every > 0, min_samples >= 0, prior_len > 0, "
+                              f"1 <= b_min <= max_num_seqs ({self.b_max})")
+        self.stats = Welford()  # footprints (blocks) of finished requests
+        self.b = self.b_max  # b_{t-1}; Alg. 2 of the paper also starts from B_max
+        self.block_size: int | None = None
+        self._tracked: dict[str, Request] = {}
+        self._updates = 0
+        self._l0: float | None = None
+        self._last: dict = {}
+
+    # ------------------------------------------------------------------ estimation
+    def _blocks(self, tokens: int) -> int:
+        return max(cdiv(tokens, self.block_size or 1), 1)
+
+    def estimate(self, view: SchedulerView) -> tuple[float, float, str]:
+        """(mu, sigma) of one request's footprint in blocks, and where it came from."""
+        if self.stats.n >= max(self.min_samples, 1):
+            return self.stats.mean, self.stats.std, "observed"
+        pending = Welford()
+        cap = view.num_total_blocks * view.block_size
+        for r in (*view.running, *view.waiting):
+            pending.add(self._blocks(min(r.expected_total_tokens, cap)))
+        pooled = self.stats.merged(pending)
+        if pooled.n:
+            return pooled.mean, pooled.std, "expected"
+        mu = self._blocks(self.prior_len)
+        return float(mu), mu / 2.0, "prior"
+
+    # ------------------------------------------------------------------ policy
+    def max_num_seqs(self, view: SchedulerView) -> int:
+        self.block_size = view.block_size
+        for r in (*view.running, *view.waiting):
+            self._tracked[r.request_id] = r
+        n_decode = view.num_decodes
+        n_prefill = len(view.waiting) + sum(1 for r in view.running if r.in_prefill)
+        if n_prefill > 0:  # Alg. 1 line 4
+            eta = float(view.num_total_blocks)
+            mu, sigma, source = self.estimate(view)
+            mu = max(mu, 1.0)
+            if self.l0_fixed >= 0:
+                l0 = self.l0_fixed
+            elif self._l0 is None or self._updates % self.l0_every == 0 or source != self._last.get("estimate"):
+                l0 = self._l0 = safety_buffer(mu, sigma, eta, self.theta)
+            else:
+                l0 = self._l0
+            self._updates += 1
+            b = linear_batch_size(eta, l0, mu)  # Alg. 1 line 5 (Eq. 14)
+            self._last = {"eta_blocks": eta, "mu_blocks": mu, "sigma_blocks": sigma, "l0_blocks": l0,
+                          "b_eq12": clt_batch_size(mu, sigma, eta, self.theta), "b_eq14": b, "estimate": source}
+            # Alg. 1 line 6: never below the running decodes (nor b_min), never above B_max
+            self.b = min(max(b, n_decode, self.b_min), self.b_max)
+        return self.b  # Alg. 1 line 3: b_t = b_{t-1} when there is no prefill work
+
+    def observe(self, plan: StepPlan, result: StepResult) -> None:
+        done = [rid for rid, r in self._tracked.items() if r.is_finished]
+        for rid in done:
+            r = self._tracked.pop(rid)
+            if r.finish_reason is not FinishReason.ABORT:
+                self.stats.add(self._blocks(r.num_tokens))
+
+    def state(self) -> dict:
+        return {"policy": self.name, "b_mem": self.b, "eps_m": self.eps_m, "theta": self.theta,
+                "samples": self.stats.n, "observed_mu_blocks": self.stats.mean,
+                "observed_sigma_blocks": self.stats.std, "updates": self._updates, **self._last}
+
+
+@register_policy("memory")
+def _memory(config: SchedulerConfig) -> SchedulingPolicy:
+    return MemoryPolicy(config)
