@@ -36,6 +36,18 @@ def batch_size_cap(stats: dict[str, Any], default: int) -> int:
     return int(cap) if isinstance(cap, (int, float)) and not isinstance(cap, bool) else default
 
 
+def _flatten(d: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """Nested controller state (a composite policy keeps one dict per part) as dotted keys."""
+    out: list[tuple[str, Any]] = []
+    for key, val in d.items():
+        name = f"{prefix}{key}"
+        if isinstance(val, dict):
+            out.extend(_flatten(val, name + "."))
+        else:
+            out.append((name, val))
+    return out
+
+
 class _EngineCollector:
     """Gauges (and the preemption counter) from the engine's latest stats snapshot."""
 
@@ -69,10 +81,13 @@ class _EngineCollector:
         if isinstance(policy, dict):
             g = GaugeMetricFamily("tidal:policy_state", "Numeric state of the scheduling policy.",
                                   labels=["model_name", "key"])
-            for key, val in policy.items():
+            for key, val in _flatten(policy):
                 if isinstance(val, (int, float)) and not isinstance(val, bool):
-                    g.add_metric([self.model_name, str(key)], float(val))
+                    g.add_metric([self.model_name, key], float(val))
             yield g
+        if isinstance(s.get("token_budget"), int):
+            yield self._gauge("tidal:token_budget", "Token budget the scheduler used for the last step.",
+                              s["token_budget"])
 
 
 class ServerMetrics:
