@@ -135,10 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command", required=True)
     from tidal.bench import offline
+    from tidal.bench import policies as bench_policies
     from tidal.bench import serve as bench_serve
 
     offline.add_parser(bsub)
     bench_serve.add_parser(bsub)
+    bench_policies.add_parser(bsub)
     return p
 
 

@@ -91,14 +91,23 @@ class PrefillSeq:
 
 
 @dataclass
+class DecodeGroup:
+    """Decodes ``[offset, offset+n)`` of the flat batch whose contexts are padded to one width."""
+
+    offset: int
+    num: int
+    block_tables: torch.Tensor  # [n, width_blocks] long
+    mask: torch.Tensor  # [n, 1, 1, width_blocks * block_size] bool, True = attend
+
+
+@dataclass
 class AttentionBatch:
     """Per-step tensors the attention layers need. Decodes come first in the token order."""
 
     positions: torch.Tensor  # [T] long
     slot_mapping: torch.Tensor  # [T] long: block * block_size + offset of each new token
     num_decodes: int
-    decode_block_tables: torch.Tensor | None  # [D, max_blocks] long
-    decode_mask: torch.Tensor | None  # [D, 1, 1, max_ctx] bool, True = attend
+    decode_groups: list[DecodeGroup]  # decodes sorted by context, grouped to bound padding
     prefills: list[PrefillSeq]
     block_size: int
     rope: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, sin) of `positions`, set by the model
@@ -137,11 +146,11 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k
     kv.k.view(nb * bs, KVH, D).index_copy_(0, batch.slot_mapping, k_new)
     kv.v.view(nb * bs, KVH, D).index_copy_(0, batch.slot_mapping, v_new)
     nd = batch.num_decodes
-    if nd and not batch.prefills:
-        return _decode_attention(q, kv, batch, scale)
+    if nd and not batch.prefills and len(batch.decode_groups) == 1:
+        return _decode_attention(q, kv, batch.decode_groups[0], scale)
     out = torch.empty_like(q)
-    if nd:
-        out[:nd] = _decode_attention(q[:nd], kv, batch, scale)
+    for g in batch.decode_groups:
+        out[g.offset:g.offset + g.num] = _decode_attention(q[g.offset:g.offset + g.num], kv, g, scale)
     for p in batch.prefills:
         n = p.num_tokens
         qp = q[p.offset:p.offset + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
@@ -158,14 +167,13 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k
     return out
 
 
-def _decode_attention(q: torch.Tensor, kv: KVLayer, batch: AttentionBatch, scale: float) -> torch.Tensor:
+def _decode_attention(q: torch.Tensor, kv: KVLayer, group: DecodeGroup, scale: float) -> torch.Tensor:
     nd, H, D = q.shape
     KVH = kv.k.shape[2]
-    bt = batch.decode_block_tables
-    k = _gather(kv.k, bt).transpose(1, 2)  # [nd, KVH, ctx, D]
-    v = _gather(kv.v, bt).transpose(1, 2)
+    k = _gather(kv.k, group.block_tables).transpose(1, 2)  # [nd, KVH, ctx, D]
+    v = _gather(kv.v, group.block_tables).transpose(1, 2)
     qd = q.view(nd, KVH, H // KVH, D)
-    o = F.scaled_dot_product_attention(qd, k, v, attn_mask=batch.decode_mask, scale=scale)
+    o = F.scaled_dot_product_attention(qd, k, v, attn_mask=group.mask, scale=scale)
     return o.reshape(nd, H, D)
 
 

@@ -13,7 +13,7 @@ import torch
 
 from tidal.core.plan import ScheduledChunk, StepPlan, StepResult
 from tidal.engine.kv_cache import PagedKVCache
-from tidal.engine.model import AttentionBatch, LlamaModel, PrefillSeq
+from tidal.engine.model import AttentionBatch, DecodeGroup, LlamaModel, PrefillSeq
 from tidal.engine.sampler import Sampler
 
 
@@ -34,7 +34,7 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        decodes = [c for c in chunks if c.is_decode]
+        decodes = [c for c in chunks if c.is_decode]  # already longest context first
         prefills = [c for c in chunks if not c.is_decode]
         for c in decodes:
             p = c.start
@@ -56,20 +56,36 @@ class ModelRunner:
                 q_pos = torch.arange(c.start, c.context_len, device=dev).unsqueeze(1)
                 mask = torch.arange(c.context_len, device=dev).unsqueeze(0) <= q_pos
             pre_seqs.append(PrefillSeq(offset, c.num_tokens, c.start, table, mask))
-        dec_tables = dec_mask = None
-        if decodes:
-            width = max(-(-c.context_len // bs) for c in decodes)
-            rows = [list(c.block_table[:width]) + [0] * (width - min(width, len(c.block_table))) for c in decodes]
-            dec_tables = torch.tensor(rows, dtype=torch.long, device=dev)
-            ctx = torch.tensor([c.context_len for c in decodes], device=dev)
-            dec_mask = (torch.arange(width * bs, device=dev).unsqueeze(0) < ctx.unsqueeze(1)).view(
-                len(decodes), 1, 1, width * bs)
+        groups = [self._decode_group(decodes[a:b], a) for a, b in self._group_bounds(decodes)]
         batch = AttentionBatch(
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decodes=len(decodes), decode_block_tables=dec_tables, decode_mask=dec_mask,
+            num_decodes=len(decodes), decode_groups=groups,
             prefills=pre_seqs, block_size=bs)
         return torch.tensor(ids, dtype=torch.long, device=dev), batch
+
+    def _group_bounds(self, decodes: list[ScheduledChunk]) -> list[tuple[int, int]]:
+        """Split decodes (sorted by context, longest first) where padding to the group's longest
+        context would waste more than a third of the gathered KV."""
+        bounds, start = [], 0
+        for i in range(1, len(decodes) + 1):
+            if i == len(decodes) or decodes[i].context_len < self.GROUP_FILL * decodes[start].context_len:
+                if i - start >= self.MIN_GROUP or i == len(decodes):
+                    bounds.append((start, i))
+                    start = i
+        return bounds
+
+    GROUP_FILL = 0.67  # a decode joins the group while its context is >= this share of the longest
+    MIN_GROUP = 4  # fewer decodes than this are not worth a separate attention call
+
+    def _decode_group(self, decodes: list[ScheduledChunk], offset: int) -> DecodeGroup:
+        bs, dev = self.block_size, self.device
+        width = max(-(-c.context_len // bs) for c in decodes)
+        rows = [list(c.block_table[:width]) + [0] * (width - min(width, len(c.block_table))) for c in decodes]
+        ctx = torch.tensor([c.context_len for c in decodes], device=dev)
+        mask = (torch.arange(width * bs, device=dev).unsqueeze(0) < ctx.unsqueeze(1)).view(
+            len(decodes), 1, 1, width * bs)
+        return DecodeGroup(offset, len(decodes), torch.tensor(rows, dtype=torch.long, device=dev), mask)
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
@@ -82,7 +98,9 @@ class ModelRunner:
         if plan.is_empty:
             result.step_time_s = time.perf_counter() - t0
             return result
-        ordered = [c for c in plan.chunks if c.is_decode] + [c for c in plan.chunks if not c.is_decode]
+        # decodes first, longest context first (groups of similar length pad little), then prefills
+        ordered = (sorted((c for c in plan.chunks if c.is_decode), key=lambda c: -c.context_len)
+                   + [c for c in plan.chunks if not c.is_decode])
         input_ids, batch = self._build_batch(ordered)
         h = self.model.embed(input_ids)
         h = self.model(h, batch, self.kv.layers)
