@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -54,6 +55,72 @@ def test_ratios_pick_best_peer():
 def test_unknown_system_is_an_error():
     with pytest.raises(ValueError):
         ob.resolve_systems(["tidal", "vllm"])
+
+
+def _ctx(tmp_path, model_path=None) -> ob.BenchContext:
+    arch = ModelArch("llama", vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2,
+                     num_kv_heads=1, head_dim=4)
+    wl = ob.make_workloads(["b"], vocab_size=100, avoid_ids=[2], num_requests=3, output_len=5)
+    if model_path is None:
+        model_path = tmp_path / "m.gguf"
+        model_path.write_bytes(b"GGUF")
+    return ob.BenchContext(str(model_path), "float32", 1, arch, 2, 3, 133, wl)
+
+
+def test_llamacpp_runner_with_a_stand_in_module(tmp_path, monkeypatch):
+    """llama-cpp-python is optional: drive the runner against a stand-in with its documented API."""
+    import importlib.machinery
+    import types
+
+    calls = {"init": None, "reset": 0, "prompts": []}
+
+    class FakeLlama:
+        def __init__(self, model_path, **kw):
+            calls["init"] = (model_path, kw)
+            self.n_tokens = 0
+
+        def reset(self):
+            calls["reset"] += 1
+            self.n_tokens = 0
+
+        def generate(self, tokens, temp=0.8, repeat_penalty=1.1, reset=True, **kw):
+            assert temp == 0.0 and repeat_penalty == 1.0
+            calls["prompts"].append(list(tokens))
+            i = 0
+            while True:  # like Llama.generate: never stops by itself, EOS (2) included
+                yield 2 if i % 2 else (sum(tokens) + i) % 100
+                i += 1
+
+    mod = types.ModuleType("llama_cpp")
+    mod.__spec__ = importlib.machinery.ModuleSpec("llama_cpp", None)
+    mod.Llama = FakeLlama
+    mod.__version__ = "0.0-test"
+    monkeypatch.setitem(sys.modules, "llama_cpp", mod)
+    ctx = _ctx(tmp_path)
+    runner = ob.LlamaCppRunner(ctx)
+    runner.load()
+    path, kw = calls["init"]
+    assert path == ctx.model_path and kw["n_threads"] == 1 and kw["logits_all"] is False
+    assert kw["n_ctx"] >= ctx.max_seq_len and kw["verbose"] is False
+    out = runner.generate(ctx.workloads[0].prompts, 5)
+    assert [len(t) for t in out.token_ids] == [5, 5, 5]
+    assert out.token_ids[0][1] == 2  # EOS does not end the request
+    assert calls["reset"] == 3 and calls["prompts"] == ctx.workloads[0].prompts
+    assert runner.settings()["llama_cpp_version"] == "0.0-test"
+    runner.close()
+
+
+def test_llamacpp_missing_or_not_gguf_is_a_skip(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # makes find_spec fail like a missing package
+    real = ob.importlib.util.find_spec
+
+    def find_spec(name, *a, **k):
+        return None if name == "llama_cpp" else real(name, *a, **k)
+
+    monkeypatch.setattr(ob.importlib.util, "find_spec", find_spec)
+    with pytest.raises(ob.SystemUnavailable, match="not installed"):
+        ob.LlamaCppRunner(_ctx(tmp_path)).load()
+    assert "llamacpp" not in ob.installed_systems()
 
 
 @pytest.mark.timeout(300)
