@@ -69,10 +69,11 @@ class ModelRunner:
         context would waste more than a third of the gathered KV."""
         bounds, start = [], 0
         for i in range(1, len(decodes) + 1):
-            if i == len(decodes) or decodes[i].context_len < self.GROUP_FILL * decodes[start].context_len:
-                if i - start >= self.MIN_GROUP or i == len(decodes):
-                    bounds.append((start, i))
-                    start = i
+            last = i == len(decodes)
+            if last or (decodes[i].context_len < self.GROUP_FILL * decodes[start].context_len
+                        and i - start >= self.MIN_GROUP):
+                bounds.append((start, i))
+                start = i
         return bounds
 
     GROUP_FILL = 0.67  # a decode joins the group while its context is >= this share of the longest
