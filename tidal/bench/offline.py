@@ -858,6 +858,8 @@ def run_benchmark(opts: BenchOptions) -> BenchResult:
                 b_decode = _collect_b_decode(raw["tidal"]["steps"], w.num_requests, arch)
             report["workloads"][w.name] = {**w.summary(), "results": rows, "ratios": _ratios(rows)}
             result.generated[w.name] = generated
+            if opts.output:  # a partial report after each workload: a long run killed midway keeps its results
+                _write_json({**report, "partial": True}, opts.output)
     finally:
         for runner in runners.values():
             runner.close()
@@ -876,11 +878,18 @@ def run_benchmark(opts: BenchOptions) -> BenchResult:
         if plot_path:
             _try_plot(report, plot_path)
         report["output"] = opts.output
-        with open(opts.output, "w") as f:
-            json.dump(report, f, indent=2, default=str)
+        _write_json(report, opts.output)
     elif opts.plot:
         _try_plot(report, opts.plot)
     return result
+
+
+def _write_json(report: dict[str, Any], path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=2, default=str)
+    os.replace(tmp, path)
 
 
 def _try_plot(report: dict[str, Any], path: str) -> None:
@@ -1173,6 +1182,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import faulthandler
+
+    if not faulthandler.is_enabled():
+        faulthandler.enable()  # a crash in a peer's native code (or its thread) leaves a traceback
     try:
         opts = options_from_args(args)
         result = run_benchmark(opts)
