@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from tidal.bench import offline as ob
+from tidal.bench import offline_systems as osys
 from tidal.config import ModelArch
 
 
@@ -97,7 +98,7 @@ def test_llamacpp_runner_with_a_stand_in_module(tmp_path, monkeypatch):
     mod.__version__ = "0.0-test"
     monkeypatch.setitem(sys.modules, "llama_cpp", mod)
     ctx = _ctx(tmp_path)
-    runner = ob.LlamaCppRunner(ctx)
+    runner = osys.LlamaCppRunner(ctx)
     runner.load()
     path, kw = calls["init"]
     assert path == ctx.model_path and kw["n_threads"] == 1 and kw["logits_all"] is False
@@ -112,14 +113,14 @@ def test_llamacpp_runner_with_a_stand_in_module(tmp_path, monkeypatch):
 
 def test_llamacpp_missing_or_not_gguf_is_a_skip(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # makes find_spec fail like a missing package
-    real = ob.importlib.util.find_spec
+    real = osys.importlib.util.find_spec
 
     def find_spec(name, *a, **k):
         return None if name == "llama_cpp" else real(name, *a, **k)
 
-    monkeypatch.setattr(ob.importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(osys.importlib.util, "find_spec", find_spec)
     with pytest.raises(ob.SystemUnavailable, match="not installed"):
-        ob.LlamaCppRunner(_ctx(tmp_path)).load()
+        osys.LlamaCppRunner(_ctx(tmp_path)).load()
     assert "llamacpp" not in ob.installed_systems()
 
 
