@@ -32,6 +32,7 @@ The report also measures the machine's matmul peak (a large square matmul and a 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
@@ -501,6 +502,7 @@ def run(args: argparse.Namespace) -> int:
 
     if not faulthandler.is_enabled():
         faulthandler.enable()  # a crash in a peer's native code (or its thread) leaves a traceback
+    _note_signals()
     try:
         opts = options_from_args(args)
         result = run_benchmark(opts)
@@ -511,6 +513,22 @@ def run(args: argparse.Namespace) -> int:
     if opts.output:
         print(f"\nwrote {opts.output}" + (f" and {result.report['plot']}" if result.report.get("plot") else ""))
     return 0
+
+
+def _note_signals() -> None:
+    """Say so on stderr when a signal ends a (long) run, instead of dying without a word."""
+    import signal
+
+    def on_signal(signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        print(f"tidal bench offline: stopped by {name} (the JSON holds the workloads finished so far)",
+              file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        with contextlib.suppress(ValueError, OSError):  # not the main thread / not on this platform
+            if signal.getsignal(sig) in (signal.SIG_DFL, None):
+                signal.signal(sig, on_signal)
 
 
 def main(argv: list[str] | None = None) -> int:
