@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.policies.drive import admitted, step
 from tidal.config import ConfigError, ModelArch, SchedulerConfig
 from tidal.core.kv_manager import KVCacheManager
 from tidal.core.plan import BatchComposition, ScheduledChunk, StepPlan, StepResult
@@ -41,16 +42,6 @@ def make(batching: str = "bucket", num_blocks: int = 64, block_size: int = 4, bu
     cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, batching=batching,
                           policy_args={f"bucket.{k}": v for k, v in policy_args.items()})
     return Scheduler(cfg, KVCacheManager(num_blocks, block_size), policy=build_policy(cfg), watermark=0.0)
-
-
-def step(s: Scheduler, now: float = 0.0) -> StepPlan:
-    plan = s.schedule(now)
-    s.update(plan, StepResult(plan.step_id, sampled={c.request_id: 7 for c in plan.chunks if c.sample}), now)
-    return plan
-
-
-def admitted(plan: StepPlan) -> list[str]:
-    return [c.request_id for c in plan.chunks if c.start == 0]
 
 
 def run(s: Scheduler, max_steps: int = 500) -> list[StepPlan]:

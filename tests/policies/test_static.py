@@ -7,9 +7,9 @@ import random
 
 import pytest
 
+from tests.policies.drive import admitted, step
 from tidal.config import SchedulerConfig
 from tidal.core.kv_manager import KVCacheManager
-from tidal.core.plan import StepPlan, StepResult
 from tidal.core.request import Request
 from tidal.core.sampling import SamplingParams
 from tidal.core.scheduler import Scheduler
@@ -27,16 +27,6 @@ def make(num_blocks: int = 64, block_size: int = 4, budget: int = 256, max_seqs:
     cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, batching="static",
                           preemption_mode=mode)
     return Scheduler(cfg, KVCacheManager(num_blocks, block_size), policy=build_policy(cfg), watermark=0.0)
-
-
-def step(s: Scheduler, now: float = 0.0) -> StepPlan:
-    plan = s.schedule(now)
-    s.update(plan, StepResult(plan.step_id, sampled={c.request_id: 7 for c in plan.chunks if c.sample}), now)
-    return plan
-
-
-def admitted(plan: StepPlan) -> list[str]:
-    return [c.request_id for c in plan.chunks if c.start == 0]
 
 
 def test_static_padding_eq2_by_hand():
