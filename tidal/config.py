@@ -128,10 +128,13 @@ class ModelConfig:
                 raise ConfigError(f"layer_range must be [start, end) with 0 <= start < end; got {self.layer_range}")
 
 
+DEFAULT_CPU_KV_MEMORY = 512 * 1024**2  # the KV pool on CPU when no budget is given
+
+
 @dataclass
 class CacheConfig:
     block_size: int = 16
-    kv_cache_memory: int | str | None = None  # bytes for the KV pool on CPU (default 512MiB)
+    kv_cache_memory: int | str | None = None  # bytes for the KV pool on CPU (default DEFAULT_CPU_KV_MEMORY)
     gpu_memory_utilization: float = 0.9  # fraction of free GPU memory for weights+KV on CUDA
     swap_space: int | str = "1GiB"  # host memory for swapped-out KV blocks
     num_blocks_override: int | None = None
@@ -228,6 +231,33 @@ def parse_policy_args(items: list[str] | tuple[str, ...]) -> dict[str, str]:
     return out
 
 
+def activation_reserve_bytes(arch: ModelArch, max_num_batched_tokens: int) -> int:
+    """Memory held back from the KV pool on a GPU for one step's activations (fp32 upper bound):
+    the widest MLP and logits buffers for a full token budget."""
+    return max_num_batched_tokens * (4 * arch.intermediate_size + 4 * arch.vocab_size) * 4
+
+
+def kv_pool_blocks(block_bytes: int, *, kv_cache_memory: int | None = None, total_bytes: int | None = None,
+                   utilization: float = 0.9, used_bytes: int = 0, activation_bytes: int = 0) -> int:
+    """Blocks in the KV pool, the one formula the engine and the simulator share.
+
+    An explicit ``kv_cache_memory`` budget wins (the CPU default). Otherwise the pool is what
+    ``utilization`` of the device leaves after what is already used (weights) and one step's
+    activations: ``(total * utilization - used - activations) // block_bytes``.
+    """
+    if kv_cache_memory is not None:
+        budget = kv_cache_memory
+    elif total_bytes is not None:
+        budget = int(total_bytes * utilization) - used_bytes - activation_bytes
+    else:
+        raise ConfigError("the KV pool needs kv_cache_memory or the device's total memory")
+    n = budget // block_bytes
+    if n < 1:
+        raise ConfigError(f"the KV cache budget ({budget} bytes) holds no block of {block_bytes} bytes "
+                          f"(weights and activations take {used_bytes + activation_bytes} bytes)")
+    return int(n)
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -240,6 +270,6 @@ def default_cpu_threads() -> int:
 
 
 __all__ = [
-    "CacheConfig", "ConfigError", "EngineConfig", "ModelArch", "ModelConfig", "SchedulerConfig",
+    "DEFAULT_CPU_KV_MEMORY", "CacheConfig", "ConfigError", "activation_reserve_bytes", "kv_pool_blocks", "EngineConfig", "ModelArch", "ModelConfig", "SchedulerConfig",
     "cdiv", "default_cpu_threads", "env_str", "parse_policy_args", "parse_size",
 ]

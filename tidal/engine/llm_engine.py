@@ -9,12 +9,20 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from tidal.config import ConfigError, EngineConfig, default_cpu_threads
+from tidal.config import (
+    DEFAULT_CPU_KV_MEMORY,
+    ConfigError,
+    EngineConfig,
+    activation_reserve_bytes,
+    default_cpu_threads,
+    kv_pool_blocks,
+)
 from tidal.core.kv_manager import KVCacheManager
 from tidal.core.plan import RequestUpdate, StepResult
 from tidal.core.request import FinishReason, Request, RequestClass
@@ -29,8 +37,6 @@ from tidal.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from tidal.policies import build_policy
 
 log = logging.getLogger("tidal.engine")
-
-DEFAULT_CPU_KV_MEMORY = 512 * 1024**2
 
 
 def resolve_device(name: str) -> torch.device:
@@ -95,8 +101,9 @@ class _Group:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, checkpoint: LoadedCheckpoint | None = None,
-                 tokenizer: Tokenizer | None = None):
+                 tokenizer: Tokenizer | None = None, clock: Callable[[], float] = time.monotonic):
         self.config = config = config or EngineConfig()
+        self.clock = clock  # the scheduler's "now"; a test can drive the engine on a virtual clock
         mc, cc, sc = config.model, config.cache, config.scheduler
         self.device = resolve_device(mc.device)
         self.dtype = resolve_dtype(mc.dtype, self.device)
@@ -136,17 +143,12 @@ class LLMEngine:
         if cc.num_blocks_override:
             return cc.num_blocks_override
         if cc.kv_cache_memory is not None or self.device.type == "cpu":
-            budget = cc.kv_cache_memory or DEFAULT_CPU_KV_MEMORY
-        else:  # CUDA: a fraction of the device's memory, less what is already used, less activations
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            sc = self.config.scheduler
-            act = sc.max_num_batched_tokens * (4 * self.arch.intermediate_size + 4 * self.arch.vocab_size) * 4
-            budget = int(total * cc.gpu_memory_utilization) - used - act
-        n = budget // block_bytes
-        if n < 1:
-            raise ConfigError(f"the KV cache budget ({budget} bytes) holds no block of {block_bytes} bytes")
-        return int(n)
+            return kv_pool_blocks(block_bytes, kv_cache_memory=cc.kv_cache_memory or DEFAULT_CPU_KV_MEMORY)
+        # CUDA: a fraction of the device's memory, less what is already used, less activations
+        free, total = torch.cuda.mem_get_info(self.device)
+        act = activation_reserve_bytes(self.arch, self.config.scheduler.max_num_batched_tokens)
+        return kv_pool_blocks(block_bytes, total_bytes=total, utilization=cc.gpu_memory_utilization,
+                              used_bytes=total - free, activation_bytes=act)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int] | None = None,
@@ -171,7 +173,7 @@ class LLMEngine:
             raise RequestRejected(
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
                 f"{len(prompt_token_ids)} tokens and max_tokens is {params.max_tokens}", param="max_tokens")
-        arrival = time.monotonic() if arrival_time is None else arrival_time
+        arrival = self.clock() if arrival_time is None else arrival_time
         group = _Group(request_id, text, list(prompt_token_ids), params, [], arrival)
         reqs = []
         for i in range(params.n):
@@ -215,7 +217,7 @@ class LLMEngine:
         """Continue a request exported by another engine; its cached KV is written into our pool."""
         if snap.request_id in self._groups:
             raise RequestRejected(f"request id {snap.request_id!r} is already in use")
-        req = Request(snap.request_id, list(snap.prompt_token_ids), snap.params, arrival_time=time.monotonic(),
+        req = Request(snap.request_id, list(snap.prompt_token_ids), snap.params, arrival_time=self.clock(),
                       eos_token_ids=self.eos_token_ids, priority=snap.priority,
                       request_class=RequestClass(snap.request_class))
         req.output_token_ids = list(snap.output_token_ids)
@@ -235,7 +237,7 @@ class LLMEngine:
     def abort_request(self, request_ids: str | list[str]) -> None:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        now = time.monotonic()
+        now = self.clock()
         for rid in request_ids:
             group = self._groups.pop(rid, None)
             if group is None:
@@ -253,11 +255,11 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule(time.monotonic())
+        plan = self.scheduler.schedule(self.clock())
         result = self.runner.execute(plan)
         self.last_result = result
         self.num_steps += 1
-        updates = self.scheduler.update(plan, result, time.monotonic())
+        updates = self.scheduler.update(plan, result, self.clock())
         return self._process(updates)
 
     def _process(self, updates: list[RequestUpdate]) -> list[RequestOutput]:
@@ -300,7 +302,7 @@ class LLMEngine:
                 ch.text = ch.text[: i + len(s)] if sp.include_stop_str_in_output else ch.text[:i]
                 ch.finish_reason, ch.stop_reason = FinishReason.STOP.value, s
                 if not upd.finished:
-                    self.scheduler.finish_request(ch.request.request_id, FinishReason.STOP, s, now=time.monotonic())
+                    self.scheduler.finish_request(ch.request.request_id, FinishReason.STOP, s, now=self.clock())
 
     def _output(self, group: _Group) -> RequestOutput:
         outs = []
