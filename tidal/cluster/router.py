@@ -1,0 +1,95 @@
+"""Routers: which instance a new request goes to. Pure decision code (no clock, no threads),
+shared by the simulator and the multi-instance runtime.
+
+- ``round-robin``: instances in turn.
+- ``least-outstanding``: the fewest unfinished requests (running + waiting), as in Llumnix's and
+  vLLM's router baselines; ties go to the lower index.
+- ``kv-aware``: the most free KV blocks after what is already queued there and this request
+  need (KunServe's dispatcher balances on a memory load metric in the manner of Llumnix);
+  ties go to the fewest outstanding requests, then the lower index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class InstanceLoad(Protocol):
+    """What a router may look at on an instance."""
+
+    @property
+    def num_outstanding(self) -> int: ...
+
+    @property
+    def num_free_blocks(self) -> int: ...
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def queued_block_demand(self) -> int: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What a router knows of a request: its prompt and its most output."""
+
+    request_id: str
+    prompt_len: int
+    max_tokens: int
+
+
+class Router:
+    name = "base"
+
+    def route(self, req: RouteRequest, instances: Sequence[InstanceLoad]) -> int:
+        raise NotImplementedError
+
+
+class RoundRobinRouter(Router):
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def route(self, req: RouteRequest, instances: Sequence[InstanceLoad]) -> int:
+        i = self._next % len(instances)
+        self._next = i + 1
+        return i
+
+
+class LeastOutstandingRouter(Router):
+    name = "least-outstanding"
+
+    def route(self, req: RouteRequest, instances: Sequence[InstanceLoad]) -> int:
+        return min(range(len(instances)), key=lambda i: (instances[i].num_outstanding, i))
+
+
+class KVAwareRouter(Router):
+    name = "kv-aware"
+
+    def route(self, req: RouteRequest, instances: Sequence[InstanceLoad]) -> int:
+        def headroom(i: int) -> tuple[float, int, int]:
+            inst = instances[i]
+            need = -(-(req.prompt_len + 1) // inst.block_size)
+            free = inst.num_free_blocks - inst.queued_block_demand - need
+            return (-free / inst.num_blocks, inst.num_outstanding, i)
+        return min(range(len(instances)), key=headroom)
+
+
+ROUTERS: dict[str, Callable[[], Router]] = {
+    RoundRobinRouter.name: RoundRobinRouter,
+    LeastOutstandingRouter.name: LeastOutstandingRouter,
+    KVAwareRouter.name: KVAwareRouter,
+}
+
+
+def build_router(name: str) -> Router:
+    if name not in ROUTERS:
+        raise ValueError(f"unknown router {name!r}; available: {', '.join(ROUTERS)}")
+    return ROUTERS[name]()

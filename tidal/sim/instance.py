@@ -1,0 +1,120 @@
+"""One simulated instance: the engine's own Scheduler, KVCacheManager and policy objects, with
+the model runner replaced by a cost model. Pure: time is an argument.
+
+An instance is idle or executing one step. ``begin_step(now)`` asks the real scheduler for a
+plan and the cost model for its duration; ``end_step(now)`` applies a result (each sampled
+request gets one token) through the real ``Scheduler.update``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tidal.config import SchedulerConfig
+from tidal.core.kv_manager import KVCacheManager
+from tidal.core.plan import RequestUpdate, StepPlan, StepResult
+from tidal.core.request import Request
+from tidal.core.scheduler import Scheduler
+from tidal.policies import build_policy
+from tidal.sim.cost_model import CostModel
+
+SIM_TOKEN = 0  # the token every simulated sample produces (requests ignore EOS)
+
+
+@dataclass
+class Timeline:
+    """Per-instance samples over simulated time (at most one per ``interval`` seconds)."""
+
+    interval: float = 0.0
+    t: list[float] = field(default_factory=list)
+    kv_usage: list[float] = field(default_factory=list)
+    waiting: list[int] = field(default_factory=list)
+    running: list[int] = field(default_factory=list)
+    batch_size: list[int] = field(default_factory=list)
+
+    def sample(self, now: float, kv_usage: float, waiting: int, running: int, batch: int) -> None:
+        if self.t and now - self.t[-1] < self.interval:
+            return
+        self.t.append(now)
+        self.kv_usage.append(kv_usage)
+        self.waiting.append(waiting)
+        self.running.append(running)
+        self.batch_size.append(batch)
+
+    def to_dict(self) -> dict:
+        return {"t": self.t, "kv_usage": self.kv_usage, "waiting": self.waiting, "running": self.running,
+                "batch_size": self.batch_size}
+
+
+class SimInstance:
+    def __init__(self, index: int, config: SchedulerConfig, num_blocks: int, block_size: int,
+                 cost_model: CostModel, max_model_len: int | None, num_host_blocks: int = 0,
+                 timeline_interval: float = 0.0):
+        self.index = index
+        self.kv = KVCacheManager(num_blocks, block_size, num_host_blocks)
+        self.policy = build_policy(config)
+        self.scheduler = Scheduler(config, self.kv, self.policy, max_model_len)
+        self.cost_model = cost_model
+        self.max_model_len = max_model_len
+        self.busy = False
+        self.wake_pending = False
+        self.plan: StepPlan | None = None
+        self._step_time = 0.0
+        self.num_steps = 0
+        self.busy_time = 0.0
+        self.timeline = Timeline(timeline_interval)
+
+    # ---- what a router sees (tidal.cluster.router.InstanceLoad) ----
+    @property
+    def num_outstanding(self) -> int:
+        return len(self.scheduler.requests)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv.num_free_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.kv.block_size
+
+    @property
+    def queued_block_demand(self) -> int:
+        bs = self.kv.block_size
+        return sum(-(-(r.num_tokens + 1) // bs) for r in self.scheduler.waiting)
+
+    # ---- requests and steps ----
+    def add_request(self, req: Request) -> None:
+        """Raises :class:`tidal.core.scheduler.RequestRejected` if it can never run here."""
+        self.scheduler.add_request(req)
+
+    def begin_step(self, now: float) -> tuple[float | None, list[RequestUpdate]]:
+        """Plan a step at ``now``: (its duration, or None when there is nothing to run; updates
+        the scheduler decided while planning, e.g. a request that outgrew the pool)."""
+        plan = self.scheduler.schedule(now)
+        sched = self.scheduler
+        self.timeline.sample(now, self.kv.usage, len(sched.waiting) + len(sched.swapped), len(sched.running),
+                             len(plan.chunks))
+        if not plan.chunks:
+            return None, self.scheduler.update(plan, StepResult(plan.step_id), now)
+        dt = self.cost_model.step_time(plan)
+        self.plan, self._step_time, self.busy = plan, dt, True
+        return dt, []
+
+    def end_step(self, now: float) -> list[RequestUpdate]:
+        plan = self.plan
+        assert plan is not None, "end_step without a step in flight"
+        sampled = {c.request_id: SIM_TOKEN for c in plan.chunks if c.sample}
+        result = StepResult(plan.step_id, sampled, step_time_s=self._step_time, composition=plan.composition)
+        self.plan, self.busy = None, False
+        self.num_steps += 1
+        self.busy_time += self._step_time
+        return self.scheduler.update(plan, result, now)
+
+    def stats(self) -> dict:
+        return {"index": self.index, "num_blocks": self.kv.num_blocks, "block_size": self.kv.block_size,
+                "steps": self.num_steps, "busy_time_s": self.busy_time,
+                "num_preemptions": self.scheduler.num_preemptions, "policy_state": self.policy.state()}
