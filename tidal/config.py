@@ -68,12 +68,15 @@ class ModelArch:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
+    mlp_matrices: int = 3  # 3 = gated MLP (SwiGLU: gate, up, down), 2 = plain (fc1, fc2: OPT)
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                   "num_kv_heads", "head_dim"):
             if getattr(self, f) <= 0:
                 raise ConfigError(f"model {f} must be > 0, got {getattr(self, f)}")
+        if self.mlp_matrices not in (2, 3):
+            raise ConfigError(f"model mlp_matrices must be 2 (plain) or 3 (gated), got {self.mlp_matrices}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
@@ -87,7 +90,7 @@ class ModelArch:
         h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
         q = self.num_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
-        mlp = 3 * h * self.intermediate_size
+        mlp = self.mlp_matrices * h * self.intermediate_size
         return attn + mlp + 2 * h
 
     def num_params(self) -> int:
