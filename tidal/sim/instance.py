@@ -95,9 +95,11 @@ class SimInstance:
         """Plan a step at ``now``: (its duration, or None when there is nothing to run; updates
         the scheduler decided while planning, e.g. a request that outgrew the pool)."""
         plan = self.scheduler.schedule(now)
-        sched = self.scheduler
-        self.timeline.sample(now, self.kv.usage, len(sched.waiting) + len(sched.swapped), len(sched.running),
-                             len(plan.chunks))
+        tl = self.timeline
+        if not tl.t or now - tl.t[-1] >= tl.interval:
+            sched = self.scheduler
+            tl.sample(now, self.kv.usage, len(sched.waiting) + len(sched.swapped), len(sched.running),
+                      len(plan.chunks))
         if not plan.chunks:
             return None, self.scheduler.update(plan, StepResult(plan.step_id), now)
         dt = self.cost_model.step_time(plan)

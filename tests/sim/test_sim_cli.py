@@ -1,0 +1,76 @@
+"""``tidal sim`` end to end: JSON with the bench's keys, plots, capacity search, clear errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tidal.sim import run as sim_run
+
+
+def _run(argv):
+    return sim_run.main(argv)
+
+
+def test_sim_writes_summary_json_and_plots(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    rc = _run(["--model", "llama-2-7b", "--hardware", "a100-40g", "--instances", "2", "--workload", "sharegpt",
+               "--num-requests", "120", "--rate", "2", "--slo", "ttft=3000,tpot=150", "--output", str(out),
+               "--no-progress", "--batching", "bucket+memory+sla", "--tbt-slo-ms", "50"])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    for key in ("completed", "failed", "request_throughput", "output_throughput", "ttft_ms", "tpot_ms", "itl_ms",
+                "e2el_ms", "slo_attainment", "goodput", "simulated_time_s", "wall_time_s", "speedup",
+                "timelines", "instances", "requests", "kv_blocks_per_instance", "command"):
+        assert key in r, key
+    assert r["num_requests"] == 120 and r["completed"] + r["failed"] == 120
+    assert r["simulated_time_s"] > 50 and r["wall_time_s"] > 0
+    assert len(r["timelines"]) == 2 and r["timelines"][0]["t"]
+    for png in r["plots"]:
+        with open(png, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert any(p.endswith("_instances.png") for p in r["plots"])
+    text = capsys.readouterr().out
+    assert "faster than real time" in text
+
+
+def test_capacity_search(tmp_path):
+    out = tmp_path / "c.json"
+    rc = _run(["--model", "llama-2-7b", "--hardware", "a100-80g", "--workload", "alpaca", "--num-requests", "200",
+               "--slo", "ttft=500,tpot=40", "--capacity-search", "--search-low", "1", "--search-high", "64",
+               "--max-probes", "6", "--output", str(out), "--no-progress", "--no-plots"])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    cs = r["capacity_search"]
+    assert len(cs["probes"]) >= 3
+    passed = [p["rate"] for p in cs["probes"] if p["passed"]]
+    failed = [p["rate"] for p in cs["probes"] if not p["passed"]]
+    assert passed and failed and max(passed) < min(failed)
+    assert cs["capacity_rps"] == max(passed)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--model", "gpt-9"], "unknown model 'gpt-9'"),
+    (["--hardware", "tpu-v9"], "unknown hardware 'tpu-v9'"),
+    (["--model", "llama-3-70b", "--hardware", "a100-80g"], "do not fit"),
+    (["--batching", "magic"], "unknown policy 'magic'"),
+    (["--trace", "/nonexistent.csv"], "trace file not found"),
+    (["--cost-model", "profiled"], "needs a profile file"),
+])
+def test_bad_arguments_give_one_line(tmp_path, capsys, argv, needle):
+    rc = _run([*argv, "--workload", "alpaca", "--num-requests", "5", "--output", str(tmp_path / "x.json"),
+               "--no-progress"] if "--trace" not in argv else [*argv, "--output", str(tmp_path / "x.json")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert needle in err and err.count("\n") == 1, err
+
+
+def test_cli_entry_point_runs_sim(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "tidal.cli", "sim", "--model", "smollm2-135m", "--hardware", "cpu",
+                           "--workload", "fixed:64:8", "--num-requests", "4", "--output", str(tmp_path / "s.json"),
+                           "--no-plots", "--no-progress"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "4 completed" in proc.stdout

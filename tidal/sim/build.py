@@ -1,0 +1,86 @@
+"""Building a simulated cluster from names: model shape, hardware, cost model, KV pool, router.
+
+Each instance's KV pool is sized by :func:`tidal.config.kv_pool_blocks`, the formula the engine
+uses: on a GPU, ``utilization`` of the memory less the weights, the runtime's reserve and one
+step's activations; on the CPU, the engine's KV budget. Pure (no torch, no clock).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tidal.bench.workloads import RequestSpec
+from tidal.cluster.router import build_router
+from tidal.config import ConfigError, ModelArch, SchedulerConfig
+from tidal.sim.analytic import AnalyticCostModel, kv_pool_blocks_for
+from tidal.sim.cost_model import CostModel
+from tidal.sim.hardware import HardwareSpec, get_hardware
+from tidal.sim.instance import SimInstance
+from tidal.sim.models import get_model
+from tidal.sim.simulator import ClusterSimulator
+
+COST_MODELS = ("analytic", "profiled")
+
+
+@dataclass
+class ClusterSpec:
+    model: str = "llama-3-8b"
+    hardware: str = "a100-80g"
+    instances: int = 1
+    tp: int = 1  # GPUs per instance (tensor parallel)
+    dtype_bytes: int = 2
+    block_size: int = 16
+    router: str = "least-outstanding"
+    cost_model: str = "analytic"
+    profile: str | None = None  # a `tidal profile` file (cost_model "profiled")
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None  # explicit KV budget per instance (bytes)
+    num_blocks: int | None = None  # explicit pool size (overrides the memory budget)
+    swap_space: int = 0  # host bytes per instance for swapped-out KV (preemption_mode swap)
+    max_model_len: int | None = None  # default: the model's context
+    timeline_interval_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.instances < 1:
+            raise ConfigError(f"instances must be >= 1, got {self.instances}")
+        if self.tp < 1:
+            raise ConfigError(f"tp must be >= 1, got {self.tp}")
+        if self.cost_model not in COST_MODELS:
+            raise ConfigError(f"cost model must be one of {', '.join(COST_MODELS)}; got {self.cost_model!r}")
+        if self.cost_model == "profiled" and not self.profile:
+            raise ConfigError("the profiled cost model needs a profile file (write one with `tidal profile`)")
+
+
+def make_cost_model(spec: ClusterSpec, arch: ModelArch, hw: HardwareSpec) -> CostModel:
+    if spec.cost_model == "profiled":
+        from tidal.sim.profiled import ProfiledCostModel
+
+        return ProfiledCostModel.load(spec.profile)
+    return AnalyticCostModel(arch, hw, dtype_bytes=spec.dtype_bytes, tp=spec.tp, block_size=spec.block_size)
+
+
+def resolve(spec: ClusterSpec) -> tuple[ModelArch, HardwareSpec, int, int]:
+    """(model shape, hardware, KV blocks per instance, context length)."""
+    arch, hw = get_model(spec.model), get_hardware(spec.hardware)
+    max_len = min(spec.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
+    if spec.num_blocks is not None:
+        blocks = spec.num_blocks
+    else:
+        blocks = kv_pool_blocks_for(arch, hw, spec.dtype_bytes, spec.tp, spec.block_size,
+                                    spec.scheduler.max_num_batched_tokens,
+                                    utilization=spec.gpu_memory_utilization, kv_cache_memory=spec.kv_cache_memory)
+    return arch, hw, blocks, max_len
+
+
+def build_simulator(spec: ClusterSpec, requests: Sequence[RequestSpec]) -> ClusterSimulator:
+    arch, hw, blocks, max_len = resolve(spec)
+    block_bytes = spec.block_size * arch.kv_bytes_per_token(spec.dtype_bytes)  # all tp shards
+    host_blocks = spec.swap_space // block_bytes if spec.scheduler.preemption_mode == "swap" else 0
+    instances = [
+        SimInstance(i, spec.scheduler, blocks, spec.block_size, make_cost_model(spec, arch, hw), max_len,
+                    num_host_blocks=host_blocks, timeline_interval=spec.timeline_interval_s)
+        for i in range(spec.instances)
+    ]
+    return ClusterSimulator(instances, build_router(spec.router), requests, max_model_len=max_len)

@@ -1,0 +1,316 @@
+"""``tidal sim``: simulate a cluster serving a workload; print and save the bench's summary.
+
+The driver (argument parsing, wall clock, progress bar, files) is here; everything it runs is
+the pure simulator. The JSON has the keys of ``tidal bench serve`` plus ``simulated_time_s``,
+``wall_time_s`` and ``speedup`` (simulated seconds per wall second); PNGs are written beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from dataclasses import fields, replace
+from typing import Any
+
+from tidal.bench import metrics as M
+from tidal.bench import workloads as W
+from tidal.config import ConfigError, SchedulerConfig, parse_size
+from tidal.sim.build import COST_MODELS, ClusterSpec, build_simulator, resolve
+
+PROG = "tidal sim"
+DEFAULT_OUTPUT = "results/sim.json"
+
+
+def _pos_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return v
+
+
+def _pos_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return v
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from tidal.cluster.router import ROUTERS
+    from tidal.sim.hardware import HARDWARE
+    from tidal.sim.models import MODELS
+
+    g = p.add_argument_group("cluster")
+    g.add_argument("--model", default="llama-3-8b", help=f"model shape: {', '.join(MODELS)}")
+    g.add_argument("--hardware", default="a100-80g", help=f"per-GPU hardware: {', '.join(HARDWARE)}")
+    g.add_argument("--instances", type=_pos_int, default=1, help="serving instances")
+    g.add_argument("--tp", type=_pos_int, default=1, help="GPUs per instance (tensor parallel)")
+    g.add_argument("--router", default="least-outstanding", choices=list(ROUTERS))
+    g.add_argument("--cost-model", default=None, choices=list(COST_MODELS),
+                   help="analytic (roofline) or profiled (needs --profile); default: profiled if --profile")
+    g.add_argument("--profile", default=None, help="profile file written by `tidal profile`")
+    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    g.add_argument("--block-size", type=_pos_int, default=16)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--kv-cache-memory", default=None, help="KV budget per instance, e.g. 512MiB")
+    g.add_argument("--num-blocks", type=_pos_int, default=None, help="KV blocks per instance (overrides memory)")
+    g.add_argument("--swap-space", default="0", help="host memory per instance for swapped KV, e.g. 4GiB")
+    g.add_argument("--max-model-len", type=_pos_int, default=None)
+    g = p.add_argument_group("scheduler (as the engine's flags)")
+    g.add_argument("--batching", default="continuous", help="policy name(s) joined with +")
+    g.add_argument("--max-num-seqs", type=_pos_int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=_pos_int, default=None)
+    g.add_argument("--long-prefill-token-threshold", type=int, default=None)
+    g.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None)
+    g.add_argument("--tbt-slo-ms", type=_pos_float, default=None)
+    g.add_argument("--policy-arg", action="append", default=None, dest="policy_args", metavar="NAME=VALUE")
+    g = p.add_argument_group("workload (as tidal bench serve)")
+    g.add_argument("--workload", default=None, help=f"one of {', '.join(W.WORKLOAD_NAMES)}")
+    g.add_argument("--trace", default=None, help="timed trace to replay: Azure CSV or Mooncake JSONL")
+    g.add_argument("--time-scale", type=_pos_float, default=None, help="replay a trace this many times faster")
+    g.add_argument("--dataset", default=None)
+    g.add_argument("--traces-dir", default=None)
+    g.add_argument("--num-requests", type=_pos_int, default=None)
+    g.add_argument("--duration", type=_pos_float, default=None, help="seconds of arrivals (a trace is cut)")
+    g.add_argument("--rate", type=_pos_float, default=None, help="mean request rate (req/s)")
+    g.add_argument("--burstiness", type=_pos_float, default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-input-len", type=_pos_int, default=None)
+    g.add_argument("--max-output-len", type=_pos_int, default=None)
+    g = p.add_argument_group("SLOs and capacity")
+    g.add_argument("--slo", default=None, help="latency SLOs in ms, e.g. ttft=2000,tpot=100")
+    g.add_argument("--capacity-search", action="store_true", help="bisect the highest rate meeting the target")
+    g.add_argument("--target-attainment", type=float, default=0.9)
+    g.add_argument("--search-low", type=_pos_float, default=0.1)
+    g.add_argument("--search-high", type=_pos_float, default=64.0)
+    g.add_argument("--search-tolerance", type=_pos_float, default=0.05)
+    g.add_argument("--max-probes", type=_pos_int, default=10)
+    g = p.add_argument_group("output")
+    g.add_argument("--output", default=DEFAULT_OUTPUT, help="JSON result path (PNGs beside it)")
+    g.add_argument("--no-plots", action="store_true")
+    g.add_argument("--no-progress", action="store_true")
+    g.add_argument("--timeline-points", type=_pos_int, default=2000, help="samples per instance timeline")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("sim", help="simulate a cluster (same scheduler code, cost-model clock)",
+                       description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+# ============================================================================ building
+def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
+    sched: dict[str, Any] = {"batching": args.batching}
+    for key in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "preemption_mode",
+                "tbt_slo_ms", "policy_args"):
+        if getattr(args, key) is not None:
+            sched[key] = getattr(args, key)
+    cost = args.cost_model or ("profiled" if args.profile else "analytic")
+    return ClusterSpec(
+        model=args.model, hardware=args.hardware, instances=args.instances, tp=args.tp,
+        dtype_bytes=4 if args.dtype == "float32" else 2, block_size=args.block_size, router=args.router,
+        cost_model=cost, profile=args.profile, scheduler=SchedulerConfig(**sched),
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory=parse_size(args.kv_cache_memory, "kv_cache_memory") if args.kv_cache_memory else None,
+        num_blocks=args.num_blocks, swap_space=parse_size(args.swap_space, "swap_space"),
+        max_model_len=args.max_model_len)
+
+
+def workload(args: argparse.Namespace, rate: float | None) -> list[W.RequestSpec]:
+    from tidal.bench.serve import _default_traces_dir
+
+    num = args.num_requests
+    if num is None and args.duration is None and not args.trace:
+        num = 1000
+    opts = W.WorkloadOptions(
+        workload=args.workload, num_requests=num, duration_s=args.duration, rate=rate,
+        burstiness=args.burstiness, seed=args.seed, trace=args.trace, time_scale=args.time_scale,
+        dataset=args.dataset, traces_dir=args.traces_dir or _default_traces_dir(),
+        max_input_len=args.max_input_len, max_output_len=args.max_output_len)
+    specs = W.make_requests(opts)
+    if args.trace and args.duration is not None:
+        specs = [s for s in specs if s.arrival_s < args.duration]
+    if not specs:
+        raise W.WorkloadError("the workload has no requests (check --duration / --num-requests)")
+    return specs
+
+
+class _Progress:
+    """A tqdm bar over simulated seconds (the loop reports its clock every few thousand events)."""
+
+    def __init__(self, horizon: float, desc: str, enabled: bool):
+        self.bar = None
+        self.done = 0.0
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=round(horizon, 1), desc=desc, unit="sim-s", file=sys.stderr, dynamic_ncols=True,
+                            bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} sim-s [{elapsed}<{remaining}]")
+
+    def __call__(self, now: float) -> None:
+        if self.bar is not None and now > self.done:
+            self.bar.update(min(now, self.bar.total) - self.done)
+            self.done = min(now, self.bar.total)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def simulate(spec: ClusterSpec, specs: list[W.RequestSpec], slo: M.SLO, desc: str = "sim",
+             progress: bool = True, timeline_points: int = 2000) -> dict[str, Any]:
+    horizon = max(s.arrival_s for s in specs)
+    spec = replace(spec, timeline_interval_s=horizon / timeline_points if horizon > 0 else 0.0)
+    sim = build_simulator(spec, specs)
+    bar = _Progress(horizon, desc, progress)
+    t0 = time.perf_counter()
+    try:
+        res = sim.run(progress=bar)
+    finally:
+        bar.close()
+    wall = time.perf_counter() - t0
+    summary = M.summarize(res.records, slo=slo)
+    summary.update({
+        "simulated_time_s": res.simulated_time_s, "wall_time_s": wall,
+        "speedup": res.simulated_time_s / wall if wall > 0 else None, "num_events": res.num_events,
+        "instances": res.instances, "timelines": res.timelines,
+        "requests": [_record(r) for r in res.records],
+    })
+    return summary
+
+
+def _record(r: M.RequestRecord) -> dict[str, Any]:
+    # no per-token gaps: millions of them for a long run; the summary keeps their distribution
+    d = {f.name: getattr(r, f.name) for f in fields(r) if f.name != "itl_s"}
+    d["tpot_s"], d["queue_s"] = r.tpot_s, r.queue_s
+    return d
+
+
+def _at_rate(specs: list[W.RequestSpec], rate: float, duration_s: float | None) -> list[W.RequestSpec]:
+    """The same requests with arrivals rescaled to average ``rate`` (cut at ``duration_s``)."""
+    arr = W.rescale_to_rate([s.arrival_s for s in specs], rate)
+    out = [replace(s, arrival_s=float(t)) for s, t in zip(specs, arr, strict=True)]
+    return [s for s in out if duration_s is None or s.arrival_s < duration_s]
+
+
+def run_sim(args: argparse.Namespace) -> dict[str, Any]:
+    slo = M.parse_slo(args.slo)
+    spec = cluster_spec(args)
+    arch, hw, blocks, max_len = resolve(spec)  # fail on a bad model/hardware/memory before the workload
+    if args.capacity_search:
+        if args.rate is not None or args.time_scale is not None:
+            raise ConfigError("--capacity-search picks the rates itself; drop --rate/--time-scale")
+        if not 0 < args.target_attainment <= 1:
+            raise ConfigError("--target-attainment must be in (0, 1]")
+    if args.capacity_search:  # one base workload (at 1 req/s, or the trace's times) rescaled per probe
+        if args.num_requests is None and args.duration is not None and not args.trace:
+            args.num_requests = int(args.search_high * args.duration * 1.5) + 16
+        specs = workload(args, None if args.trace else 1.0)
+    else:
+        specs = workload(args, args.rate)
+    info = {"model": spec.model, "hardware": spec.hardware, "instances": spec.instances, "tp": spec.tp,
+            "kv_blocks_per_instance": blocks, "block_size": spec.block_size, "max_model_len": max_len,
+            "cost_model": spec.cost_model, "router": spec.router, "batching": spec.scheduler.batching}
+    search_report = None
+    if args.capacity_search:
+        search = M.CapacitySearch(args.search_low, args.search_high, args.target_attainment,
+                                  tolerance=args.search_tolerance, max_probes=args.max_probes)
+        while (rate := search.next_rate()) is not None:
+            at_rate = _at_rate(specs, rate, args.duration)
+            out = simulate(spec, at_rate, slo, f"rate {rate:.3g}", not args.no_progress, args.timeline_points)
+            search.record(rate, out["slo_attainment"] or 0.0, {k: out[k] for k in ("ttft_ms", "tpot_ms")})
+            print(f"  rate {rate:8.3g} req/s: attainment {100 * (out['slo_attainment'] or 0):5.1f}%", file=sys.stderr)
+        search_report = search.report()
+        rate = search.capacity or args.search_low
+        specs = _at_rate(specs, rate, args.duration)
+    result = simulate(spec, specs, slo, "sim", not args.no_progress, args.timeline_points)
+    result.update(info)
+    result["workload"] = {"name": args.workload or "trace", "trace": args.trace, "num_requests": len(specs),
+                          "rate": args.rate, **W.length_stats(specs)}
+    if search_report is not None:
+        result["capacity_search"] = search_report
+    from tidal.bench.serve import machine_info
+
+    result["machine"] = machine_info()
+    result["command"] = shlex.join(["tidal", "sim", *sys.argv[sys.argv.index("sim") + 1:]]) \
+        if "sim" in sys.argv else "tidal sim"
+    return result
+
+
+def format_summary(r: dict[str, Any]) -> str:
+    def f(x: Any, spec: str = ".1f") -> str:
+        return "-" if x is None else format(x, spec)
+
+    lines = [f"{r['model']} on {r['instances']} x {r['hardware']} (tp {r['tp']}), {r['batching']}, "
+             f"router {r['router']}, cost model {r['cost_model']}, {r['kv_blocks_per_instance']} KV blocks/instance",
+             f"requests: {r['num_requests']} ({r['completed']} completed, {r['failed']} failed)"
+             + (f"; errors: {r['errors']}" if r.get("errors") else ""),
+             f"throughput: {f(r['request_throughput'], '.2f')} req/s, {f(r['output_throughput'])} output tok/s",
+             f"TTFT ms p50/p90/p99: {f(r['ttft_ms']['p50'])} / {f(r['ttft_ms']['p90'])} / {f(r['ttft_ms']['p99'])}",
+             f"TPOT ms p50/p90/p99: {f(r['tpot_ms']['p50'])} / {f(r['tpot_ms']['p90'])} / {f(r['tpot_ms']['p99'])}",
+             f"SLO attainment: {f(None if r['slo_attainment'] is None else 100 * r['slo_attainment'])}%"
+             f"  goodput {f(r['goodput']['request_throughput'], '.2f')} req/s",
+             f"simulated {r['simulated_time_s']:.1f} s in {r['wall_time_s']:.2f} s wall: "
+             f"{f(r['speedup'], '.0f')}x faster than real time ({r['num_events']} events)"]
+    cs = r.get("capacity_search")
+    if cs:
+        lines.append(f"capacity at {cs['target_attainment']:.0%} attainment: {f(cs['capacity_rps'], '.3g')} req/s")
+    return "\n".join(lines)
+
+
+def write_result(result: dict[str, Any], path: str, plots: bool = True) -> list[str]:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    written: list[str] = []
+    if plots:
+        from tidal.sim.plots import write_sim_plots
+
+        try:
+            written = write_sim_plots(result, path)
+        except Exception as e:  # a plot must never lose the results
+            print(f"{PROG}: warning: plots failed: {e}", file=sys.stderr)
+    result["plots"] = written
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
+        f.write("\n")
+    return written
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        result = run_sim(args)
+        plots = write_result(result, args.output, not args.no_plots)
+    except (ConfigError, ValueError) as e:  # WorkloadError, SLOError, bad names
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"{PROG}: error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    print(format_summary(result))
+    print(f"wrote {args.output}" + (f" and {', '.join(plots)}" if plots else ""))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+__all__ = ["add_arguments", "add_parser", "cluster_spec", "format_summary", "run", "run_sim", "simulate", "write_result"]
