@@ -144,6 +144,9 @@ class KVCacheManager:
     def allocate(self, request_id: str, num_tokens: int, reserve: int = 0) -> KVAllocation | None:
         """Make room for ``num_tokens`` tokens in total; ``None`` if the pool cannot (then the
         caller preempts). ``reserve`` blocks must stay free afterwards (an admission watermark)."""
+        table = self._tables.get(request_id)
+        if table is not None and len(table) * self.block_size >= num_tokens and reserve <= self.pool.num_free:
+            return KVAllocation(request_id, ())  # the common decode step: the last block has room
         if request_id in self._host_tables:
             raise ValueError(f"request {request_id} is swapped out; swap it in before allocating")
         need = self.blocks_needed(request_id, num_tokens)

@@ -63,14 +63,17 @@ class BatchComposition:
 
     @staticmethod
     def of(chunks: tuple[ScheduledChunk, ...] | list[ScheduledChunk], num_padded_tokens: int = 0) -> BatchComposition:
-        pre = [c for c in chunks if not c.is_decode]
-        return BatchComposition(
-            num_prefill_tokens=sum(c.num_tokens for c in pre),
-            num_prefill_seqs=len(pre),
-            num_decode_seqs=len(chunks) - len(pre),
-            context_lens=tuple(c.context_len for c in chunks),
-            num_padded_tokens=num_padded_tokens,
-        )
+        pre_tokens = pre_seqs = 0
+        ctx = []
+        for c in chunks:  # one pass: this runs every step of the engine and the simulator
+            n, start = len(c.token_ids), c.start
+            if n != 1 or start == 0:  # not a decode (see ScheduledChunk.is_decode)
+                pre_tokens += n
+                pre_seqs += 1
+            ctx.append(start + n)
+        return BatchComposition(num_prefill_tokens=pre_tokens, num_prefill_seqs=pre_seqs,
+                                num_decode_seqs=len(chunks) - pre_seqs, context_lens=tuple(ctx),
+                                num_padded_tokens=num_padded_tokens)
 
 
 @dataclass(frozen=True)
