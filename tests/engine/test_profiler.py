@@ -1,0 +1,103 @@
+"""tidal profile on the real default model: a tiny grid, and the cost model fitted from it."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+from tidal.core.plan import BatchComposition, ScheduledChunk, StepPlan
+from tidal.core.sampling import SamplingParams
+from tidal.engine.profiler import FORMAT, default_grid, profile_engine, time_chunks
+from tidal.sim.profiled import ProfiledCostModel
+
+
+@pytest.fixture(scope="module")
+def profiled(make_engine):
+    engine = make_engine(num_threads=2, kv_cache_memory="256MiB")
+    seen = []
+    data = profile_engine(engine, default_grid(quick=True), repeats=2, warmup=1,
+                          progress=lambda done, total, s: seen.append((done, total)))
+    return engine, data, seen
+
+
+def test_profile_has_the_format_and_positive_times(profiled):
+    engine, data, seen = profiled
+    assert data["format"] == FORMAT
+    json.loads(json.dumps(data))  # JSON-able
+    assert len(data["samples"]) == len(default_grid(quick=True)) and not data["skipped"]
+    for s in data["samples"]:
+        assert s["time_s"] > 0 and len(s["times_s"]) == 2 and all(t > 0 for t in s["times_s"])
+        assert all(len(c) == 3 for c in s["chunks"])
+    assert data["model"]["num_layers"] == engine.arch.num_layers and data["threads"] == 2
+    assert data["block_size"] == engine.kv_manager.block_size
+    assert data["overhead"]["per_step_s"] >= 0 and data["overhead"]["per_seq_s"] >= 0
+    assert seen[-1] == (2 * len(default_grid(quick=True)),) * 2  # one call per timed run
+
+
+def test_nothing_leaks(profiled):
+    engine = profiled[0]
+    kv = engine.kv_manager
+    assert kv.num_free_blocks == kv.num_blocks
+    kv.check_invariants()
+    assert not engine.has_unfinished_requests()
+    assert not engine.runner.sampler._request_gens
+
+
+def test_fitted_model_predicts_the_samples(profiled):
+    data = profiled[1]
+    model = ProfiledCostModel.from_profile(data)
+    errs = []
+    for s in data["samples"]:
+        chunks = [ScheduledChunk(f"r{i}", (1,) * n, st, (), smp, SamplingParams())
+                  for i, (st, n, smp) in enumerate(s["chunks"])]
+        plan = StepPlan(0, tuple(chunks), BatchComposition.of(chunks))
+        errs.append(abs(model.step_time(plan) - s["time_s"]) / s["time_s"])
+    assert statistics.median(errs) < 0.25
+    assert model.fit_report()["median_abs_rel_err"] < 0.25
+
+
+def test_larger_prefill_takes_longer(profiled):
+    times = {tuple(map(tuple, s["chunks"])): s["time_s"] for s in profiled[1]["samples"]}
+    assert times[((0, 128, True),)] > times[((0, 16, True),)]
+
+
+def test_time_chunks_frees_on_failure(profiled):
+    engine = profiled[0]
+    kv = engine.kv_manager
+    too_big = [(0, 16, True)] + [(kv.num_blocks * kv.block_size, 1, True)]
+    with pytest.raises(RuntimeError, match="cannot hold"):
+        time_chunks(engine, too_big, repeats=1, warmup=0)
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_points_that_do_not_fit_are_skipped(profiled):
+    engine = profiled[0]
+    kv = engine.kv_manager
+    data = profile_engine(engine, [[(0, 8, True)], [(kv.num_blocks * kv.block_size, 1, True)]], repeats=1,
+                          warmup=0, overhead=False)
+    assert len(data["samples"]) == 1 and len(data["skipped"]) == 1
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_cli_writes_the_profile(tmp_path, monkeypatch, capsys, smol_ckpt, smol_tokenizer):
+    import argparse
+
+    from tidal.engine import llm_engine, profiler
+
+    real = llm_engine.LLMEngine  # reuse the session's checkpoint instead of loading it again
+    monkeypatch.setattr(llm_engine, "LLMEngine", lambda cfg: real(cfg, checkpoint=smol_ckpt, tokenizer=smol_tokenizer))
+
+    tiny = [[(0, n, True)] for n in (4, 8, 16, 24)] + [[(32, 1, True)] * d for d in (1, 2, 3, 4)]
+    monkeypatch.setattr(profiler, "default_grid", lambda quick=False: tiny)
+    parser = argparse.ArgumentParser()
+    profiler.add_parser(parser.add_subparsers())
+    out = tmp_path / "sub" / "profile.json"
+    args = parser.parse_args(["profile", "--quick", "--threads", "2", "--dtype", "float32", "--repeats", "1",
+                              "--kv-cache-memory", "64MiB", "--output", str(out)])
+    assert args.func(args) == 0
+    data = json.loads(out.read_text())
+    assert data["format"] == FORMAT and len(data["samples"]) == len(tiny)
+    assert "fit R2" in capsys.readouterr().out
+    assert ProfiledCostModel.load(str(out)).fit_report()["num_samples"] == len(tiny)

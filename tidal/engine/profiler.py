@@ -1,0 +1,306 @@
+"""``tidal profile``: time the real engine's step over a grid of batch shapes.
+
+Each sample is one hand-built :class:`~tidal.core.plan.StepPlan` executed by the engine's own
+:class:`~tidal.engine.runner.ModelRunner`: fake requests get blocks from the engine's
+:class:`~tidal.core.kv_manager.KVCacheManager` (their KV contents are garbage, which does not
+change the timing), and the median wall time of its runs is kept.
+Every point is timed once per pass (``repeats`` passes in shuffled orders; the first run of a
+point follows ``warmup`` untimed ones).
+A sample is described only by its chunk list ``[[start, num_tokens, sample], ...]``, so any
+feature set can be fitted to it later (:class:`tidal.sim.profiled.ProfiledCostModel`).
+
+The engine's per-step work outside ``execute`` (the scheduler's schedule and update, the output
+side) is measured on a few real small batches and fitted as ``a + b * num_seqs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tidal.core.plan import BatchComposition, ScheduledChunk, StepPlan
+from tidal.core.sampling import SamplingParams
+
+FORMAT = "tidal-profile/1"
+Chunk = tuple[int, int, bool]  # (start, num_tokens, sample)
+Progress = Callable[[int, int, dict[str, Any]], None]  # (done, total, the sample just measured)
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+
+
+def _point(prefill: int, decodes: int, context: int, prefix: int = 0, sample: bool = True,
+           spread: bool = False) -> list[Chunk]:
+    """``decodes`` decodes with ``context`` cached tokens (or, with ``spread``, contexts spread
+    evenly over [context/4, context]) and one prefill chunk of ``prefill`` tokens after ``prefix``."""
+    chunks: list[Chunk] = []
+    for i in range(decodes):
+        ctx = context if not spread or decodes == 1 else context // 4 + (context - context // 4) * i // (decodes - 1)
+        chunks.append((max(1, ctx), 1, True))
+    if prefill:
+        chunks.append((prefix, prefill, sample))
+    return chunks
+
+
+def default_grid(quick: bool = False) -> list[list[Chunk]]:
+    """The chunk lists to time. Fresh prefills and uniform decodes over P x D x C, plus chunked
+    prefills (a cached prefix; some not sampled, as a long prompt's middle chunk) and decodes
+    whose contexts differ (the runner pads them into groups)."""
+    if quick:
+        return [_point(16, 0, 0), _point(64, 0, 0), _point(128, 0, 0), _point(64, 0, 0, sample=False),
+                _point(0, 1, 64), _point(0, 4, 64), _point(0, 8, 256), _point(0, 8, 256, spread=True),
+                _point(16, 2, 64), _point(32, 4, 128), _point(32, 0, 0, prefix=64),
+                _point(64, 0, 0, prefix=128, sample=False)]
+    grid: list[list[Chunk]] = []
+    for p in (0, 16, 64, 128, 256, 512):
+        for d in (0, 1, 2, 4, 8, 16, 32, 64):
+            for c in (64, 256, 512, 1024):
+                if (p == 0 and d == 0) or (d == 0 and c != 64):  # no decodes: the context is moot
+                    continue
+                grid.append(_point(p, d, c))
+    for p in (64, 256, 512):
+        for prefix in (256, 1024):
+            grid.append(_point(p, 0, 0, prefix=prefix, sample=True))
+            grid.append(_point(p, 0, 0, prefix=prefix, sample=False))
+            grid.append(_point(p, 16, 512, prefix=prefix, sample=False))
+    for p in (128, 512):
+        grid.append(_point(p, 0, 0, sample=False))
+    for d in (8, 32, 64):
+        for c in (512, 1024):
+            grid.append(_point(0, d, c, spread=True))
+            grid.append(_point(64, d, c, spread=True))
+    return grid
+
+
+def _fits(engine: Any, chunks: Sequence[Chunk]) -> bool:
+    kv = engine.kv_manager
+    need = sum(kv.blocks_for_tokens(s + n) for s, n, _ in chunks)
+    longest = max(s + n for s, n, _ in chunks)
+    return need <= kv.num_free_blocks and longest <= engine.max_model_len
+
+
+def time_chunks(engine: Any, chunks: Sequence[Chunk], repeats: int = 3, warmup: int = 1,
+                rng: random.Random | None = None) -> list[float]:
+    """Execute the plan made of ``chunks`` ``warmup + repeats`` times; the measured wall times."""
+    rng = rng or random.Random(0)
+    kv = engine.kv_manager
+    vocab = engine.arch.vocab_size
+    ids = [f"__profile_{i}" for i in range(len(chunks))]
+    sched: list[ScheduledChunk] = []
+    try:
+        for rid, (start, n, sample) in zip(ids, chunks, strict=True):
+            if kv.allocate(rid, start + n) is None:
+                raise RuntimeError(f"the KV pool cannot hold the profiled batch {list(chunks)}")
+            sched.append(ScheduledChunk(rid, tuple(rng.randrange(vocab) for _ in range(n)), start,
+                                        tuple(kv.block_table(rid)), sample, GREEDY))
+        plan = StepPlan(step_id=0, chunks=tuple(sched), composition=BatchComposition.of(sched))
+        times = []
+        for i in range(warmup + repeats):
+            t0 = time.perf_counter()
+            engine.runner.execute(plan)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        return times
+    finally:
+        for rid in ids:
+            kv.free(rid)
+        engine.runner.sampler.forget(ids)
+
+
+def measure_overhead(engine: Any, batch_sizes: Sequence[int] = (1, 4, 16, 32), steps: int = 5,
+                     prompt_len: int = 8) -> dict[str, Any]:
+    """Engine wall time per step outside ``execute`` (schedule, update, outputs) on real decode
+    batches; least squares ``a + b * num_seqs`` (both clipped at 0)."""
+    rng = random.Random(1)
+    vocab = engine.arch.vocab_size
+    xs, ys = [], []
+    cap = engine.config.scheduler.max_num_seqs
+    for n in [b for b in batch_sizes if b <= cap]:
+        ids = [f"__overhead_{n}_{i}" for i in range(n)]
+        for rid in ids:
+            engine.add_request(rid, None, GREEDY, prompt_token_ids=[rng.randrange(vocab) for _ in range(prompt_len)])
+        try:
+            for _ in range(4 * n):  # until every prompt is prefilled and decoding
+                engine.step()
+                if all(r.num_output_tokens for r in _requests(engine, ids)):
+                    break
+            over = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                engine.step()
+                over.append(max(0.0, time.perf_counter() - t0 - engine.last_result.step_time_s))
+            xs.append(n)
+            ys.append(statistics.median(over))
+        finally:
+            engine.abort_request(ids)
+    if not xs:
+        return {"per_step_s": 0.0, "per_seq_s": 0.0, "points": []}
+    b = 0.0
+    if len(set(xs)) > 1:
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        b = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
+                / sum((x - mx) ** 2 for x in xs))
+    a = max(0.0, statistics.fmean(ys) - b * statistics.fmean(xs))
+    return {"per_step_s": a, "per_seq_s": b, "points": [[x, y] for x, y in zip(xs, ys, strict=True)]}
+
+
+def _requests(engine: Any, ids: Sequence[str]) -> list[Any]:
+    out = []
+    for rid in ids:
+        gid, idx = engine._child_parent[rid]
+        out.append(engine._groups[gid].children[idx].request)
+    return out
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        cores = os.cpu_count() or 1
+    return {"cpu": cpu, "cores": cores, "python": platform.python_version()}
+
+
+def profile_engine(engine: Any, grid: Sequence[Sequence[Chunk]] | None = None, repeats: int = 3, warmup: int = 1,
+                   progress: Progress | None = None, overhead: bool = True) -> dict[str, Any]:
+    """Time ``engine``'s step on every chunk list of ``grid`` (default :func:`default_grid`);
+    returns the JSON-able profile (see the module docstring). Points the KV pool cannot hold are
+    listed under ``skipped``. The KV manager is all free again afterwards."""
+    import torch
+
+    from tidal.engine.runner import ModelRunner
+
+    if repeats < 1 or warmup < 0:
+        raise ValueError("repeats must be >= 1 and warmup >= 0")
+    grid = default_grid() if grid is None else grid
+    kv = engine.kv_manager
+    free_before = kv.num_free_blocks
+    if engine.has_unfinished_requests():
+        raise ValueError("profile an idle engine: it has unfinished requests")
+    rng = random.Random(0)
+    points, skipped = [], []
+    for chunks in grid:
+        chunks = [(int(s), int(n), bool(b)) for s, n, b in chunks]
+        if chunks and _fits(engine, chunks):
+            points.append(chunks)
+        else:
+            skipped.append([list(c) for c in chunks])
+    # one timed run of every point per pass, in a new random order each pass: a burst of load
+    # from elsewhere, or a slow spell of the CPU, then spoils one run of scattered points (which
+    # the median drops, and the fit averages out) instead of every run of neighbouring points
+    times: list[list[float]] = [[] for _ in points]
+    total, done = len(points) * repeats, 0
+    for r in range(repeats):
+        order = list(range(len(points)))
+        rng.shuffle(order)
+        for i in order:
+            chunks = points[i]
+            t = time_chunks(engine, chunks, 1, warmup if r == 0 else 0, rng)[0]
+            times[i].append(t)
+            done += 1
+            if progress is not None:
+                progress(done, total, {"chunks": chunks, "time_s": t, "pass": r})
+    samples = [{"chunks": [list(c) for c in chunks], "time_s": statistics.median(ts), "times_s": ts}
+               for chunks, ts in zip(points, times, strict=True)]
+    assert kv.num_free_blocks == free_before == kv.num_blocks, "the profiler leaked KV blocks"
+    over = measure_overhead(engine) if overhead else {"per_step_s": 0.0, "per_seq_s": 0.0, "points": []}
+    assert kv.num_free_blocks == kv.num_blocks, "the overhead measurement leaked KV blocks"
+    arch, ckpt = engine.arch, engine.checkpoint
+    return {
+        "format": FORMAT,
+        "model": {"name": arch.name, "path": str(ckpt.path), "architecture": arch.architecture,
+                  "num_layers": len(engine.model.layer_ids), "hidden_size": arch.hidden_size,
+                  "intermediate_size": arch.intermediate_size, "num_heads": arch.num_heads,
+                  "num_kv_heads": arch.num_kv_heads, "head_dim": arch.head_dim, "vocab_size": arch.vocab_size},
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "device": str(engine.device),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "machine": machine_info(),
+        "block_size": kv.block_size,
+        "decode_grouping": {"fill": ModelRunner.GROUP_FILL, "min_group": ModelRunner.MIN_GROUP},
+        "sampling": "greedy",
+        "repeats": repeats,
+        "warmup": warmup,
+        "samples": samples,
+        "skipped": skipped,
+        "overhead": over,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+# ---------------------------------------------------------------------------------------- CLI
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="time the engine's step over a grid of batch shapes (for the simulator)")
+    p.add_argument("--model", default=None, help="path to a .gguf file or a Hugging Face directory")
+    p.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--quick", action="store_true", help="a handful of grid points (smoke test)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per point (the median is kept)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs per point")
+    p.add_argument("--kv-cache-memory", default="2GiB", help="KV pool; the largest grid point needs ~1.6GiB in bf16")
+    p.add_argument("--output", default="results/profile_cpu.json")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from tidal.config import ConfigError, EngineConfig
+    from tidal.engine.llm_engine import LLMEngine
+    from tidal.sim.profiled import ProfiledCostModel
+
+    if args.repeats < 1 or args.warmup < 0:
+        raise ConfigError("--repeats must be >= 1 and --warmup >= 0")
+    cfg = EngineConfig.from_kwargs(model=args.model, dtype=args.dtype, num_threads=args.threads,
+                                   device=args.device, kv_cache_memory=args.kv_cache_memory)
+    engine = LLMEngine(cfg)
+    grid = default_grid(args.quick)
+    t0 = time.monotonic()
+    last = [t0]
+
+    def progress(done: int, total: int, sample: dict[str, Any]) -> None:
+        now = time.monotonic()
+        if now - last[0] >= 10 or done == total:
+            last[0] = now
+            eta = (now - t0) / done * (total - done)
+            print(f"  {done}/{total} runs (pass {sample['pass'] + 1}), last {sample['time_s'] * 1000:.1f} ms, "
+                  f"{now - t0:.0f}s elapsed, ~{eta:.0f}s left", flush=True)
+
+    print(f"profiling {engine.checkpoint.path} ({engine.dtype}, {torch.get_num_threads()} threads, "
+          f"{len(grid)} points x {args.warmup}+{args.repeats} runs)", flush=True)
+    data = profile_engine(engine, grid, repeats=args.repeats, warmup=args.warmup, progress=progress)
+    data["elapsed_s"] = round(time.monotonic() - t0, 1)
+    out = args.output
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    tmp = f"{out}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, out)
+    try:
+        rep = ProfiledCostModel.from_profile(data).fit_report()
+        fit = (f"fit R2 {rep['r2']:.4f}, median |rel err| {rep['median_abs_rel_err']:.1%}, "
+               f"p90 {rep['p90_abs_rel_err']:.1%}")
+    except ValueError as e:
+        fit = f"no fit ({e})"
+    ov = data["overhead"]
+    noisy = sum(max(s["times_s"]) > 1.5 * min(s["times_s"]) for s in data["samples"])
+    if noisy:
+        print(f"warning: {noisy} samples vary by more than 1.5x between runs (is something else using "
+              "the CPU?)", flush=True)
+    print(f"wrote {out}: {len(data['samples'])} samples ({len(data['skipped'])} skipped) in {data['elapsed_s']:.0f}s; "
+          f"{fit}; overhead {ov['per_step_s'] * 1e3:.2f} ms + {ov['per_seq_s'] * 1e6:.1f} us/seq", flush=True)
+    return 0
