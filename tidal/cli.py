@@ -1,4 +1,4 @@
-"""Command line: ``tidal generate | serve | bench``.
+"""Command line: ``tidal generate | serve | bench | sim | profile``.
 
 Engine flags are the config dataclass fields with dashes (``--max-num-seqs``); errors in
 arguments or in loading a model end with one line naming the problem, not a traceback.
@@ -134,13 +134,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command", required=True)
-    from tidal.bench import offline
+    from tidal.bench import offline, sim_accuracy, sim_policies
     from tidal.bench import policies as bench_policies
     from tidal.bench import serve as bench_serve
 
     offline.add_parser(bsub)
     bench_serve.add_parser(bsub)
     bench_policies.add_parser(bsub)
+    sim_accuracy.add_parser(bsub)
+    sim_policies.add_parser(bsub)
+
+    from tidal.sim import run as sim_run
+
+    sim_run.add_parser(sub)
+    from tidal.engine import profiler
+
+    profiler.add_parser(sub)
     return p
 
 
