@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from tidal.core.sampling import SamplingParams
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ScheduledChunk:
     """One request's share of a step: feed ``token_ids`` at positions ``start..``."""
 
@@ -39,7 +39,7 @@ class ScheduledChunk:
         return len(self.token_ids) == 1 and self.start > 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class BatchComposition:
     """What a step computed: the features a cost model or a profile table is keyed on."""
 
@@ -76,7 +76,7 @@ class BatchComposition:
                                 num_padded_tokens=num_padded_tokens)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StepPlan:
     step_id: int
     chunks: tuple[ScheduledChunk, ...]
@@ -100,14 +100,14 @@ class StepPlan:
                 self.preempted, len(self.swap_out), len(self.swap_in))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TokenLogprobs:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
 
 
-@dataclass
+@dataclass(slots=True)
 class StepResult:
     step_id: int
     sampled: dict[str, int] = field(default_factory=dict)  # request id -> sampled token id
@@ -116,7 +116,7 @@ class StepResult:
     composition: BatchComposition = field(default_factory=BatchComposition)
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestUpdate:
     """What a step did to one request, for the output side (detokenizer, streams, metrics)."""
 

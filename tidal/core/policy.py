@@ -15,7 +15,7 @@ from tidal.core.plan import StepPlan, StepResult
 from tidal.core.request import Request
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SchedulerView:
     """A read-only snapshot of one instance, given to the policy each step."""
 

@@ -26,7 +26,7 @@ class RequestClass(str, enum.Enum):
     OFFLINE = "offline"  # throughput-oriented (BucketServe: SJF / LJF / FCFS)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     request_id: str
     prompt_token_ids: list[int]

@@ -135,11 +135,11 @@ class Scheduler:
 
     def _make_chunk(self, req: Request, n: int) -> ScheduledChunk:
         start = req.num_computed_tokens
-        sample = start + n == req.num_tokens
-        return ScheduledChunk(
-            request_id=req.request_id, token_ids=tuple(req.token_ids(start, start + n)), start=start,
-            block_table=tuple(self.kv.block_table(req.request_id)), sample=sample,
-            sampling=req.sampling_params, output_index=req.num_output_tokens)
+        end = start + n
+        # positional: this runs for every request of every step
+        return ScheduledChunk(req.request_id, tuple(req.token_ids(start, end)), start,
+                              tuple(self.kv.block_table(req.request_id)), end == req.num_tokens,
+                              req.sampling_params, len(req.output_token_ids))
 
     def _preempt(self, victim: Request, swap_out: list[tuple[int, int]]) -> None:
         self.running.remove(victim)
@@ -217,7 +217,7 @@ class Scheduler:
                         scheduled.add(req.request_id)
                         budget -= n
             admitted: list[Request] = []
-            if not self.swapped:
+            if not self.swapped and self.waiting:
                 for req in self.policy.order_waiting(list(self.waiting), now):
                     if budget <= 0 or len(self.running) >= max_seqs:
                         break
@@ -239,9 +239,8 @@ class Scheduler:
 
         finished, self._finished_since_plan = tuple(self._finished_since_plan), []
         self._step_id += 1
-        return StepPlan(step_id=self._step_id, chunks=tuple(chunks), composition=BatchComposition.of(chunks),
-                        swap_out=tuple(swap_out), swap_in=tuple(swap_in), preempted=tuple(preempted),
-                        finished=finished)
+        return StepPlan(self._step_id, tuple(chunks), BatchComposition.of(chunks), tuple(swap_out), tuple(swap_in),
+                        tuple(preempted), finished)
 
     # ------------------------------------------------------------------ results
     def update(self, plan: StepPlan, result: StepResult, now: float) -> list[RequestUpdate]:

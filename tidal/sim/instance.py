@@ -9,6 +9,7 @@ request gets one token) through the real ``Scheduler.update``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tidal.config import SchedulerConfig
 from tidal.core.kv_manager import KVCacheManager
@@ -59,6 +60,7 @@ class SimInstance:
         self.busy = False
         self.wake_pending = False
         self.plan: StepPlan | None = None
+        self.end_event: Any = None  # the simulator's reusable step-end event
         self._step_time = 0.0
         self.num_steps = 0
         self.busy_time = 0.0

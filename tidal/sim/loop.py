@@ -20,7 +20,8 @@ class Event:
     def __init__(self, time: float):
         self.time = time
 
-    def fire(self, loop: EventLoop) -> Iterable[Event] | None:
+    def fire(self, loop: EventLoop) -> Event | Iterable[Event] | None:
+        """Do what happens now; return the events it causes (one, several, or None)."""
         raise NotImplementedError
 
 
@@ -50,9 +51,12 @@ class EventLoop:
             time, _, _, event = heapq.heappop(heap)
             self.now = time
             new = event.fire(self)
-            if new:
-                for ev in new:
-                    push(ev)
+            if new is not None:
+                if isinstance(new, Event):
+                    push(new)
+                else:
+                    for ev in new:
+                        push(ev)
             self.num_fired += 1
             if progress is not None and self.num_fired % progress_every == 0:
                 progress(time)

@@ -95,7 +95,7 @@ class ClusterSimulator:
         self.loop = EventLoop()
 
     # ---------------------------------------------------------------- events
-    def _arrive(self, i: int, now: float) -> list[Event] | None:
+    def _arrive(self, i: int, now: float) -> Event | None:
         spec, rec = self.specs[i], self.records[i]
         rec.send_s = now
         if self.max_model_len is not None and spec.prompt_len + spec.output_len > self.max_model_len:
@@ -113,20 +113,25 @@ class ClusterSimulator:
         if inst.busy or inst.wake_pending:
             return None
         inst.wake_pending = True
-        return [_Wake(now, self, inst)]
+        return _Wake(now, self, inst)
 
     @staticmethod
     def _refuse(rec: RequestRecord, now: float, error: str) -> None:
         rec.end_s, rec.success, rec.status, rec.error = now, False, 400, error.split(":")[0]
         return None
 
-    def _begin(self, inst: SimInstance, now: float) -> list[Event] | None:
+    def _begin(self, inst: SimInstance, now: float) -> Event | None:
         dt, updates = inst.begin_step(now)
         if updates:
             self._apply(updates, now)
         if dt is None:
             return None
-        return [_StepEnd(now + dt, self, inst)]
+        ev = inst.end_event  # one step in flight per instance: its event object is reused
+        if ev is None:
+            ev = inst.end_event = _StepEnd(now + dt, self, inst)
+        else:
+            ev.time = now + dt
+        return ev
 
     def _apply(self, updates: list[RequestUpdate], now: float) -> None:
         records, last = self.records, self._last_token
