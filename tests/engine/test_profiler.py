@@ -18,7 +18,7 @@ def profiled(make_engine):
     engine = make_engine(num_threads=2, kv_cache_memory="256MiB")
     seen = []
     data = profile_engine(engine, default_grid(quick=True), repeats=2, warmup=1,
-                          progress=lambda done, total, s: seen.append((done, total)))
+                          progress=lambda done, total, s: seen.append((done, total)), live_runs=((6, 4.0),))
     return engine, data, seen
 
 
@@ -26,14 +26,21 @@ def test_profile_has_the_format_and_positive_times(profiled):
     engine, data, seen = profiled
     assert data["format"] == FORMAT
     json.loads(json.dumps(data))  # JSON-able
-    assert len(data["samples"]) == len(default_grid(quick=True)) and not data["skipped"]
-    for s in data["samples"]:
+    grid = [s for s in data["samples"] if s.get("source") != "live"]
+    live = [s for s in data["samples"] if s.get("source") == "live"]
+    assert len(grid) == len(default_grid(quick=True)) and not data["skipped"]
+    for s in grid:
         assert s["time_s"] > 0 and len(s["times_s"]) == 2 and all(t > 0 for t in s["times_s"])
         assert all(len(c) == 3 for c in s["chunks"])
+    # the live run: the scheduler's own batches, every prompt prefilled and every token decoded
+    assert len(live) > 10 and all(s["time_s"] > 0 for s in live)
+    assert any(len(s["chunks"]) > 1 for s in live)  # batching happened
+    assert sum(n for s in live for _, n, _ in s["chunks"] if n == 1) > 0  # decodes
     assert data["model"]["num_layers"] == engine.arch.num_layers and data["threads"] == 2
     assert data["block_size"] == engine.kv_manager.block_size
     assert data["overhead"]["per_step_s"] >= 0 and data["overhead"]["per_seq_s"] >= 0
-    assert seen[-1] == (2 * len(default_grid(quick=True)),) * 2  # one call per timed run
+    assert (2 * len(default_grid(quick=True)),) * 2 in seen  # one call per timed run
+    assert seen[-1] == (1, 1)  # then the live run
 
 
 def test_nothing_leaks(profiled):
@@ -98,6 +105,7 @@ def test_cli_writes_the_profile(tmp_path, monkeypatch, capsys, smol_ckpt, smol_t
                               "--kv-cache-memory", "64MiB", "--output", str(out)])
     assert args.func(args) == 0
     data = json.loads(out.read_text())
-    assert data["format"] == FORMAT and len(data["samples"]) == len(tiny)
+    n_live = sum(1 for s in data["samples"] if s.get("source") == "live")
+    assert data["format"] == FORMAT and len(data["samples"]) == len(tiny) + n_live and n_live > 0
     assert "fit R2" in capsys.readouterr().out
-    assert ProfiledCostModel.load(str(out)).fit_report()["num_samples"] == len(tiny)
+    assert ProfiledCostModel.load(str(out)).fit_report()["num_samples"] == len(tiny) + n_live

@@ -151,6 +151,57 @@ def measure_overhead(engine: Any, batch_sizes: Sequence[int] = (1, 4, 16, 32), s
     return {"per_step_s": a, "per_seq_s": b, "points": [[x, y] for x, y in zip(xs, ys, strict=True)]}
 
 
+LIVE_RUNS = ((48, 2.0), (48, 8.0))  # (requests, arrival rate in req/s of engine time)
+
+
+def measure_live(engine: Any, runs: Sequence[tuple[int, float]] = LIVE_RUNS, seed: int = 1234,
+                 prompt: tuple[int, int] = (16, 768), output: tuple[int, int] = (8, 160),
+                 progress: Progress | None = None) -> list[dict[str, Any]]:
+    """Steps of real serving: requests of mixed lengths arrive (Poisson, on a clock that advances by
+    each step's measured time, so nothing sleeps) and the engine's own scheduler composes the
+    batches. Every executed step is one sample. The grid covers the corners; these samples carry
+    what the grid's isolated points miss (mixed contexts, KV spread over the pool, allocator and
+    cache state of a running server)."""
+    rng = random.Random(seed)
+    vocab = engine.arch.vocab_size
+    samples: list[dict[str, Any]] = []
+    execute = engine.runner.execute
+
+    def timed(plan: StepPlan) -> Any:
+        res = execute(plan)
+        if plan.chunks:
+            samples.append({"chunks": [[c.start, len(c.token_ids), c.sample] for c in plan.chunks],
+                            "time_s": res.step_time_s, "source": "live"})
+        return res
+
+    engine.runner.execute = timed
+    try:
+        for r, (n, rate) in enumerate(runs):
+            t, arrivals = 0.0, []
+            for _ in range(n):
+                t += rng.expovariate(rate)
+                arrivals.append(t)
+            ids = [f"__live_{r}_{i}" for i in range(n)]
+            clock, nxt = 0.0, 0
+            while nxt < n or engine.has_unfinished_requests():
+                while nxt < n and arrivals[nxt] <= clock:
+                    params = SamplingParams(temperature=0.0, max_tokens=rng.randint(*output), ignore_eos=True)
+                    engine.add_request(ids[nxt], None, params,
+                                       prompt_token_ids=[rng.randrange(vocab) for _ in range(rng.randint(*prompt))])
+                    nxt += 1
+                if not engine.has_unfinished_requests():
+                    clock = arrivals[nxt]
+                    continue
+                engine.step()
+                clock += engine.last_result.step_time_s
+            if progress is not None:
+                progress(r + 1, len(runs), {"chunks": [], "time_s": clock, "pass": r, "live": True,
+                                            "steps": len(samples)})
+    finally:
+        engine.runner.execute = execute
+    return samples
+
+
 def _requests(engine: Any, ids: Sequence[str]) -> list[Any]:
     out = []
     for rid in ids:
@@ -174,7 +225,8 @@ def machine_info() -> dict[str, Any]:
 
 
 def profile_engine(engine: Any, grid: Sequence[Sequence[Chunk]] | None = None, repeats: int = 3, warmup: int = 1,
-                   progress: Progress | None = None, overhead: bool = True) -> dict[str, Any]:
+                   progress: Progress | None = None, overhead: bool = True,
+                   live_runs: Sequence[tuple[int, float]] | None = LIVE_RUNS) -> dict[str, Any]:
     """Time ``engine``'s step on every chunk list of ``grid`` (default :func:`default_grid`);
     returns the JSON-able profile (see the module docstring). Points the KV pool cannot hold are
     listed under ``skipped``. The KV manager is all free again afterwards."""
@@ -215,6 +267,9 @@ def profile_engine(engine: Any, grid: Sequence[Sequence[Chunk]] | None = None, r
     samples = [{"chunks": [list(c) for c in chunks], "time_s": statistics.median(ts), "times_s": ts}
                for chunks, ts in zip(points, times, strict=True)]
     assert kv.num_free_blocks == free_before == kv.num_blocks, "the profiler leaked KV blocks"
+    if live_runs:
+        samples += measure_live(engine, live_runs)
+        assert kv.num_free_blocks == kv.num_blocks, "the live measurement leaked KV blocks"
     over = measure_overhead(engine) if overhead else {"per_step_s": 0.0, "per_seq_s": 0.0, "points": []}
     assert kv.num_free_blocks == kv.num_blocks, "the overhead measurement leaked KV blocks"
     arch, ckpt = engine.arch, engine.checkpoint
@@ -249,6 +304,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--quick", action="store_true", help="a handful of grid points (smoke test)")
+    p.add_argument("--no-live", action="store_true", help="grid points only, no steps of a live serving run")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per point (the median is kept)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per point")
     p.add_argument("--kv-cache-memory", default="2GiB", help="KV pool; the largest grid point needs ~1.6GiB in bf16")
@@ -274,6 +330,9 @@ def run(args: argparse.Namespace) -> int:
 
     def progress(done: int, total: int, sample: dict[str, Any]) -> None:
         now = time.monotonic()
+        if sample.get("live"):
+            print(f"  live serving run {done}/{total}: {sample['steps']} steps, {now - t0:.0f}s elapsed", flush=True)
+            return
         if now - last[0] >= 10 or done == total:
             last[0] = now
             eta = (now - t0) / done * (total - done)
@@ -282,7 +341,9 @@ def run(args: argparse.Namespace) -> int:
 
     print(f"profiling {engine.checkpoint.path} ({engine.dtype}, {torch.get_num_threads()} threads, "
           f"{len(grid)} points x {args.warmup}+{args.repeats} runs)", flush=True)
-    data = profile_engine(engine, grid, repeats=args.repeats, warmup=args.warmup, progress=progress)
+    live = () if args.no_live else (((8, 4.0),) if args.quick else LIVE_RUNS)
+    data = profile_engine(engine, grid, repeats=args.repeats, warmup=args.warmup, progress=progress,
+                          live_runs=live)
     data["elapsed_s"] = round(time.monotonic() - t0, 1)
     out = args.output
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
@@ -294,10 +355,13 @@ def run(args: argparse.Namespace) -> int:
         rep = ProfiledCostModel.from_profile(data).fit_report()
         fit = (f"fit R2 {rep['r2']:.4f}, median |rel err| {rep['median_abs_rel_err']:.1%}, "
                f"p90 {rep['p90_abs_rel_err']:.1%}")
+        n_live = sum(1 for s in data["samples"] if s.get("source") == "live")
+        if n_live:
+            fit += f" ({n_live} of the samples are steps of live serving)"
     except ValueError as e:
         fit = f"no fit ({e})"
     ov = data["overhead"]
-    noisy = sum(max(s["times_s"]) > 1.5 * min(s["times_s"]) for s in data["samples"])
+    noisy = sum(max(s["times_s"]) > 1.5 * min(s["times_s"]) for s in data["samples"] if "times_s" in s)
     if noisy:
         print(f"warning: {noisy} samples vary by more than 1.5x between runs (is something else using "
               "the CPU?)", flush=True)

@@ -14,7 +14,7 @@ from tidal.bench.workloads import RequestSpec
 from tidal.cluster.router import build_router
 from tidal.config import ConfigError, ModelArch, SchedulerConfig
 from tidal.sim.analytic import AnalyticCostModel, kv_pool_blocks_for
-from tidal.sim.cost_model import CostModel
+from tidal.sim.cost_model import CostModel, ScaledCostModel
 from tidal.sim.hardware import HardwareSpec, get_hardware
 from tidal.sim.instance import SimInstance
 from tidal.sim.models import get_model
@@ -41,6 +41,7 @@ class ClusterSpec:
     swap_space: int = 0  # host bytes per instance for swapped-out KV (preemption_mode swap)
     max_model_len: int | None = None  # default: the model's context
     timeline_interval_s: float = 0.0
+    time_factor: float = 1.0  # multiply every step time (a slower or faster machine than modelled)
 
     def __post_init__(self) -> None:
         if self.instances < 1:
@@ -54,11 +55,14 @@ class ClusterSpec:
 
 
 def make_cost_model(spec: ClusterSpec, arch: ModelArch, hw: HardwareSpec) -> CostModel:
+    model: CostModel
     if spec.cost_model == "profiled":
         from tidal.sim.profiled import ProfiledCostModel
 
-        return ProfiledCostModel.load(spec.profile)
-    return AnalyticCostModel(arch, hw, dtype_bytes=spec.dtype_bytes, tp=spec.tp, block_size=spec.block_size)
+        model = ProfiledCostModel.load(spec.profile)
+    else:
+        model = AnalyticCostModel(arch, hw, dtype_bytes=spec.dtype_bytes, tp=spec.tp, block_size=spec.block_size)
+    return model if spec.time_factor == 1.0 else ScaledCostModel(model, spec.time_factor)
 
 
 def resolve(spec: ClusterSpec) -> tuple[ModelArch, HardwareSpec, int, int]:

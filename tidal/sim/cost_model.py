@@ -44,3 +44,17 @@ class ReplayCostModel:
         t = self.times[self.calls]
         self.calls += 1
         return t
+
+
+class ScaledCostModel:
+    """Another cost model's times multiplied by ``factor``: a machine that runs ``factor`` times
+    slower (> 1) or faster (< 1) than the one that was measured or specified."""
+
+    def __init__(self, base: CostModel, factor: float):
+        if not factor > 0:
+            raise ValueError(f"speed factor must be > 0, got {factor}")
+        self.base, self.factor = base, factor
+        self.name = f"{base.name} x{factor:g}"
+
+    def step_time(self, plan: StepPlan) -> float:
+        return self.base.step_time(plan) * self.factor

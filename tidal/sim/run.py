@@ -155,7 +155,7 @@ class _Progress:
         if enabled:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=round(horizon, 1), desc=desc, unit="sim-s", file=sys.stderr, dynamic_ncols=True,
+            self.bar = tqdm(total=round(horizon, 1), desc=desc, unit="sim-s", file=sys.stderr, mininterval=0.5,
                             bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} sim-s [{elapsed}<{remaining}]")
 
     def __call__(self, now: float) -> None:
