@@ -137,7 +137,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _table(rows: list[dict[str, Any]], base: str) -> None:
     ref = next((r for r in rows if r["policy"] == base), None)
-    print(f"{'policy':<24}{'offline tok/s':>14}{'capacity rps':>14}{'vs ' + base:>16}{'tok/s at cap':>14}"
+    print(f"(ratios: capacity / offline throughput, relative to {base})")
+    print(f"{'policy':<24}{'offline tok/s':>14}{'capacity rps':>14}{'ratios':>16}{'tok/s at cap':>14}"
           f"{'TPOT p99':>10}")
     for r in rows:
         cap, off = r["capacity_rps"], r.get("offline_tok_s")
