@@ -83,7 +83,7 @@ def test_points_that_do_not_fit_are_skipped(profiled):
     engine = profiled[0]
     kv = engine.kv_manager
     data = profile_engine(engine, [[(0, 8, True)], [(kv.num_blocks * kv.block_size, 1, True)]], repeats=1,
-                          warmup=0, overhead=False)
+                          warmup=0, overhead=False, live_runs=None)
     assert len(data["samples"]) == 1 and len(data["skipped"]) == 1
     assert kv.num_free_blocks == kv.num_blocks
 

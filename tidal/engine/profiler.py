@@ -268,7 +268,7 @@ def profile_engine(engine: Any, grid: Sequence[Sequence[Chunk]] | None = None, r
                for chunks, ts in zip(points, times, strict=True)]
     assert kv.num_free_blocks == free_before == kv.num_blocks, "the profiler leaked KV blocks"
     if live_runs:
-        samples += measure_live(engine, live_runs)
+        samples += measure_live(engine, live_runs, progress=progress)
         assert kv.num_free_blocks == kv.num_blocks, "the live measurement leaked KV blocks"
     over = measure_overhead(engine) if overhead else {"per_step_s": 0.0, "per_seq_s": 0.0, "points": []}
     assert kv.num_free_blocks == kv.num_blocks, "the overhead measurement leaked KV blocks"
