@@ -8,12 +8,13 @@ from the step times, so they see the same inputs in both shells.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from tidal.bench.workloads import RequestSpec
 from tidal.cluster.router import build_router
-from tidal.config import SchedulerConfig
 from tidal.core.sampling import SamplingParams
 from tidal.sim.cost_model import ReplayCostModel
 from tidal.sim.instance import SimInstance
@@ -90,7 +91,7 @@ def test_engine_and_simulator_make_the_same_plans(make_engine, case):
     assert len(engine_plans) > 10
     sc = engine.config.scheduler
     model = _Recording(times)
-    inst = SimInstance(0, SchedulerConfig(**{f: getattr(sc, f) for f in sc.__dataclass_fields__}),
+    inst = SimInstance(0, replace(sc),
                        engine.kv_manager.num_blocks, engine.kv_manager.block_size, model, engine.max_model_len,
                        num_host_blocks=engine.kv_manager.host_pool.num_blocks)
     result = ClusterSimulator([inst], build_router("round-robin"), specs).run()

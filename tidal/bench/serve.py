@@ -21,6 +21,7 @@ import os
 import platform
 import shlex
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any
@@ -435,16 +436,19 @@ def format_summary(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_result(result: dict[str, Any], path: str, plots: bool) -> list[str]:
+def write_result(result: dict[str, Any], path: str, plots: bool,
+                 plotter: Callable[[dict[str, Any], str], list[str]] | None = None, prog: str = PROG) -> list[str]:
+    """Write ``result`` as JSON at ``path`` and, with ``plots``, its PNGs beside it (``plotter``,
+    default the bench's own plots); returns the PNG paths."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     written: list[str] = []
     if plots:
-        from tidal.bench import plots as P
-
+        if plotter is None:
+            from tidal.bench.plots import write_plots as plotter
         try:
-            written = P.write_plots(result, path)
+            written = plotter(result, path)
         except Exception as e:  # a plot must never lose the measurements
-            print(f"{PROG}: warning: plots failed: {e}", file=sys.stderr)
+            print(f"{prog}: warning: plots failed: {e}", file=sys.stderr)
     result["plots"] = written
     with open(path, "w", encoding="utf-8") as f:
         json.dump(_jsonable(result), f, indent=1)

@@ -83,30 +83,14 @@ def replay_engine(engine: Any, specs: list[RequestSpec], vocab: int, seed: int =
     return records
 
 
-def record_steps(engine: Any) -> list[tuple[list[tuple[int, int, bool]], float]]:
-    """From now on, every executed step of ``engine`` as (chunks, measured execute seconds)."""
-    steps: list[tuple[list[tuple[int, int, bool]], float]] = []
-    execute = engine.runner.execute
-
-    def timed(plan: Any) -> Any:
-        res = execute(plan)
-        if plan.chunks:
-            steps.append(([(c.start, len(c.token_ids), c.sample) for c in plan.chunks], res.step_time_s))
-        return res
-
-    engine.runner.execute = timed
-    return steps
-
-
 def simulate(specs: list[RequestSpec], engine: Any, profile: str, time_factor: float = 1.0) -> list[RequestRecord]:
-    from tidal.config import SchedulerConfig
     from tidal.sim.build import ClusterSpec, build_simulator
 
     sc = engine.config.scheduler
     spec = ClusterSpec(model="smollm2-135m", hardware="cpu", cost_model="profiled", profile=profile,
                        block_size=engine.kv_manager.block_size, num_blocks=engine.kv_manager.num_blocks,
                        max_model_len=engine.max_model_len, time_factor=time_factor,
-                       scheduler=SchedulerConfig(**{f: getattr(sc, f) for f in sc.__dataclass_fields__}))
+                       scheduler=replace(sc))  # the engine's own scheduler config, copied
     return build_simulator(spec, specs).run().records
 
 
@@ -191,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
     from tidal.config import EngineConfig
     from tidal.engine.llm_engine import LLMEngine
     from tidal.engine.loader import load_checkpoint
+    from tidal.engine.profiler import record_steps
     from tidal.engine.tokenizer import Tokenizer
     from tidal.sim.profiled import ProfiledCostModel
 
@@ -228,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
             gc.collect()
             engine = build()
             replay_engine(engine, [replace(s, arrival_s=0.0) for s in warm], ckpt.arch.vocab_size)
-            steps = record_steps(engine)
+            steps, _ = record_steps(engine)
             gc.collect()
             gc.freeze()  # the harness's own objects stay out of the collector's way during the run
             try:

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from tidal.bench.metrics import SLO, CapacitySearch, summarize
-from tidal.bench.workloads import RequestSpec, gamma_arrivals, lognormal_lengths, rescale_to_rate
+from tidal.bench.workloads import RequestSpec, gamma_arrivals, lognormal_lengths
 
 
 @dataclass
@@ -109,17 +109,14 @@ def run_sim(sc: Scenario, policy: dict[str, Any], specs: list[RequestSpec]) -> d
     return out
 
 
-def at_rate(specs: list[RequestSpec], rate: float) -> list[RequestSpec]:
-    arr = rescale_to_rate([s.arrival_s for s in specs], rate)
-    return [replace(s, arrival_s=float(t)) for s, t in zip(specs, arr, strict=True)]
-
-
 def capacity(sc: Scenario, policy: dict[str, Any], specs: list[RequestSpec], low: float, high: float
              ) -> tuple[float | None, dict[str, Any] | None, list[dict[str, Any]]]:
+    from tidal.bench.serve import specs_at_rate
+
     search = CapacitySearch(low, high, sc.target, tolerance=0.03, max_probes=14)
     best = None
     while (rate := search.next_rate()) is not None:
-        s = run_sim(sc, policy, at_rate(specs, rate))
+        s = run_sim(sc, policy, specs_at_rate(specs, rate, None))
         p = search.record(rate, s["slo_attainment"] or 0.0)
         if p.passed and (best is None or rate >= best[0]):
             best = (rate, s)

@@ -154,6 +154,28 @@ def measure_overhead(engine: Any, batch_sizes: Sequence[int] = (1, 4, 16, 32), s
 LIVE_RUNS = ((48, 2.0), (48, 8.0))  # (requests, arrival rate in req/s of engine time)
 
 
+StepRecord = tuple[list[tuple[int, int, bool]], float]  # (chunks as (start, tokens, sample), execute s)
+
+
+def record_steps(engine: Any) -> tuple[list[StepRecord], Callable[[], None]]:
+    """From now on, every non-empty step ``engine`` executes, with its measured execute time;
+    and a function that stops recording."""
+    steps: list[StepRecord] = []
+    execute = engine.runner.execute
+
+    def timed(plan: StepPlan) -> Any:
+        res = execute(plan)
+        if plan.chunks:
+            steps.append(([(c.start, len(c.token_ids), c.sample) for c in plan.chunks], res.step_time_s))
+        return res
+
+    def stop() -> None:
+        engine.runner.execute = execute
+
+    engine.runner.execute = timed
+    return steps, stop
+
+
 def measure_live(engine: Any, runs: Sequence[tuple[int, float]] = LIVE_RUNS, seed: int = 1234,
                  prompt: tuple[int, int] = (16, 768), output: tuple[int, int] = (8, 160),
                  progress: Progress | None = None) -> list[dict[str, Any]]:
@@ -164,17 +186,7 @@ def measure_live(engine: Any, runs: Sequence[tuple[int, float]] = LIVE_RUNS, see
     cache state of a running server)."""
     rng = random.Random(seed)
     vocab = engine.arch.vocab_size
-    samples: list[dict[str, Any]] = []
-    execute = engine.runner.execute
-
-    def timed(plan: StepPlan) -> Any:
-        res = execute(plan)
-        if plan.chunks:
-            samples.append({"chunks": [[c.start, len(c.token_ids), c.sample] for c in plan.chunks],
-                            "time_s": res.step_time_s, "source": "live"})
-        return res
-
-    engine.runner.execute = timed
+    steps, stop = record_steps(engine)
     try:
         for r, (n, rate) in enumerate(runs):
             t, arrivals = 0.0, []
@@ -196,10 +208,10 @@ def measure_live(engine: Any, runs: Sequence[tuple[int, float]] = LIVE_RUNS, see
                 clock += engine.last_result.step_time_s
             if progress is not None:
                 progress(r + 1, len(runs), {"chunks": [], "time_s": clock, "pass": r, "live": True,
-                                            "steps": len(samples)})
+                                            "steps": len(steps)})
     finally:
-        engine.runner.execute = execute
-    return samples
+        stop()
+    return [{"chunks": [list(c) for c in chunks], "time_s": t, "source": "live"} for chunks, t in steps]
 
 
 def _requests(engine: Any, ids: Sequence[str]) -> list[Any]:

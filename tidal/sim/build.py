@@ -82,8 +82,9 @@ def build_simulator(spec: ClusterSpec, requests: Sequence[RequestSpec]) -> Clust
     arch, hw, blocks, max_len = resolve(spec)
     block_bytes = spec.block_size * arch.kv_bytes_per_token(spec.dtype_bytes)  # all tp shards
     host_blocks = spec.swap_space // block_bytes if spec.scheduler.preemption_mode == "swap" else 0
+    cost_model = make_cost_model(spec, arch, hw)  # stateless: the instances share it
     instances = [
-        SimInstance(i, spec.scheduler, blocks, spec.block_size, make_cost_model(spec, arch, hw), max_len,
+        SimInstance(i, spec.scheduler, blocks, spec.block_size, cost_model, max_len,
                     num_host_blocks=host_blocks, timeline_interval=spec.timeline_interval_s)
         for i in range(spec.instances)
     ]

@@ -33,9 +33,10 @@ class Timeline:
     running: list[int] = field(default_factory=list)
     batch_size: list[int] = field(default_factory=list)
 
+    def due(self, now: float) -> bool:
+        return not self.t or now - self.t[-1] >= self.interval
+
     def sample(self, now: float, kv_usage: float, waiting: int, running: int, batch: int) -> None:
-        if self.t and now - self.t[-1] < self.interval:
-            return
         self.t.append(now)
         self.kv_usage.append(kv_usage)
         self.waiting.append(waiting)
@@ -98,7 +99,7 @@ class SimInstance:
         the scheduler decided while planning, e.g. a request that outgrew the pool)."""
         plan = self.scheduler.schedule(now)
         tl = self.timeline
-        if not tl.t or now - tl.t[-1] >= tl.interval:
+        if tl.due(now):  # checked before gathering the values: this runs every step
             sched = self.scheduler
             tl.sample(now, self.kv.usage, len(sched.waiting) + len(sched.swapped), len(sched.running),
                       len(plan.chunks))

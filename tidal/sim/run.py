@@ -8,8 +8,6 @@ the pure simulator. The JSON has the keys of ``tidal bench serve`` plus ``simula
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shlex
 import sys
 import time
@@ -197,14 +195,9 @@ def _record(r: M.RequestRecord) -> dict[str, Any]:
     return d
 
 
-def _at_rate(specs: list[W.RequestSpec], rate: float, duration_s: float | None) -> list[W.RequestSpec]:
-    """The same requests with arrivals rescaled to average ``rate`` (cut at ``duration_s``)."""
-    arr = W.rescale_to_rate([s.arrival_s for s in specs], rate)
-    out = [replace(s, arrival_s=float(t)) for s, t in zip(specs, arr, strict=True)]
-    return [s for s in out if duration_s is None or s.arrival_s < duration_s]
-
-
 def run_sim(args: argparse.Namespace) -> dict[str, Any]:
+    from tidal.bench.serve import specs_at_rate
+
     slo = M.parse_slo(args.slo)
     spec = cluster_spec(args)
     arch, hw, blocks, max_len = resolve(spec)  # fail on a bad model/hardware/memory before the workload
@@ -227,13 +220,13 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
         search = M.CapacitySearch(args.search_low, args.search_high, args.target_attainment,
                                   tolerance=args.search_tolerance, max_probes=args.max_probes)
         while (rate := search.next_rate()) is not None:
-            at_rate = _at_rate(specs, rate, args.duration)
+            at_rate = specs_at_rate(specs, rate, args.duration)
             out = simulate(spec, at_rate, slo, f"rate {rate:.3g}", not args.no_progress, args.timeline_points)
             search.record(rate, out["slo_attainment"] or 0.0, {k: out[k] for k in ("ttft_ms", "tpot_ms")})
             print(f"  rate {rate:8.3g} req/s: attainment {100 * (out['slo_attainment'] or 0):5.1f}%", file=sys.stderr)
         search_report = search.report()
         rate = search.capacity or args.search_low
-        specs = _at_rate(specs, rate, args.duration)
+        specs = specs_at_rate(specs, rate, args.duration)
     result = simulate(spec, specs, slo, "sim", not args.no_progress, args.timeline_points)
     result.update(info)
     result["workload"] = {"name": args.workload or "trace", "trace": args.trace, "num_requests": len(specs),
@@ -269,27 +262,13 @@ def format_summary(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_result(result: dict[str, Any], path: str, plots: bool = True) -> list[str]:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    written: list[str] = []
-    if plots:
-        from tidal.sim.plots import write_sim_plots
-
-        try:
-            written = write_sim_plots(result, path)
-        except Exception as e:  # a plot must never lose the results
-            print(f"{PROG}: warning: plots failed: {e}", file=sys.stderr)
-    result["plots"] = written
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1)
-        f.write("\n")
-    return written
-
-
 def run(args: argparse.Namespace) -> int:
+    from tidal.bench.serve import write_result
+    from tidal.sim.plots import write_sim_plots
+
     try:
         result = run_sim(args)
-        plots = write_result(result, args.output, not args.no_plots)
+        plots = write_result(result, args.output, not args.no_plots, plotter=write_sim_plots, prog=PROG)
     except (ConfigError, ValueError) as e:  # WorkloadError, SLOError, bad names
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
@@ -313,4 +292,4 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     sys.exit(main())
 
-__all__ = ["add_arguments", "add_parser", "cluster_spec", "format_summary", "run", "run_sim", "simulate", "write_result"]
+__all__ = ["add_arguments", "add_parser", "cluster_spec", "format_summary", "run", "run_sim", "simulate"]
