@@ -166,6 +166,15 @@ def test_detokenizer_random_ids(tok: Tokenizer, data):
     assert "".join(deltas) == d.text == tok.decode(ids, skip_special_tokens=skip)
 
 
+def test_detokenizer_prompt_ending_inside_a_character(tok: Tokenizer):
+    """Found by the test above: prompt [171] and output [111] are byte tokens whose bytes decode to a
+    single U+FFFD together (and one each alone); the output's own U+FFFD must still come out."""
+    assert tok.decode([171, 111]) == tok.decode([111]) == "\ufffd"
+    for skip in (True, False):
+        deltas, d = _stream(tok, [111], [171], [1], skip_special_tokens=skip)
+        assert "".join(deltas) == d.text == tok.decode([111], skip_special_tokens=skip)
+
+
 def test_detokenizer_sentencepiece_spacing():
     """A SentencePiece-style decoder (Metaspace + byte fallback + leading-space strip): the prompt context
     keeps the first token's leading space; without a prompt the text equals decode(ids)."""

@@ -181,7 +181,9 @@ class IncrementalDetokenizer:
     def _pending_text(self) -> str:
         n = len(self._ids)
         full = self._decode(self._q, n)
-        if full.startswith(self._ctx_text):
+        # a context that ends inside a character (U+FFFD) can merge with the new bytes into one
+        # U+FFFD, which would hide theirs: then the prefix says nothing and they decode alone
+        if full.startswith(self._ctx_text) and not self._ctx_text.endswith(_REPLACEMENT):
             return full[len(self._ctx_text):]
         # the new tokens changed how the context decodes (e.g. a prompt given as ids that ends inside a
         # character): decode the pending tokens on their own
