@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
 from tidal.cli import main as cli_main  # noqa: E402
 
 TOL = 0.015  # seconds of slack for a loaded 2-core machine
+SLACK = 0.4  # seconds a single value may be late when the machine stalls
 MODEL = "stub-model"
 
 
@@ -182,13 +183,14 @@ def test_latencies_match_the_stub(stub_server, tmp_path: Path, capsys, endpoint:
     stub, url = stub_server
     stub.reset(ttft=0.2, itl=0.05, per_chunk=per_chunk)
     k = 7 if per_chunk == 2 else 6
+    n = 8
     out = tmp_path / "r.json"
-    code, stdout, err = bench(["--base-url", url, "--workload", f"fixed:16:{k}", "--num-requests", "4",
+    code, stdout, err = bench(["--base-url", url, "--workload", f"fixed:16:{k}", "--num-requests", str(n),
                                "--rate", "20", "--tokenizer", "none", "--endpoint", endpoint,
                                "--output", str(out)], capsys)
     assert code == 0, err
     res = json.loads(out.read_text())
-    assert res["completed"] == 4 and res["failed"] == 0
+    assert res["completed"] == n and res["failed"] == 0
     assert res["model"] == MODEL  # from GET /v1/models
     for key in ("duration_s", "request_throughput", "output_throughput", "slo_attainment", "goodput",
                 "config", "machine", "command"):
@@ -199,20 +201,23 @@ def test_latencies_match_the_stub(stub_server, tmp_path: Path, capsys, endpoint:
     body = stub.bodies[-1]
     assert body["max_tokens"] == k and body["ignore_eos"] is True and body["stream_options"]["include_usage"]
     e2e = 0.2 + 0.05 * (k - 1)
-    # medians within TOL; every single value within 3 TOL (one scheduling hiccup on a busy machine)
+    # The stub is never early, so every single value has a tight lower bound. A stall of this shared
+    # machine (CI saw one of 100 ms) only makes values late, and hits the few requests in flight at
+    # that moment: single values get a loose upper bound, medians over all requests stay within TOL.
     for r in res["requests"]:
         assert r["success"], r
         assert r["output_tokens"] == k and r["counted_tokens"] == k
         assert r["prompt_tokens"] == (16 + 5 if endpoint == "chat" else 16)
         assert len(r["itl_s"]) == k - 1  # a 2-token chunk's gap is split in two
-        assert abs(r["ttft_s"] - 0.2) < 3 * TOL, r["ttft_s"]
-        assert abs(r["e2e_s"] - e2e) < 3 * TOL, r["e2e_s"]
-        assert all(abs(g - 0.05) < 3 * TOL for g in r["itl_s"]), r["itl_s"]
+        assert 0.2 - TOL / 3 < r["ttft_s"] < 0.2 + SLACK, r["ttft_s"]
+        assert e2e - TOL / 3 < r["e2e_s"] < e2e + SLACK, r["e2e_s"]
+        assert 0 <= r["e2e_s"] - r["ttft_s"] - sum(r["itl_s"]) < SLACK  # the stream ends after its last token
+        assert all(g > 0 for g in r["itl_s"]), r["itl_s"]
     assert abs(res["ttft_ms"]["p50"] / 1000 - 0.2) < TOL, res["ttft_ms"]
     assert abs(res["e2el_ms"]["p50"] / 1000 - e2e) < TOL, res["e2el_ms"]
     assert abs(res["itl_ms"]["p50"] / 1000 - 0.05) < TOL, res["itl_ms"]
     assert abs(res["tpot_ms"]["p50"] / 1000 - 0.05) < TOL, res["tpot_ms"]
-    assert res["itl_ms"]["count"] == 4 * (k - 1)
+    assert res["itl_ms"]["count"] == n * (k - 1)
     assert res["slo_attainment"] == 1.0  # no SLO: attain = succeed
     for suffix in ("_cdf.png", "_timeline.png"):
         png = tmp_path / f"r{suffix}"
@@ -285,7 +290,7 @@ def test_duration_bounds_the_run(stub_server, tmp_path: Path, capsys):
     assert all(r["arrival_s"] < 0.5 for r in res["requests"])
     assert res["failed"] == res["num_requests"]
     assert all("cancelled" in r["error"] for r in res["requests"])
-    assert res["duration_s"] < 1.3
+    assert res["duration_s"] < 1.8  # not cut off, the last request alone would end after 2.4 s
 
 
 def test_trace_replay_against_the_stub(stub_server, tmp_path: Path, capsys):
@@ -302,7 +307,9 @@ def test_trace_replay_against_the_stub(stub_server, tmp_path: Path, capsys):
     res = json.loads(out.read_text())
     assert [r["arrival_s"] for r in res["requests"]] == pytest.approx([0.0, 0.1, 0.3])
     assert [r["output_tokens"] for r in res["requests"]] == [3, 4, 5]
-    assert all(abs(r["send_s"] - r["arrival_s"]) < 0.02 for r in res["requests"])
+    # sent on schedule: never early; late only by a machine stall
+    assert all(0 <= r["send_s"] - r["arrival_s"] < SLACK for r in res["requests"])
+    assert sorted(r["send_s"] - r["arrival_s"] for r in res["requests"])[1] < 0.02
 
 
 # ============================================================================ bad arguments
