@@ -131,6 +131,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sim-accuracy", help="the simulator (profiled CPU model) against the real engine")
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="CPU threads for the engine (default: the profile's); must match the profile's")
     p.add_argument("--profile", default="results/profile_cpu.json", help="`tidal profile` output to simulate with")
     p.add_argument("--num-requests", type=int, default=60)
     p.add_argument("--prompt-len", default="64-512", help="uniform prompt lengths A-B")
@@ -185,11 +187,18 @@ def run(args: argparse.Namespace) -> int:
         return 2
     model = ProfiledCostModel.load(args.profile)
     fit = model.fit_report()
+    threads = args.num_threads or model.meta.get("threads")
+    if model.meta.get("threads") not in (None, threads):
+        print(f"tidal bench sim-accuracy: error: the profile was taken with {model.meta['threads']} threads, the "
+              f"engine would run with {threads}: step times would not compare (pass --num-threads "
+              f"{model.meta['threads']} or profile with --num-threads {threads})", file=sys.stderr)
+        return 2
     ckpt = load_checkpoint(args.model)
     tok = Tokenizer.from_checkpoint(ckpt)
 
     def build() -> LLMEngine:
-        return LLMEngine(EngineConfig.from_kwargs(model=ckpt.path, dtype=args.dtype), checkpoint=ckpt, tokenizer=tok)
+        return LLMEngine(EngineConfig.from_kwargs(model=ckpt.path, dtype=args.dtype, num_threads=threads),
+                         checkpoint=ckpt, tokenizer=tok)
 
     print(f"command: {' '.join(sys.argv)}\nmachine: {_machine(args.dtype)}")
     print(f"profile {args.profile}: fit median error {fit['median_abs_rel_err']:.1%}, R2 {fit['r2']:.4f}")

@@ -313,7 +313,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="time the engine's step over a grid of batch shapes (for the simulator)")
     p.add_argument("--model", default=None, help="path to a .gguf file or a Hugging Face directory")
     p.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--num-threads", "--threads", dest="num_threads", type=int, default=None,
+                   help="CPU threads (default: all cores); one thread is far steadier on a shared machine")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--quick", action="store_true", help="a handful of grid points (smoke test)")
     p.add_argument("--no-live", action="store_true", help="grid points only, no steps of a live serving run")
@@ -333,7 +334,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.repeats < 1 or args.warmup < 0:
         raise ConfigError("--repeats must be >= 1 and --warmup >= 0")
-    cfg = EngineConfig.from_kwargs(model=args.model, dtype=args.dtype, num_threads=args.threads,
+    cfg = EngineConfig.from_kwargs(model=args.model, dtype=args.dtype, num_threads=args.num_threads,
                                    device=args.device, kv_cache_memory=args.kv_cache_memory)
     engine = LLMEngine(cfg)
     grid = default_grid(args.quick)
