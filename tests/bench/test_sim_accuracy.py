@@ -81,7 +81,7 @@ def test_small_run_end_to_end(tmp_path: Path, capsys, monkeypatch, smol_ckpt):
                  "--loads", "0.3,0.85", "--output", str(out)])
     assert code == 0
     stdout = capsys.readouterr().out
-    assert "sim@speed" in stdout and "simulated saturation" in stdout
+    assert "sim@speed" in stdout and "simulated saturation" in stdout and "'threads': 2" in stdout
     res = json.loads(out.read_text())
     assert res["machine"]["threads"] == 2 and res["saturation_rps"] > 0
     assert [r["load"] for r in res["runs"]] == [0.3, 0.85]

@@ -200,9 +200,9 @@ def run(args: argparse.Namespace) -> int:
         return LLMEngine(EngineConfig.from_kwargs(model=ckpt.path, dtype=args.dtype, num_threads=threads),
                          checkpoint=ckpt, tokenizer=tok)
 
+    engine = build()  # sets the thread count the machine line reports
     print(f"command: {' '.join(sys.argv)}\nmachine: {_machine(args.dtype)}")
     print(f"profile {args.profile}: fit median error {fit['median_abs_rel_err']:.1%}, R2 {fit['r2']:.4f}")
-    engine = build()
     base = make_specs(args.num_requests, args.seed, _range(args.prompt_len), _range(args.output_len))
     sat = sim_saturation_rate(base, engine, args.profile, args.saturation_ttft_s)
     print(f"simulated saturation (P50 TTFT {args.saturation_ttft_s:g} s): {sat:.2f} req/s")
