@@ -257,14 +257,20 @@ def test_capacity_search_finds_the_serial_limit(stub_server, tmp_path: Path, cap
     stub, url = stub_server
     stub.reset(itl=0.005, serial_s=0.05)
     out = tmp_path / "cap.json"
-    code, stdout, err = bench(["--base-url", url, "--workload", "fixed:8:3", "--num-requests", "12",
-                               "--burstiness", "400", "--tokenizer", "none", "--slo", "ttft=100",
-                               "--capacity-search", "--target-attainment", "0.9", "--search-low", "8",
-                               "--search-high", "48", "--search-tolerance", "0.15", "--warmup-requests", "0",
-                               "--output", str(out)], capsys)
-    assert code == 0, err
-    res = json.loads(out.read_text())
-    cs = res["capacity_search"]
+    # a stall of this shared machine can only fail a probe, i.e. lower the capacity found: the upper
+    # bound holds on every attempt, the lower bound on a second one if the first falls short
+    for _attempt in range(2):
+        code, stdout, err = bench(["--base-url", url, "--workload", "fixed:8:3", "--num-requests", "12",
+                                   "--burstiness", "400", "--tokenizer", "none", "--slo", "ttft=100",
+                                   "--capacity-search", "--target-attainment", "0.9", "--search-low", "8",
+                                   "--search-high", "48", "--search-tolerance", "0.15", "--warmup-requests", "0",
+                                   "--output", str(out)], capsys)
+        assert code == 0, err
+        res = json.loads(out.read_text())
+        cs = res["capacity_search"]
+        assert cs["capacity_rps"] is None or cs["capacity_rps"] <= 24, cs
+        if cs["capacity_rps"] is not None and cs["capacity_rps"] >= 14:
+            break
     assert cs["probes"][0]["rate"] == 8 and cs["probes"][0]["passed"]
     assert cs["probes"][1]["rate"] == 48 and not cs["probes"][1]["passed"]
     assert 14 <= cs["capacity_rps"] <= 24, cs
