@@ -227,7 +227,7 @@ def test_latencies_match_the_stub(stub_server, tmp_path: Path, capsys, endpoint:
 
 def test_slo_attainment_half_the_requests(stub_server, tmp_path: Path, capsys):
     stub, url = stub_server
-    stub.reset(ttft=0.03, itl=0.01, slow_ttft=0.3)
+    stub.reset(ttft=0.03, itl=0.01, slow_ttft=0.4)  # a stall under 170 ms changes nothing
     data = [{"instruction": f"{'SLOW' if i % 2 else 'fast'} question number {i}", "input": "",
              "output": "one two three"} for i in range(8)]
     ds = tmp_path / "alpaca.json"
@@ -235,14 +235,14 @@ def test_slo_attainment_half_the_requests(stub_server, tmp_path: Path, capsys):
     out = tmp_path / "slo.json"
     code, stdout, err = bench(["--base-url", url, "--workload", "alpaca-real", "--dataset", str(ds),
                                "--num-requests", "8", "--rate", "50", "--tokenizer", "none",
-                               "--slo", "ttft=150,tpot=100", "--warmup-requests", "0", "--output", str(out)], capsys)
+                               "--slo", "ttft=200,tpot=100", "--warmup-requests", "0", "--output", str(out)], capsys)
     assert code == 0, err
     res = json.loads(out.read_text())
     assert res["completed"] == 8
-    assert res["slo"] == {"ttft": 150.0, "tpot": 100.0}
+    assert res["slo"] == {"ttft": 200.0, "tpot": 100.0}
     assert res["slo_attainment"] == 0.5
     assert res["slo_attainment_by_metric"] == {"ttft": 0.5, "tpot": 1.0}
-    good = [r for r in res["requests"] if r["ttft_s"] < 0.15]
+    good = [r for r in res["requests"] if r["ttft_s"] < 0.2]
     assert len(good) == 4
     assert res["goodput"]["request_throughput"] == pytest.approx(4 / res["duration_s"])
     assert res["goodput"]["output_throughput"] == pytest.approx(sum(r["output_tokens"] for r in good)
