@@ -31,6 +31,7 @@ class ServerProcess:
         self.url = ""
         self.model = ""
         self.final_output = ""
+        self.terminated = False
 
     def output(self) -> str:
         with open(self.log.name) as f:
@@ -56,7 +57,10 @@ class ServerProcess:
         pytest.fail(f"the server did not come up in {STARTUP_TIMEOUT:.0f} s:\n{self.output()[-3000:]}")
 
     def terminate(self) -> None:
-        if self.proc.poll() is None:
+        # once: a second SIGTERM that lands while the interpreter finalizes (its handlers reset to the
+        # default) kills a server that was exiting cleanly (CI saw exit code -15)
+        if self.proc.poll() is None and not self.terminated:
+            self.terminated = True
             self.proc.send_signal(signal.SIGTERM)  # graceful: the lifespan stops the engine
 
     def stop(self) -> int:
