@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 from pathlib import Path
@@ -11,6 +10,7 @@ import pytest
 
 from tidal.bench import sim_accuracy
 from tidal.bench.workloads import RequestSpec
+from tidal.cli import main as cli_main
 
 
 def _synthetic_profile(path: Path, threads: int) -> str:
@@ -29,10 +29,7 @@ def _synthetic_profile(path: Path, threads: int) -> str:
 
 
 def _run(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser()
-    sim_accuracy.add_parser(parser.add_subparsers())
-    args = parser.parse_args(["sim-accuracy", *argv])
-    return args.func(args)
+    return cli_main(["bench", "sim-accuracy", *argv])  # through the real CLI, as a user runs it
 
 
 def test_compare_and_medians():
