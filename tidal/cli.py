@@ -147,9 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tidal.sim import run as sim_run
 
     sim_run.add_parser(sub)
-    from tidal.engine import profiler
+    from tidal.bench import profile
 
-    profiler.add_parser(sub)
+    profile.add_parser(sub)
     return p
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tidal.bench.metrics import SLO, summarize
 from tidal.bench.policies import make_jobs, run_policy
+from tidal.metrics import SLO, summarize
 
 
 @pytest.mark.parametrize("batching", ["static", "bucket+memory+sla"])

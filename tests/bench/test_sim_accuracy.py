@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from tidal.bench import sim_accuracy
-from tidal.bench.workloads import RequestSpec
 from tidal.cli import main as cli_main
+from tidal.workload import RequestSpec
 
 
 def _synthetic_profile(path: Path, threads: int) -> str:

@@ -107,6 +107,7 @@ def test_points_that_do_not_fit_are_skipped(profiled):
 def test_cli_writes_the_profile(tmp_path, monkeypatch, capsys, smol_ckpt, smol_tokenizer):
     import argparse
 
+    from tidal.bench import profile as profile_cmd
     from tidal.engine import llm_engine, profiler
 
     real = llm_engine.LLMEngine  # reuse the session's checkpoint instead of loading it again
@@ -115,7 +116,7 @@ def test_cli_writes_the_profile(tmp_path, monkeypatch, capsys, smol_ckpt, smol_t
     tiny = [[(0, n, True)] for n in (4, 8, 16, 24)] + [[(32, 1, True)] * d for d in (1, 2, 3, 4)]
     monkeypatch.setattr(profiler, "default_grid", lambda quick=False: tiny)
     parser = argparse.ArgumentParser()
-    profiler.add_parser(parser.add_subparsers())
+    profile_cmd.add_parser(parser.add_subparsers())
     out = tmp_path / "sub" / "profile.json"
     args = parser.parse_args(["profile", "--quick", "--threads", "2", "--dtype", "float32", "--repeats", "1",
                               "--kv-cache-memory", "64MiB", "--output", str(out)])

@@ -13,12 +13,12 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from tidal.bench.workloads import RequestSpec
 from tidal.cluster.router import build_router
 from tidal.core.sampling import SamplingParams
 from tidal.sim.cost_model import ReplayCostModel
 from tidal.sim.instance import SimInstance
 from tidal.sim.simulator import ClusterSimulator
+from tidal.workload import RequestSpec
 
 
 def _workload(n: int = 12, seed: int = 3) -> list[RequestSpec]:

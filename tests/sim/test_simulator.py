@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from tidal.bench.metrics import summarize
-from tidal.bench.workloads import RequestSpec
 from tidal.cluster.router import (
     KVAwareRouter,
     LeastOutstandingRouter,
@@ -14,10 +12,12 @@ from tidal.cluster.router import (
     build_router,
 )
 from tidal.config import SchedulerConfig
+from tidal.metrics import summarize
 from tidal.sim.build import ClusterSpec, build_simulator
 from tidal.sim.instance import SimInstance
 from tidal.sim.loop import Event, EventLoop
 from tidal.sim.simulator import ClusterSimulator
+from tidal.workload import RequestSpec
 
 
 class Constant:

@@ -10,7 +10,7 @@ in its logprobs when the server sends them; otherwise one token when it has text
 also an empty-text chunk without a finish reason, which servers send for a token whose text is
 held back; chat: only non-empty ``content``). The final usage chunk gives the exact output and
 prompt token counts (``output_tokens``); the chunk timing gives TTFT and the gaps (see
-:mod:`tidal.bench.metrics` for how a multi-token chunk's gap is split).
+:mod:`tidal.metrics` for how a multi-token chunk's gap is split).
 
 The run is bounded: by the number of requests, by ``time_limit_s`` (no request is sent after it;
 requests still running ``drain_s`` later are cancelled and count as failed), and by a per-request
@@ -29,8 +29,8 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from tidal.bench.metrics import RequestRecord, itl_from_chunks
-from tidal.bench.workloads import RequestSpec
+from tidal.metrics import RequestRecord, itl_from_chunks
+from tidal.workload import RequestSpec
 
 
 class BenchError(Exception):

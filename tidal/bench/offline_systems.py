@@ -11,13 +11,14 @@ import importlib.util
 import io
 import logging
 import os
-import platform
 import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from tidal.report.machine import machine_info as report_machine_info
 
 ALL_SYSTEMS = ("tidal", "hf", "hf-cb", "llamacpp")
 PEERS = ("hf", "hf-cb", "llamacpp")
@@ -491,36 +492,9 @@ def installed_systems() -> list[str]:
 
 # ============================================================================ machine and peak
 def machine_info(num_threads: int, dtype: str) -> dict[str, Any]:
-    import torch
+    import torch  # noqa: F401  (loaded, so the machine record describes it)
 
-    cpu = ""
-    flags: list[str] = []
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and not cpu:
-                    cpu = line.split(":", 1)[1].strip()
-                if line.startswith("flags") and not flags:
-                    flags = line.split(":", 1)[1].split()
-    except OSError:
-        pass
-    cpu = cpu or platform.processor() or "unknown"
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - non-Linux
-        cores = os.cpu_count() or 1
-    info: dict[str, Any] = {
-        "cores": cores,
-        "cpu_model": cpu,
-        "isa": [f for f in flags if f.startswith(("avx512_bf16", "amx", "avx512f", "avx2"))],
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "num_threads": num_threads,
-        "dtype": dtype,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-    }
+    info = report_machine_info(num_threads=num_threads, dtype=dtype)
     for mod in ("transformers", "llama_cpp"):
         if importlib.util.find_spec(mod) is not None:
             try:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -21,8 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from tidal.bench.metrics import SLO, RequestRecord, summarize
-from tidal.bench.workloads import gamma_arrivals
+from tidal.metrics import SLO, RequestRecord, summarize
+from tidal.report.machine import machine_info
+from tidal.workload import gamma_arrivals
 
 DEFAULT_POLICIES = "static,continuous,bucket,memory,sla,slo-compose,bucket+memory+sla"
 
@@ -153,19 +153,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _machine(dtype: str) -> dict[str, Any]:
-    import torch
-
-    cpu = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-    except OSError:
-        pass
-    return {"cores": len(os.sched_getaffinity(0)), "cpu": cpu, "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "dtype": dtype, "python": platform.python_version()}
-
-
 def _plot(results: dict[str, Any], path: str) -> None:
     import matplotlib
 
@@ -206,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
         return LLMEngine(cfg, checkpoint=ckpt, tokenizer=tok)
 
     print(f"command: {' '.join(sys.argv)}")
-    machine = _machine(args.dtype)
+    machine = machine_info(dtype=args.dtype)
     print(f"machine: {machine}")
     step = measure_decode_step(build, args.slo_batch, vocab)
     tbt_slo_ms = args.tbt_slo_factor * step * 1000

@@ -1,8 +1,8 @@
 """``tidal bench serve``: TTFT, TPOT, ITL, SLO attainment, goodput and capacity of a live server.
 
 Works against any OpenAI-compatible server (tidal, vLLM, llama.cpp). It builds a workload
-(:mod:`tidal.bench.workloads`), sends it with the streaming client (:mod:`tidal.bench.client`) and
-summarizes the records with the shared metric definitions (:mod:`tidal.bench.metrics`), then writes
+(:mod:`tidal.workload`), sends it with the streaming client (:mod:`tidal.bench.client`) and
+summarizes the records with the shared metric definitions (:mod:`tidal.metrics`), then writes
 a JSON report (summary, config, machine, command, per-request records) and PNG plots
 (:mod:`tidal.bench.plots`) and prints a summary table.
 
@@ -18,18 +18,18 @@ import argparse
 import json
 import math
 import os
-import platform
-import shlex
 import sys
-from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any
 
-from tidal.bench import metrics as M
-from tidal.bench import workloads as W
+from tidal import metrics as M
+from tidal import workload as W
 from tidal.bench.client import BenchError, ClientOptions, check_server, normalize_base_url
 from tidal.bench.client import run as run_client
+from tidal.report.machine import machine_info
+from tidal.report.progress import progress_bar
+from tidal.report.results import command_line, write_result
 
 DEFAULT_OUTPUT = os.path.join("results", "serve.json")
 DEFAULT_NUM_REQUESTS = 100
@@ -121,40 +121,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 # ============================================================================ helpers
-def machine_info() -> dict[str, Any]:
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        usable = os.cpu_count()
-    return {"cores": os.cpu_count(), "usable_cores": usable, "cpu_model": cpu,
-            "python": platform.python_version(), "platform": platform.platform()}
-
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    return x
-
-
 def _config(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in vars(args).items() if k != "func" and not callable(v)}
 
 
 class _Tok:
-    """Adapter of a tidal/HF tokenizer to :class:`tidal.bench.workloads.TokenizerLike`."""
+    """Adapter of a tidal/HF tokenizer to :class:`tidal.workload.TokenizerLike`."""
 
     def __init__(self, tok: Any, name: str):
         self.tok = tok
@@ -233,51 +205,15 @@ def _workload_options(args: argparse.Namespace, rate: float | None, num: int | N
     return W.WorkloadOptions(
         workload=args.workload, num_requests=num, duration_s=args.duration if not args.capacity_search else None,
         rate=rate, burstiness=args.burstiness, seed=args.seed, trace=args.trace, time_scale=args.time_scale,
-        dataset=args.dataset, traces_dir=args.traces_dir or _default_traces_dir(),
+        dataset=args.dataset, traces_dir=args.traces_dir or W.default_traces_dir(),
         max_input_len=args.max_input_len, max_output_len=args.max_output_len)
 
 
-def _default_traces_dir() -> str:
-    """``../shared/traces`` of the project root (beside the ``tidal`` package), else of the cwd."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    cand = os.path.join(os.path.dirname(root), "shared", "traces")
-    return cand if os.path.isdir(cand) else os.path.join("..", "shared", "traces")
-
-
-def specs_at_rate(base: list[W.RequestSpec], rate: float, duration_s: float | None) -> list[W.RequestSpec]:
-    """The same requests with arrivals rescaled to average ``rate`` (cut at ``duration_s``)."""
-    arr = W.rescale_to_rate([s.arrival_s for s in base], rate)
-    out = [replace(s, arrival_s=float(t)) for s, t in zip(base, arr, strict=True)]
-    if duration_s is not None:
-        out = [s for s in out if s.arrival_s < duration_s]
-    return out
-
-
 # ============================================================================ running
-class _Bar:
-    def __init__(self, total: int, desc: str, enabled: bool):
-        self.bar = None
-        if enabled:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, desc=desc, unit="req", file=sys.stderr, dynamic_ncols=True, leave=True)
-
-    def update(self, rec: M.RequestRecord) -> None:
-        if self.bar is not None:
-            self.bar.update(1)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 def _run_once(specs: list[W.RequestSpec], copts: ClientOptions, slo: M.SLO, desc: str, progress: bool
               ) -> tuple[list[M.RequestRecord], dict[str, Any]]:
-    bar = _Bar(len(specs), desc, progress)
-    try:
-        records, duration = run_client(specs, copts, bar.update)
-    finally:
-        bar.close()
+    with progress_bar(len(specs), desc, "req", progress) as bar:
+        records, duration = run_client(specs, copts, lambda rec: bar.update(1))
     return records, M.summarize(records, duration, slo)
 
 
@@ -332,7 +268,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                                   args.search_tolerance, args.max_probes)
         by_rate: dict[float, tuple[list[M.RequestRecord], dict[str, Any], list[W.RequestSpec]]] = {}
         while (rate := search.next_rate()) is not None:
-            probe_specs = specs_at_rate(specs, rate, args.duration)
+            probe_specs = W.specs_at_rate(specs, rate, args.duration)
             records, summary = _run_once(probe_specs, copts, slo, f"rate {rate:.3g}/s", progress)
             search.record(rate, summary["slo_attainment"] or 0.0, summary)
             by_rate[rate] = (records, summary, probe_specs)
@@ -359,17 +295,10 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "started_at": started,
         "config": _config(args),
         "machine": machine_info(),
-        "command": shlex.join(["tidal", "bench", "serve", *_argv_tail()]),
+        "command": command_line(PROG),
         "requests": [r.to_dict() for r in records],
     }
     return result
-
-
-def _argv_tail() -> list[str]:
-    argv = sys.argv[1:]
-    if "serve" in argv:
-        return argv[argv.index("serve") + 1:]
-    return argv
 
 
 # ============================================================================ reporting
@@ -436,30 +365,10 @@ def format_summary(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_result(result: dict[str, Any], path: str, plots: bool,
-                 plotter: Callable[[dict[str, Any], str], list[str]] | None = None, prog: str = PROG) -> list[str]:
-    """Write ``result`` as JSON at ``path`` and, with ``plots``, its PNGs beside it (``plotter``,
-    default the bench's own plots); returns the PNG paths."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    written: list[str] = []
-    if plots:
-        if plotter is None:
-            from tidal.bench.plots import write_plots as plotter
-        try:
-            written = plotter(result, path)
-        except Exception as e:  # a plot must never lose the measurements
-            print(f"{prog}: warning: plots failed: {e}", file=sys.stderr)
-    result["plots"] = written
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(_jsonable(result), f, indent=1)
-        f.write("\n")
-    return written
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         result = run_benchmark(args)
-        plots = write_result(result, args.output, not args.no_plots)
+        plots = write_result(result, args.output, not args.no_plots, prog=PROG)
     except (BenchError, ValueError) as e:  # WorkloadError, SLOError and bad values of the pure modules
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
@@ -485,5 +394,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["add_arguments", "add_parser", "format_summary", "load_tokenizer", "machine_info", "main", "run",
-           "run_benchmark", "specs_at_rate", "write_result"]
+__all__ = ["add_arguments", "add_parser", "format_summary", "load_tokenizer", "main", "run", "run_benchmark"]

@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from tidal.bench.metrics import RequestRecord, summarize, tpot
-from tidal.bench.workloads import RequestSpec, gamma_arrivals
+from tidal.metrics import RequestRecord, summarize, tpot
+from tidal.workload import RequestSpec, gamma_arrivals
 
 METRICS = (("ttft_ms", "p50"), ("ttft_ms", "p99"), ("tpot_ms", "p50"), ("tpot_ms", "p99"))
 
@@ -152,9 +152,9 @@ def _range(text: str) -> tuple[int, int]:
 
 
 def _plot(runs: list[dict[str, Any]], path: str) -> None:
-    from tidal.bench.plots import _plt
+    from tidal.report.plots import pyplot
 
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(len(runs), 2, figsize=(11, 3.6 * len(runs)), squeeze=False)
     for row, run in zip(axes, runs, strict=True):
         for ax, key in zip(row, ("ttft", "tpot"), strict=True):
@@ -173,12 +173,12 @@ def _plot(runs: list[dict[str, Any]], path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tidal.bench.policies import _machine
     from tidal.config import EngineConfig
     from tidal.engine.llm_engine import LLMEngine
     from tidal.engine.loader import load_checkpoint
     from tidal.engine.profiler import record_steps
     from tidal.engine.tokenizer import Tokenizer
+    from tidal.report.machine import machine_info
     from tidal.sim.profiled import ProfiledCostModel
 
     if not os.path.isfile(args.profile):
@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
                          checkpoint=ckpt, tokenizer=tok)
 
     engine = build()  # sets the thread count the machine line reports
-    print(f"command: {' '.join(sys.argv)}\nmachine: {_machine(args.dtype)}")
+    print(f"command: {' '.join(sys.argv)}\nmachine: {machine_info(dtype=args.dtype)}")
     print(f"profile {args.profile}: fit median error {fit['median_abs_rel_err']:.1%}, R2 {fit['r2']:.4f}")
     base = make_specs(args.num_requests, args.seed, _range(args.prompt_len), _range(args.output_len))
     sat = sim_saturation_rate(base, engine, args.profile, args.saturation_ttft_s)
@@ -253,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{nr['sim']:>11.1f}{nr['error']:>+9.1%}")
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w") as f:
-        json.dump({"command": " ".join(sys.argv), "machine": _machine(args.dtype), "profile": args.profile,
+        json.dump({"command": " ".join(sys.argv), "machine": machine_info(dtype=args.dtype), "profile": args.profile,
                    "fit": fit, "saturation_rps": sat, "runs": runs}, f, indent=1, default=str)
     png = os.path.splitext(args.output)[0] + ".png"
     _plot(runs, png)

@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from tidal.bench.metrics import SLO, CapacitySearch, summarize
-from tidal.bench.workloads import RequestSpec, gamma_arrivals, lognormal_lengths
+from tidal.metrics import SLO, CapacitySearch, summarize
+from tidal.workload import RequestSpec, gamma_arrivals, lognormal_lengths, specs_at_rate
 
 
 @dataclass
@@ -111,7 +111,6 @@ def run_sim(sc: Scenario, policy: dict[str, Any], specs: list[RequestSpec]) -> d
 
 def capacity(sc: Scenario, policy: dict[str, Any], specs: list[RequestSpec], low: float, high: float
              ) -> tuple[float | None, dict[str, Any] | None, list[dict[str, Any]]]:
-    from tidal.bench.serve import specs_at_rate
 
     search = CapacitySearch(low, high, sc.target, tolerance=0.03, max_probes=14)
     best = None
@@ -150,9 +149,9 @@ def _table(rows: list[dict[str, Any]], base: str) -> None:
 
 
 def _plot(report: dict[str, Any], path: str) -> None:
-    from tidal.bench.plots import _plt
+    from tidal.report.plots import pyplot
 
-    plt = _plt()
+    plt = pyplot()
     panels = [(sc, wl) for sc, wls in report["scenarios"].items() for wl in wls]
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
     for ax, (sc, wl) in zip(axes[0], panels, strict=True):

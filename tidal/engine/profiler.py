@@ -15,11 +15,7 @@ side) is measured on a few real small batches and fitted as ``a + b * num_seqs``
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import json
-import os
-import platform
 import random
 import statistics
 import time
@@ -28,6 +24,7 @@ from typing import Any
 
 from tidal.core.plan import BatchComposition, ScheduledChunk, StepPlan
 from tidal.core.sampling import SamplingParams
+from tidal.report.machine import machine_info
 
 FORMAT = "tidal-profile/1"
 Chunk = tuple[int, int, bool]  # (start, num_tokens, sample)
@@ -222,20 +219,6 @@ def _requests(engine: Any, ids: Sequence[str]) -> list[Any]:
     return out
 
 
-def machine_info() -> dict[str, Any]:
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - non-Linux
-        cores = os.cpu_count() or 1
-    return {"cpu": cpu, "cores": cores, "python": platform.python_version()}
-
-
 def profile_engine(engine: Any, grid: Sequence[Sequence[Chunk]] | None = None, repeats: int = 3, warmup: int = 1,
                    progress: Progress | None = None, overhead: bool = True,
                    live_runs: Sequence[tuple[int, float]] | None = LIVE_RUNS) -> dict[str, Any]:
@@ -306,78 +289,3 @@ def profile_engine(engine: Any, grid: Sequence[Sequence[Chunk]] | None = None, r
         "overhead": over,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-
-
-# ---------------------------------------------------------------------------------------- CLI
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("profile", help="time the engine's step over a grid of batch shapes (for the simulator)")
-    p.add_argument("--model", default=None, help="path to a .gguf file or a Hugging Face directory")
-    p.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--num-threads", "--threads", dest="num_threads", type=int, default=None,
-                   help="CPU threads (default: all cores); one thread is far steadier on a shared machine")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--quick", action="store_true", help="a handful of grid points (smoke test)")
-    p.add_argument("--no-live", action="store_true", help="grid points only, no steps of a live serving run")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per point (the median is kept)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed runs per point")
-    p.add_argument("--kv-cache-memory", default="2GiB", help="KV pool; the largest grid point needs ~1.6GiB in bf16")
-    p.add_argument("--output", default="results/profile_cpu.json")
-    p.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from tidal.config import ConfigError, EngineConfig
-    from tidal.engine.llm_engine import LLMEngine
-    from tidal.sim.profiled import ProfiledCostModel
-
-    if args.repeats < 1 or args.warmup < 0:
-        raise ConfigError("--repeats must be >= 1 and --warmup >= 0")
-    cfg = EngineConfig.from_kwargs(model=args.model, dtype=args.dtype, num_threads=args.num_threads,
-                                   device=args.device, kv_cache_memory=args.kv_cache_memory)
-    engine = LLMEngine(cfg)
-    grid = default_grid(args.quick)
-    t0 = time.monotonic()
-    last = [t0]
-
-    def progress(done: int, total: int, sample: dict[str, Any]) -> None:
-        now = time.monotonic()
-        if sample.get("live"):
-            print(f"  live serving run {done}/{total}: {sample['steps']} steps, {now - t0:.0f}s elapsed", flush=True)
-            return
-        if now - last[0] >= 10 or done == total:
-            last[0] = now
-            eta = (now - t0) / done * (total - done)
-            print(f"  {done}/{total} runs (pass {sample['pass'] + 1}), last {sample['time_s'] * 1000:.1f} ms, "
-                  f"{now - t0:.0f}s elapsed, ~{eta:.0f}s left", flush=True)
-
-    print(f"profiling {engine.checkpoint.path} ({engine.dtype}, {torch.get_num_threads()} threads, "
-          f"{len(grid)} points x {args.warmup}+{args.repeats} runs)", flush=True)
-    live = () if args.no_live else (((8, 4.0),) if args.quick else LIVE_RUNS)
-    data = profile_engine(engine, grid, repeats=args.repeats, warmup=args.warmup, progress=progress,
-                          live_runs=live)
-    data["elapsed_s"] = round(time.monotonic() - t0, 1)
-    out = args.output
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    tmp = f"{out}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, out)
-    try:
-        rep = ProfiledCostModel.from_profile(data).fit_report()
-        fit = (f"fit R2 {rep['r2']:.4f}, median |rel err| {rep['median_abs_rel_err']:.1%}, "
-               f"p90 {rep['p90_abs_rel_err']:.1%}")
-        n_live = sum(1 for s in data["samples"] if s.get("source") == "live")
-        if n_live:
-            fit += f" ({n_live} of the samples are steps of live serving)"
-    except ValueError as e:
-        fit = f"no fit ({e})"
-    ov = data["overhead"]
-    noisy = sum(max(s["times_s"]) > 1.5 * min(s["times_s"]) for s in data["samples"] if "times_s" in s)
-    if noisy:
-        print(f"warning: {noisy} samples vary by more than 1.5x between runs (is something else using "
-              "the CPU?)", flush=True)
-    print(f"wrote {out}: {len(data['samples'])} samples ({len(data['skipped'])} skipped) in {data['elapsed_s']:.0f}s; "
-          f"{fit}; overhead {ov['per_step_s'] * 1e3:.2f} ms + {ov['per_seq_s'] * 1e6:.1f} us/seq", flush=True)
-    return 0

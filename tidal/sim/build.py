@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tidal.bench.workloads import RequestSpec
 from tidal.cluster.router import build_router
 from tidal.config import ConfigError, ModelArch, SchedulerConfig
 from tidal.sim.analytic import AnalyticCostModel, kv_pool_blocks_for
@@ -19,6 +18,7 @@ from tidal.sim.hardware import HardwareSpec, get_hardware
 from tidal.sim.instance import SimInstance
 from tidal.sim.models import get_model
 from tidal.sim.simulator import ClusterSimulator
+from tidal.workload import RequestSpec
 
 COST_MODELS = ("analytic", "profiled")
 

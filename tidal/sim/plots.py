@@ -6,13 +6,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from tidal.bench import plots as BP
+from tidal.report import plots as BP
 
 MAX_LINES = 8  # instances drawn one by one; beyond that the mean and the max are drawn
 
 
 def plot_instance_timelines(timelines: list[dict[str, Any]], path: str, title: str = "") -> str:
-    plt = BP._plt()
+    plt = BP.pyplot()
     fig, axes = plt.subplots(3, 1, figsize=(11, 8), sharex=True)
     panels = (("kv_usage", "KV cache used (%)", 100.0), ("waiting", "queue length (requests)", 1.0),
               ("batch_size", "batch size (requests in step)", 1.0))
@@ -44,7 +44,7 @@ def write_sim_plots(result: dict[str, Any], json_path: str) -> list[str]:
     stem = os.path.splitext(json_path)[0]
     title = (f"{result['model']} on {result['instances']} x {result['hardware']}, {result['batching']} "
              f"(simulated)")
-    records, slo = BP._records(result), BP._slo(result)
+    records, slo = BP.records_of(result), BP.slo_of(result)
     out = [BP.plot_cdfs(records, slo, f"{stem}_cdf.png", title),
            plot_instance_timelines(result["timelines"], f"{stem}_instances.png", title)]
     if result.get("capacity_search"):

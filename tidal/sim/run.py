@@ -8,15 +8,17 @@ the pure simulator. The JSON has the keys of ``tidal bench serve`` plus ``simula
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 import time
 from dataclasses import fields, replace
 from typing import Any
 
-from tidal.bench import metrics as M
-from tidal.bench import workloads as W
+from tidal import metrics as M
+from tidal import workload as W
 from tidal.config import ConfigError, SchedulerConfig, parse_size
+from tidal.report.machine import machine_info
+from tidal.report.progress import progress_bar
+from tidal.report.results import command_line, write_result
 from tidal.sim.build import COST_MODELS, ClusterSpec, build_simulator, resolve
 
 PROG = "tidal sim"
@@ -126,15 +128,13 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
 
 
 def workload(args: argparse.Namespace, rate: float | None) -> list[W.RequestSpec]:
-    from tidal.bench.serve import _default_traces_dir
-
     num = args.num_requests
     if num is None and args.duration is None and not args.trace:
         num = 1000
     opts = W.WorkloadOptions(
         workload=args.workload, num_requests=num, duration_s=args.duration, rate=rate,
         burstiness=args.burstiness, seed=args.seed, trace=args.trace, time_scale=args.time_scale,
-        dataset=args.dataset, traces_dir=args.traces_dir or _default_traces_dir(),
+        dataset=args.dataset, traces_dir=args.traces_dir or W.default_traces_dir(),
         max_input_len=args.max_input_len, max_output_len=args.max_output_len)
     specs = W.make_requests(opts)
     if args.trace and args.duration is not None:
@@ -144,37 +144,16 @@ def workload(args: argparse.Namespace, rate: float | None) -> list[W.RequestSpec
     return specs
 
 
-class _Progress:
-    """A tqdm bar over simulated seconds (the loop reports its clock every few thousand events)."""
-
-    def __init__(self, horizon: float, desc: str, enabled: bool):
-        self.bar = None
-        self.done = 0.0
-        if enabled:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=round(horizon, 1), desc=desc, unit="sim-s", file=sys.stderr, mininterval=0.5,
-                            bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} sim-s [{elapsed}<{remaining}]")
-
-    def __call__(self, now: float) -> None:
-        if self.bar is not None and now > self.done:
-            self.bar.update(min(now, self.bar.total) - self.done)
-            self.done = min(now, self.bar.total)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 def simulate(spec: ClusterSpec, specs: list[W.RequestSpec], slo: M.SLO, desc: str = "sim",
              progress: bool = True, timeline_points: int = 2000) -> dict[str, Any]:
     horizon = max(s.arrival_s for s in specs)
     spec = replace(spec, timeline_interval_s=horizon / timeline_points if horizon > 0 else 0.0)
     sim = build_simulator(spec, specs)
-    bar = _Progress(horizon, desc, progress)
+    bar = progress_bar(round(horizon, 1), desc, "sim-s", progress,
+                       bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} sim-s [{elapsed}<{remaining}]")
     t0 = time.perf_counter()
     try:
-        res = sim.run(progress=bar)
+        res = sim.run(progress=bar.advance_to)
     finally:
         bar.close()
     wall = time.perf_counter() - t0
@@ -196,8 +175,6 @@ def _record(r: M.RequestRecord) -> dict[str, Any]:
 
 
 def run_sim(args: argparse.Namespace) -> dict[str, Any]:
-    from tidal.bench.serve import specs_at_rate
-
     slo = M.parse_slo(args.slo)
     spec = cluster_spec(args)
     arch, hw, blocks, max_len = resolve(spec)  # fail on a bad model/hardware/memory before the workload
@@ -220,24 +197,21 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
         search = M.CapacitySearch(args.search_low, args.search_high, args.target_attainment,
                                   tolerance=args.search_tolerance, max_probes=args.max_probes)
         while (rate := search.next_rate()) is not None:
-            at_rate = specs_at_rate(specs, rate, args.duration)
+            at_rate = W.specs_at_rate(specs, rate, args.duration)
             out = simulate(spec, at_rate, slo, f"rate {rate:.3g}", not args.no_progress, args.timeline_points)
             search.record(rate, out["slo_attainment"] or 0.0, {k: out[k] for k in ("ttft_ms", "tpot_ms")})
             print(f"  rate {rate:8.3g} req/s: attainment {100 * (out['slo_attainment'] or 0):5.1f}%", file=sys.stderr)
         search_report = search.report()
         rate = search.capacity or args.search_low
-        specs = specs_at_rate(specs, rate, args.duration)
+        specs = W.specs_at_rate(specs, rate, args.duration)
     result = simulate(spec, specs, slo, "sim", not args.no_progress, args.timeline_points)
     result.update(info)
     result["workload"] = {"name": args.workload or "trace", "trace": args.trace, "num_requests": len(specs),
                           "rate": args.rate, **W.length_stats(specs)}
     if search_report is not None:
         result["capacity_search"] = search_report
-    from tidal.bench.serve import machine_info
-
     result["machine"] = machine_info()
-    result["command"] = shlex.join(["tidal", "sim", *sys.argv[sys.argv.index("sim") + 1:]]) \
-        if "sim" in sys.argv else "tidal sim"
+    result["command"] = command_line(PROG)
     return result
 
 
@@ -263,7 +237,6 @@ def format_summary(r: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tidal.bench.serve import write_result
     from tidal.sim.plots import write_sim_plots
 
     try:

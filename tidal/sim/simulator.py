@@ -5,7 +5,7 @@ Events, at equal times in this order: arrivals (0), step ends (1), wake-ups of i
 (2). So every request that arrives at ``t`` is queued before any instance plans a step at
 ``t`` -- the order the engine's own loop has (add what arrived, then step).
 
-Per request the simulator fills a :class:`tidal.bench.metrics.RequestRecord` exactly as the
+Per request the simulator fills a :class:`tidal.metrics.RequestRecord` exactly as the
 load client does for a real server (TTFT, per-token gaps, E2E), so the same ``summarize``
 gives the same metrics. A request that cannot fit the model's context (prompt + max_tokens) or
 an instance's KV pool is refused and counted as failed. Pure: no clock, no threads, no torch.
@@ -17,15 +17,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tidal.bench.metrics import RequestRecord
-from tidal.bench.workloads import RequestSpec
 from tidal.cluster.router import Router, RouteRequest
 from tidal.core.plan import RequestUpdate
 from tidal.core.request import Request
 from tidal.core.sampling import SamplingParams
 from tidal.core.scheduler import RequestRejected
+from tidal.metrics import RequestRecord
 from tidal.sim.instance import SimInstance
 from tidal.sim.loop import Event, EventLoop
+from tidal.workload import RequestSpec
 
 
 @dataclass

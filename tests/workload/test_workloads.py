@@ -1,4 +1,4 @@
-"""Workloads of ``tidal.bench.workloads``: length statistics, real trace files, arrivals, exact prompts."""
+"""Workloads of ``tidal.workload``: length statistics, real trace files, arrivals, exact prompts."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tidal.bench import workloads as W
+from tidal import workload as W
 
 TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
 needs_traces = pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/traces is not here")

@@ -1,4 +1,4 @@
-"""PNG plots of a ``tidal bench serve`` result (matplotlib, Agg backend).
+"""PNG plots of a serving result (``tidal bench serve``, ``tidal sim``) (matplotlib, Agg backend).
 
 * ``<stem>_cdf.png``: CDFs of TTFT, TPOT and E2E latency, with the SLO as a vertical line;
 * ``<stem>_timeline.png``: TTFT of every request at its send time (attaining / missing / failed)
@@ -14,10 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from tidal.bench import metrics as M
+from tidal import metrics as M
 
 
-def _plt():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only, no display)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -26,17 +27,17 @@ def _plt():
     return plt
 
 
-def _records(result: dict[str, Any]) -> list[M.RequestRecord]:
+def records_of(result: dict[str, Any]) -> list[M.RequestRecord]:
     return [M.RequestRecord.from_dict(d) for d in result.get("requests", [])]
 
 
-def _slo(result: dict[str, Any]) -> M.SLO:
+def slo_of(result: dict[str, Any]) -> M.SLO:
     s = result.get("slo") or {}
     return M.SLO(*(s[k] / 1000.0 if k in s else None for k in ("ttft", "tpot", "e2e")))
 
 
 def plot_cdfs(records: list[M.RequestRecord], slo: M.SLO, path: str, title: str = "") -> str:
-    plt = _plt()
+    plt = pyplot()
     ok = [r for r in records if r.success]
     series = [("TTFT", [r.ttft_s for r in ok], slo.ttft_s), ("TPOT", [M.tpot(r) for r in ok], slo.tpot_s),
               ("E2E latency", [r.e2e_s for r in ok], slo.e2e_s)]
@@ -62,7 +63,7 @@ def plot_cdfs(records: list[M.RequestRecord], slo: M.SLO, path: str, title: str 
 
 
 def plot_timeline(records: list[M.RequestRecord], slo: M.SLO, path: str, title: str = "") -> str:
-    plt = _plt()
+    plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
     groups = {"attains SLO": ([], [], "tab:green"), "misses SLO": ([], [], "tab:orange"),
               "failed": ([], [], "tab:red")}
@@ -97,7 +98,7 @@ def plot_timeline(records: list[M.RequestRecord], slo: M.SLO, path: str, title: 
 
 
 def plot_capacity(search: dict[str, Any], path: str, title: str = "") -> str:
-    plt = _plt()
+    plt = pyplot()
     probes = sorted(search["probes"], key=lambda p: p["rate"])
     fig, ax = plt.subplots(figsize=(7, 4.2))
     rates = [p["rate"] for p in probes]
@@ -127,7 +128,7 @@ def plot_capacity(search: dict[str, Any], path: str, title: str = "") -> str:
 def write_plots(result: dict[str, Any], json_path: str) -> list[str]:
     """All plots of a result, next to ``json_path``; returns the paths written."""
     stem = os.path.splitext(json_path)[0]
-    records, slo = _records(result), _slo(result)
+    records, slo = records_of(result), slo_of(result)
     title = f"{result.get('model', '')} - {result.get('workload', {}).get('name', '')}"
     out = [plot_cdfs(records, slo, f"{stem}_cdf.png", title),
            plot_timeline(records, slo, f"{stem}_timeline.png", title)]
@@ -136,4 +137,4 @@ def write_plots(result: dict[str, Any], json_path: str) -> list[str]:
     return out
 
 
-__all__ = ["plot_capacity", "plot_cdfs", "plot_timeline", "write_plots"]
+__all__ = ["plot_capacity", "plot_cdfs", "plot_timeline", "pyplot", "records_of", "slo_of", "write_plots"]

@@ -46,7 +46,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from tidal.bench.traces import (  # noqa: F401  (re-exported)
+from tidal.workload.traces import (  # noqa: F401  (re-exported)
     TraceRow,
     WorkloadError,
     detect_trace_format,
@@ -260,8 +260,25 @@ class WorkloadOptions:
     max_output_len: int | None = None
 
 
+def default_traces_dir() -> str:
+    """``../shared/traces`` beside the project root (the folder holding the ``tidal`` package),
+    else relative to the working directory."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cand = os.path.join(os.path.dirname(root), "shared", "traces")
+    return cand if os.path.isdir(cand) else os.path.join("..", "shared", "traces")
+
+
 def default_dataset_path(workload: str, traces_dir: str | None) -> str:
-    return os.path.join(traces_dir or os.path.join("..", "shared", "traces"), TRACE_FILES[workload])
+    return os.path.join(traces_dir or default_traces_dir(), TRACE_FILES[workload])
+
+
+def specs_at_rate(base: Sequence[RequestSpec], rate: float, duration_s: float | None) -> list[RequestSpec]:
+    """The same requests with arrivals rescaled to average ``rate`` (cut at ``duration_s``)."""
+    arr = rescale_to_rate([s.arrival_s for s in base], rate)
+    out = [replace(s, arrival_s=float(t)) for s, t in zip(base, arr, strict=True)]
+    if duration_s is not None:
+        out = [s for s in out if s.arrival_s < duration_s]
+    return out
 
 
 def make_requests(opts: WorkloadOptions, tokenizer: TokenizerLike | None = None) -> list[RequestSpec]:
@@ -510,5 +527,6 @@ __all__ = [
     "WorkloadError", "WorkloadOptions", "arrivals_within", "clip_lengths", "cv_of_gaps", "detect_trace_format",
     "gamma_arrivals", "length_stats", "load_alpaca", "load_length_set", "load_trace", "lognormal_lengths",
     "make_requests", "materialize", "mean_rate", "parse_azure_timestamp", "rescale_to_rate", "speed_up",
-    "synthetic_lengths",
+    "synthetic_lengths", "WORKLOAD_NAMES", "MOONCAKE_BLOCK_TOKENS", "MAX_SHAPE_LEN", "default_dataset_path",
+    "default_traces_dir", "specs_at_rate",
 ]

@@ -1,0 +1,82 @@
+"""``tidal profile``: time the real engine's step over a grid of batch shapes and fit the
+simulator's profiled cost model to it (the measuring is :mod:`tidal.engine.profiler`, the fit is
+:class:`tidal.sim.profiled.ProfiledCostModel`; this command joins the two)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from tidal.engine import profiler
+from tidal.report.results import write_json
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="time the engine's step over a grid of batch shapes (for the simulator)")
+    p.add_argument("--model", default=None, help="path to a .gguf file or a Hugging Face directory")
+    p.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--num-threads", "--threads", dest="num_threads", type=int, default=None,
+                   help="CPU threads (default: all cores); one thread is far steadier on a shared machine")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--quick", action="store_true", help="a handful of grid points (smoke test)")
+    p.add_argument("--no-live", action="store_true", help="grid points only, no steps of a live serving run")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per point (the median is kept)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs per point")
+    p.add_argument("--kv-cache-memory", default="2GiB", help="KV pool; the largest grid point needs ~1.6GiB in bf16")
+    p.add_argument("--output", default="results/profile_cpu.json")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from tidal.config import ConfigError, EngineConfig
+    from tidal.engine.llm_engine import LLMEngine
+    from tidal.sim.profiled import ProfiledCostModel
+
+    if args.repeats < 1 or args.warmup < 0:
+        raise ConfigError("--repeats must be >= 1 and --warmup >= 0")
+    cfg = EngineConfig.from_kwargs(model=args.model, dtype=args.dtype, num_threads=args.num_threads,
+                                   device=args.device, kv_cache_memory=args.kv_cache_memory)
+    engine = LLMEngine(cfg)
+    grid = profiler.default_grid(args.quick)
+    t0 = time.monotonic()
+    last = [t0]
+
+    def progress(done: int, total: int, sample: dict[str, Any]) -> None:
+        now = time.monotonic()
+        if sample.get("live"):
+            print(f"  live serving run {done}/{total}: {sample['steps']} steps, {now - t0:.0f}s elapsed", flush=True)
+            return
+        if now - last[0] >= 10 or done == total:
+            last[0] = now
+            eta = (now - t0) / done * (total - done)
+            print(f"  {done}/{total} runs (pass {sample['pass'] + 1}), last {sample['time_s'] * 1000:.1f} ms, "
+                  f"{now - t0:.0f}s elapsed, ~{eta:.0f}s left", flush=True)
+
+    print(f"profiling {engine.checkpoint.path} ({engine.dtype}, {torch.get_num_threads()} threads, "
+          f"{len(grid)} points x {args.warmup}+{args.repeats} runs)", flush=True)
+    live = () if args.no_live else (((8, 4.0),) if args.quick else profiler.LIVE_RUNS)
+    data = profiler.profile_engine(engine, grid, repeats=args.repeats, warmup=args.warmup, progress=progress,
+                          live_runs=live)
+    data["elapsed_s"] = round(time.monotonic() - t0, 1)
+    out = args.output
+    write_json(data, out)
+    try:
+        rep = ProfiledCostModel.from_profile(data).fit_report()
+        fit = (f"fit R2 {rep['r2']:.4f}, median |rel err| {rep['median_abs_rel_err']:.1%}, "
+               f"p90 {rep['p90_abs_rel_err']:.1%}")
+        n_live = sum(1 for s in data["samples"] if s.get("source") == "live")
+        if n_live:
+            fit += f" ({n_live} of the samples are steps of live serving)"
+    except ValueError as e:
+        fit = f"no fit ({e})"
+    ov = data["overhead"]
+    noisy = sum(max(s["times_s"]) > 1.5 * min(s["times_s"]) for s in data["samples"] if "times_s" in s)
+    if noisy:
+        print(f"warning: {noisy} samples vary by more than 1.5x between runs (is something else using "
+              "the CPU?)", flush=True)
+    print(f"wrote {out}: {len(data['samples'])} samples ({len(data['skipped'])} skipped) in {data['elapsed_s']:.0f}s; "
+          f"{fit}; overhead {ov['per_step_s'] * 1e3:.2f} ms + {ov['per_seq_s'] * 1e6:.1f} us/seq", flush=True)
+    return 0

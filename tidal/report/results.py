@@ -1,0 +1,65 @@
+"""Writing results: JSON (NaN-safe, atomic) with PNG plots beside it, and the command line that
+made them."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import sys
+from collections.abc import Callable
+from typing import Any
+
+Plotter = Callable[[dict[str, Any], str], list[str]]
+
+
+def jsonable(x: Any) -> Any:
+    """``x`` with non-finite floats as strings (JSON has no NaN or Infinity)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    return x
+
+
+def write_json(data: Any, path: str) -> None:
+    """Write ``data`` to ``path`` atomically (a reader never sees half a file)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(jsonable(data), f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def write_result(result: dict[str, Any], path: str, plots: bool, plotter: Plotter | None = None,
+                 prog: str = "tidal") -> list[str]:
+    """Write ``result`` as JSON at ``path`` and, with ``plots``, its PNGs beside it (``plotter``,
+    default the load test's plots); returns the PNG paths. A failing plot never loses the data."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    written: list[str] = []
+    if plots:
+        if plotter is None:
+            from tidal.report.plots import write_plots as plotter
+        try:
+            written = plotter(result, path)
+        except Exception as e:  # noqa: BLE001 - a plot must never lose the measurements
+            print(f"{prog}: warning: plots failed: {e}", file=sys.stderr)
+    result["plots"] = written
+    write_json(result, path)
+    return written
+
+
+def command_line(prog: str, argv: list[str] | None = None) -> str:
+    """``prog`` plus the arguments after its last word in ``argv`` (default ``sys.argv``), quoted:
+    ``command_line("tidal bench serve")`` is the command a reader can paste to rerun."""
+    argv = sys.argv[1:] if argv is None else argv
+    last = prog.split()[-1]
+    tail = argv[argv.index(last) + 1:] if last in argv else argv
+    return shlex.join([*prog.split(), *tail])
+
+
+__all__ = ["Plotter", "command_line", "jsonable", "write_json", "write_result"]
