@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tidal.report.machine import machine_info as report_machine_info
+from tidal.common.machine import machine_info as report_machine_info
 
 ALL_SYSTEMS = ("tidal", "hf", "hf-cb", "llamacpp")
 PEERS = ("hf", "hf-cb", "llamacpp")

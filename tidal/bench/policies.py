@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from tidal.common.machine import machine_info
 from tidal.metrics import SLO, RequestRecord, summarize
-from tidal.report.machine import machine_info
 from tidal.workload import gamma_arrivals
 
 DEFAULT_POLICIES = "static,continuous,bucket,memory,sla,slo-compose,bucket+memory+sla"

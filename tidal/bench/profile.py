@@ -8,8 +8,8 @@ import argparse
 import time
 from typing import Any
 
+from tidal.common.results import write_json
 from tidal.engine import profiler
-from tidal.report.results import write_json
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -27,9 +27,9 @@ from tidal import metrics as M
 from tidal import workload as W
 from tidal.bench.client import BenchError, ClientOptions, check_server, normalize_base_url
 from tidal.bench.client import run as run_client
-from tidal.report.machine import machine_info
-from tidal.report.progress import progress_bar
-from tidal.report.results import command_line, write_result
+from tidal.common.machine import machine_info
+from tidal.common.progress import progress_bar
+from tidal.common.results import command_line, write_result
 
 DEFAULT_OUTPUT = os.path.join("results", "serve.json")
 DEFAULT_NUM_REQUESTS = 100

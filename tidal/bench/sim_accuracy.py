@@ -152,7 +152,7 @@ def _range(text: str) -> tuple[int, int]:
 
 
 def _plot(runs: list[dict[str, Any]], path: str) -> None:
-    from tidal.report.plots import pyplot
+    from tidal.common.plots import pyplot
 
     plt = pyplot()
     fig, axes = plt.subplots(len(runs), 2, figsize=(11, 3.6 * len(runs)), squeeze=False)
@@ -173,12 +173,12 @@ def _plot(runs: list[dict[str, Any]], path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tidal.common.machine import machine_info
     from tidal.config import EngineConfig
     from tidal.engine.llm_engine import LLMEngine
     from tidal.engine.loader import load_checkpoint
     from tidal.engine.profiler import record_steps
     from tidal.engine.tokenizer import Tokenizer
-    from tidal.report.machine import machine_info
     from tidal.sim.profiled import ProfiledCostModel
 
     if not os.path.isfile(args.profile):

@@ -149,7 +149,7 @@ def _table(rows: list[dict[str, Any]], base: str) -> None:
 
 
 def _plot(report: dict[str, Any], path: str) -> None:
-    from tidal.report.plots import pyplot
+    from tidal.common.plots import pyplot
 
     plt = pyplot()
     panels = [(sc, wl) for sc, wls in report["scenarios"].items() for wl in wls]

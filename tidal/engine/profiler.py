@@ -22,9 +22,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from tidal.common.machine import machine_info
 from tidal.core.plan import BatchComposition, ScheduledChunk, StepPlan
 from tidal.core.sampling import SamplingParams
-from tidal.report.machine import machine_info
 
 FORMAT = "tidal-profile/1"
 Chunk = tuple[int, int, bool]  # (start, num_tokens, sample)

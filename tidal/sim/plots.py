@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from tidal.report import plots as BP
+from tidal.common import plots as BP
 
 MAX_LINES = 8  # instances drawn one by one; beyond that the mean and the max are drawn
 

@@ -15,10 +15,10 @@ from typing import Any
 
 from tidal import metrics as M
 from tidal import workload as W
+from tidal.common.machine import machine_info
+from tidal.common.progress import progress_bar
+from tidal.common.results import command_line, write_result
 from tidal.config import ConfigError, SchedulerConfig, parse_size
-from tidal.report.machine import machine_info
-from tidal.report.progress import progress_bar
-from tidal.report.results import command_line, write_result
 from tidal.sim.build import COST_MODELS, ClusterSpec, build_simulator, resolve
 
 PROG = "tidal sim"

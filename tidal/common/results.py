@@ -43,7 +43,7 @@ def write_result(result: dict[str, Any], path: str, plots: bool, plotter: Plotte
     written: list[str] = []
     if plots:
         if plotter is None:
-            from tidal.report.plots import write_plots as plotter
+            from tidal.common.plots import write_plots as plotter
         try:
             written = plotter(result, path)
         except Exception as e:  # noqa: BLE001 - a plot must never lose the measurements
