@@ -165,7 +165,9 @@ class SchedulerConfig:
     batching: str = "continuous"  # policy name(s) from tidal.policies, joined with "+"
     max_queued_requests: int | None = None  # bounded waiting queue (server); None = unbounded
     tbt_slo_ms: float | None = None  # decode-latency SLO the SLA / SLO-aware policies aim for
-    policy_args: dict[str, Any] = field(default_factory=dict)  # "bucket.theta": 0.5, "sla.alpha": ...
+    # "bucket.theta": 0.5, "sla.alpha": ...; checked against each policy's typed parameters when
+    # the policy is built (tidal.policies.build_policy)
+    policy_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
@@ -183,18 +185,6 @@ class SchedulerConfig:
             raise ConfigError(f"tbt_slo_ms must be > 0, got {self.tbt_slo_ms}")
         if isinstance(self.policy_args, (list, tuple)):  # ["bucket.theta=0.5", ...] from the CLI
             self.policy_args = parse_policy_args(self.policy_args)
-
-    def policy_arg(self, key: str, default: Any) -> Any:
-        """A policy parameter (``"sla.alpha"``), converted to the default's type."""
-        if key not in self.policy_args:
-            return default
-        value = self.policy_args[key]
-        try:
-            if isinstance(default, bool):
-                return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes", "on")
-            return type(default)(value) if default is not None else value
-        except (TypeError, ValueError):
-            raise ConfigError(f"policy argument {key}: cannot use {value!r} as {type(default).__name__}") from None
 
 
 @dataclass

@@ -17,6 +17,7 @@ from tidal.policies import build_policy
 from tidal.policies.bucket import (
     Bucket,
     BucketPolicy,
+    ChosenBucket,
     adjust_buckets,
     assign,
     expected_waste,
@@ -162,18 +163,18 @@ def test_split_under_load_and_batch_from_the_earliest_bucket():
     plan = step(s)
     st = s.policy.state()
     # 12 waiting, mean 6 blocks: N_max = floor(0.9 * 64 / 6) = 9; 8/12 below 32 and 12 > 9: split
-    assert st["n_max"] == 9
-    assert st["buckets"] == [[0, 32, 8], [32, 64, 4]]
-    assert st["num_splits"] == 1
+    assert st.n_max == 9
+    assert st.buckets == ((0, 32, 8), (32, 64, 4))
+    assert st.num_splits == 1
     # the long bucket holds the earliest arrival; its cap: floor(57.6 / 12) = 4 = all of it
-    assert st["n_max_batch"] == 4 and s.last_caps["max_num_seqs"] == 4
+    assert st.n_max_batch == 4 and s.last_caps.max_num_seqs == 4
     assert admitted(plan) == ["L0", "L1", "L2", "L3"]
     # next step 8 short ones wait: N_max = floor(57.6 / 3) = 19 > 8: merged back into one bucket
     plan = step(s)
     st = s.policy.state()
-    assert st["buckets"] == [[0, 64, 8]] and st["num_merges"] == 1
+    assert st.buckets == ((0, 64, 8),) and st.num_merges == 1
     # cap over running longs (12 blocks) + shorts (3): mean 6 -> 9 running, so 5 shorts join
-    assert s.last_caps["max_num_seqs"] == 9 and admitted(plan) == ["S0", "S1", "S2", "S3", "S4"]
+    assert s.last_caps.max_num_seqs == 9 and admitted(plan) == ["S0", "S1", "S2", "S3", "S4"]
     run(s)
     assert not s.has_unfinished() and s.kv.num_free_blocks == 64
 
@@ -182,7 +183,7 @@ def test_earlier_short_bucket_goes_first():
     s = make(num_blocks=64, block_size=4, budget=48, l_max=64)
     _split_workload(s, longs_first=False)
     plan = step(s)
-    assert s.policy.state()["buckets"] == [[0, 32, 8], [32, 64, 4]]
+    assert s.policy.state().buckets == ((0, 32, 8), (32, 64, 4))
     assert admitted(plan) == [f"S{i}" for i in range(8)]  # 48 tokens: the budget ends the step
 
 
@@ -193,15 +194,15 @@ def test_admit_refuses_other_buckets_until_the_chosen_one_is_exhausted():
     waiting = tuple(longs + shorts)
     view = SchedulerView(now=0.0, running=(), waiting=waiting, num_free_blocks=64, num_total_blocks=64,
                          block_size=4, max_num_seqs=16, max_num_batched_tokens=256)
-    assert pol.max_num_seqs(view) == 4
+    assert pol.plan_step(view).max_num_seqs == 4
     order = pol.order_waiting(list(waiting), 0.0)
     assert order == longs + shorts
-    assert pol.admit(view, longs[0], [])
-    assert not pol.admit(view, shorts[0], [])  # the long bucket still waits
-    assert not pol.admit(view, shorts[0], longs[:3])
-    assert pol.admit(view, shorts[0], longs)  # exhausted: work-conserving, the next bucket may fill
+    assert pol.admit(longs[0], [])
+    assert not pol.admit(shorts[0], [])  # the long bucket still waits
+    assert not pol.admit(shorts[0], longs[:3])
+    assert pol.admit(shorts[0], longs)  # exhausted: work-conserving, the next bucket may fill
     state = pol.state()
-    assert state["chosen"] == {"low": 32, "up": 64, "class": "online", "priority": 0, "waiting": 4}
+    assert state.chosen == ChosenBucket(low=32, up=64, request_class="online", priority=0, waiting=4)
 
 
 def _admission_order(s: Scheduler) -> list[str]:
@@ -218,7 +219,7 @@ def test_offline_order_inside_a_bucket(order, expected):
     for i, (rid, n) in enumerate([("a", 12), ("b", 4), ("c", 20), ("d", 8)]):
         s.add_request(req(rid, n, arrival=float(i), cls=OFFLINE))
     assert _admission_order(s) == expected
-    assert s.policy.state()["num_buckets"] == 1  # low load: one bucket
+    assert s.policy.state().num_buckets == 1  # low load: one bucket
 
 
 def test_online_before_offline_and_priority_dominates():
@@ -238,7 +239,7 @@ def test_build_policy_reads_the_parameters():
     pol = build_policy(cfg)
     assert isinstance(pol, BucketPolicy)
     assert (pol.theta, pol.l_max, pol.m_safe_frac, pol.offline_order) == (0.25, 4096, 0.8, "ljf")
-    assert pol.state()["buckets"] == [[0, 4096, 0]]
+    assert pol.state().buckets == ((0, 4096, 0),)
     with pytest.raises(ConfigError, match="offline_order"):
         build_policy(SchedulerConfig(batching="bucket", policy_args={"bucket.offline_order": "random"}))
     with pytest.raises(ConfigError, match="theta"):
@@ -250,12 +251,13 @@ def test_bucket_plus_continuous():
     assert isinstance(s.policy, CompositePolicy) and s.policy.name == "bucket+continuous"
     _split_workload(s, longs_first=True)
     plan = step(s)
-    assert admitted(plan) == ["L0", "L1", "L2", "L3"] and s.last_caps["max_num_seqs"] == 4
+    assert admitted(plan) == ["L0", "L1", "L2", "L3"] and s.last_caps.max_num_seqs == 4
     run(s)
     st = s.policy.state()
-    assert st["policy"] == "bucket+continuous"
-    assert st["bucket"]["num_splits"] == 1 and st["bucket"]["num_merges"] == 1
-    assert st["bucket"]["padding_steps"] > 0 and "continuous" in st
+    assert st.policy == "bucket+continuous"
+    bucket, continuous = st.parts
+    assert bucket.num_splits == 1 and bucket.num_merges == 1 and bucket.padding_steps > 0
+    assert continuous.policy == "continuous" and st.to_dict()["bucket"]["num_splits"] == 1
     assert not s.has_unfinished() and s.kv.num_free_blocks == 64
 
 
@@ -265,11 +267,11 @@ def test_padding_waste_of_hand_made_batches():
     chunks = (chunk("a", 0, 10), chunk("b", 0, 20), chunk("c", 10, 20), chunk("d", 39, 1))
     plan = StepPlan(1, chunks, BatchComposition.of(chunks))
     pol.observe(plan, StepResult(1))
-    assert pol.state()["padding_waste_last"] == pytest.approx((40 - 25) / 40)
+    assert pol.state().padding_waste_last == pytest.approx((40 - 25) / 40)
     chunks2 = (chunk("a", 10, 1), chunk("b", 20, 1))  # 11 and 21: (21 - 16) / 21
     pol.observe(StepPlan(2, chunks2, BatchComposition.of(chunks2)), StepResult(2))
     pol.observe(StepPlan(3, (), BatchComposition()), StepResult(3))  # empty steps do not count
     st = pol.state()
-    assert st["padding_waste_last"] == pytest.approx(5 / 21)
-    assert st["padding_waste_mean"] == pytest.approx((0.375 + 5 / 21) / 2) and st["padding_steps"] == 2
+    assert st.padding_waste_last == pytest.approx(5 / 21)
+    assert st.padding_waste_mean == pytest.approx((0.375 + 5 / 21) / 2) and st.padding_steps == 2
 

@@ -82,54 +82,55 @@ def test_welford_matches_the_textbook_formulas():
 
 
 def test_policy_computes_alg1_from_observed_lengths_and_clamps():
-    cfg = SchedulerConfig(max_num_seqs=256, policy_args={"memory.min_samples": 3, "memory.eps_m": 0.05})
-    pol = MemoryPolicy(cfg)
+    cfg = SchedulerConfig(max_num_seqs=256, batching="memory",
+                          policy_args={"memory.min_samples": 3, "memory.eps_m": 0.05})
+    pol = build_policy(cfg)
     # three finished requests of 6, 10 and 14 blocks (block_size 16): mu = 10, sigma = 4 (sample std)
     fin = [req("f1", 80, outputs=16), req("f2", 150, outputs=10), req("f3", 200, outputs=24)]
     assert [math.ceil(r.num_tokens / 16) for r in fin] == [6, 10, 14]
-    pol.max_num_seqs(view(waiting=fin))  # the policy sees them while they are queued...
+    pol.plan_step(view(waiting=fin))  # the policy sees them while they are queued...
     for r in fin:  # ... and they finish
         r.status, r.finish_reason = RequestStatus.FINISHED, FinishReason.STOP
-    pol.observe(None, StepResult(0))
+        pol.on_finished(r)
     assert (pol.stats.n, pol.stats.mean, pol.stats.std) == (3, pytest.approx(10), pytest.approx(4))
     # prefill work waiting, a few decodes running: b_t = 93 (worked by hand above)
     decodes = [req(f"d{i}", 10, outputs=1) for i in range(5)]
-    assert pol.max_num_seqs(view(running=decodes, waiting=[req("w", 10, computed=0)])) == 93
+    assert pol.plan_step(view(running=decodes, waiting=[req("w", 10, computed=0)])).max_num_seqs == 93
     st = pol.state()
-    assert st["b_mem"] == 93 and st["estimate"] == "observed"
-    assert st["l0_blocks"] == pytest.approx(63.6653, abs=1e-3) and st["b_eq12"] == pytest.approx(93.6335, abs=1e-3)
+    assert st.b_mem == 93 and st.estimate == "observed"
+    assert st.l0_blocks == pytest.approx(63.6653, abs=1e-3) and st.b_eq12 == pytest.approx(93.6335, abs=1e-3)
     # line 6: never below the running decodes ...
     many = [req(f"m{i}", 10, outputs=1) for i in range(120)]
-    assert pol.max_num_seqs(view(running=many, waiting=[req("w", 10, computed=0)])) == 120
+    assert pol.plan_step(view(running=many, waiting=[req("w", 10, computed=0)])).max_num_seqs == 120
     # ... nor above B_max
-    small = MemoryPolicy(SchedulerConfig(max_num_seqs=50, policy_args={"memory.min_samples": 3}))
+    small = build_policy(SchedulerConfig(max_num_seqs=50, batching="memory", policy_args={"memory.min_samples": 3}))
     small.stats = pol.stats
-    assert small.max_num_seqs(view(running=decodes, waiting=[req("w", 10, computed=0)])) == 50
+    assert small.plan_step(view(running=decodes, waiting=[req("w", 10, computed=0)])).max_num_seqs == 50
     # line 4: no prefill work -> b_t = b_{t-1}
-    b = pol.max_num_seqs(view(running=decodes, waiting=[req("w", 10, computed=0)]))
-    assert pol.max_num_seqs(view(running=decodes, total=10)) == b
+    b = pol.plan_step(view(running=decodes, waiting=[req("w", 10, computed=0)])).max_num_seqs
+    assert pol.plan_step(view(running=decodes, total=10)).max_num_seqs == b
     # a fixed L0 (memory.l0, blocks) replaces the CLT buffer: floor((1000 - 100) / 10) = 90
-    fixed = MemoryPolicy(SchedulerConfig(max_num_seqs=256, policy_args={"memory.min_samples": 3, "memory.l0": 100}))
+    fixed = build_policy(SchedulerConfig(max_num_seqs=256, batching="memory", policy_args={"memory.min_samples": 3, "memory.l0": 100}))
     fixed.stats = pol.stats
-    assert fixed.max_num_seqs(view(waiting=[req("w", 10, computed=0)])) == 90
+    assert fixed.plan_step(view(waiting=[req("w", 10, computed=0)])).max_num_seqs == 90
 
 
 def test_before_enough_samples_the_pending_requests_expected_lengths_are_used():
     pol = MemoryPolicy(SchedulerConfig(max_num_seqs=256))
     # expected footprints: (100 + 60) / 16 -> 10 blocks each; no variance -> b = 1000 / 10
     waiting = [req(f"w{i}", 100, max_tokens=60, computed=0) for i in range(4)]
-    assert pol.max_num_seqs(view(waiting=waiting)) == 100
-    assert pol.state()["estimate"] == "expected"
+    assert pol.plan_step(view(waiting=waiting)).max_num_seqs == 100
+    assert pol.state().estimate == "expected"
     # aborted requests do not count as samples
     r = waiting[0]
     r.status, r.finish_reason = RequestStatus.FINISHED, FinishReason.ABORT
-    pol.observe(None, StepResult(0))
+    pol.on_finished(r)
     assert pol.stats.n == 0
 
 
 def test_bad_parameters_are_rejected():
     with pytest.raises(ConfigError, match="eps_m"):
-        MemoryPolicy(SchedulerConfig(policy_args={"memory.eps_m": 1.5}))
+        build_policy(SchedulerConfig(batching="memory", policy_args={"memory.eps_m": 1.5}))
 
 
 def test_memory_cap_binds_on_the_real_scheduler():
@@ -144,12 +145,12 @@ def test_memory_cap_binds_on_the_real_scheduler():
             break
         before = sched.num_running
         plan = sched.schedule(step * 0.01)
-        cap = sched.last_caps["max_num_seqs"]
+        cap = sched.last_caps.max_num_seqs
         assert sched.num_running <= cap or sched.num_running <= before
         binding += sched.num_running == cap < cfg.max_num_seqs and bool(sched.waiting)
         sched.update(plan, StepResult(plan.step_id, sampled={c.request_id: 7 for c in plan.chunks if c.sample},
                                       step_time_s=0.01, composition=plan.composition), step * 0.01)
     assert not sched.has_unfinished()
     assert binding > 0
-    assert sched.policy.state()["b_mem"] == 28  # floor(200 / 7), sigma = 0
+    assert sched.policy.state().b_mem == 28  # floor(200 / 7), sigma = 0
     assert sched.num_preemptions == 0

@@ -31,15 +31,15 @@ def drive(pol: SLAPolicy, a: float, c: float, steps: int, noise: float = 0.0, se
     rng = random.Random(seed)
     caps = []
     for _ in range(steps):
-        b = pol.max_num_seqs(EMPTY)
+        b = pol.plan_step(EMPTY).max_num_seqs
         caps.append(b)
         pol.observe(*decode_step(b, (a + c * b) * (1 + rng.uniform(-noise, noise))))
     return caps
 
 
 def sla(d_ms: float = 50.0, max_seqs: int = 256, **args) -> SLAPolicy:
-    return SLAPolicy(SchedulerConfig(max_num_seqs=max_seqs, tbt_slo_ms=d_ms,
-                                     policy_args={f"sla.{k}": v for k, v in args.items()}))
+    return build_policy(SchedulerConfig(max_num_seqs=max_seqs, tbt_slo_ms=d_ms, batching="sla",
+                                        policy_args={f"sla.{k}": v for k, v in args.items()}))
 
 
 @pytest.mark.parametrize("a, c, start_side", [
@@ -55,7 +55,7 @@ def test_converges_to_where_linear_latency_crosses_d_sla(a, c, start_side):
     tol = 0.0025 / c
     assert abs(caps[-1] - b_star) <= tol
     assert all(abs(b - b_star) <= tol for b in caps[-20:])  # and it stays there
-    assert pol.state()["batch_search"]["last_verdict"] == "within"
+    assert pol.state().batch_search.last_verdict == "within"
 
 
 def test_binary_search_trace_by_hand():
@@ -86,7 +86,7 @@ def test_cap_never_below_running_decodes_and_only_decode_dominated_steps_count()
                     for i in range(200))  # 200 decodes (one token left each)
     v = SchedulerView(now=0.0, running=running, waiting=(), num_free_blocks=1, num_total_blocks=100,
                       block_size=16, max_num_seqs=256, max_num_batched_tokens=512)
-    assert pol.max_num_seqs(v) == 200  # Alg. 2 line 18
+    assert pol.plan_step(v).max_num_seqs == 200  # Alg. 2 line 18
     before = pol.batch.updates
     pol.observe(*decode_step(10, 0.5, prefill=400))  # prefill-dominated: the chunk controller's signal
     assert pol.batch.updates == before
@@ -101,7 +101,7 @@ def test_chunk_size_uses_the_same_search_in_tokens():
     # space [16, 512] tokens, alpha = 4 blocks = 64 tokens, delta = 1 block; t = 5 ms + 0.1 ms/token -> 450 tokens
     budgets = []
     for _ in range(30):
-        n = pol.token_budget(v)
+        n = pol.plan_step(v).token_budget
         budgets.append(n)
         pol.observe(*decode_step(20, 0.005 + 0.0001 * n, prefill=n - 20))
     assert budgets[0] == (16 + 512) // 2  # Alg. 2 line 1: the middle of the search space
@@ -110,13 +110,13 @@ def test_chunk_size_uses_the_same_search_in_tokens():
     running = tuple(Request(f"r{i}", [1, 2], SamplingParams(max_tokens=4), num_computed_tokens=1) for i in range(500))
     v2 = SchedulerView(now=0.0, running=running, waiting=(), num_free_blocks=1, num_total_blocks=100, block_size=16,
                        max_num_seqs=1024, max_num_batched_tokens=512)
-    assert pol.token_budget(v2) == 512  # min(max(c, 500 + 16), 512)
+    assert pol.plan_step(v2).token_budget == 512  # min(max(c, 500 + 16), 512)
 
 
 def test_needs_an_slo():
     with pytest.raises(ConfigError, match="tbt_slo_ms"):
         SLAPolicy(SchedulerConfig())
-    assert SLAPolicy(SchedulerConfig(policy_args={"sla.d_sla_ms": 30})).d_sla == pytest.approx(0.030)
+    assert build_policy(SchedulerConfig(batching="sla", policy_args={"sla.d_sla_ms": 30})).d_sla == pytest.approx(0.030)
 
 
 def run_scheduler(num_blocks: int, n_requests: int = 120, steps: int = 4000):
@@ -137,13 +137,14 @@ def run_scheduler(num_blocks: int, n_requests: int = 120, steps: int = 4000):
         caps = sched.last_caps
         st = pol.state()
         # b* = min(b_mem, b_SLA), and the scheduler obeyed it
-        assert caps["max_num_seqs"] == min(st["memory"]["b_mem"], st["sla"]["b_sla"])
-        assert caps["token_budget"] == st["sla"]["chunk_tokens"]
-        assert sched.num_running <= caps["max_num_seqs"] or sched.num_running <= before
-        assert plan.num_tokens <= caps["token_budget"]
+        mem, sla = st.parts
+        assert caps.max_num_seqs == min(mem.b_mem, sla.b_sla)
+        assert caps.token_budget == sla.chunk_tokens
+        assert sched.num_running <= caps.max_num_seqs or sched.num_running <= before
+        assert plan.num_tokens <= caps.token_budget
         comp = plan.composition
         t = 0.010 + 0.001 * comp.num_decode_seqs + 0.0001 * comp.num_prefill_tokens
-        log.append((sched.num_running, caps["max_num_seqs"], len(sched.waiting), st, t, comp))
+        log.append((sched.num_running, caps.max_num_seqs, len(sched.waiting), st, t, comp))
         sched.update(plan, StepResult(plan.step_id, sampled={c.request_id: 7 for c in plan.chunks if c.sample},
                                       step_time_s=t, composition=comp), step * 0.01)
     assert not sched.has_unfinished()
@@ -153,10 +154,10 @@ def run_scheduler(num_blocks: int, n_requests: int = 120, steps: int = 4000):
 def test_memory_and_sla_caps_bind_on_the_real_scheduler():
     # big pool: b_mem = 64 (B_max), the SLA binds: pure decode t = 10 + 1*b ms = 50 ms at b = 40
     sched, log = run_scheduler(num_blocks=2000)
-    sla_bound = [r for r in log if r[2] and r[0] == r[1] < 64 and r[3]["sla"]["b_sla"] < r[3]["memory"]["b_mem"]]
+    sla_bound = [r for r in log if r[2] and r[0] == r[1] < 64 and r[3].parts[1].b_sla < r[3].parts[0].b_mem]
     assert sla_bound, "the SLA cap never bound"
     # while requests queue, b_SLA mostly sits where the decode latency is in the band: b* = 40 +- 2.5 (+- alpha/2)
-    loaded = [r[3]["sla"]["batch_search"]["value"] for r in log if r[2]]
+    loaded = [r[3].parts[1].batch_search.value for r in log if r[2]]
     mode = max(set(loaded), key=loaded.count)
     assert 36 <= mode <= 44 and loaded.count(mode) >= len(loaded) // 3
     at_mode = [t for n, cap, w, st, t, comp in log if w and cap == mode and n == mode and comp.num_prefill_tokens == 0]
@@ -164,7 +165,7 @@ def test_memory_and_sla_caps_bind_on_the_real_scheduler():
 
     # small pool: 200 blocks / 7 per request -> b_mem = 28 < b_SLA, memory binds
     sched, log = run_scheduler(num_blocks=200)
-    mem_bound = [r for r in log if r[2] and r[0] == r[1] < 64 and r[3]["memory"]["b_mem"] < r[3]["sla"]["b_sla"]]
+    mem_bound = [r for r in log if r[2] and r[0] == r[1] < 64 and r[3].parts[0].b_mem < r[3].parts[1].b_sla]
     assert mem_bound, "the memory cap never bound"
     assert max(r[0] for r in log) <= 28
     assert sched.num_preemptions == 0

@@ -58,11 +58,11 @@ def test_max_prefill_allowed_by_hand():
     pol = SLOComposePolicy(cfg, table=t)
     v = SchedulerView(now=0.0, running=(), waiting=(), num_free_blocks=10, num_total_blocks=10, block_size=16,
                       max_num_seqs=64, max_num_batched_tokens=255)
-    assert pol.token_budget(v) == 141 and pol.M == 141
-    assert pol.state()["budget_predicted_ms"] == pytest.approx(0.010 / 3 * 1e3 + 141 * 0.4, abs=1e-3)
+    assert pol.plan_step(v).token_budget == 141 and pol.M == 141
+    assert pol.state().budget_predicted_ms == pytest.approx(0.010 / 3 * 1e3 + 141 * 0.4, abs=1e-3)
     # a target nothing meets: M falls to the floor of one block
     tight = SLOComposePolicy(SchedulerConfig(max_num_batched_tokens=255, tbt_slo_ms=5), table=t)
-    assert tight.token_budget(v) == 16
+    assert tight.plan_step(v).token_budget == 16
 
 
 def test_budget_adds_the_decodes_and_respects_the_configured_budget():
@@ -78,11 +78,11 @@ def test_budget_adds_the_decodes_and_respects_the_configured_budget():
                       block_size=16, max_num_seqs=64, max_num_batched_tokens=1024)
     pol = SLOComposePolicy(SchedulerConfig(max_num_batched_tokens=1024, tbt_slo_ms=40), table=t)
     # M = (40 - 5 - 10) / 0.05 = 500 tokens, on top of the 20 decodes
-    assert pol.token_budget(v) == 20 + pol.M
+    assert pol.plan_step(v).token_budget == 20 + pol.M
     assert abs(pol.M - 500) <= 1
-    assert pol.state()["decode_count"] == 20 and pol.state()["decode_context"] == 100
+    assert pol.state().decode_count == 20 and pol.state().decode_context == 100
     small = SLOComposePolicy(SchedulerConfig(max_num_batched_tokens=256, tbt_slo_ms=40), table=t)
-    assert small.token_budget(v) == 256 and small.M == 236  # capped by the configured budget
+    assert small.plan_step(v).token_budget == 256 and small.M == 236  # capped by the configured budget
 
 
 def test_table_refines_toward_measured_times():
@@ -123,7 +123,7 @@ def test_dump_and_load_round_trip_through_json():
     assert len(u) == len(t) and u.num_samples == t.num_samples
     pol = SLOComposePolicy(SchedulerConfig(tbt_slo_ms=50))
     pol.seed(t.dump())
-    assert pol.state()["table_cells"] == len(t)
+    assert pol.state().table_cells == len(t)
 
 
 def test_needs_an_slo():
@@ -159,10 +159,10 @@ def test_slo_compose_keeps_prefill_within_m_on_the_real_scheduler():
             continue
         plan = sched.schedule(now)
         st = pol.state()
-        assert plan.composition.num_prefill_tokens <= st["M"]  # prefill never exceeds M
-        assert sched.last_caps["token_budget"] == st["token_budget"] <= cfg.max_num_batched_tokens
+        assert plan.composition.num_prefill_tokens <= st.M  # prefill never exceeds M
+        assert sched.last_caps.token_budget == st.token_budget <= cfg.max_num_batched_tokens
         t = step_time(plan)
-        log.append((plan.composition, st["M"], t))
+        log.append((plan.composition, st.M, t))
         sched.update(plan, StepResult(plan.step_id, sampled={c.request_id: 7 for c in plan.chunks if c.sample},
                                       step_time_s=t, composition=plan.composition), now)
         now += t
@@ -171,4 +171,4 @@ def test_slo_compose_keeps_prefill_within_m_on_the_real_scheduler():
     # once the table has a few samples, every step that carries prefill stays within the 50 ms SLO
     late = [t for c, _, t in log[20:] if c.num_prefill_tokens]
     assert late and max(late) <= 0.050 + 1e-6
-    assert pol.state()["table_cells"] > 5
+    assert pol.state().table_cells > 5

@@ -58,10 +58,10 @@ def test_no_request_joins_a_running_batch_and_the_next_forms_after_all_finished(
     assert b_last == 5 and all(a == [] for a in adm[1:b_last + 1])
     assert adm[b_last + 1] == ["c", "d"]
     st = s.policy.state()
-    assert st["num_batches"] == 2 and st["completed_batches"] == 2 and not st["batch_active"]
+    assert st.num_batches == 2 and st.completed_batches == 2 and not st.batch_active
     # batch 1: prompts (4, 8), outputs (2, 6) -> 8/28; batch 2: (4, 4), (2, 2) -> 0
-    assert st["padding_waste"] == 0.0
-    assert st["padding_waste_mean"] == pytest.approx((8 / 28 + 0.0) / 2)
+    assert st.padding_waste == 0.0
+    assert st.padding_waste_mean == pytest.approx((8 / 28 + 0.0) / 2)
 
 
 def test_padding_of_the_running_batch_is_reported():
@@ -70,9 +70,9 @@ def test_padding_of_the_running_batch_is_reported():
     s.add_request(req("b", 8, max_tokens=6))
     step(s)  # both prefilled, one output token each: S_pad = 8 + 1, used 5 + 9 of 18
     st = s.policy.state()
-    assert st["batch_active"] and st["batch_size"] == 2 and st["batch_unfinished"] == 2
-    assert st["padding_waste"] == pytest.approx(4 / 18) and st["padded_tokens"] == 4
-    assert st["completed_batches"] == 0 and st["padding_waste_mean"] == 0.0
+    assert st.batch_active and st.batch_size == 2 and st.batch_unfinished == 2
+    assert st.padding_waste == pytest.approx(4 / 18) and st.padded_tokens == 4
+    assert st.completed_batches == 0 and st.padding_waste_mean == 0.0
 
 
 def test_a_batch_cut_by_the_token_budget_keeps_forming_but_admits_no_outsider():
@@ -90,7 +90,7 @@ def test_a_batch_cut_by_the_token_budget_keeps_forming_but_admits_no_outsider():
         if "x" in admitted(plan):
             seen_x = i
             break
-        assert s.policy.state()["batch_active"] or not s.running
+        assert s.policy.state().batch_active or not s.running
     assert seen_x is not None
     assert all(s.requests.get(f"m{i}") is None for i in range(3))  # every member had finished
 
@@ -115,6 +115,6 @@ def test_only_batch_members_ever_run_together_under_preemption(seed, mode):
         assert {r.request_id for r in s.running} <= members
         t += 1
         assert t < 2000, "livelock"
-    assert pol.state()["completed_batches"] == pol.state()["num_batches"] >= 1
+    assert pol.state().completed_batches == pol.state().num_batches >= 1
     assert kv.num_free_blocks == kv.num_blocks
     assert s.num_preemptions > 0  # the tight pool did preempt members

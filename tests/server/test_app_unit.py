@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 
 from tidal.config import EngineConfig
 from tidal.core.plan import TokenLogprobs
+from tidal.core.policy import PolicyState
 from tidal.engine.async_engine import EngineDeadError, QueueFullError
 from tidal.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tidal.server.app import build_app
@@ -47,7 +48,7 @@ class FakeAsyncLLM:
             device="cpu", dtype="float32")
         self.stats = {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage_perc": 0.0,
                       "num_kv_blocks": 10, "num_free_kv_blocks": 10, "num_preemptions": 0,
-                      "policy": {"policy": "fake", "max_num_seqs": 7}}
+                      "batch_size_cap": 7, "policy": PolicyState("fake")}
         self.dead = None
         self._thread = None
         self.aborted = 0

@@ -82,7 +82,7 @@ def run_policy(engine: Any, jobs: list[Job], progress: bool = True) -> tuple[lis
         step_times.append(res.step_time_s)
         if res.composition.context_lens:
             waste.append(waste_ratio(res.composition.context_lens))
-        caps.append(engine.scheduler.last_caps["max_num_seqs"])
+        caps.append(engine.scheduler.last_caps.max_num_seqs)
         for out in outs:
             i = int(out.request_id)
             rec = records[i]
@@ -109,7 +109,7 @@ def run_policy(engine: Any, jobs: list[Job], progress: bool = True) -> tuple[lis
         "batch_cap_mean": statistics.fmean(caps) if caps else 0.0,
         "step_time_ms_p50": 1000 * statistics.median(step_times) if step_times else None,
         "num_preemptions": engine.scheduler.num_preemptions,
-        "policy_state": engine.policy.state(),
+        "policy_state": engine.policy.state().to_dict(),
     }
     return list(records.values()), extra
 

@@ -1,15 +1,31 @@
-"""The small interface a scheduling policy fills, and the baseline that fills it.
+"""The contract between the scheduler and a scheduling policy, and the baseline that fills it.
 
 The scheduler never looks a policy up by name (that is ``tidal.policies``' registry); whoever
-builds a scheduler hands a policy object in. A policy answers four questions each step:
-in which order to admit waiting requests, whether to admit one more, how many requests may
-run, and how many tokens the step may carry. It may learn from every step result.
+builds a scheduler hands a policy object in. Each step goes through the policy in one fixed
+order, so no policy depends on which question happens to be asked first:
+
+1. ``plan_step(view) -> StepCaps``: asked exactly once, first, with a snapshot of the instance.
+   This is where a policy updates its controllers and decides the step's caps (how many
+   requests may run, how many tokens the step may carry). ``None`` in a field means "no cap of
+   mine": the configured one holds.
+2. Pure questions about that step, any number of times, in any order:
+   ``order_waiting`` (admission order), ``admit`` (may this request join?) and
+   ``preemption_victim`` (who gives up its blocks?). ``None`` from ``order_waiting`` or
+   ``preemption_victim`` means "no opinion": the scheduler's baseline (priority, then FCFS;
+   the lowest priority, latest arrival is preempted) decides.
+3. ``observe(plan, result)`` after the step ran, and ``on_finished(request)`` whenever a
+   request ends (finished, stopped, aborted or cut at the pool's length), so no policy polls
+   the requests it remembers.
+
+``state()`` returns a typed, immutable :class:`PolicyState` for ``/metrics`` and
+``/admin/state``; ``to_dict()`` is its JSON form and ``gauges()`` its numeric leaves.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
 
 from tidal.core.plan import StepPlan, StepResult
 from tidal.core.request import Request
@@ -17,7 +33,7 @@ from tidal.core.request import Request
 
 @dataclass(frozen=True, slots=True)
 class SchedulerView:
-    """A read-only snapshot of one instance, given to the policy each step."""
+    """A read-only snapshot of one instance, given to the policy once per step."""
 
     now: float
     running: Sequence[Request]
@@ -37,32 +53,98 @@ class SchedulerView:
         return sum(1 for r in self.running if not r.in_prefill)
 
 
+@dataclass(frozen=True, slots=True)
+class StepCaps:
+    """A policy's decision for one step. ``None``: no cap from this policy (the configured one holds)."""
+
+    max_num_seqs: int | None = None
+    token_budget: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in ("max_num_seqs", "token_budget"):
+            v = getattr(self, f)
+            if v is not None and v < 0:
+                raise ValueError(f"StepCaps.{f} must be >= 0, got {v}")
+
+    def tighter(self, other: StepCaps) -> StepCaps:
+        """Both caps at once: the minimum of each field that either sets (b* = min(b_mem, b_SLA))."""
+        def lo(a: int | None, b: int | None) -> int | None:
+            return b if a is None else a if b is None else min(a, b)
+        return StepCaps(lo(self.max_num_seqs, other.max_num_seqs), lo(self.token_budget, other.token_budget))
+
+    def within(self, max_num_seqs: int, token_budget: int) -> StepCaps:
+        """These caps applied to the configured ones: both fields set, neither above its configured value."""
+        return self.tighter(StepCaps(max_num_seqs, token_budget))
+
+
+def _leaves(value: Any, prefix: str) -> Iterator[tuple[str, float]]:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _leaves(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        yield prefix, float(value)
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyState:
+    """What a policy shows of itself. Each policy subclasses it with its own typed fields."""
+
+    policy: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form (nested states become nested dicts)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, PolicyState):
+                v = v.to_dict()
+            elif isinstance(v, tuple):
+                v = [x.to_dict() if isinstance(x, PolicyState) else (list(x) if isinstance(x, tuple) else x)
+                     for x in v]
+            out[f.name] = v
+        return out
+
+    def gauges(self) -> list[tuple[str, float]]:
+        """Every numeric field as (dotted key, value), for Prometheus gauges."""
+        return list(_leaves({k: v for k, v in self.to_dict().items() if k != "policy"}, ""))
+
+
 class SchedulingPolicy:
-    """Baseline continuous batching (vLLM style): priority then FCFS admission, fixed caps."""
+    """The baseline, vLLM-style continuous batching: no caps beyond the configured ones, no
+    opinion on order or victims (the scheduler's priority-then-FCFS rules apply), admits all."""
 
     name = "continuous"
 
-    def order_waiting(self, waiting: list[Request], now: float) -> list[Request]:
-        """Admission order. Lower ``priority`` first (as in vLLM), then earlier arrival."""
-        return sorted(waiting, key=lambda r: (r.priority, r.arrival_time))
+    def plan_step(self, view: SchedulerView) -> StepCaps:
+        return StepCaps()
 
-    def max_num_seqs(self, view: SchedulerView) -> int:
-        return view.max_num_seqs
+    def order_waiting(self, waiting: Sequence[Request], now: float) -> list[Request] | None:
+        """Admission order of ``waiting``, or None to leave it to the scheduler (priority, FCFS)."""
+        return None
 
-    def token_budget(self, view: SchedulerView) -> int:
-        return view.max_num_batched_tokens
-
-    def admit(self, view: SchedulerView, request: Request, admitted: Sequence[Request]) -> bool:
+    def admit(self, request: Request, admitted: Sequence[Request]) -> bool:
         """May ``request`` join this step? ``admitted`` are those already admitted this step."""
         return True
 
-    def preemption_victim(self, running: Sequence[Request]) -> Request:
-        """Who gives up its blocks when memory runs out: the lowest priority, latest arrival."""
-        return max(running, key=lambda r: (r.priority, r.arrival_time))
+    def preemption_victim(self, running: Sequence[Request]) -> Request | None:
+        """Who gives up its blocks when memory runs out, or None to leave it to the scheduler."""
+        return None
 
     def observe(self, plan: StepPlan, result: StepResult) -> None:
         """Learn from a finished step (controllers update their state here)."""
 
-    def state(self) -> dict:
-        """Controller state for /metrics and /admin/state."""
-        return {"policy": self.name}
+    def on_finished(self, request: Request) -> None:
+        """``request`` ended (any reason; ``request.finish_reason`` says which) and left the instance."""
+
+    def state(self) -> PolicyState:
+        return PolicyState(self.name)
+
+
+def fcfs_order(waiting: Sequence[Request]) -> list[Request]:
+    """The baseline admission order: lower ``priority`` first (as in vLLM), then earlier arrival."""
+    return sorted(waiting, key=lambda r: (r.priority, r.arrival_time))
+
+
+def default_victim(running: Sequence[Request]) -> Request:
+    """The baseline preemption victim: the lowest priority, latest arrival."""
+    return max(running, key=lambda r: (r.priority, r.arrival_time))

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from tidal.config import SchedulerConfig
 from tidal.core.kv_manager import KVCacheManager
 from tidal.core.plan import BatchComposition, RequestUpdate, ScheduledChunk, StepPlan, StepResult
-from tidal.core.policy import SchedulerView, SchedulingPolicy
+from tidal.core.policy import SchedulerView, SchedulingPolicy, StepCaps, default_victim, fcfs_order
 from tidal.core.request import FinishReason, Request, RequestStatus
 
 
@@ -47,7 +47,7 @@ class Scheduler:
         self._finished_since_plan: list[str] = []
         self._pending_updates: list[RequestUpdate] = []  # finishes decided while scheduling
         self._step_id = 0
-        self.last_caps = {"max_num_seqs": config.max_num_seqs, "token_budget": config.max_num_batched_tokens}
+        self.last_caps = StepCaps(config.max_num_seqs, config.max_num_batched_tokens)  # resolved, last step
 
     # ------------------------------------------------------------------ requests in / out
     def add_request(self, req: Request) -> None:
@@ -106,6 +106,7 @@ class Scheduler:
         req.stop_reason = stop_reason
         req.finish_time = now
         self._finished_since_plan.append(request_id)
+        self.policy.on_finished(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -159,10 +160,11 @@ class Scheduler:
         self.waiting.insert(0, victim)
 
     def schedule(self, now: float) -> StepPlan:
-        view = self.view(now)
-        budget = self.policy.token_budget(view)
-        max_seqs = self.policy.max_num_seqs(view)
-        self.last_caps = {"max_num_seqs": max_seqs, "token_budget": budget}
+        # the policy decides once per step, first; everything it is asked afterwards is about this step
+        caps = self.policy.plan_step(self.view(now)).within(self.config.max_num_seqs,
+                                                             self.config.max_num_batched_tokens)
+        self.last_caps = caps
+        budget, max_seqs = caps.token_budget, caps.max_num_seqs
         # the admission watermark only matters while the pool is shared; an empty pool admits
         # whatever fits (else a recomputed request larger than num_blocks - reserve would starve)
         reserve = int(self.watermark * self.kv.num_blocks)
@@ -186,7 +188,7 @@ class Scheduler:
                     req = None
                     break
                 candidates = [r for r in self.running if r.request_id not in scheduled]
-                victim = self.policy.preemption_victim(candidates)
+                victim = self.policy.preemption_victim(candidates) or default_victim(candidates)
                 self._preempt(victim, swap_out)
                 preempted.append(victim.request_id)
                 if victim is req:
@@ -218,10 +220,11 @@ class Scheduler:
                         budget -= n
             admitted: list[Request] = []
             if not self.swapped and self.waiting:
-                for req in self.policy.order_waiting(list(self.waiting), now):
+                order = self.policy.order_waiting(tuple(self.waiting), now)
+                for req in fcfs_order(self.waiting) if order is None else order:
                     if budget <= 0 or len(self.running) >= max_seqs:
                         break
-                    if not self.policy.admit(view, req, admitted):
+                    if not self.policy.admit(req, admitted):
                         continue
                     n = self._chunk_len(req, budget)
                     held = reserve if self.running else 0

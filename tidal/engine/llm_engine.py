@@ -110,6 +110,7 @@ class LLMEngine:
         if self.device.type == "cpu":
             torch.set_num_threads(mc.num_threads or default_cpu_threads())
         torch.manual_seed(mc.seed)
+        self.policy = build_policy(sc)  # a bad --batching / --policy-arg fails here, before the weights load
         self.checkpoint = ckpt = checkpoint or load_checkpoint(mc.model)
         self.arch = arch = ckpt.arch
         self.tokenizer = tokenizer or Tokenizer.from_checkpoint(ckpt)
@@ -122,7 +123,6 @@ class LLMEngine:
         num_host = cc.swap_space // block_bytes if sc.preemption_mode == "swap" else 0
         self.kv_cache = PagedKVCache(arch, layer_ids, num_blocks, cc.block_size, self.dtype, self.device, num_host)
         self.kv_manager = KVCacheManager(num_blocks, cc.block_size, num_host)
-        self.policy = build_policy(sc)
         self.scheduler = Scheduler(sc, self.kv_manager, self.policy, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv_cache, seed=mc.seed)
         self.eos_token_ids = tuple(arch.eos_token_ids) or (
@@ -339,7 +339,7 @@ class LLMEngine:
             "num_kv_blocks": kv.num_blocks,
             "num_free_kv_blocks": kv.num_free_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
-            "batch_size_cap": self.scheduler.last_caps["max_num_seqs"],
-            "token_budget": self.scheduler.last_caps["token_budget"],
-            "policy": self.policy.state(),
+            "batch_size_cap": self.scheduler.last_caps.max_num_seqs,
+            "token_budget": self.scheduler.last_caps.token_budget,
+            "policy": self.policy.state(),  # a frozen PolicyState: safe to hand to the server's thread
         }

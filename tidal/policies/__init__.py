@@ -5,6 +5,14 @@ Importing this package registers every policy: ``continuous`` (the baseline), ``
 """
 
 from tidal.policies import bucket, memory, sla, slo_compose, static  # noqa: F401  (registers them)
-from tidal.policies.registry import available_policies, build_policy, register_policy
+from tidal.policies.params import PolicyParams
+from tidal.policies.registry import (
+    available_policies,
+    build_policy,
+    check_policy,
+    policy_params,
+    register_policy,
+)
 
-__all__ = ["available_policies", "build_policy", "register_policy"]
+__all__ = ["PolicyParams", "available_policies", "build_policy", "check_policy", "policy_params",
+           "register_policy"]

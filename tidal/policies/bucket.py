@@ -45,15 +45,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-from tidal.config import ConfigError, ModelArch, SchedulerConfig
+from pydantic import Field, field_validator
+
+from tidal.config import ModelArch, SchedulerConfig
 from tidal.core.plan import StepPlan, StepResult
-from tidal.core.policy import SchedulerView, SchedulingPolicy
+from tidal.core.policy import PolicyState, SchedulerView, SchedulingPolicy, StepCaps
 from tidal.core.request import Request, RequestClass
+from tidal.policies.params import PolicyParams
 from tidal.policies.registry import register_policy
-
-OFFLINE_ORDERS = ("sjf", "ljf", "fcfs")
 
 
 # ============================================================================ pure formulas
@@ -168,30 +169,65 @@ def expected_waste(buckets: Sequence[Bucket], key: Callable[[Any], int] = bucket
 
 
 # ============================================================================ the policy
+class BucketParams(PolicyParams):
+    theta: float = Field(0.5, ge=0.0, lt=1.0, description="Alg. 1 theta: share below the midpoint that splits")
+    l_max: int = Field(8192, ge=2, description="L_max: the upper bound of the first bucket")
+    m_safe_frac: float = Field(0.9, gt=0.0, le=1.0, description="M_safe as a share of the KV pool (Eq. 5)")
+    offline_order: Literal["sjf", "ljf", "fcfs"] = Field("sjf", description="order inside offline buckets")
+
+    @field_validator("offline_order", mode="before")
+    @classmethod
+    def _lower(cls, v: object) -> object:
+        return v.lower() if isinstance(v, str) else v
+
+
+@dataclass(frozen=True, slots=True)
+class ChosenBucket:
+    low: int
+    up: int
+    request_class: str
+    priority: int
+    waiting: int
+
+
+@dataclass(frozen=True, slots=True)
+class BucketState(PolicyState):
+    theta: float = 0.0
+    l_max: int = 0
+    m_safe_frac: float = 0.0
+    offline_order: str = ""
+    n_max: int | None = None
+    n_max_batch: int | None = None
+    buckets: tuple[tuple[int, int, int], ...] = ()  # (low, up, waiting) of each bucket
+    num_buckets: int = 0
+    num_waiting: int = 0
+    num_groups: int = 0
+    chosen: ChosenBucket | None = None
+    num_splits: int = 0
+    num_merges: int = 0
+    expected_waste: float = 0.0
+    padding_waste_last: float = 0.0
+    padding_waste_mean: float = 0.0
+    padding_steps: int = 0
+
+
 class BucketPolicy(SchedulingPolicy):
     name = "bucket"
 
-    def __init__(self, theta: float = 0.5, l_max: int = 8192, m_safe_frac: float = 0.9,
-                 offline_order: str = "sjf"):
-        if not 0.0 <= theta < 1.0:
-            raise ConfigError(f"bucket.theta must be in [0, 1), got {theta}")
-        if l_max < 2:
-            raise ConfigError(f"bucket.l_max must be >= 2, got {l_max}")
-        if not 0.0 < m_safe_frac <= 1.0:
-            raise ConfigError(f"bucket.m_safe_frac must be in (0, 1], got {m_safe_frac}")
-        if offline_order not in OFFLINE_ORDERS:
-            raise ConfigError(f"bucket.offline_order must be one of {', '.join(OFFLINE_ORDERS)}; "
-                              f"got {offline_order!r}")
-        self.theta, self.l_max, self.m_safe_frac, self.offline_order = theta, l_max, m_safe_frac, offline_order
-        self.buckets: list[Bucket] = [Bucket(0, l_max)]
+    def __init__(self, params: BucketParams | None = None, **kwargs: object):
+        params = params or BucketParams(**kwargs)
+        self.params = params
+        self.theta, self.l_max, self.m_safe_frac = params.theta, params.l_max, params.m_safe_frac
+        self.offline_order = params.offline_order
+        self.buckets: list[Bucket] = [Bucket(0, self.l_max)]
         self.groups: list[list[Request]] = []  # admission order, chosen group first
         self._group_of: dict[str, int] = {}
+        self._rank: dict[str, int] = {}  # position in the admission order
         self._sig: tuple | None = None
         self._geometry: tuple[int, int] | None = None  # (num_total_blocks, block_size)
         self.n_max: int | None = None  # Alg. 1's N_max over the waiting requests
         self.n_max_batch: int | None = None  # the cap over running + the chosen bucket
-        self._admit_view: SchedulerView | None = None
-        self._ptr = 0
+        self._ptr = 0  # groups before this one are exhausted this step (reset by plan_step)
         self.num_splits = self.num_merges = 0
         self.padding_waste_last = 0.0
         self._waste_sum = 0.0
@@ -242,29 +278,34 @@ class BucketPolicy(SchedulingPolicy):
                                                          min(r.arrival_time for r in kv[1]), kv[0][2]))
         self.groups = [members for _, members in ordered]
         self._group_of = {r.request_id: gi for gi, members in enumerate(self.groups) for r in members}
-        self._admit_view = None
+        self._rank = {r.request_id: i for i, r in enumerate(r for members in self.groups for r in members)}
 
     # ---------------------------------------------------------------- SchedulingPolicy
-    def order_waiting(self, waiting: list[Request], now: float) -> list[Request]:
-        self._sync(waiting)
-        return [r for members in self.groups for r in members]
-
-    def max_num_seqs(self, view: SchedulerView) -> int:
+    def plan_step(self, view: SchedulerView) -> StepCaps:
+        """Re-bucket the waiting queue (Alg. 1) and cap the step at N_max (Eq. 6) over the running
+        requests plus the chosen bucket."""
         self._geometry = (view.num_total_blocks, view.block_size)
         self._sync(view.waiting)
+        self._ptr = 0  # admissions start again from the chosen group
         chosen = self.groups[0] if self.groups else []
         self.n_max_batch = self._nmax([*view.running, *chosen])
-        return view.max_num_seqs if self.n_max_batch is None else min(view.max_num_seqs, self.n_max_batch)
+        return StepCaps(max_num_seqs=self.n_max_batch)
 
-    def admit(self, view: SchedulerView, request: Request, admitted: Sequence[Request]) -> bool:
+    def order_waiting(self, waiting: Sequence[Request], now: float) -> list[Request]:
+        """The groups in order; requests that arrived after ``plan_step`` go last, FCFS."""
+        late = len(self._rank)
+        return sorted(waiting, key=lambda r: (self._rank.get(r.request_id, late), r.arrival_time))
+
+    def admit(self, request: Request, admitted: Sequence[Request]) -> bool:
+        """One bucket per batch, work-conserving: a group may admit once every group before it
+        was admitted in full this step."""
         g = self._group_of.get(request.request_id)
         if g is None:
-            return True  # not bucketed (order_waiting was not asked): nothing to hold it back
-        if view is not self._admit_view:  # a new step: start again from the chosen group
-            self._admit_view, self._ptr = view, 0
-        ids = {r.request_id for r in admitted}
-        while self._ptr < g and all(r.request_id in ids for r in self.groups[self._ptr]):
-            self._ptr += 1  # that group is exhausted: the next may fill the step
+            return True  # not bucketed (arrived after plan_step): nothing to hold it back
+        if self._ptr < g:
+            ids = {r.request_id for r in admitted}
+            while self._ptr < g and all(r.request_id in ids for r in self.groups[self._ptr]):
+                self._ptr += 1  # that group is exhausted: the next may fill the step
         return g <= self._ptr
 
     def observe(self, plan: StepPlan, result: StepResult) -> None:
@@ -275,37 +316,23 @@ class BucketPolicy(SchedulingPolicy):
         self._waste_sum += self.padding_waste_last
         self._waste_steps += 1
 
-    def state(self) -> dict:
+    def state(self) -> BucketState:
         chosen = None
         if self.groups:
             g = self.groups[0]
             b = next(b for b in self.buckets if g[0] in b.members)
-            chosen = {"low": b.low, "up": b.up, "class": g[0].request_class.value,
-                      "priority": g[0].priority, "waiting": len(g)}
-        return {
-            "policy": self.name,
-            "theta": self.theta,
-            "l_max": self.l_max,
-            "m_safe_frac": self.m_safe_frac,
-            "offline_order": self.offline_order,
-            "n_max": self.n_max,
-            "n_max_batch": self.n_max_batch,
-            "buckets": [b.as_list() for b in self.buckets],
-            "num_buckets": len(self.buckets),
-            "num_waiting": sum(len(b.members) for b in self.buckets),
-            "num_groups": len(self.groups),
-            "chosen": chosen,
-            "num_splits": self.num_splits,
-            "num_merges": self.num_merges,
-            "expected_waste": expected_waste(self.buckets),
-            "padding_waste_last": self.padding_waste_last,
-            "padding_waste_mean": self._waste_sum / self._waste_steps if self._waste_steps else 0.0,
-            "padding_steps": self._waste_steps,
-        }
+            chosen = ChosenBucket(b.low, b.up, g[0].request_class.value, g[0].priority, len(g))
+        return BucketState(
+            self.name, theta=self.theta, l_max=self.l_max, m_safe_frac=self.m_safe_frac,
+            offline_order=self.offline_order, n_max=self.n_max, n_max_batch=self.n_max_batch,
+            buckets=tuple((b.low, b.up, len(b.members)) for b in self.buckets), num_buckets=len(self.buckets),
+            num_waiting=sum(len(b.members) for b in self.buckets), num_groups=len(self.groups), chosen=chosen,
+            num_splits=self.num_splits, num_merges=self.num_merges, expected_waste=expected_waste(self.buckets),
+            padding_waste_last=self.padding_waste_last,
+            padding_waste_mean=self._waste_sum / self._waste_steps if self._waste_steps else 0.0,
+            padding_steps=self._waste_steps)
 
 
-@register_policy("bucket")
-def _bucket(config: SchedulerConfig) -> SchedulingPolicy:
-    return BucketPolicy(theta=config.policy_arg("bucket.theta", 0.5), l_max=config.policy_arg("bucket.l_max", 8192),
-                        m_safe_frac=config.policy_arg("bucket.m_safe_frac", 0.9),
-                        offline_order=str(config.policy_arg("bucket.offline_order", "sjf")).lower())
+@register_policy("bucket", params=BucketParams)
+def _bucket(config: SchedulerConfig, params: BucketParams) -> SchedulingPolicy:
+    return BucketPolicy(params)

@@ -1,22 +1,32 @@
 """Combining policies by config: ``bucket+memory+sla`` is one policy built from three parts.
 
-Each part answers only the questions it overrides; the composite asks every part and combines
-the answers: admission order and preemption choice come from the first part that defines them,
-a request is admitted only if every part admits it, and the caps are the minimum over the parts
-(b* = min(b_mem, b_SLA), Pang et al. Sec. III-C). Every part learns from every step.
+The composite works from the parts' typed answers, never from which methods they override:
+the step caps are the tighter of all parts' :class:`StepCaps` (b* = min(b_mem, b_SLA), Pang et
+al. Sec. III-B); admission order and the preemption victim come from the first part that has an
+opinion (a non-None answer); a request is admitted only if every part admits it. Every part
+plans, observes and hears of every finish.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from tidal.core.plan import StepPlan, StepResult
-from tidal.core.policy import SchedulerView, SchedulingPolicy
+from tidal.core.policy import PolicyState, SchedulerView, SchedulingPolicy, StepCaps
 from tidal.core.request import Request
 
 
-def _overrides(part: SchedulingPolicy, method: str) -> bool:
-    return getattr(type(part), method) is not getattr(SchedulingPolicy, method)
+@dataclass(frozen=True, slots=True)
+class CompositeState(PolicyState):
+    parts: tuple[PolicyState, ...] = ()
+
+    def to_dict(self) -> dict:
+        """``{"policy": "a+b", "a": {...}, "b": {...}}``: each part under its own name."""
+        out: dict = {"policy": self.policy}
+        for p in self.parts:
+            out[p.policy] = {k: v for k, v in p.to_dict().items() if k != "policy"}
+        return out
 
 
 class CompositePolicy(SchedulingPolicy):
@@ -25,30 +35,37 @@ class CompositePolicy(SchedulingPolicy):
             raise ValueError("a composite policy needs at least one part")
         self.parts = list(parts)
         self.name = "+".join(p.name for p in self.parts)
-        self._order = next((p for p in self.parts if _overrides(p, "order_waiting")), self.parts[0])
-        self._victim = next((p for p in self.parts if _overrides(p, "preemption_victim")), self.parts[0])
 
-    def order_waiting(self, waiting: list[Request], now: float) -> list[Request]:
-        return self._order.order_waiting(waiting, now)
+    def plan_step(self, view: SchedulerView) -> StepCaps:
+        caps = StepCaps()
+        for p in self.parts:
+            caps = caps.tighter(p.plan_step(view))
+        return caps
 
-    def admit(self, view: SchedulerView, request: Request, admitted: Sequence[Request]) -> bool:
-        return all(p.admit(view, request, admitted) for p in self.parts)
+    def order_waiting(self, waiting: Sequence[Request], now: float) -> list[Request] | None:
+        for p in self.parts:
+            order = p.order_waiting(waiting, now)
+            if order is not None:
+                return order
+        return None
 
-    def max_num_seqs(self, view: SchedulerView) -> int:
-        return min(p.max_num_seqs(view) for p in self.parts)
+    def admit(self, request: Request, admitted: Sequence[Request]) -> bool:
+        return all(p.admit(request, admitted) for p in self.parts)
 
-    def token_budget(self, view: SchedulerView) -> int:
-        return min(p.token_budget(view) for p in self.parts)
-
-    def preemption_victim(self, running: Sequence[Request]) -> Request:
-        return self._victim.preemption_victim(running)
+    def preemption_victim(self, running: Sequence[Request]) -> Request | None:
+        for p in self.parts:
+            victim = p.preemption_victim(running)
+            if victim is not None:
+                return victim
+        return None
 
     def observe(self, plan: StepPlan, result: StepResult) -> None:
         for p in self.parts:
             p.observe(plan, result)
 
-    def state(self) -> dict:
-        out: dict = {"policy": self.name}
+    def on_finished(self, request: Request) -> None:
         for p in self.parts:
-            out[p.name] = {k: v for k, v in p.state().items() if k != "policy"}
-        return out
+            p.on_finished(request)
+
+    def state(self) -> CompositeState:
+        return CompositeState(self.name, tuple(p.state() for p in self.parts))

@@ -33,12 +33,15 @@ eps_M, so the default here is 0.05.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from statistics import NormalDist
 
+from pydantic import Field
+
 from tidal.config import ConfigError, SchedulerConfig, cdiv
-from tidal.core.plan import StepPlan, StepResult
-from tidal.core.policy import SchedulerView, SchedulingPolicy
+from tidal.core.policy import PolicyState, SchedulerView, SchedulingPolicy, StepCaps
 from tidal.core.request import FinishReason, Request
+from tidal.policies.params import PolicyParams
 from tidal.policies.registry import register_policy
 
 
@@ -100,27 +103,52 @@ def linear_batch_size(eta: float, l0: float, mu: float) -> int:
     return max(int(math.floor((eta - l0) / mu + 1e-9)), 0)
 
 
+class MemoryParams(PolicyParams):
+    eps_m: float = Field(0.05, gt=0.0, lt=1.0, description="eps_M: allowed probability of overflowing the pool")
+    l0: float = Field(-1.0, description="fixed safety buffer L0 in blocks; < 0: from the CLT (Eq. 10-12)")
+    l0_every: int = Field(16, gt=0, description="refresh L0 every this many updates")
+    min_samples: int = Field(8, ge=0, description="finished requests before their statistics are used alone")
+    prior_len: int = Field(1024, gt=0, description="tokens per request when nothing is known")
+    b_min: int = Field(1, ge=1, description="lowest batch cap")
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryState(PolicyState):
+    b_mem: int = 0
+    eps_m: float = 0.0
+    theta: float = 0.0
+    samples: int = 0
+    observed_mu_blocks: float = 0.0
+    observed_sigma_blocks: float = 0.0
+    updates: int = 0
+    # the last update's terms (None before the first update with prefill work)
+    eta_blocks: float | None = None
+    mu_blocks: float | None = None
+    sigma_blocks: float | None = None
+    l0_blocks: float | None = None
+    b_eq12: float | None = None
+    b_eq14: int | None = None
+    estimate: str | None = None  # observed | expected | prior
+
+
 class MemoryPolicy(SchedulingPolicy):
     name = "memory"
 
-    def __init__(self, config: SchedulerConfig):
-        self.eps_m = config.policy_arg("memory.eps_m", 0.05)
-        if not 0.0 < self.eps_m < 1.0:
-            raise ConfigError(f"memory.eps_m must be in (0, 1), got {self.eps_m}")
+    def __init__(self, config: SchedulerConfig, params: MemoryParams | None = None):
+        params = params or MemoryParams()
+        self.eps_m = params.eps_m
         self.theta = theta_of(self.eps_m)
-        self.l0_fixed = config.policy_arg("memory.l0", -1.0)  # blocks; < 0: from the CLT (Eq. 10-12)
-        self.l0_every = config.policy_arg("memory.l0_every", 16)
-        self.min_samples = config.policy_arg("memory.min_samples", 8)
-        self.prior_len = config.policy_arg("memory.prior_len", 1024)  # tokens
-        self.b_min = config.policy_arg("memory.b_min", 1)
+        self.l0_fixed = params.l0
+        self.l0_every = params.l0_every
+        self.min_samples = params.min_samples
+        self.prior_len = params.prior_len
+        self.b_min = params.b_min
         self.b_max = config.max_num_seqs
-        if self.l0_every <= 0 or self.min_samples < 0 or self.prior_len <= 0 or not 1 <= self.b_min <= self.b_max:
-            raise ConfigError("memory: need l0_every > 0, min_samples >= 0, prior_len > 0, "
-                              f"1 <= b_min <= max_num_seqs ({self.b_max})")
+        if self.b_min > self.b_max:
+            raise ConfigError(f"policy argument memory.b_min={self.b_min}: must be <= max_num_seqs ({self.b_max})")
         self.stats = Welford()  # footprints (blocks) of finished requests
         self.b = self.b_max  # b_{t-1}; Alg. 2 of the paper also starts from B_max
         self.block_size: int | None = None
-        self._tracked: dict[str, Request] = {}
         self._updates = 0
         self._l0: float | None = None
         self._last: dict = {}
@@ -144,10 +172,8 @@ class MemoryPolicy(SchedulingPolicy):
         return float(mu), mu / 2.0, "prior"
 
     # ------------------------------------------------------------------ policy
-    def max_num_seqs(self, view: SchedulerView) -> int:
+    def plan_step(self, view: SchedulerView) -> StepCaps:
         self.block_size = view.block_size
-        for r in (*view.running, *view.waiting):
-            self._tracked[r.request_id] = r
         n_decode = view.num_decodes
         n_prefill = len(view.waiting) + sum(1 for r in view.running if r.in_prefill)
         if n_prefill > 0:  # Alg. 1 line 4
@@ -166,21 +192,19 @@ class MemoryPolicy(SchedulingPolicy):
                           "b_eq12": clt_batch_size(mu, sigma, eta, self.theta), "b_eq14": b, "estimate": source}
             # Alg. 1 line 6: never below the running decodes (nor b_min), never above B_max
             self.b = min(max(b, n_decode, self.b_min), self.b_max)
-        return self.b  # Alg. 1 line 3: b_t = b_{t-1} when there is no prefill work
+        return StepCaps(max_num_seqs=self.b)  # Alg. 1 line 3: b_t = b_{t-1} when there is no prefill work
 
-    def observe(self, plan: StepPlan, result: StepResult) -> None:
-        done = [rid for rid, r in self._tracked.items() if r.is_finished]
-        for rid in done:
-            r = self._tracked.pop(rid)
-            if r.finish_reason is not FinishReason.ABORT:
-                self.stats.add(self._blocks(r.num_tokens))
+    def on_finished(self, request: Request) -> None:
+        # aborted requests were cut short: their footprint says nothing of the workload
+        if request.finish_reason is not FinishReason.ABORT and self.block_size is not None:
+            self.stats.add(self._blocks(request.num_tokens))
 
-    def state(self) -> dict:
-        return {"policy": self.name, "b_mem": self.b, "eps_m": self.eps_m, "theta": self.theta,
-                "samples": self.stats.n, "observed_mu_blocks": self.stats.mean,
-                "observed_sigma_blocks": self.stats.std, "updates": self._updates, **self._last}
+    def state(self) -> MemoryState:
+        return MemoryState(self.name, b_mem=self.b, eps_m=self.eps_m, theta=self.theta, samples=self.stats.n,
+                           observed_mu_blocks=self.stats.mean, observed_sigma_blocks=self.stats.std,
+                           updates=self._updates, **self._last)
 
 
-@register_policy("memory")
-def _memory(config: SchedulerConfig) -> SchedulingPolicy:
-    return MemoryPolicy(config)
+@register_policy("memory", params=MemoryParams)
+def _memory(config: SchedulerConfig, params: MemoryParams) -> SchedulingPolicy:
+    return MemoryPolicy(config, params)

@@ -31,9 +31,14 @@ least half of D's per-request slope.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from pydantic import Field
+
 from tidal.config import ConfigError, SchedulerConfig
 from tidal.core.plan import StepPlan, StepResult
-from tidal.core.policy import SchedulerView, SchedulingPolicy
+from tidal.core.policy import PolicyState, SchedulerView, SchedulingPolicy, StepCaps
+from tidal.policies.params import PolicyParams
 from tidal.policies.registry import register_policy
 
 
@@ -73,9 +78,9 @@ class BoundedBinarySearch:
         self.last = {"tau_ms": tau * 1e3, "b_bar": b_bar, "verdict": verdict}
         return self.value
 
-    def state(self) -> dict:
-        return {"value": self.value, "low": self.low, "high": self.high, "updates": self.updates,
-                **{f"last_{k}": v for k, v in self.last.items()}}
+    def state(self) -> SearchState:
+        return SearchState(self.value, self.low, self.high, self.updates,
+                           **{f"last_{k}": v for k, v in self.last.items()})
 
 
 class _Window:
@@ -91,31 +96,63 @@ class _Window:
         self.n += 1
 
 
-def d_sla_seconds(config: SchedulerConfig, key: str) -> float:
-    ms = config.policy_arg(key, config.tbt_slo_ms if config.tbt_slo_ms is not None else 0.0)
-    if not ms or ms <= 0:
-        raise ConfigError(f"{key.split('.')[0]}: needs a decode-latency SLO: set tbt_slo_ms or {key}")
+def d_sla_seconds(own_ms: float | None, config: SchedulerConfig, key: str) -> float:
+    """The decode-latency SLO in seconds: the policy's own parameter, else ``config.tbt_slo_ms``."""
+    ms = own_ms if own_ms is not None else config.tbt_slo_ms
+    if ms is None:
+        raise ConfigError(f"{key.split('.')[0]}: needs a decode-latency SLO: set tbt_slo_ms (--tbt-slo-ms) or {key}")
     return ms / 1e3
+
+
+class SLAParams(PolicyParams):
+    d_sla_ms: float | None = Field(None, gt=0, description="D_SLA; default: tbt_slo_ms")
+    eps_d_ms: float | None = Field(None, ge=0, description="eps_D, the band around D_SLA; default 5% of D_SLA")
+    alpha: int = Field(4, ge=1, description="Alg. 2 alpha: the least width of the search interval")
+    delta: int = Field(1, ge=0, description="Alg. 2 delta: how far a bound moves back per update")
+    window: int = Field(8, ge=1, description="observed steps averaged per update")
+    decode_dominated_ratio: float = Field(1.0, ge=0, description="a step counts when prefill tokens <= this x decodes")
+    b_min: int = Field(1, ge=1, description="B_min, the lowest batch cap")
+
+
+@dataclass(frozen=True, slots=True)
+class SearchState:
+    value: int
+    low: int
+    high: int
+    updates: int
+    last_tau_ms: float | None = None
+    last_b_bar: float | None = None
+    last_verdict: str | None = None  # over | under | within
+
+
+@dataclass(frozen=True, slots=True)
+class SLAState(PolicyState):
+    b_sla: int = 0
+    chunk_tokens: int = 0
+    d_sla_ms: float = 0.0
+    eps_d_ms: float = 0.0
+    alpha: int = 0
+    delta: int = 0
+    window: int = 0
+    batch_search: SearchState | None = None
+    chunk_search: SearchState | None = None
 
 
 class SLAPolicy(SchedulingPolicy):
     name = "sla"
 
-    def __init__(self, config: SchedulerConfig):
-        self.d_sla = d_sla_seconds(config, "sla.d_sla_ms")
-        self.eps_d = config.policy_arg("sla.eps_d_ms", 0.05 * self.d_sla * 1e3) / 1e3
-        self.alpha = config.policy_arg("sla.alpha", 4)
-        self.delta = config.policy_arg("sla.delta", 1)
-        self.window = config.policy_arg("sla.window", 8)
-        self.ratio = config.policy_arg("sla.decode_dominated_ratio", 1.0)
-        b_min = config.policy_arg("sla.b_min", 1)
-        if self.eps_d < 0 or self.alpha < 1 or self.delta < 0 or self.window < 1 or self.ratio < 0:
-            raise ConfigError("sla: need eps_d_ms >= 0, alpha >= 1, delta >= 0, window >= 1, "
-                              "decode_dominated_ratio >= 0")
-        if not 1 <= b_min <= config.max_num_seqs:
-            raise ConfigError(f"sla.b_min must be in [1, max_num_seqs={config.max_num_seqs}], got {b_min}")
+    def __init__(self, config: SchedulerConfig, params: SLAParams | None = None):
+        params = params or SLAParams()
+        self.d_sla = d_sla_seconds(params.d_sla_ms, config, "sla.d_sla_ms")
+        self.eps_d = (params.eps_d_ms if params.eps_d_ms is not None else 0.05 * self.d_sla * 1e3) / 1e3
+        self.alpha, self.delta, self.window = params.alpha, params.delta, params.window
+        self.ratio = params.decode_dominated_ratio
+        if params.b_min > config.max_num_seqs:
+            raise ConfigError(f"policy argument sla.b_min={params.b_min}: must be <= max_num_seqs "
+                              f"({config.max_num_seqs})")
         self.max_tokens = config.max_num_batched_tokens
-        self.batch = BoundedBinarySearch(b_min, config.max_num_seqs, self.alpha, self.delta, self.d_sla, self.eps_d)
+        self.batch = BoundedBinarySearch(params.b_min, config.max_num_seqs, self.alpha, self.delta, self.d_sla,
+                                         self.eps_d)
         self.chunk: BoundedBinarySearch | None = None  # built at the first view (needs block_size)
         self.chunk_floor = 1
         self._bw, self._cw = _Window(), _Window()
@@ -129,16 +166,13 @@ class SLAPolicy(SchedulingPolicy):
                                              self.delta * block_size, self.d_sla, self.eps_d)
         return self.chunk
 
-    def max_num_seqs(self, view: SchedulerView) -> int:
+    def plan_step(self, view: SchedulerView) -> StepCaps:
         # Alg. 2 line 18: b_t = min(max(b_t, N_d), B_max)
         self.b_sla = min(max(self.batch.value, view.num_decodes), view.max_num_seqs)
-        return self.b_sla
-
-    def token_budget(self, view: SchedulerView) -> int:
         chunk = self._chunk_search(view.block_size)
         # line 18 for tokens: the decodes plus at least one block of prefill; never above the configured budget
         self.c_sla = min(max(chunk.value, view.num_decodes + self.chunk_floor), self.max_tokens)
-        return self.c_sla
+        return StepCaps(self.b_sla, self.c_sla)
 
     def observe(self, plan: StepPlan, result: StepResult) -> None:
         comp = result.composition if result.composition.batch_size else plan.composition
@@ -156,15 +190,13 @@ class SLAPolicy(SchedulingPolicy):
                 self.chunk.update(self._cw.tau / self._cw.n, self._cw.b / self._cw.n)
                 self._cw = _Window()
 
-    def state(self) -> dict:
-        out = {"policy": self.name, "b_sla": self.b_sla, "chunk_tokens": self.c_sla,
-               "d_sla_ms": self.d_sla * 1e3, "eps_d_ms": self.eps_d * 1e3, "alpha": self.alpha,
-               "delta": self.delta, "window": self.window, "batch_search": self.batch.state()}
-        if self.chunk is not None:
-            out["chunk_search"] = self.chunk.state()
-        return out
+    def state(self) -> SLAState:
+        return SLAState(self.name, b_sla=self.b_sla, chunk_tokens=self.c_sla, d_sla_ms=self.d_sla * 1e3,
+                        eps_d_ms=self.eps_d * 1e3, alpha=self.alpha, delta=self.delta, window=self.window,
+                        batch_search=self.batch.state(),
+                        chunk_search=None if self.chunk is None else self.chunk.state())
 
 
-@register_policy("sla")
-def _sla(config: SchedulerConfig) -> SchedulingPolicy:
-    return SLAPolicy(config)
+@register_policy("sla", params=SLAParams)
+def _sla(config: SchedulerConfig, params: SLAParams) -> SchedulingPolicy:
+    return SLAPolicy(config, params)

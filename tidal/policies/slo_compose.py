@@ -26,9 +26,14 @@ offline can be given to :meth:`SLOComposePolicy.seed` (``ProfileTable.load`` for
 
 from __future__ import annotations
 
-from tidal.config import ConfigError, SchedulerConfig
+from dataclasses import dataclass
+
+from pydantic import Field
+
+from tidal.config import SchedulerConfig
 from tidal.core.plan import StepPlan, StepResult
-from tidal.core.policy import SchedulerView, SchedulingPolicy
+from tidal.core.policy import PolicyState, SchedulerView, SchedulingPolicy, StepCaps
+from tidal.policies.params import PolicyParams
 from tidal.policies.profile_table import ProfileTable
 from tidal.policies.registry import register_policy
 from tidal.policies.sla import d_sla_seconds
@@ -36,22 +41,41 @@ from tidal.policies.sla import d_sla_seconds
 NAME = "slo-compose"
 
 
+class SLOComposeParams(PolicyParams):
+    tbt_slo_ms: float | None = Field(None, gt=0, description="the TBT SLO S; default: tbt_slo_ms")
+    slo_scale: float = Field(1.0, gt=0, description="S is scaled by this (below 1 leaves headroom)")
+    min_prefill: int = Field(0, ge=0, description="least prefill tokens per step; 0: one KV block")
+    prefill_bucket: int = Field(64, ge=1, description="profile table grid: prefill tokens")
+    context_bucket: int = Field(256, ge=1, description="profile table grid: mean decode context")
+    decode_bucket: int = Field(4, ge=1, description="profile table grid: decode count")
+
+
+@dataclass(frozen=True, slots=True)
+class SLOComposeState(PolicyState):
+    M: int = 0
+    token_budget: int = 0
+    target_ms: float = 0.0
+    decode_context: float = 0.0
+    decode_count: int = 0
+    table_cells: int = 0
+    table_samples: int = 0
+    last_predicted_ms: float | None = None
+    last_measured_ms: float | None = None
+    budget_predicted_ms: float | None = None
+
+
 class SLOComposePolicy(SchedulingPolicy):
     name = NAME
 
-    def __init__(self, config: SchedulerConfig, table: ProfileTable | None = None):
-        scale = config.policy_arg(f"{NAME}.slo_scale", 1.0)
-        if scale <= 0:
-            raise ConfigError(f"{NAME}.slo_scale must be > 0, got {scale}")
-        self.target_s = d_sla_seconds(config, f"{NAME}.tbt_slo_ms") * scale
-        self.min_prefill = config.policy_arg(f"{NAME}.min_prefill", 0)  # 0: one KV block
-        if self.min_prefill < 0:
-            raise ConfigError(f"{NAME}.min_prefill must be >= 0")
+    def __init__(self, config: SchedulerConfig, table: ProfileTable | None = None,
+                 params: SLOComposeParams | None = None):
+        params = params or SLOComposeParams()
+        self.target_s = d_sla_seconds(params.tbt_slo_ms, config, f"{NAME}.tbt_slo_ms") * params.slo_scale
+        self.min_prefill = params.min_prefill  # 0: one KV block
         self.max_tokens = config.max_num_batched_tokens
-        self.table = table or ProfileTable(
-            prefill_bucket=config.policy_arg(f"{NAME}.prefill_bucket", 64),
-            context_bucket=config.policy_arg(f"{NAME}.context_bucket", 256),
-            decode_bucket=config.policy_arg(f"{NAME}.decode_bucket", 4))
+        self.table = table or ProfileTable(prefill_bucket=params.prefill_bucket,
+                                           context_bucket=params.context_bucket,
+                                           decode_bucket=params.decode_bucket)
         self.M = self.max_tokens
         self.budget = self.max_tokens
         self._query: tuple[float, int] = (0.0, 0)
@@ -62,7 +86,7 @@ class SLOComposePolicy(SchedulingPolicy):
     def seed(self, profile: dict | list) -> None:
         self.table = ProfileTable.load(profile)
 
-    def token_budget(self, view: SchedulerView) -> int:
+    def plan_step(self, view: SchedulerView) -> StepCaps:
         decodes = [r for r in view.running if not r.in_prefill]
         d = len(decodes)
         ctx = sum(r.num_computed_tokens + 1 for r in decodes) / d if d else 0.0  # context after the step
@@ -73,7 +97,7 @@ class SLOComposePolicy(SchedulingPolicy):
         self.budget = min(d + self.M, self.max_tokens)
         self._query = (ctx, d)
         self.last_budget_predicted_s = self.table.predict(self.M, ctx, d)
-        return self.budget
+        return StepCaps(token_budget=self.budget)
 
     def observe(self, plan: StepPlan, result: StepResult) -> None:
         comp = result.composition if result.composition.batch_size else plan.composition
@@ -86,17 +110,16 @@ class SLOComposePolicy(SchedulingPolicy):
         self.last_measured_s = result.step_time_s
         self.table.record(p, ctx, d, result.step_time_s)  # DynaServe Alg. 2 line 1: RECORD
 
-    def state(self) -> dict:
-        return {"policy": self.name, "M": self.M, "token_budget": self.budget,
-                "target_ms": self.target_s * 1e3, "decode_context": self._query[0],
-                "decode_count": self._query[1], "table_cells": len(self.table),
-                "table_samples": self.table.num_samples,
-                "last_predicted_ms": None if self.last_predicted_s is None else self.last_predicted_s * 1e3,
-                "last_measured_ms": None if self.last_measured_s is None else self.last_measured_s * 1e3,
-                "budget_predicted_ms": (None if self.last_budget_predicted_s is None
-                                        else self.last_budget_predicted_s * 1e3)}
+    def state(self) -> SLOComposeState:
+        def ms(x: float | None) -> float | None:
+            return None if x is None else x * 1e3
+        return SLOComposeState(self.name, M=self.M, token_budget=self.budget, target_ms=self.target_s * 1e3,
+                               decode_context=self._query[0], decode_count=self._query[1],
+                               table_cells=len(self.table), table_samples=self.table.num_samples,
+                               last_predicted_ms=ms(self.last_predicted_s), last_measured_ms=ms(self.last_measured_s),
+                               budget_predicted_ms=ms(self.last_budget_predicted_s))
 
 
-@register_policy(NAME)
-def _slo_compose(config: SchedulerConfig) -> SchedulingPolicy:
-    return SLOComposePolicy(config)
+@register_policy(NAME, params=SLOComposeParams)
+def _slo_compose(config: SchedulerConfig, params: SLOComposeParams) -> SchedulingPolicy:
+    return SLOComposePolicy(config, params=params)

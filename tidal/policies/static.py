@@ -19,11 +19,13 @@ than true static batching, and gains measured against it understate those agains
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from tidal.config import SchedulerConfig
 from tidal.core.plan import StepPlan, StepResult
-from tidal.core.policy import SchedulerView, SchedulingPolicy
-from tidal.core.request import Request, RequestStatus
+from tidal.core.policy import PolicyState, SchedulerView, SchedulingPolicy, StepCaps
+from tidal.core.request import Request
+from tidal.policies.params import NoParams
 from tidal.policies.registry import register_policy
 
 
@@ -42,29 +44,32 @@ def _fcfs(r: Request) -> tuple:
     return (r.priority, r.arrival_time)
 
 
+@dataclass(frozen=True, slots=True)
+class StaticState(PolicyState):
+    num_batches: int = 0
+    batch_size: int = 0
+    batch_active: bool = False
+    batch_unfinished: int = 0
+    padding_waste: float = 0.0  # of the current batch so far (the last one when idle)
+    padded_tokens: int = 0
+    padding_waste_mean: float = 0.0  # over completed batches
+    completed_batches: int = 0
+
+
 class StaticPolicy(SchedulingPolicy):
     name = "static"
 
     def __init__(self) -> None:
         self.members: list[Request] = []  # the current (or last) batch, in admission order
         self._ids: set[str] = set()
+        self._unfinished: set[str] = set()  # members that have not finished (on_finished removes them)
         self._done = True  # the last batch's padding is folded into the mean
         self.num_batches = 0
         self._waste_sum = 0.0
 
     @property
     def batch_active(self) -> bool:
-        return any(r.status is not RequestStatus.FINISHED for r in self.members)
-
-    def _maybe_form(self, view: SchedulerView) -> None:
-        """A new batch: only when the last one finished and nothing runs."""
-        if self.batch_active or view.running or not view.waiting:
-            return
-        self._close()
-        self.members = sorted(view.waiting, key=_fcfs)[:view.max_num_seqs]
-        self._ids = {r.request_id for r in self.members}
-        self._done = False
-        self.num_batches += 1
+        return bool(self._unfinished)
 
     def _close(self) -> None:
         if self.members and not self._done and not self.batch_active:
@@ -76,36 +81,38 @@ class StaticPolicy(SchedulingPolicy):
                               [r.num_output_tokens for r in self.members])
 
     # ---------------------------------------------------------------- SchedulingPolicy
-    def max_num_seqs(self, view: SchedulerView) -> int:
-        self._maybe_form(view)  # asked first each step, with the whole view
-        return view.max_num_seqs
+    def plan_step(self, view: SchedulerView) -> StepCaps:
+        """A new batch forms only when the last one finished and nothing runs."""
+        if not self.batch_active and not view.running and view.waiting:
+            self._close()
+            self.members = sorted(view.waiting, key=_fcfs)[:view.max_num_seqs]
+            self._ids = {r.request_id for r in self.members}
+            self._unfinished = set(self._ids)
+            self._done = False
+            self.num_batches += 1
+        return StepCaps()
 
-    def order_waiting(self, waiting: list[Request], now: float) -> list[Request]:
+    def order_waiting(self, waiting: Sequence[Request], now: float) -> list[Request]:
         return sorted(waiting, key=lambda r: (r.request_id not in self._ids, *_fcfs(r)))
 
-    def admit(self, view: SchedulerView, request: Request, admitted: Sequence[Request]) -> bool:
-        self._maybe_form(view)
-        return request.request_id in self._ids and self.batch_active
+    def admit(self, request: Request, admitted: Sequence[Request]) -> bool:
+        return request.request_id in self._unfinished
 
     def observe(self, plan: StepPlan, result: StepResult) -> None:
         self._close()
 
-    def state(self) -> dict:
+    def on_finished(self, request: Request) -> None:
+        self._unfinished.discard(request.request_id)
+
+    def state(self) -> StaticState:
         waste, padded = self._padding()
         completed = self.num_batches - (0 if self._done else 1)
-        return {
-            "policy": self.name,
-            "num_batches": self.num_batches,
-            "batch_size": len(self.members),
-            "batch_active": self.batch_active,
-            "batch_unfinished": sum(1 for r in self.members if r.status is not RequestStatus.FINISHED),
-            "padding_waste": waste,  # of the current batch so far (the last one when idle)
-            "padded_tokens": padded,
-            "padding_waste_mean": self._waste_sum / completed if completed else 0.0,  # completed batches
-            "completed_batches": completed,
-        }
+        return StaticState(
+            self.name, num_batches=self.num_batches, batch_size=len(self.members), batch_active=self.batch_active,
+            batch_unfinished=len(self._unfinished), padding_waste=waste, padded_tokens=padded,
+            padding_waste_mean=self._waste_sum / completed if completed else 0.0, completed_batches=completed)
 
 
-@register_policy("static")
-def _static(config: SchedulerConfig) -> SchedulingPolicy:
+@register_policy("static", params=NoParams)
+def _static(config: SchedulerConfig, params: NoParams) -> SchedulingPolicy:
     return StaticPolicy()

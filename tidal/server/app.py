@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 import tidal
+from tidal.core.policy import PolicyState
 from tidal.server.errors import APIError, install_handlers
 from tidal.server.metrics import ServerMetrics, batch_size_cap
 from tidal.server.protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest, parse_body
@@ -121,12 +122,12 @@ def build_app(async_llm: Any, served_model_name: str | None = None) -> FastAPI:
     @app.get("/admin/state")
     async def admin_state() -> JSONResponse:
         stats = async_llm.stats
-        policy = stats.pop("policy", None)
+        policy = stats.pop("policy", None)  # a typed PolicyState
         cfg = engine.config
         return JSONResponse(_jsonable({
             "model": name, "alive": engine_alive(async_llm), "max_model_len": engine.max_model_len,
-            "stats": stats, "policy": policy,
-            "batch_size_cap": batch_size_cap({"policy": policy}, cfg.scheduler.max_num_seqs),
+            "stats": stats, "policy": policy.to_dict() if isinstance(policy, PolicyState) else None,
+            "batch_size_cap": batch_size_cap(stats, cfg.scheduler.max_num_seqs),
             "scheduler": dataclasses.asdict(cfg.scheduler), "cache": dataclasses.asdict(cfg.cache),
             "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
         }))

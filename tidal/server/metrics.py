@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from tidal.core.policy import PolicyState
 from tidal.engine.outputs import RequestOutput
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -29,23 +30,8 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 def batch_size_cap(stats: dict[str, Any], default: int) -> int:
     """The current cap on running requests: what the scheduler last used, else the configured one."""
-    if isinstance(stats.get("batch_size_cap"), int):
-        return stats["batch_size_cap"]
-    policy = stats.get("policy") or {}
-    cap = policy.get("max_num_seqs") if isinstance(policy, dict) else None
-    return int(cap) if isinstance(cap, (int, float)) and not isinstance(cap, bool) else default
-
-
-def _flatten(d: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
-    """Nested controller state (a composite policy keeps one dict per part) as dotted keys."""
-    out: list[tuple[str, Any]] = []
-    for key, val in d.items():
-        name = f"{prefix}{key}"
-        if isinstance(val, dict):
-            out.extend(_flatten(val, name + "."))
-        else:
-            out.append((name, val))
-    return out
+    cap = stats.get("batch_size_cap")
+    return cap if isinstance(cap, int) else default
 
 
 class _EngineCollector:
@@ -78,12 +64,11 @@ class _EngineCollector:
         pre.add_metric([self.model_name], float(s.get("num_preemptions", 0)))
         yield pre
         policy = s.get("policy")
-        if isinstance(policy, dict):
+        if isinstance(policy, PolicyState):
             g = GaugeMetricFamily("tidal:policy_state", "Numeric state of the scheduling policy.",
                                   labels=["model_name", "key"])
-            for key, val in _flatten(policy):
-                if isinstance(val, (int, float)) and not isinstance(val, bool):
-                    g.add_metric([self.model_name, key], float(val))
+            for key, val in policy.gauges():
+                g.add_metric([self.model_name, key], val)
             yield g
         if isinstance(s.get("token_budget"), int):
             yield self._gauge("tidal:token_budget", "Token budget the scheduler used for the last step.",

@@ -122,4 +122,4 @@ class SimInstance:
     def stats(self) -> dict:
         return {"index": self.index, "num_blocks": self.kv.num_blocks, "block_size": self.kv.block_size,
                 "steps": self.num_steps, "busy_time_s": self.busy_time,
-                "num_preemptions": self.scheduler.num_preemptions, "policy_state": self.policy.state()}
+                "num_preemptions": self.scheduler.num_preemptions, "policy_state": self.policy.state().to_dict()}
