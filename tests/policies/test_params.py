@@ -89,3 +89,18 @@ def test_the_engine_checks_the_policy_before_loading_weights(monkeypatch):
     bad = EngineConfig.from_kwargs(batching="sla", policy_args=["sla.alpah=8"], device="cpu")
     with pytest.raises(ConfigError, match="sla.alpah"):
         llm_engine.LLMEngine(bad)
+
+
+def test_readme_lists_every_parameter_of_every_policy():
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = readme[readme.index("| policy | parameters (defaults) |"):]
+    for name in available_policies():
+        fields = set(policy_params(name).model_fields)
+        row = re.search(rf"^\| `{re.escape(name)}` \| (.*) \|$", readme, re.M)
+        if not fields:
+            continue
+        assert row, f"README has no parameter row for {name}"
+        assert set(re.findall(r"`(\w+)`", row.group(1))) == fields, name
