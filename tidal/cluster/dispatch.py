@@ -1,0 +1,87 @@
+"""The global dispatcher: where a request runs, and in disaggregated mode where its decode goes.
+
+Pure decision code shared by the simulator and the real runtime.
+
+- ``colocate``: every instance prefills and decodes; a router (``tidal.cluster.router``) picks one
+  among the live instances.
+- ``disaggregate`` (BucketServe Sec. III, prefill/decode disaggregation): the first
+  ``prefill_instances`` instances only prefill; the router picks one of them. When a request's
+  prefill is done, its KV goes to the decode instance with the most free KV blocks that can
+  hold it (free blocks less the blocks already queued there, at least the request's need). If
+  none can, the request waits on its prefill instance and the monitor shows it as a pending
+  hand-off; it is retried whenever an instance reports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tidal.cluster.monitor import GlobalMonitor
+from tidal.cluster.router import Router, RouteRequest
+from tidal.config import ConfigError
+
+MODES = ("colocate", "disaggregate")
+
+
+@dataclass(frozen=True)
+class ClusterLayout:
+    """How many instances, and which role each plays."""
+
+    instances: int = 1
+    mode: str = "colocate"
+    prefill_instances: int = 0
+
+    def __post_init__(self) -> None:
+        if self.instances < 1:
+            raise ConfigError(f"instances must be >= 1, got {self.instances}")
+        if self.mode not in MODES:
+            raise ConfigError(f"mode must be one of {', '.join(MODES)}; got {self.mode!r}")
+        if self.mode == "disaggregate":
+            if self.instances < 2:
+                raise ConfigError("--mode disaggregate needs at least 2 instances (one prefill, one decode)")
+            if not 1 <= self.prefill_instances < self.instances:
+                raise ConfigError(f"--prefill-instances must be in [1, instances - 1] = [1, {self.instances - 1}] "
+                                  f"with --mode disaggregate; got {self.prefill_instances}")
+        elif self.prefill_instances:
+            raise ConfigError("--prefill-instances needs --mode disaggregate")
+
+    def roles(self) -> list[str]:
+        if self.mode == "colocate":
+            return ["colocated"] * self.instances
+        return ["prefill"] * self.prefill_instances + ["decode"] * (self.instances - self.prefill_instances)
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.mode == "disaggregate"
+
+
+class Dispatcher:
+    def __init__(self, layout: ClusterLayout, monitor: GlobalMonitor, router: Router):
+        if len(monitor.instances) != layout.instances:
+            raise ValueError("the monitor and the layout disagree on the number of instances")
+        self.layout, self.monitor, self.router = layout, monitor, router
+
+    def dispatch(self, req: RouteRequest, now: float) -> int | None:
+        """The instance that takes ``req`` first (a prefill instance when disaggregated), or None
+        when no instance of that role is alive."""
+        role = "prefill" if self.layout.disaggregated else None
+        live = self.monitor.alive(role)
+        if not live:
+            return None
+        index = live[self.router.route(req, live)].index
+        self.monitor.on_dispatch(index, req.request_id, now)
+        return index
+
+    def choose_decode(self, request_id: str, blocks_needed: int) -> int | None:
+        """BucketServe's hand-off target: the live decode instance with the most free KV that can
+        hold ``blocks_needed`` blocks; None (and a pending hand-off) when none can."""
+        fits = [r for r in self.monitor.alive("decode") if r.role == "decode" and r.handoff_room >= blocks_needed]
+        if not fits:
+            self.monitor.on_handoff_wait(request_id, blocks_needed)
+            return None
+        best = max(fits, key=lambda r: (r.handoff_room, -r.num_outstanding, -r.index))
+        self.monitor.on_handoff_start(request_id, best.index, blocks_needed)
+        return best.index
+
+
+__all__ = ["MODES", "ClusterLayout", "Dispatcher"]

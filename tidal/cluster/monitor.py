@@ -1,0 +1,182 @@
+"""The global monitor: what the cluster knows of each instance, fed by events (pure, time is an argument).
+
+BucketServe's global monitor (Sec. III) tracks every instance's load so the dispatcher can pick
+where a request goes and, in disaggregated mode, which decode instance takes a prefilled
+request. Here each instance reports an :class:`InstanceStatus` after its steps (KV blocks, running
+and waiting requests, the queued KV demand, its last step time); the front end adds what it knows
+sooner than any report: requests dispatched and not yet finished, arrivals, failures and restarts,
+and hand-offs that wait for room on a decode instance. The simulator and the real runtime feed
+the same object, so the same dispatch decisions come out of both.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+ROLES = ("colocated", "prefill", "decode")
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceStatus:
+    """One instance's own report (sent by its worker after a step, or when idle)."""
+
+    index: int
+    num_blocks: int
+    num_free_blocks: int
+    block_size: int
+    num_running: int = 0
+    num_waiting: int = 0
+    queued_block_demand: int = 0  # KV blocks its waiting requests need to start
+    step_time_s: float | None = None  # its last step's measured time
+    num_preemptions: int = 0
+
+
+@dataclass
+class InstanceRecord:
+    """The monitor's view of one instance; fills :class:`tidal.cluster.router.InstanceLoad`."""
+
+    index: int
+    role: str
+    status: InstanceStatus
+    alive: bool = True
+    outstanding: set[str] = field(default_factory=set)  # dispatched here, not finished (front end's count)
+    arrivals: deque = field(default_factory=deque)  # times of recent dispatches (for the arrival rate)
+    step_time_ema_s: float | None = None
+    reserved: dict[str, int] = field(default_factory=dict)  # hand-offs on their way here: request -> blocks
+    failures: int = 0
+    restarts: int = 0
+    last_report: float | None = None
+
+    # ---- InstanceLoad ----
+    @property
+    def num_outstanding(self) -> int:
+        return len(self.outstanding)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.status.num_free_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return self.status.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.status.block_size
+
+    @property
+    def queued_block_demand(self) -> int:
+        return self.status.queued_block_demand
+
+    @property
+    def handoff_room(self) -> int:
+        """KV blocks a new hand-off could take: free, less the queued demand and the hand-offs on their way."""
+        return self.status.num_free_blocks - self.status.queued_block_demand - sum(self.reserved.values())
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.status.num_free_blocks / self.status.num_blocks if self.status.num_blocks else 0.0
+
+
+class GlobalMonitor:
+    """Per-instance load, arrival rate and recent step time; pending hand-offs.
+
+    ``window_s`` is the window of the arrival rate; ``ema`` the weight of a new step time.
+    """
+
+    def __init__(self, statuses: list[InstanceStatus], roles: list[str] | None = None, window_s: float = 10.0,
+                 ema: float = 0.2):
+        roles = roles or ["colocated"] * len(statuses)
+        if len(roles) != len(statuses) or not statuses:
+            raise ValueError("the monitor needs one role per instance, and at least one instance")
+        bad = [r for r in roles if r not in ROLES]
+        if bad:
+            raise ValueError(f"unknown instance role {bad[0]!r}; roles: {', '.join(ROLES)}")
+        self.instances = [InstanceRecord(s.index, r, s) for s, r in zip(statuses, roles, strict=True)]
+        self.window_s, self.ema = window_s, ema
+        self.pending_handoffs: dict[str, int] = {}  # request id -> KV blocks it needs on a decode instance
+        self.num_dispatched = 0
+        self.num_handoffs = 0
+
+    # ---------------------------------------------------------------- events in
+    def on_status(self, status: InstanceStatus, now: float) -> None:
+        rec = self.instances[status.index]
+        rec.status, rec.last_report = status, now
+        if status.step_time_s is not None and status.step_time_s > 0:
+            t = status.step_time_s
+            rec.step_time_ema_s = t if rec.step_time_ema_s is None else (1 - self.ema) * rec.step_time_ema_s + self.ema * t
+
+    def on_dispatch(self, index: int, request_id: str, now: float) -> None:
+        rec = self.instances[index]
+        rec.outstanding.add(request_id)
+        rec.arrivals.append(now)
+        self.num_dispatched += 1
+        self._trim(rec, now)
+
+    def on_finish(self, index: int, request_id: str) -> None:
+        self.instances[index].outstanding.discard(request_id)
+
+    def on_handoff_wait(self, request_id: str, blocks: int) -> None:
+        self.pending_handoffs[request_id] = blocks
+
+    def on_handoff_start(self, request_id: str, dst: int, blocks: int) -> None:
+        """A hand-off to ``dst`` began: its blocks are reserved there until it lands or fails."""
+        self.pending_handoffs.pop(request_id, None)
+        self.instances[dst].reserved[request_id] = blocks
+
+    def on_handoff(self, request_id: str, src: int, dst: int, ok: bool = True) -> None:
+        """The hand-off of ``request_id`` from prefill instance ``src`` to decode instance ``dst``
+        landed (``ok``) or was refused (then the request stays on ``src``)."""
+        self.instances[dst].reserved.pop(request_id, None)
+        if ok:
+            self.instances[src].outstanding.discard(request_id)
+            self.instances[dst].outstanding.add(request_id)
+            self.num_handoffs += 1
+
+    def on_failure(self, index: int) -> set[str]:
+        """Instance ``index`` died: it is skipped until it restarts; returns the requests it held."""
+        rec = self.instances[index]
+        rec.alive = False
+        rec.failures += 1
+        rec.reserved.clear()
+        lost, rec.outstanding = rec.outstanding, set()
+        return lost
+
+    def on_restart(self, status: InstanceStatus, now: float) -> None:
+        rec = self.instances[status.index]
+        rec.alive, rec.restarts = True, rec.restarts + 1
+        rec.step_time_ema_s = None
+        self.on_status(status, now)
+
+    # ---------------------------------------------------------------- questions
+    def alive(self, role: str | None = None) -> list[InstanceRecord]:
+        """Live instances (of ``role``; colocated instances count for every role)."""
+        return [r for r in self.instances if r.alive and (role is None or r.role in (role, "colocated"))]
+
+    def arrival_rate(self, index: int, now: float) -> float:
+        rec = self.instances[index]
+        self._trim(rec, now)
+        return len(rec.arrivals) / self.window_s
+
+    def _trim(self, rec: InstanceRecord, now: float) -> None:
+        while rec.arrivals and rec.arrivals[0] < now - self.window_s:
+            rec.arrivals.popleft()
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        """JSON-able state for ``/admin/state`` and the load client."""
+        return {
+            "instances": [{
+                "index": r.index, "role": r.role, "alive": r.alive, "outstanding": r.num_outstanding,
+                "kv_usage": r.kv_usage, "arrival_rate": self.arrival_rate(r.index, now),
+                "step_time_ema_s": r.step_time_ema_s, "failures": r.failures, "restarts": r.restarts,
+                "reserved_blocks": sum(r.reserved.values()),
+                **asdict(r.status)} for r in self.instances],
+            "pending_handoffs": len(self.pending_handoffs),
+            "num_dispatched": self.num_dispatched,
+            "num_handoffs": self.num_handoffs,
+        }
+
+
+__all__ = ["ROLES", "GlobalMonitor", "InstanceRecord", "InstanceStatus"]
