@@ -1,0 +1,216 @@
+"""Moving a request's KV between instances, in chunks, through one interface with two transports.
+
+A request's KV (``layer -> (K, V)``, each ``[tokens, kv_heads, head_dim]``, as
+``LLMEngine.export_request`` / ``PagedKVCache.export`` give it) is cut into chunks by layer
+groups and token ranges (:func:`plan_chunks`). The sender ``put``s one chunk at a time between
+its steps, so it keeps computing while earlier chunks are in flight; each ``put`` returns a small
+picklable :class:`KVHandle` that travels on the control path; the receiver ``get``s the chunk
+(a copy in its own memory) and writes it into its pool, then ``release``s the handle.
+
+- :class:`SharedMemoryTransport` (``shm``): one POSIX shared-memory segment per chunk between local
+  processes; only the segment's name and shape cross the pipe, never the tensor data.
+- :class:`RayTransport` (``ray``): the Ray object store (needs ``pip install -e '.[ray]'``).
+
+Whoever holds a handle that will never be received (a receiver died) calls ``release``: the
+segment is unlinked, so nothing is left in ``/dev/shm``.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
+from typing import Any
+
+import torch
+
+KV = dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (K, V) [tokens, kv_heads, head_dim]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkSpec:
+    """Layers ``layers`` (layer ids) of tokens ``[start, end)``."""
+
+    layers: tuple[int, ...]
+    start: int
+    end: int
+
+
+def plan_chunks(layers: Sequence[int], start: int, end: int, layers_per_chunk: int | None = None,
+                tokens_per_chunk: int | None = None) -> list[ChunkSpec]:
+    """Chunks covering ``layers`` x ``[start, end)``: layer groups outer, token ranges inner."""
+    layers = list(layers)
+    lpc = len(layers) if not layers_per_chunk else max(1, layers_per_chunk)
+    tpc = (end - start) if not tokens_per_chunk else max(1, tokens_per_chunk)
+    out = []
+    for i in range(0, len(layers), lpc):
+        group = tuple(layers[i:i + lpc])
+        for t in range(start, end, max(tpc, 1)):
+            out.append(ChunkSpec(group, t, min(t + tpc, end)))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class KVHandle:
+    """Where one chunk is (picklable, small): the transport's reference plus its shape."""
+
+    transport: str
+    ref: Any  # shm: the segment name; ray: an ObjectRef
+    spec: ChunkSpec
+    shape: tuple[int, int, int]  # tokens, kv_heads, head_dim
+    dtype: str
+    nbytes: int
+
+
+class KVTransport:
+    name = "base"
+
+    def put(self, kv: KV, spec: ChunkSpec) -> KVHandle:
+        raise NotImplementedError
+
+    def get(self, handle: KVHandle) -> KV:
+        raise NotImplementedError
+
+    def release(self, handle: KVHandle) -> None:
+        raise NotImplementedError
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"not a torch dtype: {name!r}")
+    return dt
+
+
+def _check(kv: KV, spec: ChunkSpec) -> tuple[tuple[int, int, int], torch.dtype]:
+    if sorted(kv) != sorted(spec.layers):
+        raise ValueError(f"chunk has layers {sorted(kv)}, its spec says {list(spec.layers)}")
+    k0 = kv[spec.layers[0]][0]
+    shape = tuple(k0.shape)
+    if len(shape) != 3 or shape[0] != spec.end - spec.start:
+        raise ValueError(f"chunk tensors must be [tokens={spec.end - spec.start}, kv_heads, head_dim]; got {shape}")
+    for k, v in kv.values():
+        if tuple(k.shape) != shape or tuple(v.shape) != shape or k.dtype != k0.dtype or v.dtype != k0.dtype:
+            raise ValueError("every K and V of a chunk must share one shape and dtype")
+    return shape, k0.dtype  # type: ignore[return-value]
+
+
+def _untrack(shm: shared_memory.SharedMemory) -> None:
+    """Ownership is explicit (the receiver or the front end unlinks), so Python's resource tracker
+    must not also unlink the segment at exit (it would warn of a leak, or remove a live chunk)."""
+    try:
+        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001 - no public API before 3.13
+    except Exception:  # noqa: BLE001 - best effort; harmless when not tracked
+        pass
+
+
+class SharedMemoryTransport(KVTransport):
+    name = "shm"
+
+    def __init__(self, prefix: str = "tidal-kv"):
+        self.prefix = prefix
+
+    def put(self, kv: KV, spec: ChunkSpec) -> KVHandle:
+        shape, dtype = _check(kv, spec)
+        per = math.prod(shape)
+        elem = torch.empty((), dtype=dtype).element_size()
+        nbytes = max(1, 2 * len(spec.layers) * per * elem)
+        shm = shared_memory.SharedMemory(name=f"{self.prefix}-{secrets.token_hex(8)}", create=True, size=nbytes)
+        _untrack(shm)
+        try:
+            flat = torch.frombuffer(shm.buf, dtype=dtype, count=2 * len(spec.layers) * per)
+            for j, layer in enumerate(spec.layers):
+                k, v = kv[layer]
+                flat[(2 * j) * per:(2 * j + 1) * per].copy_(k.reshape(-1))
+                flat[(2 * j + 1) * per:(2 * j + 2) * per].copy_(v.reshape(-1))
+            del flat
+        except BaseException:
+            shm.close()
+            shm.unlink()
+            raise
+        shm.close()
+        return KVHandle(self.name, shm.name, spec, shape, str(dtype).removeprefix("torch."), nbytes)
+
+    def get(self, handle: KVHandle) -> KV:
+        shm = shared_memory.SharedMemory(name=handle.ref)
+        _untrack(shm)
+        try:
+            per = math.prod(handle.shape)
+            flat = torch.frombuffer(shm.buf, dtype=_dtype(handle.dtype), count=2 * len(handle.spec.layers) * per)
+            out = {layer: (flat[(2 * j) * per:(2 * j + 1) * per].reshape(handle.shape).clone(),
+                           flat[(2 * j + 1) * per:(2 * j + 2) * per].reshape(handle.shape).clone())
+                   for j, layer in enumerate(handle.spec.layers)}
+            del flat
+        finally:
+            shm.close()
+        return out
+
+    def release(self, handle: KVHandle) -> None:
+        try:
+            shm = shared_memory.SharedMemory(name=handle.ref)
+        except FileNotFoundError:
+            return  # already released
+        _untrack(shm)
+        shm.close()
+        shm.unlink()
+
+
+class RayTransport(KVTransport):
+    """Chunks as objects in the Ray object store (``ray.put`` / ``ray.get``); Ray frees an object
+    when its last reference goes, ``release`` drops ours."""
+
+    name = "ray"
+
+    def __init__(self) -> None:
+        import ray  # noqa: F401  (fails early with ImportError when Ray is not installed)
+
+    def put(self, kv: KV, spec: ChunkSpec) -> KVHandle:
+        import ray
+
+        shape, dtype = _check(kv, spec)
+        k = torch.stack([kv[layer][0] for layer in spec.layers])
+        v = torch.stack([kv[layer][1] for layer in spec.layers])
+        stacked = torch.stack([k, v]).contiguous()  # [2, layers, tokens, kv_heads, head_dim]
+        nbytes = stacked.numel() * stacked.element_size()
+        # numpy arrays go zero-copy through Plasma; torch has no numpy dtype for bfloat16, so as int16 bits
+        arr = stacked.view(torch.int16).numpy() if stacked.dtype == torch.bfloat16 else stacked.numpy()
+        return KVHandle(self.name, ray.put(arr), spec, shape, str(dtype).removeprefix("torch."), nbytes)
+
+    def get(self, handle: KVHandle) -> KV:
+        import ray
+
+        arr = ray.get(handle.ref)
+        t = torch.from_numpy(arr.copy())
+        if handle.dtype == "bfloat16":
+            t = t.view(torch.bfloat16)
+        return {layer: (t[0, j], t[1, j]) for j, layer in enumerate(handle.spec.layers)}
+
+    def release(self, handle: KVHandle) -> None:
+        pass  # the object store frees the object when the handle (its ObjectRef) is dropped
+
+
+TRANSPORTS = {"shm": SharedMemoryTransport, "ray": RayTransport}
+
+
+def build_transport(name: str) -> KVTransport:
+    if name not in TRANSPORTS:
+        raise ValueError(f"unknown KV transport {name!r}; available: {', '.join(TRANSPORTS)}")
+    return TRANSPORTS[name]()
+
+
+def chunk_of(kv: KV, spec: ChunkSpec, start: int) -> KV:
+    """The part of ``kv`` (whose first token is ``start``) that ``spec`` covers."""
+    a, b = spec.start - start, spec.end - start
+    return {layer: (kv[layer][0][a:b], kv[layer][1][a:b]) for layer in spec.layers}
+
+
+def iter_chunks(kv: KV, start: int, end: int, layers_per_chunk: int | None = None,
+                tokens_per_chunk: int | None = None) -> Iterator[tuple[ChunkSpec, KV]]:
+    for spec in plan_chunks(sorted(kv), start, end, layers_per_chunk, tokens_per_chunk):
+        yield spec, chunk_of(kv, spec, start)
+
+
+__all__ = ["KV", "TRANSPORTS", "ChunkSpec", "KVHandle", "KVTransport", "RayTransport", "SharedMemoryTransport",
+           "build_transport", "chunk_of", "iter_chunks", "plan_chunks"]
