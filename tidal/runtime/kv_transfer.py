@@ -17,6 +17,7 @@ segment is unlinked, so nothing is left in ``/dev/shm``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import secrets
 from collections.abc import Iterator, Sequence
@@ -100,10 +101,8 @@ def _check(kv: KV, spec: ChunkSpec) -> tuple[tuple[int, int, int], torch.dtype]:
 def _untrack(shm: shared_memory.SharedMemory) -> None:
     """Ownership is explicit (the receiver or the front end unlinks), so Python's resource tracker
     must not also unlink the segment at exit (it would warn of a leak, or remove a live chunk)."""
-    try:
+    with contextlib.suppress(Exception):  # best effort; harmless when not tracked
         resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001 - no public API before 3.13
-    except Exception:  # noqa: BLE001 - best effort; harmless when not tracked
-        pass
 
 
 class SharedMemoryTransport(KVTransport):
@@ -152,9 +151,8 @@ class SharedMemoryTransport(KVTransport):
             shm = shared_memory.SharedMemory(name=handle.ref)
         except FileNotFoundError:
             return  # already released
-        _untrack(shm)
         shm.close()
-        shm.unlink()
+        shm.unlink()  # (attaching registered it with the resource tracker; unlink unregisters it)
 
 
 class RayTransport(KVTransport):
