@@ -42,6 +42,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
+        self.paused: dict[str, Request] = {}  # hold their blocks, never scheduled (a KV hand-off in flight)
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._finished_since_plan: list[str] = []
@@ -96,10 +97,11 @@ class Scheduler:
         req = self.requests.pop(request_id, None)
         if req is None:
             return
-        for queue in (self.running, self.waiting, self.swapped):
-            if req in queue:
-                queue.remove(req)
-                break
+        if self.paused.pop(request_id, None) is None:
+            for queue in (self.running, self.waiting, self.swapped):
+                if req in queue:
+                    queue.remove(req)
+                    break
         self.kv.free(request_id)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
@@ -109,7 +111,23 @@ class Scheduler:
         self.policy.on_finished(req)
 
     def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped or self.paused)
+
+    def has_runnable(self) -> bool:
+        """Something a step could advance (paused requests wait for their hand-off, not for a step)."""
         return bool(self.waiting or self.running or self.swapped)
+
+    def pause(self, request_id: str) -> None:
+        """Take a running request out of scheduling, keeping its KV blocks (its KV is being sent
+        elsewhere, or is still arriving); :meth:`resume` puts it back at the end of the running list."""
+        req = self.requests[request_id]
+        if req not in self.running:
+            raise ValueError(f"only a running request can be paused; {request_id!r} is {req.status.value}")
+        self.running.remove(req)
+        self.paused[request_id] = req
+
+    def resume(self, request_id: str) -> None:
+        self.running.append(self.paused.pop(request_id))
 
     @property
     def num_waiting(self) -> int:

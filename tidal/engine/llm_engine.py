@@ -72,6 +72,7 @@ class RequestSnapshot:
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (K, V) [tokens, kv_heads, head_dim]
     priority: int = 0
     request_class: str = "online"
+    text_sent: int | None = None  # characters of output text the client already has (None: all of it)
 
 
 @dataclass
@@ -208,13 +209,41 @@ class LLMEngine:
         group = self._groups[request_id]
         if len(group.children) != 1:
             raise ValueError("only n=1 requests can be exported")
-        req = group.children[0].request
+        ch = group.children[0]
+        req = ch.request
         kv = self.kv_cache.export(self.kv_manager.block_table(req.request_id), layers, 0, req.num_computed_tokens)
         return RequestSnapshot(request_id, group.prompt, list(req.prompt_token_ids), list(req.output_token_ids),
-                               group.params, req.num_computed_tokens, kv, req.priority, req.request_class.value)
+                               group.params, req.num_computed_tokens, kv, req.priority, req.request_class.value,
+                               text_sent=ch.sent)
 
-    def import_request(self, snap: RequestSnapshot) -> None:
-        """Continue a request exported by another engine; its cached KV is written into our pool."""
+    def export_kv(self, request_id: str, layers: list[int], start: int, end: int
+                  ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """KV of ``layers`` for tokens ``[start, end)`` of a request (one chunk of a hand-off)."""
+        return self.kv_cache.export(self.kv_manager.block_table(request_id), layers, start, end)
+
+    def import_kv(self, request_id: str, kv: dict[int, tuple[torch.Tensor, torch.Tensor]], start: int) -> None:
+        """Write one arriving chunk of a request imported with ``paused=True``."""
+        self.kv_cache.import_(self.kv_manager.block_table(request_id), kv, start=start)
+
+    def pause_request(self, request_id: str) -> None:
+        """Stop scheduling a running request (n=1), keeping its KV (a hand-off is reading it)."""
+        self.scheduler.pause(request_id)
+
+    def resume_request(self, request_id: str) -> None:
+        self.scheduler.resume(request_id)
+
+    def has_runnable_requests(self) -> bool:
+        return self.scheduler.has_runnable()
+
+    def import_request(self, snap: RequestSnapshot, paused: bool = False) -> None:
+        """Continue a request exported by another engine.
+
+        With KV (``num_computed_tokens > 0``) its blocks are allocated at once and ``snap.kv`` is
+        written into them; with ``paused`` the request waits, holding its blocks, for its KV to
+        arrive in chunks (:meth:`import_kv`) until :meth:`resume_request`. Without KV
+        (``num_computed_tokens == 0``) it queues like a new request and recomputes prompt and
+        outputs (fail-over). Either way it continues its text where the client's stream stopped.
+        """
         if snap.request_id in self._groups:
             raise RequestRejected(f"request id {snap.request_id!r} is already in use")
         req = Request(snap.request_id, list(snap.prompt_token_ids), snap.params, arrival_time=self.clock(),
@@ -222,14 +251,21 @@ class LLMEngine:
                       request_class=RequestClass(snap.request_class))
         req.output_token_ids = list(snap.output_token_ids)
         req.num_computed_tokens = snap.num_computed_tokens
-        if not self.scheduler.add_running(req):
+        if snap.num_computed_tokens == 0:
+            self.scheduler.add_request(req)
+        elif not self.scheduler.add_running(req):
             raise RequestRejected("no room in the KV cache for the imported request")
-        self.kv_cache.import_(self.kv_manager.block_table(req.request_id), snap.kv, start=0)
+        if paused and snap.num_computed_tokens:
+            self.scheduler.pause(req.request_id)
+        if snap.kv:
+            self.kv_cache.import_(self.kv_manager.block_table(req.request_id), snap.kv, start=0)
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
                                        skip_special_tokens=snap.params.skip_special_tokens)
         child = _Child(0, req, detok, logprobs=[] if snap.params.logprobs is not None else None)
         if req.output_token_ids:
             child.text = detok.add_tokens(req.output_token_ids)
+            child.tok_sent = len(req.output_token_ids)
+            child.sent = len(child.text) if snap.text_sent is None else min(snap.text_sent, len(child.text))
         self._groups[snap.request_id] = _Group(snap.request_id, snap.prompt, list(snap.prompt_token_ids),
                                                snap.params, [child], req.arrival_time)
         self._child_parent[snap.request_id] = (snap.request_id, 0)
