@@ -1,0 +1,143 @@
+"""Starting, watching and stopping workers: local processes, or Ray actors.
+
+A backend starts one worker for a :class:`~tidal.runtime.worker.WorkerConfig` and returns a
+:class:`WorkerHandle` that says whether it is alive (and gives a file descriptor that becomes
+readable when a local process dies) and stops it by its own id.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+from typing import Any
+
+from tidal.runtime.worker import WorkerConfig, worker_main
+
+
+class WorkerHandle:
+    sentinel: int | None = None  # readable when the worker died (local processes)
+
+    def alive(self) -> bool:
+        raise NotImplementedError
+
+    def kill(self) -> None:
+        raise NotImplementedError
+
+    def join(self, timeout: float) -> None:
+        raise NotImplementedError
+
+    @property
+    def pid(self) -> int | None:
+        return None
+
+
+class ProcessHandle(WorkerHandle):
+    def __init__(self, proc: Any):
+        self.proc = proc
+        self.sentinel = proc.sentinel
+
+    def alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGKILL)
+
+    def join(self, timeout: float) -> None:
+        self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.kill()
+            self.proc.join(5)
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid
+
+
+class ProcessBackend:
+    name = "process"
+
+    def __init__(self) -> None:
+        self.ctx = mp.get_context("spawn")  # a fresh interpreter: no torch threads or locks inherited
+
+    def start(self, cfg: WorkerConfig) -> ProcessHandle:
+        proc = self.ctx.Process(target=worker_main, args=(cfg,), name=f"tidal-worker-{cfg.index}", daemon=True)
+        proc.start()
+        return ProcessHandle(proc)
+
+    def shutdown(self) -> None:
+        pass
+
+
+class RayHandle(WorkerHandle):
+    def __init__(self, actor: Any, done: Any):
+        self.actor, self.done = actor, done
+
+    def alive(self) -> bool:
+        import ray
+
+        ready, _ = ray.wait([self.done], timeout=0)
+        return not ready
+
+    def kill(self) -> None:
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.kill(self.actor, no_restart=True)
+
+    def join(self, timeout: float) -> None:
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.wait([self.done], timeout=timeout)
+        self.kill()
+
+
+class RayBackend:
+    """Workers as Ray actors (one CPU each by default). A local Ray is started when no cluster
+    address is given, and stopped with the backend."""
+
+    name = "ray"
+
+    def __init__(self, address: str | None = None, num_cpus_per_worker: float = 1.0):
+        import ray
+
+        self.ray = ray
+        self.started_here = False
+        if not ray.is_initialized():
+            if address:
+                ray.init(address=address, log_to_driver=False)
+            else:
+                ray.init(num_cpus=max(os.cpu_count() or 1, 1), include_dashboard=False, log_to_driver=False)
+                self.started_here = True
+
+        @ray.remote(num_cpus=num_cpus_per_worker, max_restarts=0)
+        class _Actor:
+            def run(self, cfg: WorkerConfig) -> None:
+                worker_main(cfg)
+
+        self._actor_cls = _Actor
+
+    def start(self, cfg: WorkerConfig) -> RayHandle:
+        actor = self._actor_cls.remote()
+        return RayHandle(actor, actor.run.remote(cfg))
+
+    def shutdown(self) -> None:
+        if self.started_here:
+            self.ray.shutdown()
+
+
+def check_ray_address(address: str | None) -> None:
+    """One-line errors for ``--backend ray`` before anything starts."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        from tidal.config import ConfigError
+
+        raise ConfigError("--backend ray needs Ray: pip install -e '.[ray]'") from None
+
+
+__all__ = ["ProcessBackend", "ProcessHandle", "RayBackend", "RayHandle", "WorkerHandle", "check_ray_address"]

@@ -1,0 +1,496 @@
+"""ClusterLLM: N engine workers behind one front end with AsyncLLM's interface.
+
+The HTTP server talks to it exactly as to :class:`tidal.engine.async_engine.AsyncLLM`
+(``generate`` streams, ``stats``, ``engine`` for the tokenizer and config). Inside:
+
+- the pure :class:`~tidal.cluster.dispatch.Dispatcher` and
+  :class:`~tidal.cluster.monitor.GlobalMonitor` pick an instance per request and, when
+  disaggregated, the decode instance of each hand-off (the simulator drives the same objects);
+- one I/O thread owns the ZeroMQ sockets: it sends the commands queued by the event loop,
+  receives every worker's outputs and routes them to the request streams, forwards KV chunk
+  handles from prefill to decode workers, and watches the workers' process sentinels;
+- when a worker dies, its requests are re-run on the live instances from their prompt plus the
+  tokens already streamed (recompute), their streams continue, and the worker is restarted.
+  Only when no instance is alive does a request fail (the server answers 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import pickle
+import tempfile
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from tidal.cluster.dispatch import ClusterLayout, Dispatcher
+from tidal.cluster.monitor import GlobalMonitor, InstanceStatus
+from tidal.cluster.router import RouteRequest, build_router
+from tidal.config import EngineConfig, default_cpu_threads
+from tidal.core.sampling import SamplingParams
+from tidal.engine.async_engine import EngineDeadError, QueueFullError
+from tidal.engine.llm_engine import RequestSnapshot
+from tidal.engine.outputs import RequestOutput
+from tidal.runtime.kv_transfer import KVHandle, build_transport
+from tidal.runtime.worker import WorkerConfig
+
+log = logging.getLogger("tidal.cluster")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    layout: ClusterLayout = field(default_factory=ClusterLayout)
+    router: str = "least-outstanding"
+    backend: str = "process"  # process | ray
+    ray_address: str | None = None
+    threads_per_instance: int | None = None  # default: the cores split evenly
+    transport: str = "shm"  # shm | ray (KV hand-offs)
+    layers_per_chunk: int = 8
+    tokens_per_chunk: int = 0
+    restart: bool = True
+    start_timeout_s: float = 600.0
+
+
+@dataclass
+class _Handoff:
+    src: int
+    meta: RequestSnapshot
+    blocks: int
+    num_chunks: int
+    handles: list[KVHandle] = field(default_factory=list)
+    dst: int | None = None
+
+
+@dataclass
+class _Tracked:
+    """The front end's record of a request: enough to re-run it anywhere."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int
+    request_class: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    instance: int = -1
+    tokens: list[int] = field(default_factory=list)  # output tokens streamed so far
+    text_sent: int = 0
+    finished: bool = False
+    handoff: _Handoff | None = None
+    failovers: int = 0
+
+
+class _FrontEngine:
+    """What the server reads of ``llm.engine``: tokenizer, shapes and config (no weights here)."""
+
+    def __init__(self, config: EngineConfig):
+        from tidal.engine.loader import load_checkpoint
+        from tidal.engine.tokenizer import Tokenizer
+
+        self.config = config
+        self.checkpoint = load_checkpoint(config.model.model)  # metadata only: weights load in the workers
+        self.arch = self.checkpoint.arch
+        self.tokenizer = Tokenizer.from_checkpoint(self.checkpoint)
+        mc = config.model
+        self.max_model_len = min(mc.max_model_len or self.arch.max_position_embeddings,
+                                 self.arch.max_position_embeddings)
+        self.scheduler = type("SchedulerInfo", (), {"config": config.scheduler})()
+        self.device, self.dtype = mc.device, mc.dtype
+
+
+class ClusterLLM:
+    def __init__(self, engine_config: EngineConfig, cluster: ClusterConfig, engine_kwargs: dict[str, Any]):
+        from tidal.policies import check_policy
+
+        check_policy(engine_config.scheduler)  # before any worker starts
+        self.config, self.cluster = engine_config, cluster
+        self.engine = _FrontEngine(engine_config)
+        self.layout = cluster.layout
+        n = self.layout.instances
+        self.threads = cluster.threads_per_instance or max(1, default_cpu_threads() // n)
+        self.engine_kwargs = dict(engine_kwargs)
+        self.engine_kwargs.pop("num_threads", None)
+        self.transport = build_transport(cluster.transport)
+        self.ctx = zmq.Context()
+        tag = uuid.uuid4().hex[:10]
+        self._ipc_dir = tempfile.mkdtemp(prefix=f"tidal-{tag}-")
+        self.out = self.ctx.socket(zmq.PULL)
+        self.out_address = self._bind(self.out, "out")
+        self.cmd_socks, self.cmd_addresses = [], []
+        for i in range(n):
+            s = self.ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.LINGER, 0)
+            self.cmd_socks.append(s)
+            self.cmd_addresses.append(self._bind(s, f"cmd{i}"))
+        self.backend = self._make_backend()
+        self.handles: list[Any] = [None] * n
+        self.generation = [0] * n
+        empty = [InstanceStatus(i, 1, 1, 16) for i in range(n)]
+        self.monitor = GlobalMonitor(empty, self.layout.roles())
+        for rec in self.monitor.instances:
+            rec.alive = False  # until its worker says ready
+        self.dispatcher = Dispatcher(self.layout, self.monitor, build_router(cluster.router))
+        self.requests: dict[str, _Tracked] = {}
+        self._outbox: deque[tuple[int, tuple]] = deque()
+        self._lock = threading.RLock()
+        self._wake_r, self._wake_w = os.pipe()
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self.dead: BaseException | None = None
+        self.num_failures = 0
+        self.num_restarts = 0
+        self.num_failovers = 0
+        self._t0 = time.monotonic()
+
+    # ---------------------------------------------------------------- setup
+    def _bind(self, sock: Any, name: str) -> str:
+        if self.cluster.backend == "ray":
+            port = sock.bind_to_random_port("tcp://127.0.0.1")
+            return f"tcp://127.0.0.1:{port}"
+        addr = f"ipc://{os.path.join(self._ipc_dir, name)}"
+        sock.bind(addr)
+        return addr
+
+    def _make_backend(self) -> Any:
+        from tidal.runtime.backend import ProcessBackend, RayBackend
+
+        if self.cluster.backend == "ray":
+            return RayBackend(self.cluster.ray_address)
+        return ProcessBackend()
+
+    def _worker_config(self, i: int) -> WorkerConfig:
+        return WorkerConfig(i, self.layout.roles()[i], self.engine_kwargs, self.threads, self.cmd_addresses[i],
+                            self.out_address, self.cluster.transport, self.cluster.layers_per_chunk,
+                            self.cluster.tokens_per_chunk, self.generation[i])
+
+    def now(self) -> float:
+        return time.monotonic() - self._t0
+
+    # ---------------------------------------------------------------- lifecycle (AsyncLLM's interface)
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        for i in range(self.layout.instances):
+            self.handles[i] = self.backend.start(self._worker_config(i))
+        self._thread = threading.Thread(target=self._io_loop, name="tidal-cluster-io", daemon=True)
+        self._thread.start()
+        if not self.wait_ready():
+            raise EngineDeadError(f"the instances did not all start within {self.cluster.start_timeout_s:.0f} s")
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until every instance reported ready once (or ``timeout``)."""
+        return self._ready.wait(timeout if timeout is not None else self.cluster.start_timeout_s)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+        for i, h in enumerate(self.handles):
+            if h is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self.cmd_socks[i].send(pickle.dumps(("shutdown",)), zmq.NOBLOCK)
+        for h in self.handles:
+            if h is not None:
+                h.join(10)
+        with self._lock:
+            for t in self.requests.values():
+                self._release_handoff(t)
+        for s in (*self.cmd_socks, self.out):
+            s.close(0)
+        self.ctx.term()
+        self.backend.shutdown()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self._ipc_dir):
+                os.unlink(os.path.join(self._ipc_dir, name))
+            os.rmdir(self._ipc_dir)
+
+    @property
+    def is_running(self) -> bool:
+        return self.dead is None and self._thread is not None and self._thread.is_alive() and \
+            any(r.alive for r in self.monitor.instances)
+
+    # ---------------------------------------------------------------- API
+    async def generate(self, prompt: str | list[int] | None, params: SamplingParams, request_id: str | None = None,
+                       *, prompt_token_ids: list[int] | None = None, priority: int = 0,
+                       request_class: str = "online") -> AsyncIterator[RequestOutput]:
+        from tidal.core.scheduler import RequestRejected
+
+        if self.dead is not None:
+            raise EngineDeadError(f"the cluster front end has stopped: {self.dead}")
+        if prompt_token_ids is None:
+            prompt_token_ids = (self.engine.tokenizer.encode(prompt) if isinstance(prompt, str)
+                                else list(prompt or []))
+        if not prompt_token_ids:
+            raise RequestRejected("the prompt is empty", param="prompt")
+        rid = request_id or f"req-{next(self._ids)}"
+        q: asyncio.Queue = asyncio.Queue()
+        t = _Tracked(rid, list(prompt_token_ids), params, priority, request_class, asyncio.get_running_loop(), q)
+        max_q = self.config.scheduler.max_queued_requests
+        with self._lock:
+            if max_q is not None and self.stats["num_requests_waiting"] >= max_q:
+                raise QueueFullError(f"the server's waiting queue is full ({max_q} requests); retry later")
+            if rid in self.requests:
+                raise RequestRejected(f"request id {rid!r} is already in use")
+            self.requests[rid] = t
+            if not self._place(t, fresh=True):
+                del self.requests[rid]
+                raise EngineDeadError("no serving instance is alive")
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            t = self.requests.pop(request_id, None)
+            if t is None:
+                return
+            for i in {t.instance, *(() if t.handoff is None else (t.handoff.src, t.handoff.dst))}:
+                if i is not None and i >= 0:
+                    self._send(i, ("abort", request_id))
+                    self.monitor.on_finish(i, request_id)
+            self._release_handoff(t)
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            inst = self.monitor.instances
+            total = sum(r.num_blocks for r in inst if r.alive)
+            free = sum(r.num_free_blocks for r in inst if r.alive)
+            return {
+                "num_requests_running": sum(r.status.num_running for r in inst if r.alive),
+                "num_requests_waiting": sum(r.status.num_waiting for r in inst if r.alive)
+                + len(self.monitor.pending_handoffs),
+                "kv_cache_usage_perc": 1.0 - free / total if total else 0.0,
+                "num_kv_blocks": total, "num_free_kv_blocks": free,
+                "num_preemptions": sum(r.status.num_preemptions for r in inst),
+                "instance_failures": self.num_failures, "instance_restarts": self.num_restarts,
+                "failovers": self.num_failovers,
+                "cluster": {"mode": self.layout.mode, "router": self.cluster.router, "backend": self.cluster.backend,
+                            "threads_per_instance": self.threads, **self.monitor.snapshot(self.now())},
+            }
+
+    # ---------------------------------------------------------------- placing requests (under the lock)
+    def _place(self, t: _Tracked, fresh: bool) -> bool:
+        """Dispatch ``t`` to an instance: a new request, or a re-run from its streamed tokens."""
+        req = RouteRequest(t.rid, len(t.prompt_ids) + len(t.tokens), t.params.max_tokens or 0)
+        i = self.dispatcher.dispatch(req, self.now())
+        if i is None:
+            return False
+        t.instance = i
+        if fresh:
+            self._send(i, ("add", t.rid, t.prompt_ids, t.params, t.priority, t.request_class))
+        else:
+            snap = RequestSnapshot(t.rid, None, list(t.prompt_ids), list(t.tokens), t.params, 0, {}, t.priority,
+                                   t.request_class, text_sent=t.text_sent)
+            self._send(i, ("import", snap, False))
+        return True
+
+    def _failover(self, t: _Tracked) -> None:
+        self._release_handoff(t)
+        t.handoff = None
+        if t.params.n > 1 or not self._place(t, fresh=not t.tokens and t.text_sent == 0):
+            self._deliver(t, EngineDeadError("the instance serving this request failed and no other can take it"
+                                             if t.params.n == 1 else "an instance failed under an n > 1 request"))
+            self.requests.pop(t.rid, None)
+            return
+        t.failovers += 1
+        self.num_failovers += 1
+
+    def _release_handoff(self, t: _Tracked) -> None:
+        if t.handoff is not None:
+            for h in t.handoff.handles:
+                self.transport.release(h)
+            t.handoff.handles.clear()
+
+    def _try_handoff(self, t: _Tracked) -> None:
+        h = t.handoff
+        if h is None or h.dst is not None:
+            return
+        dst = self.dispatcher.choose_decode(t.rid, h.blocks)
+        if dst is None:
+            return  # waits, visible in the monitor's pending hand-offs
+        h.dst = dst
+        self._send(dst, ("import", h.meta, True))
+        for k, handle in enumerate(h.handles):
+            self._send(dst, ("kv", t.rid, handle, k == h.num_chunks - 1))
+
+    # ---------------------------------------------------------------- I/O thread
+    def _send(self, i: int, msg: tuple) -> None:
+        self._outbox.append((i, msg))
+        self._wake()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+
+    def _deliver(self, t: _Tracked, item: Any) -> None:
+        t.loop.call_soon_threadsafe(t.queue.put_nowait, item)
+
+    def _io_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.out, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                sentinels = {h.sentinel: i for i, h in enumerate(self.handles) if h is not None and h.sentinel}
+                for fd in sentinels:
+                    poller.register(fd, zmq.POLLIN)
+                events = dict(poller.poll(500))
+                for fd in sentinels:
+                    poller.unregister(fd)
+                if self._wake_r in events:
+                    with contextlib.suppress(BlockingIOError, OSError):
+                        os.read(self._wake_r, 4096)
+                with self._lock:
+                    while self._outbox:
+                        i, msg = self._outbox.popleft()
+                        with contextlib.suppress(zmq.ZMQError):
+                            self.cmd_socks[i].send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+                while True:
+                    try:
+                        raw = self.out.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    with self._lock:
+                        self._on_message(pickle.loads(raw))
+                with self._lock:
+                    for fd, i in sentinels.items():
+                        if fd in events or not self.handles[i].alive():
+                            self._on_worker_death(i, "the worker process exited")
+                    for i, h in enumerate(self.handles):  # Ray actors have no sentinel
+                        if h is not None and h.sentinel is None and not h.alive():
+                            self._on_worker_death(i, "the worker actor died")
+        except BaseException as e:  # a bug here must not hang every stream
+            log.exception("cluster I/O loop failed")
+            self.dead = e
+            with self._lock:
+                for t in self.requests.values():
+                    self._deliver(t, EngineDeadError(f"cluster front end failed: {e}"))
+
+    def _on_message(self, msg: tuple) -> None:
+        i, gen, kind, *rest = msg
+        if gen != self.generation[i]:
+            return  # from a worker that has since died
+        now = self.now()
+        if kind == "ready":
+            rec = self.monitor.instances[i]
+            if rec.failures:
+                self.monitor.on_restart(rest[0], now)
+            else:
+                self.monitor.on_status(rest[0], now)
+                rec.alive = True
+            if all(r.alive for r in self.monitor.instances):
+                self._ready.set()
+        elif kind in ("out", "idle"):
+            if kind == "out":
+                for out in rest[0]:
+                    self._on_output(i, out)
+            self.monitor.on_status(rest[-1], now)
+            for t in list(self.requests.values()):
+                if t.handoff is not None and t.handoff.dst is None:
+                    self._try_handoff(t)
+        elif kind == "rejected":
+            rid, message, param = rest
+            t = self.requests.pop(rid, None)
+            self.monitor.on_finish(i, rid)
+            if t is not None:
+                from tidal.core.scheduler import RequestRejected
+
+                self._deliver(t, RequestRejected(message, param=param))
+        elif kind == "handoff":
+            rid, meta, blocks, nchunks = rest
+            t = self.requests.get(rid)
+            if t is None:
+                return
+            t.handoff = _Handoff(i, meta, blocks, nchunks)
+            self._try_handoff(t)
+        elif kind == "kv":
+            rid, handle, last = rest
+            t = self.requests.get(rid)
+            if t is None or t.handoff is None:
+                self.transport.release(handle)  # aborted meanwhile
+                return
+            t.handoff.handles.append(handle)
+            if t.handoff.dst is not None:
+                self._send(t.handoff.dst, ("kv", rid, handle, last))
+        elif kind == "landed":
+            t = self.requests.get(rest[0])
+            if t is not None and t.handoff is not None:
+                self.monitor.on_handoff(t.rid, t.handoff.src, i, ok=True)
+                t.instance, t.handoff = i, None  # the decode worker released the chunks it read
+        elif kind == "refused":
+            t = self.requests.get(rest[0])
+            if t is not None and t.handoff is not None and t.handoff.dst == i:
+                self.monitor.on_handoff(t.rid, t.handoff.src, i, ok=False)
+                t.handoff.dst = None  # retried when an instance reports room
+            elif t is not None:  # a fail-over import found no room here: try again elsewhere
+                self.monitor.on_finish(i, t.rid)
+                self._failover(t)
+        elif kind == "fatal":
+            log.error("worker %d failed: %s\n%s", i, rest[0], rest[1])
+
+    def _on_output(self, i: int, out: RequestOutput) -> None:
+        t = self.requests.get(out.request_id)
+        if t is None:
+            return
+        c = out.outputs[0]
+        if len(out.outputs) == 1:
+            t.tokens.extend(c.delta_token_ids)
+            t.text_sent += len(c.delta_text)
+        if out.finished:
+            t.finished = True
+            self.requests.pop(t.rid, None)
+            self.monitor.on_finish(i, t.rid)
+        self._deliver(t, out)
+
+    def _on_worker_death(self, i: int, why: str) -> None:
+        if not self.monitor.instances[i].alive and self.handles[i] is None:
+            return
+        log.warning("instance %d died (%s); re-running its requests elsewhere", i, why)
+        self.num_failures += 1
+        lost = self.monitor.on_failure(i)
+        self.handles[i].join(1)
+        self.handles[i] = None
+        self.generation[i] += 1
+        affected = [t for t in self.requests.values()
+                    if t.rid in lost or t.instance == i
+                    or (t.handoff is not None and i in (t.handoff.src, t.handoff.dst))]
+        for t in affected:
+            if t.handoff is not None:  # a hand-off touching the dead instance: recompute instead
+                for j in (t.handoff.src, t.handoff.dst):
+                    if j is not None and j != i:
+                        self._send(j, ("abort", t.rid))
+                        self.monitor.on_finish(j, t.rid)
+            self._failover(t)
+        if self.cluster.restart and not self._stop.is_set():
+            self.handles[i] = self.backend.start(self._worker_config(i))
+            self.num_restarts += 1
+
+
+__all__ = ["ClusterConfig", "ClusterLLM"]

@@ -1,0 +1,244 @@
+"""One engine instance in its own process (or Ray actor): commands in, outputs and status out.
+
+The control path is ZeroMQ: the front end PUSHes commands to each worker's socket and PULLs
+every worker's messages from one socket. Messages are tuples of plain data (pickled); KV never
+travels on this path, only :class:`tidal.runtime.kv_transfer.KVHandle`s naming the chunks.
+
+Commands (front end -> worker): ``add``, ``abort``, ``import`` (a snapshot without KV; paused
+when its KV follows in chunks, recomputed otherwise), ``kv`` (one chunk of a paused import; the
+last one resumes it), ``shutdown``.
+
+Messages (worker -> front end): ``ready``, ``out`` (RequestOutputs of a step plus the instance's
+status), ``rejected``, ``handoff`` (a prefill instance finished a request's prefill: its
+snapshot; chunks follow), ``kv`` (a chunk written), ``landed`` / ``refused`` (a hand-off's
+import), ``fatal``.
+
+A prefill worker (BucketServe's disaggregation) pauses each request after its first token,
+then writes one KV chunk per loop turn between its steps, so it keeps computing while the
+chunks are in flight; after the last chunk it frees the request's blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("tidal.worker")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    index: int
+    role: str  # colocated | prefill | decode
+    engine_kwargs: dict[str, Any]
+    num_threads: int
+    cmd_address: str  # the worker PULLs its commands here
+    out_address: str  # and PUSHes its messages here
+    transport: str = "shm"
+    layers_per_chunk: int = 8
+    tokens_per_chunk: int = 0  # 0: a chunk spans all the request's tokens
+    generation: int = 0  # restarts of this instance so far (tags its messages)
+
+
+@dataclass
+class _Export:
+    """A hand-off being written: the chunks still to put."""
+
+    request_id: str
+    chunks: deque = field(default_factory=deque)
+
+
+def instance_status(engine: Any, index: int, step_time_s: float | None = None) -> Any:
+    from tidal.cluster.monitor import InstanceStatus
+
+    sched, kv = engine.scheduler, engine.kv_manager
+    bs = kv.block_size
+    queued = sum(-(-(r.num_tokens + 1) // bs) for r in sched.waiting)
+    return InstanceStatus(index, kv.num_blocks, kv.num_free_blocks, bs, sched.num_running, sched.num_waiting,
+                          queued, step_time_s, sched.num_preemptions)
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the front end dies, so no worker is ever orphaned."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the parent is already gone
+            os._exit(1)
+
+
+class Worker:
+    def __init__(self, cfg: WorkerConfig):
+        import zmq
+
+        from tidal.config import EngineConfig
+        from tidal.engine.llm_engine import LLMEngine
+        from tidal.runtime.kv_transfer import build_transport
+
+        self.cfg = cfg
+        self.ctx = zmq.Context()
+        self.cmd = self.ctx.socket(zmq.PULL)
+        self.cmd.connect(cfg.cmd_address)
+        self.out = self.ctx.socket(zmq.PUSH)
+        self.out.setsockopt(zmq.LINGER, 2000)
+        self.out.connect(cfg.out_address)
+        kwargs = dict(cfg.engine_kwargs, num_threads=cfg.num_threads)
+        self.engine = LLMEngine(EngineConfig.from_kwargs(**kwargs))
+        self.transport = build_transport(cfg.transport)
+        self.exports: deque[_Export] = deque()
+        self.handing_off: set[str] = set()
+        self.importing: dict[str, int] = {}  # request id -> chunks still expected (unknown: -1)
+        self.running = True
+
+    # ---------------------------------------------------------------- messages
+    def send(self, *msg: Any) -> None:
+        self.out.send(pickle.dumps((self.cfg.index, self.cfg.generation, *msg), protocol=pickle.HIGHEST_PROTOCOL))
+
+    def status(self, step_time_s: float | None = None) -> Any:
+        return instance_status(self.engine, self.cfg.index, step_time_s)
+
+    def handle(self, msg: tuple) -> None:
+        from tidal.core.scheduler import RequestRejected
+
+        kind = msg[0]
+        e = self.engine
+        if kind == "add":
+            _, rid, prompt_ids, params, priority, rclass = msg
+            try:
+                e.add_request(rid, None, params, prompt_token_ids=prompt_ids, priority=priority, request_class=rclass)
+            except (RequestRejected, ValueError) as err:
+                self.send("rejected", rid, str(err), getattr(err, "param", None))
+        elif kind == "abort":
+            rid = msg[1]
+            e.abort_request(rid)
+            self.handing_off.discard(rid)
+            self.importing.pop(rid, None)
+            for ex in list(self.exports):
+                if ex.request_id == rid:
+                    self.exports.remove(ex)
+        elif kind == "import":
+            _, snap, paused = msg
+            try:
+                e.import_request(snap, paused=paused)
+            except (RequestRejected, ValueError) as err:
+                self.send("refused", snap.request_id, str(err))
+                return
+            if paused:
+                self.importing[snap.request_id] = -1
+        elif kind == "kv":
+            _, rid, handle, last = msg
+            if rid not in self.importing:
+                return  # not ours (refused or aborted): the front end still owns the handle
+            e.import_kv(rid, self.transport.get(handle), handle.spec.start)
+            self.transport.release(handle)
+            if last:
+                del self.importing[rid]
+                e.resume_request(rid)
+                self.send("landed", rid)
+        elif kind == "shutdown":
+            self.running = False
+
+    # ---------------------------------------------------------------- hand-offs (prefill role)
+    def start_handoffs(self, outs: list) -> None:
+        from tidal.runtime.kv_transfer import plan_chunks
+
+        e = self.engine
+        for o in outs:
+            if o.finished or o.request_id in self.handing_off or len(o.outputs) != 1:
+                continue  # n > 1 requests stay here: a hand-off moves one sequence
+            rid = o.request_id
+            e.pause_request(rid)
+            meta = e.export_request(rid, layers=[])
+            self.handing_off.add(rid)
+            chunks = plan_chunks(e.model.layer_ids, 0, meta.num_computed_tokens, self.cfg.layers_per_chunk,
+                                 self.cfg.tokens_per_chunk or None)
+            blocks = -(-(meta.num_computed_tokens + 1) // e.kv_manager.block_size)
+            self.send("handoff", rid, meta, blocks, len(chunks))
+            self.exports.append(_Export(rid, deque(chunks)))
+
+    def write_one_chunk(self) -> None:
+        """Put the next chunk of the oldest hand-off; after its last, free the request here."""
+        ex = self.exports[0]
+        spec = ex.chunks.popleft()
+        handle = self.transport.put(self.engine.export_kv(ex.request_id, list(spec.layers), spec.start, spec.end),
+                                    spec)
+        last = not ex.chunks
+        self.send("kv", ex.request_id, handle, last)
+        if last:
+            self.exports.popleft()
+            self.handing_off.discard(ex.request_id)
+            self.engine.abort_request(ex.request_id)  # its KV now lives in the chunks
+
+    # ---------------------------------------------------------------- loop
+    def run(self) -> None:
+        import zmq
+
+        e = self.engine
+        self.send("ready", self.status())
+        poller = zmq.Poller()
+        poller.register(self.cmd, zmq.POLLIN)
+        while self.running:
+            busy = e.has_runnable_requests() or bool(self.exports)
+            if poller.poll(0 if busy else 100):
+                while True:
+                    try:
+                        raw = self.cmd.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self.handle(pickle.loads(raw))
+                    if not self.running:
+                        break
+            if not self.running:
+                break
+            if self.exports:
+                self.write_one_chunk()
+            if e.has_runnable_requests():
+                t0 = time.perf_counter()
+                outs = e.step()
+                dt = time.perf_counter() - t0
+                if self.cfg.role == "prefill":
+                    self.start_handoffs(outs)
+                self.send("out", outs, self.status(dt))
+            elif not busy:
+                self.send("idle", self.status())
+
+    def close(self) -> None:
+        for ex in self.exports:  # hand-offs never finished: nothing of them may stay in /dev/shm
+            ex.chunks.clear()
+        self.cmd.close(0)
+        self.out.close()
+        self.ctx.term()
+
+
+def worker_main(cfg: WorkerConfig) -> None:
+    """Entry point of a worker process."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when workers stop
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s worker {cfg.index} %(levelname)s: %(message)s")
+    worker = None
+    try:
+        worker = Worker(cfg)
+        worker.run()
+    except BaseException as e:  # noqa: BLE001 - report, then die: the front end restarts us
+        if worker is not None:
+            with contextlib.suppress(Exception):
+                worker.send("fatal", f"{type(e).__name__}: {e}", traceback.format_exc())
+        raise
+    finally:
+        if worker is not None:
+            worker.close()
+
+
+__all__ = ["Worker", "WorkerConfig", "instance_status", "worker_main"]
