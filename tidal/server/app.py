@@ -123,6 +123,7 @@ def build_app(async_llm: Any, served_model_name: str | None = None) -> FastAPI:
     async def admin_state() -> JSONResponse:
         stats = async_llm.stats
         policy = stats.pop("policy", None)  # a typed PolicyState
+        cluster = stats.pop("cluster", None)  # instances and the global monitor, with several instances
         cfg = engine.config
         return JSONResponse(_jsonable({
             "model": name, "alive": engine_alive(async_llm), "max_model_len": engine.max_model_len,
@@ -130,6 +131,7 @@ def build_app(async_llm: Any, served_model_name: str | None = None) -> FastAPI:
             "batch_size_cap": batch_size_cap(stats, cfg.scheduler.max_num_seqs),
             "scheduler": dataclasses.asdict(cfg.scheduler), "cache": dataclasses.asdict(cfg.cache),
             "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
+            **({"cluster": cluster} if cluster is not None else {}),
         }))
 
     return app

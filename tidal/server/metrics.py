@@ -73,6 +73,41 @@ class _EngineCollector:
         if isinstance(s.get("token_budget"), int):
             yield self._gauge("tidal:token_budget", "Token budget the scheduler used for the last step.",
                               s["token_budget"])
+        if isinstance(s.get("cluster"), dict):
+            yield from self._cluster(s)
+
+    def _cluster(self, s: dict[str, Any]) -> Iterable[Metric]:
+        """Per-instance series (label ``instance``) and the cluster's events, from the monitor."""
+        c = s["cluster"]
+        series = (("kv_cache_usage_perc", "kv_usage", "Fraction of the instance's KV blocks in use (0..1)."),
+                  ("num_requests_running", "num_running", "Requests running on the instance."),
+                  ("num_requests_waiting", "num_waiting", "Requests waiting on the instance."),
+                  ("num_kv_blocks_total", "num_blocks", "KV blocks in the instance's pool."),
+                  ("outstanding_requests", "outstanding", "Requests dispatched to the instance and unfinished."),
+                  ("arrival_rate", "arrival_rate", "Requests dispatched to the instance per second (10 s window)."),
+                  ("step_time_seconds", "step_time_ema_s", "Moving average of the instance's step time."),
+                  ("alive", "alive", "1 while the instance's worker is serving."))
+        for name, key, doc in series:
+            g = GaugeMetricFamily(f"tidal:instance_{name}", doc, labels=["model_name", "instance", "role"])
+            for inst in c["instances"]:
+                val = inst.get(key)
+                if val is not None:
+                    g.add_metric([self.model_name, str(inst["index"]), inst["role"]], float(val))
+            yield g
+        for name, key, doc in (("instance_failures", "failures", "Times the instance's worker died."),
+                               ("instance_restarts", "restarts", "Times the instance's worker was restarted.")):
+            cnt = CounterMetricFamily(f"tidal:{name}", doc, labels=["model_name", "instance"])
+            for inst in c["instances"]:
+                cnt.add_metric([self.model_name, str(inst["index"])], float(inst[key]))
+            yield cnt
+        for name, val, doc in (("request_failovers", s.get("failovers", 0),
+                                "Requests re-run on another instance after theirs failed."),
+                               ("kv_handoffs", c.get("num_handoffs", 0), "Prefill-to-decode KV hand-offs that landed.")):
+            cnt = CounterMetricFamily(f"tidal:{name}", doc, labels=["model_name"])
+            cnt.add_metric([self.model_name], float(val))
+            yield cnt
+        yield self._gauge("tidal:pending_handoffs", "Prefilled requests waiting for room on a decode instance.",
+                          c.get("pending_handoffs", 0))
 
 
 class ServerMetrics:
