@@ -143,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_policies.add_parser(bsub)
     sim_accuracy.add_parser(bsub)
     sim_policies.add_parser(bsub)
+    from tidal.bench import kv_transfer
+    kv_transfer.add_parser(bsub)
 
     from tidal.sim import run as sim_run
 

@@ -41,14 +41,18 @@ class ChunkSpec:
 
 def plan_chunks(layers: Sequence[int], start: int, end: int, layers_per_chunk: int | None = None,
                 tokens_per_chunk: int | None = None) -> list[ChunkSpec]:
-    """Chunks covering ``layers`` x ``[start, end)``: layer groups outer, token ranges inner."""
+    """Chunks covering ``layers`` x ``[start, end)``: layer groups outer, token ranges inner.
+
+    ``layers_per_chunk`` / ``tokens_per_chunk`` of ``None`` (or 0) mean all of them in one chunk;
+    the last group or range is shorter when the sizes do not divide evenly; no layers or no
+    tokens give no chunks."""
     layers = list(layers)
-    lpc = len(layers) if not layers_per_chunk else max(1, layers_per_chunk)
-    tpc = (end - start) if not tokens_per_chunk else max(1, tokens_per_chunk)
+    lpc = max(1, layers_per_chunk or len(layers))
+    tpc = max(1, tokens_per_chunk or (end - start))
     out = []
     for i in range(0, len(layers), lpc):
         group = tuple(layers[i:i + lpc])
-        for t in range(start, end, max(tpc, 1)):
+        for t in range(start, end, tpc):
             out.append(ChunkSpec(group, t, min(t + tpc, end)))
     return out
 
@@ -86,6 +90,8 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def _check(kv: KV, spec: ChunkSpec) -> tuple[tuple[int, int, int], torch.dtype]:
+    if not spec.layers:
+        raise ValueError("a chunk needs at least one layer")
     if sorted(kv) != sorted(spec.layers):
         raise ValueError(f"chunk has layers {sorted(kv)}, its spec says {list(spec.layers)}")
     k0 = kv[spec.layers[0]][0]
@@ -114,30 +120,38 @@ class SharedMemoryTransport(KVTransport):
     def put(self, kv: KV, spec: ChunkSpec) -> KVHandle:
         shape, dtype = _check(kv, spec)
         per = math.prod(shape)
-        elem = torch.empty((), dtype=dtype).element_size()
-        nbytes = max(1, 2 * len(spec.layers) * per * elem)
-        shm = shared_memory.SharedMemory(name=f"{self.prefix}-{secrets.token_hex(8)}", create=True, size=nbytes)
-        _untrack(shm)
+        count = 2 * len(spec.layers) * per
+        nbytes = count * torch.empty((), dtype=dtype).element_size()
+        # (a segment cannot be empty: a chunk of no tokens still takes one byte)
+        shm = shared_memory.SharedMemory(name=f"{self.prefix}-{secrets.token_hex(8)}", create=True,
+                                         size=max(1, nbytes))
         try:
-            flat = torch.frombuffer(shm.buf, dtype=dtype, count=2 * len(spec.layers) * per)
-            for j, layer in enumerate(spec.layers):
-                k, v = kv[layer]
-                flat[(2 * j) * per:(2 * j + 1) * per].copy_(k.reshape(-1))
-                flat[(2 * j + 1) * per:(2 * j + 2) * per].copy_(v.reshape(-1))
-            del flat
+            if count:
+                flat = torch.frombuffer(shm.buf, dtype=dtype, count=count)
+                for j, layer in enumerate(spec.layers):
+                    k, v = kv[layer]
+                    flat[(2 * j) * per:(2 * j + 1) * per].copy_(k.reshape(-1))
+                    flat[(2 * j + 1) * per:(2 * j + 2) * per].copy_(v.reshape(-1))
+                del flat
         except BaseException:
             shm.close()
-            shm.unlink()
+            shm.unlink()  # (still registered with the resource tracker: unlink unregisters it)
             raise
         shm.close()
+        _untrack(shm)  # only now: the receiver, or whoever gives up on the chunk, unlinks it
         return KVHandle(self.name, shm.name, spec, shape, str(dtype).removeprefix("torch."), nbytes)
 
     def get(self, handle: KVHandle) -> KV:
+        dtype = _dtype(handle.dtype)
+        per = math.prod(handle.shape)
+        count = 2 * len(handle.spec.layers) * per
         shm = shared_memory.SharedMemory(name=handle.ref)
         _untrack(shm)
         try:
-            per = math.prod(handle.shape)
-            flat = torch.frombuffer(shm.buf, dtype=_dtype(handle.dtype), count=2 * len(handle.spec.layers) * per)
+            if not count:
+                return {layer: (torch.empty(handle.shape, dtype=dtype), torch.empty(handle.shape, dtype=dtype))
+                        for layer in handle.spec.layers}
+            flat = torch.frombuffer(shm.buf, dtype=dtype, count=count)
             out = {layer: (flat[(2 * j) * per:(2 * j + 1) * per].reshape(handle.shape).clone(),
                            flat[(2 * j + 1) * per:(2 * j + 2) * per].reshape(handle.shape).clone())
                    for j, layer in enumerate(handle.spec.layers)}
@@ -148,11 +162,14 @@ class SharedMemoryTransport(KVTransport):
 
     def release(self, handle: KVHandle) -> None:
         try:
-            shm = shared_memory.SharedMemory(name=handle.ref)
+            shm = shared_memory.SharedMemory(name=handle.ref)  # (attaching registers it with the tracker)
         except FileNotFoundError:
             return  # already released
         shm.close()
-        shm.unlink()  # (attaching registered it with the resource tracker; unlink unregisters it)
+        try:
+            shm.unlink()  # unlinks, then unregisters it
+        except FileNotFoundError:  # another holder released it between our attach and our unlink
+            _untrack(shm)
 
 
 class RayTransport(KVTransport):
@@ -170,7 +187,7 @@ class RayTransport(KVTransport):
         shape, dtype = _check(kv, spec)
         k = torch.stack([kv[layer][0] for layer in spec.layers])
         v = torch.stack([kv[layer][1] for layer in spec.layers])
-        stacked = torch.stack([k, v]).contiguous()  # [2, layers, tokens, kv_heads, head_dim]
+        stacked = torch.stack([k, v]).cpu().contiguous()  # [2, layers, tokens, kv_heads, head_dim]
         nbytes = stacked.numel() * stacked.element_size()
         # numpy arrays go zero-copy through Plasma; torch has no numpy dtype for bfloat16, so as int16 bits
         arr = stacked.view(torch.int16).numpy() if stacked.dtype == torch.bfloat16 else stacked.numpy()
