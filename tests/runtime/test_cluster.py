@@ -144,3 +144,24 @@ def test_disaggregated_greedy_equals_one_engine_and_hands_off_everything(referen
     finally:
         stop(llm)
     assert shm_segments() <= before
+
+
+def test_ray_backend_greedy_equals_one_engine(reference):
+    pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
+    import ray
+
+    from tidal.runtime.cluster import ClusterConfig, ClusterLLM
+
+    llm = ClusterLLM(EngineConfig.from_kwargs(**ENGINE),
+                     ClusterConfig(layout=ClusterLayout(2), backend="ray", threads_per_instance=1), ENGINE)
+    try:
+        llm.start()
+
+        async def run():
+            return await asyncio.gather(*[stream(llm, i) for i in range(len(PROMPTS))])
+
+        assert asyncio.run(run()) == reference
+        assert all(r["alive"] for r in llm.stats["cluster"]["instances"])
+    finally:
+        llm.shutdown()
+    assert not ray.is_initialized()  # the local Ray tidal started is stopped with it
