@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import logging
 import os
 import statistics
@@ -70,7 +69,7 @@ from tidal.bench.offline_systems import (  # noqa: F401  (re-exported for tests 
 from tidal.common import flags as F
 from tidal.common.machine import load_average
 from tidal.common.progress import progress_lines
-from tidal.common.results import command_line
+from tidal.common.results import command_line, write_json
 
 CPU_DTYPES = ("bfloat16", "float32")  # what the CPU runs; --dtype auto resolves to one of them
 
@@ -297,7 +296,7 @@ def run_benchmark(opts: BenchOptions) -> BenchResult:
             report["workloads"][w.name] = {**w.summary(), "results": rows, "ratios": _ratios(rows)}
             result.generated[w.name] = generated
             if opts.output:  # a partial report after each workload: a long run killed midway keeps its results
-                _write_json({**report, "partial": True}, opts.output)
+                write_json({**report, "partial": True}, opts.output)
     finally:
         for runner in runners.values():
             runner.close()
@@ -316,18 +315,10 @@ def run_benchmark(opts: BenchOptions) -> BenchResult:
         if plot_path:
             _try_plot(report, plot_path)
         report["output"] = opts.output
-        _write_json(report, opts.output)
+        write_json(report, opts.output)
     elif opts.plot:
         _try_plot(report, opts.plot)
     return result
-
-
-def _write_json(report: dict[str, Any], path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=2, default=str)
-    os.replace(tmp, path)
 
 
 def _try_plot(report: dict[str, Any], path: str) -> None:
