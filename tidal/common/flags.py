@@ -138,11 +138,6 @@ OUTPUT_FLAGS: tuple[Flag, ...] = (
     _flag("--no-progress", action="store_true", help="no progress bar or progress lines"),
 )
 
-GROUPS: dict[str, tuple[Flag, ...]] = {"engine": ENGINE_FLAGS, "scheduler": SCHEDULER_FLAGS,
-                                        "workload": WORKLOAD_FLAGS, "SLOs and capacity": SLO_FLAGS,
-                                        "output": OUTPUT_FLAGS}
-
-
 def _add_group(p: argparse.ArgumentParser, title: str, flags: tuple[Flag, ...], *,
                only: Iterable[str] | None, omit: Iterable[str], defaults: Mapping[str, Any] | None,
                helps: Mapping[str, str] | None, choices: Mapping[str, Sequence[Any]] | None,
@@ -286,7 +281,7 @@ def capacity_search(args: argparse.Namespace) -> M.CapacitySearch:
 
 
 __all__ = [
-    "ENGINE_FLAGS", "GROUPS", "OUTPUT_FLAGS", "SCHEDULER_FLAGS", "SLO_FLAGS", "WORKLOAD_FLAGS", "Flag",
+    "ENGINE_FLAGS", "OUTPUT_FLAGS", "SCHEDULER_FLAGS", "SLO_FLAGS", "WORKLOAD_FLAGS", "Flag",
     "add_engine_flags", "add_output_flags", "add_scheduler_flags", "add_slo_flags", "add_workload_flags",
     "cache_config", "capacity_search", "check_capacity_flags", "engine_config", "engine_kwargs",
     "positive_float", "positive_int", "scheduler_config", "workload_options",
