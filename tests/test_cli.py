@@ -41,3 +41,91 @@ def test_generate_prints_greedy_completion(make_engine):
     assert r.returncode == 0, r.stderr
     ref = LLM.from_engine(make_engine()).generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
     assert r.stdout.rstrip("\n") == ref[0].outputs[0].text.rstrip("\n")
+
+
+# ============================================================================ shared flags
+def parse(*argv: str):
+    from tidal.cli import build_parser
+
+    return build_parser().parse_args(list(argv))
+
+
+SCHED_ARGV = ["--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--long-prefill-token-threshold", "64",
+              "--preemption-mode", "swap", "--batching", "bucket+memory", "--tbt-slo-ms", "40",
+              "--policy-arg", "bucket.theta=0.3", "--policy-arg", "sla.alpha=4"]
+ENGINE_ARGV = ["--model", "m.gguf", "--dtype", "float32", "--device", "cpu", "--max-model-len", "256",
+               "--kv-cache-memory", "64MiB", "--gpu-memory-utilization", "0.5", "--block-size", "32",
+               "--swap-space", "2GiB", "--num-threads", "1", "--seed", "7"]
+
+
+def test_scheduler_flags_parse_to_the_same_config_in_every_command():
+    from tidal.common import flags as F
+    from tidal.config import SchedulerConfig
+    from tidal.sim.run import cluster_spec
+
+    want = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, long_prefill_token_threshold=64,
+                           preemption_mode="swap", batching="bucket+memory", tbt_slo_ms=40.0,
+                           policy_args={"bucket.theta": "0.3", "sla.alpha": "4"})
+    got = {
+        "serve": F.engine_config(parse("serve", *SCHED_ARGV)).scheduler,
+        "generate": F.engine_config(parse("generate", "hi", *SCHED_ARGV)).scheduler,
+        "sim": cluster_spec(parse("sim", *SCHED_ARGV)).scheduler,
+        "sim-accuracy": F.engine_config(parse("bench", "sim-accuracy", *SCHED_ARGV)).scheduler,
+    }
+    # bench policies runs every policy of --policies: the rest of the scheduler flags are the shared ones
+    no_policy = SCHED_ARGV[:SCHED_ARGV.index("--batching")] + SCHED_ARGV[SCHED_ARGV.index("--policy-arg"):]
+    got["bench policies"] = F.engine_config(parse("bench", "policies", *no_policy), batching="bucket+memory",
+                                            tbt_slo_ms=40.0).scheduler
+    assert got == dict.fromkeys(got, want)
+    # unset flags leave the config's own defaults, in the engine and in the simulator alike
+    assert F.engine_config(parse("serve")).scheduler == cluster_spec(parse("sim")).scheduler == SchedulerConfig()
+    assert F.engine_config(parse("serve", "--max-queued-requests", "3")).scheduler.max_queued_requests == 3
+
+
+def test_engine_flags_parse_the_same_in_generate_serve_and_profile():
+    from tidal.common import flags as F
+    from tidal.config import EngineConfig
+
+    gen, srv, prof = (F.engine_kwargs(parse(*cmd, *ENGINE_ARGV)) for cmd in (["generate", "hi"], ["serve"],
+                                                                           ["profile"]))
+    assert gen == srv == prof
+    cfg = EngineConfig.from_kwargs(**gen)
+    assert (cfg.model.model, cfg.model.dtype, cfg.model.device, cfg.model.max_model_len, cfg.model.seed,
+            cfg.model.num_threads) == ("m.gguf", "float32", "cpu", 256, 7, 1)
+    assert (cfg.cache.kv_cache_memory, cfg.cache.gpu_memory_utilization, cfg.cache.block_size,
+            cfg.cache.swap_space) == (64 * 2**20, 0.5, 32, 2 * 2**30)
+    # --threads stays an alias of --num-threads in tidal profile; profile's own KV default
+    assert parse("profile", "--threads", "3").num_threads == 3
+    assert F.engine_kwargs(parse("profile"))["kv_cache_memory"] == "2GiB"
+    # unset engine flags are left out, so EngineConfig's defaults apply
+    assert F.engine_kwargs(parse("serve")) == {"model": None, "dtype": "auto", "device": "auto"}
+
+
+def test_engine_seed_is_not_the_workload_seed():
+    """bench policies takes the workload's --seed; it must not become the engine's seed."""
+    from tidal.common import flags as F
+
+    args = parse("bench", "policies", "--seed", "5")
+    assert args.seed == 5 and "seed" not in F.engine_kwargs(args)
+    assert F.engine_kwargs(parse("serve", "--seed", "5"))["seed"] == 5
+
+
+@pytest.mark.parametrize("cmd", [["generate", "hi"], ["serve"], ["profile"], ["sim"], ["bench", "offline"],
+                                 ["bench", "policies"], ["bench", "sim-accuracy"]])
+def test_dtype_defaults_to_auto_everywhere(cmd):
+    assert parse(*cmd).dtype == "auto"
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["bench", "policies", "--max-num-seqs", "0"], "max_num_seqs"),
+    (["bench", "policies", "--kv-cache-memory", "lots"], "kv_cache_memory"),
+    (["sim", "--block-size", "12", "--workload", "fixed:8:8", "--num-requests", "2"], "block_size"),
+    (["sim", "--max-num-seqs", "0", "--workload", "fixed:8:8", "--num-requests", "2"], "max_num_seqs"),
+    (["profile", "--repeats", "0"], "--repeats"),
+])
+def test_bad_shared_flags_give_one_line(args, needle, tmp_path):
+    r = tidal(*args, "--output", str(tmp_path / "x.json"))
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "x.json").exists()

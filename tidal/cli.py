@@ -1,6 +1,7 @@
 """Command line: ``tidal generate | serve | bench | sim | profile``.
 
-Engine flags are the config dataclass fields with dashes (``--max-num-seqs``); errors in
+Engine and scheduler flags are the config dataclass fields with dashes (``--max-num-seqs``),
+defined once in :mod:`tidal.common.flags` for every command that takes them; errors in
 arguments or in loading a model end with one line naming the problem, not a traceback.
 """
 
@@ -11,48 +12,9 @@ import contextlib
 import logging
 import signal
 import sys
-from typing import Any
 
-from tidal.config import ConfigError, EngineConfig
-
-ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
-    ("--model", dict(default=None, help="path to a .gguf file or a Hugging Face directory (default: SmolLM2-135M-Instruct)")),
-    ("--dtype", dict(default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="weights and KV dtype")),
-    ("--device", dict(default="auto", help="auto | cpu | cuda | cuda:N")),
-    ("--max-model-len", dict(type=int, default=None, help="context length (default: the model's)")),
-    ("--max-num-seqs", dict(type=int, default=None, help="most requests running at once")),
-    ("--max-num-batched-tokens", dict(type=int, default=None, help="token budget of one step (prefill chunk)")),
-    ("--long-prefill-token-threshold", dict(type=int, default=None, help="cap on one request's prefill chunk")),
-    ("--kv-cache-memory", dict(default=None, help="KV pool size on CPU or CUDA, e.g. 512MiB")),
-    ("--gpu-memory-utilization", dict(type=float, default=None, help="fraction of GPU memory for weights+KV")),
-    ("--block-size", dict(type=int, default=None, help="tokens per KV block")),
-    ("--swap-space", dict(default=None, help="host memory for swapped-out KV, e.g. 1GiB")),
-    ("--preemption-mode", dict(default=None, choices=["recompute", "swap"], help="what preemption does")),
-    ("--batching", dict(default=None, help="scheduling policy name(s), joined with +")),
-    ("--max-queued-requests", dict(type=int, default=None, help="bound of the waiting queue (server)")),
-    ("--tbt-slo-ms", dict(type=float, default=None, help="decode-latency SLO for the SLA/SLO-aware policies")),
-    ("--policy-arg", dict(action="append", default=None, dest="policy_args", metavar="NAME=VALUE",
-                          help="policy parameter, repeatable (e.g. bucket.theta=0.5)")),
-    ("--num-threads", dict(type=int, default=None, help="CPU threads for the model (default: all cores)")),
-    ("--seed", dict(type=int, default=None, help="engine seed for unseeded sampling")),
-]
-
-
-def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    for flag, kw in ENGINE_FLAGS:
-        g.add_argument(flag, **kw)
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    names = set(EngineConfig.field_names())
-    out = {}
-    for flag, kw in ENGINE_FLAGS:
-        key = kw.get("dest", flag[2:].replace("-", "_"))
-        val = getattr(args, key, None)
-        if key in names and (val is not None or key == "model"):
-            out[key] = val
-    return out
+from tidal.common.flags import add_engine_flags, add_scheduler_flags, engine_kwargs
+from tidal.config import ConfigError
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -122,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_engine_flags(g)
+    add_scheduler_flags(g)
     g.set_defaults(func=_cmd_generate)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
@@ -130,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None, help="model name in the API (default: the checkpoint's)")
     s.add_argument("--access-log", action="store_true", help="log every HTTP request")
     add_engine_flags(s)
+    add_scheduler_flags(s)
     s.set_defaults(func=_cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks")

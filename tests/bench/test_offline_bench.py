@@ -165,3 +165,54 @@ def test_tiny_run_tidal_vs_hf(tmp_path):
     assert gen["tidal"] == gen["hf"]  # greedy, float32: the same tokens
     assert w["results"]["hf"]["greedy_match_requests"] == 2
     assert "workload b" in res.text and "tidal/hf" in res.text
+
+
+def _offline_args(*argv: str):
+    from tidal.cli import build_parser
+
+    return build_parser().parse_args(["bench", "offline", *argv])
+
+
+def test_dtype_default_is_what_the_engine_picks(monkeypatch):
+    """`tidal bench offline` defaults to the engine's `auto`: bf16 only where the CPU has it natively."""
+    import torch
+
+    from tidal.engine.llm_engine import dtype_name, resolve_dtype
+
+    opts = ob.options_from_args(_offline_args())
+    assert opts.dtype == "auto"
+    engine_pick = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+    assert dtype_name(opts.dtype, "cpu") == engine_pick
+    # an AVX2-only CPU (no native bf16): auto is float32, where the bf16 default took minutes per matmul
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert dtype_name(opts.dtype, "cpu") == "float32"
+    assert ob.options_from_args(_offline_args("--dtype", "bfloat16")).dtype == "bfloat16"
+
+
+def test_shared_flags_map_to_options():
+    opts = ob.options_from_args(_offline_args("--quiet", "--no-plots", "--num-threads", "1", "--seed", "4",
+                                              "--num-requests", "2", "--max-num-batched-tokens", "64"))
+    assert opts.quiet and opts.plot == "" and opts.num_threads == 1 and opts.seed == 4
+    assert opts.num_requests == 2 and opts.max_num_batched_tokens == 64
+    assert ob.options_from_args(_offline_args("--no-progress")).quiet
+
+
+@pytest.mark.timeout(300)
+def test_default_dtype_run_reports_the_resolved_dtype(tmp_path, monkeypatch, capsys):
+    """A tidal-only run on a CPU without native bf16 runs and reports float32, never "auto"."""
+    import torch
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    out = tmp_path / "offline.json"
+    opts = ob.BenchOptions(workloads=["c"], systems=["tidal"], repeats=1, output_len=3, output=str(out), plot="",
+                           peak_square_n=64, peak_samples=1, prefill_runs=False, num_threads=1)
+    assert opts.dtype == "auto"
+    res = ob.run_benchmark(opts)
+    rep = json.loads(out.read_text())
+    assert rep["machine"]["dtype"] == rep["options"]["dtype"] == "float32"
+    assert rep["options"]["dtype_requested"] == "auto"
+    assert rep["peak"]["dtype"] == "float32" and rep["systems"]["tidal"]["settings"]["dtype"] == "float32"
+    assert rep["workloads"]["c"]["results"]["tidal"]["status"] == "ok"
+    machine_line = res.text.splitlines()[1]
+    assert machine_line.startswith("machine:") and "dtype float32" in machine_line and "auto" not in machine_line
+    assert "[   ...]" in capsys.readouterr().err  # progress lines through tidal.common.progress

@@ -78,9 +78,12 @@ def test_small_run_end_to_end(tmp_path: Path, capsys, monkeypatch, smol_ckpt):
                  "--loads", "0.3,0.85", "--output", str(out)])
     assert code == 0
     stdout = capsys.readouterr().out
-    assert "sim@speed" in stdout and "simulated saturation" in stdout and "'threads': 2" in stdout
+    assert "sim@speed" in stdout and "simulated saturation" in stdout and "torch" in stdout and "2 threads" in stdout
     res = json.loads(out.read_text())
     assert res["machine"]["threads"] == 2 and res["saturation_rps"] > 0
+    from tidal.engine.llm_engine import dtype_name
+
+    assert res["dtype"] == res["machine"]["dtype"] == dtype_name("auto") != "auto"  # the default, resolved
     assert [r["load"] for r in res["runs"]] == [0.3, 0.85]
     for run in res["runs"]:
         assert run["rate"] == pytest.approx(run["load"] * res["saturation_rps"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -74,3 +75,53 @@ def test_cli_entry_point_runs_sim(tmp_path):
                            "--no-plots", "--no-progress"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "4 completed" in proc.stdout
+
+
+def _parse(*argv: str):
+    from tidal.cli import build_parser
+
+    return build_parser().parse_args(list(argv))
+
+
+@pytest.mark.parametrize("wl", [
+    ["--workload", "uniform:16-64:4-8", "--num-requests", "20", "--rate", "4", "--burstiness", "0.5",
+     "--seed", "3", "--max-input-len", "48", "--max-output-len", "6"],
+    ["--workload", "sharegpt-lengths", "--num-requests", "12", "--rate", "2", "--seed", "1", "--traces-dir",
+     "TRACES"],
+    ["--trace", "TRACES/azure2023_conv.csv", "--time-scale", "3", "--num-requests", "15", "--max-input-len", "900"],
+])
+def test_bench_serve_and_sim_take_the_same_workload_flags(wl):
+    """The same workload flags give the same requests in `tidal sim` and `tidal bench serve`."""
+    from tidal import workload as W
+    from tidal.bench import serve as bench_serve
+    from tidal.common.flags import WORKLOAD_FLAGS, workload_options
+
+    traces = W.default_traces_dir()
+    if not os.path.isdir(traces):
+        pytest.skip("the shared traces are not here")
+    wl = [a.replace("TRACES", traces) for a in wl]
+    sim_args = _parse("sim", *wl)
+    serve_args = _parse("bench", "serve", "--base-url", "http://127.0.0.1:9", *wl)
+    for f in WORKLOAD_FLAGS:  # every workload flag parses to the same value in both commands
+        assert getattr(sim_args, f.dest) == getattr(serve_args, f.dest), f.names
+    assert workload_options(sim_args) == workload_options(serve_args)
+    got_sim = sim_run.workload(sim_args, sim_args.rate)
+    got_serve = W.make_requests(bench_serve._workload_options(serve_args, serve_args.rate, serve_args.num_requests))
+    assert got_sim == got_serve and len(got_sim) == int(wl[wl.index("--num-requests") + 1])
+
+
+def test_sim_records_the_dtype_it_simulates(tmp_path):
+    """`--dtype auto` is bfloat16 on the simulated devices, the profile's dtype with --profile; float32
+    halves the KV blocks of a memory budget."""
+    base = ["sim", "--model", "smollm2-135m", "--hardware", "cpu", "--kv-cache-memory", "64MiB"]
+    spec = sim_run.cluster_spec(_parse(*base))
+    assert sim_run.sim_dtype(_parse(*base)) == "bfloat16" and spec.dtype_bytes == 2
+    f32 = sim_run.cluster_spec(_parse(*base, "--dtype", "float32"))
+    from tidal.sim.build import resolve
+
+    assert f32.dtype_bytes == 4 and resolve(f32)[2] * 2 == resolve(spec)[2]
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps({"format": "tidal-profile/1", "dtype": "float32", "block_size": 16, "threads": 1,
+                                "samples": [], "overhead": {"per_step_s": 0.0, "per_seq_s": 0.0}}))
+    assert sim_run.sim_dtype(_parse(*base, "--profile", str(prof))) == "float32"
+    assert sim_run.sim_dtype(_parse(*base, "--profile", str(prof), "--dtype", "bfloat16")) == "bfloat16"

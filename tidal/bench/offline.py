@@ -34,15 +34,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import logging
 import os
-import shlex
 import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from tidal.bench.offline_report import format_report, write_plot  # noqa: F401
@@ -68,6 +66,12 @@ from tidal.bench.offline_systems import (  # noqa: F401  (re-exported for tests 
     make_workloads,
     measure_matmul_peak,
 )
+from tidal.common import flags as F
+from tidal.common.machine import load_average
+from tidal.common.progress import progress_lines
+from tidal.common.results import command_line, write_json
+
+CPU_DTYPES = ("bfloat16", "float32")  # what the CPU runs; --dtype auto resolves to one of them
 
 
 # ============================================================================ the benchmark
@@ -76,7 +80,7 @@ class BenchOptions:
     workloads: Sequence[str] = DEFAULT_WORKLOADS
     systems: Sequence[str] | None = None  # None: every installed one
     repeats: int = 3
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # auto: what tidal's engine picks on this CPU; the report holds the resolved name
     model: str | None = None
     output: str | None = DEFAULT_OUTPUT
     plot: str | None = None  # None: next to the JSON; "" : no plot
@@ -93,7 +97,7 @@ class BenchOptions:
     peak_samples: int = 5
     prefill_runs: bool = True
     command: str | None = None
-    quiet: bool = False  # no progress lines
+    quiet: bool = False  # no progress lines (--no-progress, --quiet)
 
 
 @dataclass
@@ -118,20 +122,6 @@ def _tidal_decode(steps: list[StepRecord]) -> tuple[int, float]:
     return toks, secs
 
 
-class _Progress:
-    def __init__(self, total: int, quiet: bool):
-        self.total, self.done, self.quiet = total, 0, quiet
-        self.t0 = time.perf_counter()
-
-    def line(self, msg: str, count: bool = True) -> None:
-        if count:
-            self.done += 1
-        if not self.quiet:
-            el = time.perf_counter() - self.t0
-            head = f"[{self.done:3d}/{self.total}]" if count else "[   ...]"
-            print(f"{head} {el:7.1f}s  {msg}", file=sys.stderr, flush=True)
-
-
 def resolve_systems(requested: Sequence[str] | None) -> list[str]:
     if requested is None:
         return installed_systems()
@@ -154,10 +144,13 @@ def run_benchmark(opts: BenchOptions) -> BenchResult:
     import torch
 
     from tidal.config import default_cpu_threads
+    from tidal.engine.llm_engine import dtype_name
     from tidal.engine.loader import load_checkpoint
 
-    if opts.dtype not in ("bfloat16", "float32"):
-        raise ValueError(f"dtype must be bfloat16 or float32 on CPU, got {opts.dtype!r}")
+    requested = opts.dtype
+    opts = replace(opts, dtype=dtype_name(requested, "cpu"))  # "auto" as the engine resolves it on this CPU
+    if opts.dtype not in CPU_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(CPU_DTYPES)} on CPU, got {requested!r}")
     if opts.repeats < 1:
         raise ValueError("repeats must be >= 1")
     systems = resolve_systems(opts.systems)
@@ -184,22 +177,22 @@ def run_benchmark(opts: BenchOptions) -> BenchResult:
         max_num_batched_tokens=opts.max_num_batched_tokens, hf_cb_max_batch_tokens=opts.hf_cb_max_batch_tokens,
         hf_cb_page_size=opts.hf_cb_page_size, hf_cb_max_requests=opts.hf_cb_max_requests)
 
-    command = opts.command or shlex.join([os.path.basename(sys.argv[0])] + sys.argv[1:])
+    command = opts.command or command_line("tidal bench offline")
     report: dict[str, Any] = {
         "command": command,
         "machine": machine_info(threads, opts.dtype),
         "model": {"path": ckpt.path, "format": ckpt.format, "name": arch.name, "architecture": arch.architecture,
                   "num_params": arch.num_params(), "linear_params": linear_params(arch),
                   "hidden_size": arch.hidden_size, "num_layers": arch.num_layers, "vocab_size": arch.vocab_size},
-        "options": {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in asdict(opts).items()
-                    if k not in ("command", "quiet")},
+        "options": {**{k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in asdict(opts).items()
+                       if k not in ("command", "quiet")}, "dtype_requested": requested},
         "systems": {},
         "workloads": {},
     }
     result = BenchResult(report)
     b_decode: dict[str, Any] | None = None
     runs_per = opts.repeats * (2 if opts.prefill_runs else 1) + 1
-    prog = _Progress(total=len(workloads) * len(systems) * runs_per, quiet=opts.quiet)
+    prog = progress_lines(len(workloads) * len(systems) * runs_per, enabled=not opts.quiet)
 
     # ---------------------------------------------------------------- machine peak
     peak_runs: list[dict[str, Any]] = []
@@ -303,7 +296,7 @@ def run_benchmark(opts: BenchOptions) -> BenchResult:
             report["workloads"][w.name] = {**w.summary(), "results": rows, "ratios": _ratios(rows)}
             result.generated[w.name] = generated
             if opts.output:  # a partial report after each workload: a long run killed midway keeps its results
-                _write_json({**report, "partial": True}, opts.output)
+                write_json({**report, "partial": True}, opts.output)
     finally:
         for runner in runners.values():
             runner.close()
@@ -312,7 +305,7 @@ def run_benchmark(opts: BenchOptions) -> BenchResult:
     if opts.measure_peak:
         measure_peak("after the runs")
         report["peak"] = combine_peaks(peak_runs)
-    report["machine"]["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    report["machine"]["loadavg_end"] = load_average()
     report["peak_fraction"] = _peak_fraction(report.get("peak"), b_decode, workloads)
     result.text = format_report(report)
     if opts.output:
@@ -322,18 +315,10 @@ def run_benchmark(opts: BenchOptions) -> BenchResult:
         if plot_path:
             _try_plot(report, plot_path)
         report["output"] = opts.output
-        _write_json(report, opts.output)
+        write_json(report, opts.output)
     elif opts.plot:
         _try_plot(report, opts.plot)
     return result
-
-
-def _write_json(report: dict[str, Any], path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=2, default=str)
-    os.replace(tmp, path)
 
 
 def _try_plot(report: dict[str, Any], path: str) -> None:
@@ -457,16 +442,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--systems", type=_csv, default=None,
                    help=f"comma-separated subset of {','.join(ALL_SYSTEMS)} (default: every installed one)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per system and workload; the median is reported")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights/activations dtype")
-    p.add_argument("--model", default=None, help="a .gguf file or an HF directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--output", default=DEFAULT_OUTPUT, help="JSON report path (default: results/offline.json)")
-    p.add_argument("--plot", default=None, help="PNG chart path (default: next to the JSON; '' for none)")
-    p.add_argument("--num-requests", type=int, default=None, help="override the request count of workloads a and b")
     p.add_argument("--output-len", type=int, default=None, help="override the 128 output tokens per request")
-    p.add_argument("--num-threads", type=int, default=None, help="CPU threads for every system (default: all cores)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="tidal's step token budget (default: tidal's own)")
     p.add_argument("--hf-cb-max-batch-tokens", type=int, default=512,
                    help="transformers generate_batch max_batch_tokens (default 512, tidal's step budget)")
     p.add_argument("--hf-cb-page-size", type=int, default=64, help="transformers generate_batch page_size")
@@ -477,17 +453,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-peak", action="store_true", help="skip the matmul peak measurement")
     p.add_argument("--no-prefill-runs", action="store_true",
                    help="skip the prefill-only runs (no decode estimate for the peers)")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    F.add_engine_flags(p, only=("model", "dtype", "num_threads"), choices={"dtype": ("auto", *CPU_DTYPES)},
+                       helps={"dtype": "weights/activations dtype of every system; auto: what tidal's engine "
+                                       "picks on this CPU (bfloat16 with native bf16, else float32)",
+                              "num_threads": "CPU threads for every system (default: all cores)"})
+    F.add_scheduler_flags(p, only=("max_num_batched_tokens",),
+                          helps={"max_num_batched_tokens": "tidal's step token budget (default: tidal's own)"})
+    F.add_workload_flags(p, only=("num_requests", "seed"),
+                         helps={"num_requests": "override the request count of workloads a and b",
+                                "seed": "seed of the random prompts"})
+    g = F.add_output_flags(p, DEFAULT_OUTPUT, aliases={"no_progress": ["--quiet"]},
+                           helps={"output": "JSON report path (default: results/offline.json)",
+                                  "no_plots": "no PNG chart (as --plot '')"})
+    g.add_argument("--plot", default=None, help="PNG chart path (default: next to the JSON; '' for none)")
 
 
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
     return BenchOptions(
         workloads=args.workloads, systems=args.systems, repeats=args.repeats, dtype=args.dtype, model=args.model,
-        output=args.output or None, plot=args.plot, num_requests=args.num_requests, output_len=args.output_len,
-        num_threads=args.num_threads, seed=args.seed, max_num_batched_tokens=args.max_num_batched_tokens,
-        hf_cb_max_batch_tokens=args.hf_cb_max_batch_tokens, hf_cb_page_size=args.hf_cb_page_size,
-        hf_cb_max_requests=args.hf_cb_max_requests,
-        measure_peak=not args.no_peak, prefill_runs=not args.no_prefill_runs, quiet=args.quiet)
+        output=args.output or None, plot="" if args.no_plots else args.plot, num_requests=args.num_requests,
+        output_len=args.output_len, num_threads=args.num_threads, seed=args.seed,
+        max_num_batched_tokens=args.max_num_batched_tokens, hf_cb_max_batch_tokens=args.hf_cb_max_batch_tokens,
+        hf_cb_page_size=args.hf_cb_page_size, hf_cb_max_requests=args.hf_cb_max_requests,
+        measure_peak=not args.no_peak, prefill_runs=not args.no_prefill_runs, quiet=args.no_progress)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -10,21 +10,24 @@ step's requests would have. It writes JSON and a PNG.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from tidal.common.machine import machine_info
+from tidal.common import flags as F
+from tidal.common.machine import describe, machine_info
+from tidal.common.progress import progress_bar
+from tidal.common.results import command_line, write_result
+from tidal.config import ConfigError
 from tidal.metrics import SLO, RequestRecord, summarize
 from tidal.workload import gamma_arrivals
 
 DEFAULT_POLICIES = "static,continuous,bucket,memory,sla,slo-compose,bucket+memory+sla"
+PROG = "tidal bench policies"
 
 
 @dataclass
@@ -52,7 +55,8 @@ def make_jobs(n: int, rate: float, burstiness: float, seed: int, vocab: int, lon
     return jobs
 
 
-def run_policy(engine: Any, jobs: list[Job], progress: bool = True) -> tuple[list[RequestRecord], dict]:
+def run_policy(engine: Any, jobs: list[Job], progress: bool = True, desc: str = "requests"
+               ) -> tuple[list[RequestRecord], dict]:
     """Replay ``jobs`` in real time on ``engine``; per-token delivery times give TTFT and TBT."""
     from tidal.core.sampling import SamplingParams
     from tidal.policies.bucket import waste_ratio
@@ -61,6 +65,7 @@ def run_policy(engine: Any, jobs: list[Job], progress: bool = True) -> tuple[lis
     last_tok: dict[int, float] = {}
     pending = sorted(jobs, key=lambda j: j.arrival_s)
     waste, caps, steps, step_times = [], [], 0, []
+    bar = progress_bar(len(jobs), desc, "req", progress)
     t0 = time.monotonic()
     nxt = 0
     done = 0
@@ -101,8 +106,8 @@ def run_policy(engine: Any, jobs: list[Job], progress: bool = True) -> tuple[lis
                 rec.output_tokens = len(out.outputs[0].token_ids)
                 rec.prompt_tokens = len(out.prompt_token_ids)
                 done += 1
-                if progress and done % max(1, len(jobs) // 10) == 0:
-                    print(f"    {done}/{len(jobs)} requests done, {now:.1f}s", flush=True)
+                bar.update(1)
+    bar.close()
     extra = {
         "steps": steps,
         "padding_waste_mean": statistics.fmean(waste) if waste else 0.0,
@@ -133,31 +138,28 @@ def measure_decode_step(build: Any, batch: int, vocab: int) -> float:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("policies", help="scheduling policies side by side on the real engine")
+    p = sub.add_parser("policies", help="scheduling policies side by side on the real engine",
+                       description=__doc__.split("\n\n")[0])
     p.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated --batching values")
-    p.add_argument("--num-requests", type=int, default=48)
-    p.add_argument("--rate", type=float, default=3.0, help="mean arrivals per second")
-    p.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape: 1 = Poisson, < 1 burstier")
     p.add_argument("--long-frac", type=float, default=0.3, help="share of long requests")
     p.add_argument("--tbt-slo-factor", type=float, default=3.0,
                    help="TBT SLO = this x the measured decode step time at --slo-batch")
     p.add_argument("--slo-batch", type=int, default=16)
     p.add_argument("--ttft-slo-ms", type=float, default=None, help="optional TTFT SLO")
-    p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--kv-cache-memory", default="256MiB")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--model", default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", default="results/policies.json")
+    F.add_engine_flags(p, omit=("engine_seed",), defaults={"kv_cache_memory": "256MiB"})
+    F.add_scheduler_flags(p, omit=("batching", "tbt_slo_ms", "max_queued_requests"),
+                          defaults={"max_num_seqs": 32, "max_num_batched_tokens": 512})
+    F.add_workload_flags(p, only=("num_requests", "rate", "burstiness", "seed"),
+                         defaults={"num_requests": 48, "rate": 3.0, "burstiness": 1.0},
+                         helps={"rate": "mean arrivals per second"})
+    F.add_output_flags(p, "results/policies.json")
     p.set_defaults(func=run)
 
 
 def _plot(results: dict[str, Any], path: str) -> None:
-    import matplotlib
+    from tidal.common.plots import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = list(results)
     panels = [("output tok/s", lambda r: r["summary"]["output_throughput"]),
@@ -176,36 +178,38 @@ def _plot(results: dict[str, Any], path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tidal.config import EngineConfig
-    from tidal.engine.llm_engine import LLMEngine
+    from tidal.engine.llm_engine import LLMEngine, dtype_name
     from tidal.engine.loader import load_checkpoint
     from tidal.engine.tokenizer import Tokenizer
 
+    names = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not names:
+        raise ConfigError("--policies names no policy")
+    dtype = dtype_name(args.dtype, args.device)  # "auto" as the engine resolves it: reported, never "auto"
+    F.engine_config(args, dtype=dtype)  # a bad flag fails before the model loads
     ckpt = load_checkpoint(args.model)
     tok = Tokenizer.from_checkpoint(ckpt)
     vocab = ckpt.arch.vocab_size
 
     def build(batching: str, tbt_slo_ms: float | None = None) -> LLMEngine:
-        cfg = EngineConfig.from_kwargs(model=ckpt.path, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                                       max_num_batched_tokens=args.max_num_batched_tokens,
-                                       kv_cache_memory=args.kv_cache_memory, batching=batching,
-                                       tbt_slo_ms=tbt_slo_ms)
+        cfg = F.engine_config(args, model=ckpt.path, dtype=dtype, batching=batching, tbt_slo_ms=tbt_slo_ms)
         return LLMEngine(cfg, checkpoint=ckpt, tokenizer=tok)
 
-    print(f"command: {' '.join(sys.argv)}")
-    machine = machine_info(dtype=args.dtype)
-    print(f"machine: {machine}")
-    step = measure_decode_step(build, args.slo_batch, vocab)
+    command = command_line(PROG)
+    print(f"command: {command}")
+    step = measure_decode_step(build, args.slo_batch, vocab)  # builds an engine: the threads are set
+    machine = machine_info(dtype=dtype)
+    print(f"machine: {describe(machine)}")
     tbt_slo_ms = args.tbt_slo_factor * step * 1000
     slo = SLO(tpot_s=tbt_slo_ms / 1000, ttft_s=args.ttft_slo_ms / 1000 if args.ttft_slo_ms else None)
     print(f"decode step at batch {args.slo_batch}: {step * 1000:.1f} ms -> TBT SLO {tbt_slo_ms:.1f} ms")
     jobs = make_jobs(args.num_requests, args.rate, args.burstiness, args.seed, vocab, args.long_frac,
                      short=(32, 128), long=(512, 1024), out_short=(32, 96), out_long=(64, 160))
     results: dict[str, Any] = {}
-    for name in [p.strip() for p in args.policies.split(",") if p.strip()]:
+    for name in names:
         print(f"policy {name}:", flush=True)
         engine = build(name, tbt_slo_ms)
-        records, extra = run_policy(engine, jobs)
+        records, extra = run_policy(engine, jobs, progress=not args.no_progress, desc=name)
         summary = summarize(records, slo=slo)
         results[name] = {"summary": summary, **extra, "records": [r.to_dict() for r in records]}
         del engine
@@ -222,14 +226,16 @@ def run(args: argparse.Namespace) -> int:
         print("output tok/s relative to static: " + ", ".join(
             f"{n} {r['summary']['output_throughput'] / base['summary']['output_throughput']:.2f}x"
             for n, r in results.items()))
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    report = {"command": " ".join(sys.argv), "machine": machine, "decode_step_ms": step * 1000,
+    report = {"command": command, "machine": machine, "dtype": dtype, "decode_step_ms": step * 1000,
               "tbt_slo_ms": tbt_slo_ms, "workload": {"num_requests": args.num_requests, "rate": args.rate,
                                                      "burstiness": args.burstiness, "long_frac": args.long_frac},
               "results": results}
-    with open(args.output, "w") as f:
-        json.dump(report, f, indent=1, default=str)
-    png = os.path.splitext(args.output)[0] + ".png"
-    _plot(results, png)
-    print(f"wrote {args.output} and {png}")
+    plots = write_result(report, args.output, not args.no_plots, plotter=_write_plot, prog=PROG)
+    print(f"wrote {args.output}" + (f" and {', '.join(plots)}" if plots else ""))
     return 0
+
+
+def _write_plot(report: dict[str, Any], json_path: str) -> list[str]:
+    png = os.path.splitext(json_path)[0] + ".png"
+    _plot(report["results"], png)
+    return [png]

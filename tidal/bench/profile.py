@@ -8,23 +8,23 @@ import argparse
 import time
 from typing import Any
 
+from tidal.common import flags as F
+from tidal.common.progress import progress_lines
 from tidal.common.results import write_json
 from tidal.engine import profiler
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="time the engine's step over a grid of batch shapes (for the simulator)")
-    p.add_argument("--model", default=None, help="path to a .gguf file or a Hugging Face directory")
-    p.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--num-threads", "--threads", dest="num_threads", type=int, default=None,
-                   help="CPU threads (default: all cores); one thread is far steadier on a shared machine")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--quick", action="store_true", help="a handful of grid points (smoke test)")
     p.add_argument("--no-live", action="store_true", help="grid points only, no steps of a live serving run")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per point (the median is kept)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per point")
-    p.add_argument("--kv-cache-memory", default="2GiB", help="KV pool; the largest grid point needs ~1.6GiB in bf16")
-    p.add_argument("--output", default="results/profile_cpu.json")
+    F.add_engine_flags(p, aliases={"num_threads": ["--threads"]}, defaults={"kv_cache_memory": "2GiB"},
+                       helps={"num_threads": "CPU threads (default: all cores); one thread is far steadier on a "
+                                             "shared machine",
+                              "kv_cache_memory": "KV pool; the largest grid point needs ~1.6GiB in bf16"})
+    F.add_output_flags(p, "results/profile_cpu.json", plots=False)
     p.set_defaults(func=run)
 
 
@@ -37,25 +37,24 @@ def run(args: argparse.Namespace) -> int:
 
     if args.repeats < 1 or args.warmup < 0:
         raise ConfigError("--repeats must be >= 1 and --warmup >= 0")
-    cfg = EngineConfig.from_kwargs(model=args.model, dtype=args.dtype, num_threads=args.num_threads,
-                                   device=args.device, kv_cache_memory=args.kv_cache_memory)
+    cfg = EngineConfig.from_kwargs(**F.engine_kwargs(args))
     engine = LLMEngine(cfg)
     grid = profiler.default_grid(args.quick)
     t0 = time.monotonic()
-    last = [t0]
+    grid_lines = progress_lines(None, not args.no_progress, every_s=10.0)
+    live_lines = []  # started with the first live run, so its time-left estimate is its own
 
     def progress(done: int, total: int, sample: dict[str, Any]) -> None:
-        now = time.monotonic()
         if sample.get("live"):
-            print(f"  live serving run {done}/{total}: {sample['steps']} steps, {now - t0:.0f}s elapsed", flush=True)
+            if not live_lines:
+                live_lines.append(progress_lines(total, not args.no_progress))
+            live_lines[0].report(done, f"live serving run: {sample['steps']} steps")
             return
-        if now - last[0] >= 10 or done == total:
-            last[0] = now
-            eta = (now - t0) / done * (total - done)
-            print(f"  {done}/{total} runs (pass {sample['pass'] + 1}), last {sample['time_s'] * 1000:.1f} ms, "
-                  f"{now - t0:.0f}s elapsed, ~{eta:.0f}s left", flush=True)
+        grid_lines.total = total
+        grid_lines.report(done, f"grid runs (pass {sample['pass'] + 1}), last {sample['time_s'] * 1000:.1f} ms")
 
-    print(f"profiling {engine.checkpoint.path} ({engine.dtype}, {torch.get_num_threads()} threads, "
+    dtype = str(engine.dtype).removeprefix("torch.")
+    print(f"profiling {engine.checkpoint.path} ({dtype}, {torch.get_num_threads()} threads, "
           f"{len(grid)} points x {args.warmup}+{args.repeats} runs)", flush=True)
     live = () if args.no_live else (((8, 4.0),) if args.quick else profiler.LIVE_RUNS)
     data = profiler.profile_engine(engine, grid, repeats=args.repeats, warmup=args.warmup, progress=progress,

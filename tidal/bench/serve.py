@@ -27,6 +27,7 @@ from tidal import metrics as M
 from tidal import workload as W
 from tidal.bench.client import BenchError, ClientOptions, check_server, normalize_base_url
 from tidal.bench.client import run as run_client
+from tidal.common import flags as F
 from tidal.common.machine import machine_info
 from tidal.common.progress import progress_bar
 from tidal.common.results import command_line, write_result
@@ -37,20 +38,6 @@ PROG = "tidal bench serve"
 
 
 # ============================================================================ arguments
-def _rate(text: str) -> float:
-    v = float(text)
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return v
-
-
-def _pos_int(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return v
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
@@ -61,31 +48,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="do not send ignore_eos (outputs may end before max_tokens)")
     g.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
-    g.add_argument("--request-timeout", type=_rate, default=600.0, help="seconds one request may take")
+    g.add_argument("--request-timeout", type=F.positive_float, default=600.0, help="seconds one request may take")
 
-    g = p.add_argument_group("workload")
-    g.add_argument("--workload", default=None,
-                   help="fixed:IN:OUT | uniform:A-B:C-D | " + " | ".join(W.SHAPES) +
-                        " | alpaca-real | sharegpt-lengths | arxiv-lengths (default with --trace: the trace)")
-    g.add_argument("--trace", default=None, help="timed trace to replay: Azure CSV or Mooncake JSONL")
-    g.add_argument("--time-scale", type=_rate, default=None,
-                   help="trace replay speedup: arrival t becomes t / X (2 = twice as fast)")
-    g.add_argument("--dataset", default=None, help="file for alpaca-real / *-lengths (default: in --traces-dir)")
-    g.add_argument("--traces-dir", default=None, help="folder of the shared traces (default: ../shared/traces)")
-    g.add_argument("--num-requests", type=_pos_int, default=None,
-                   help=f"requests per run or probe (default {DEFAULT_NUM_REQUESTS} unless --duration)")
-    g.add_argument("--duration", type=_rate, default=None,
-                   help="seconds of arrivals per run or probe; requests still running --drain-timeout later "
-                        "are cancelled and count as failed")
-    g.add_argument("--rate", type=_rate, default=None,
-                   help="request rate (req/s; default inf = all at once; with --trace: rescale the trace "
-                        "to this average rate, keeping its pattern)")
-    g.add_argument("--burstiness", type=_rate, default=None,
-                   help="Gamma arrivals shape: 1 = Poisson (default), < 1 burstier")
-    g.add_argument("--max-concurrency", type=_pos_int, default=None, help="most requests in flight")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--max-input-len", type=_pos_int, default=None, help="clip prompt lengths")
-    g.add_argument("--max-output-len", type=_pos_int, default=None, help="clip output lengths")
+    g = F.add_workload_flags(p, helps={
+        "num_requests": f"requests per run or probe (default {DEFAULT_NUM_REQUESTS} unless --duration)",
+        "duration": "seconds of arrivals per run or probe; requests still running --drain-timeout later "
+                    "are cancelled and count as failed"})
+    g.add_argument("--max-concurrency", type=F.positive_int, default=None, help="most requests in flight")
     g.add_argument("--tokenizer", default="default",
                    help="'default' (tidal's default model), an HF tokenizer dir or .gguf file, or 'none' "
                         "(approximate text prompts)")
@@ -96,21 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --duration: seconds to wait for running requests after the last arrival")
     g.add_argument("--warmup-requests", type=int, default=1, help="short requests sent before measuring")
 
-    g = p.add_argument_group("SLOs and capacity")
-    g.add_argument("--slo", default=None, help="latency SLOs in ms, e.g. ttft=2000,tpot=200,e2e=30000")
-    g.add_argument("--capacity-search", action="store_true",
-                   help="search the highest rate whose SLO attainment >= --target-attainment")
-    g.add_argument("--target-attainment", type=float, default=0.9)
-    g.add_argument("--search-low", type=_rate, default=0.5, help="lowest rate probed (req/s)")
-    g.add_argument("--search-high", type=_rate, default=32.0, help="highest rate probed (req/s)")
-    g.add_argument("--search-tolerance", type=_rate, default=0.1,
-                   help="stop when the bracket's high/low <= 1 + this")
-    g.add_argument("--max-probes", type=_pos_int, default=8)
-
-    g = p.add_argument_group("output")
-    g.add_argument("--output", default=DEFAULT_OUTPUT, help="JSON result path (PNGs are written beside it)")
-    g.add_argument("--no-plots", action="store_true")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    F.add_slo_flags(p)
+    F.add_output_flags(p, DEFAULT_OUTPUT)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -182,16 +138,7 @@ def _validate(args: argparse.Namespace) -> tuple[M.SLO, dict[str, Any]]:
         raise BenchError(f"dataset file not found: {args.dataset}")
     if args.tokenizer not in ("default", "none") and not os.path.exists(args.tokenizer):
         raise BenchError(f"tokenizer not found: {args.tokenizer}")
-    if args.capacity_search:
-        if args.rate is not None or args.time_scale is not None:
-            raise BenchError("--capacity-search picks the rates itself; drop --rate/--time-scale "
-                             "(set the range with --search-low/--search-high)")
-        if not 0 < args.target_attainment <= 1:
-            raise BenchError("--target-attainment must be in (0, 1]")
-        if not args.search_low < args.search_high:
-            raise BenchError("--search-low must be below --search-high")
-        if args.max_probes < 2:
-            raise BenchError("--max-probes must be >= 2 (the low and the high bound)")
+    F.check_capacity_flags(args)
     if args.endpoint == "chat" and args.prompt_format == "ids":
         raise BenchError("--prompt-format ids needs --endpoint completions (chat messages are text)")
     if args.tokenizer == "none" and args.prompt_format == "ids":
@@ -202,11 +149,9 @@ def _validate(args: argparse.Namespace) -> tuple[M.SLO, dict[str, Any]]:
 
 
 def _workload_options(args: argparse.Namespace, rate: float | None, num: int | None) -> W.WorkloadOptions:
-    return W.WorkloadOptions(
-        workload=args.workload, num_requests=num, duration_s=args.duration if not args.capacity_search else None,
-        rate=rate, burstiness=args.burstiness, seed=args.seed, trace=args.trace, time_scale=args.time_scale,
-        dataset=args.dataset, traces_dir=args.traces_dir or W.default_traces_dir(),
-        max_input_len=args.max_input_len, max_output_len=args.max_output_len)
+    # capacity probes are bounded by --duration when they run, not when the base workload is made
+    return F.workload_options(args, rate=rate, num_requests=num,
+                              duration_s=args.duration if not args.capacity_search else None)
 
 
 # ============================================================================ running
@@ -264,8 +209,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     search_report = None
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     if args.capacity_search:
-        search = M.CapacitySearch(args.search_low, args.search_high, args.target_attainment,
-                                  args.search_tolerance, args.max_probes)
+        search = F.capacity_search(args)
         by_rate: dict[float, tuple[list[M.RequestRecord], dict[str, Any], list[W.RequestSpec]]] = {}
         while (rate := search.next_rate()) is not None:
             probe_specs = W.specs_at_rate(specs, rate, args.duration)

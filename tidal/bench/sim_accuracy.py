@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import time
@@ -22,9 +21,13 @@ from typing import Any
 
 import numpy as np
 
+from tidal.common import flags as F
+from tidal.common.progress import progress_bar
+from tidal.common.results import command_line, write_result
 from tidal.metrics import RequestRecord, summarize, tpot
 from tidal.workload import RequestSpec, gamma_arrivals
 
+PROG = "tidal bench sim-accuracy"
 METRICS = (("ttft_ms", "p50"), ("ttft_ms", "p99"), ("tpot_ms", "p50"), ("tpot_ms", "p99"))
 
 
@@ -40,7 +43,8 @@ def at_rate(specs: list[RequestSpec], rate: float) -> list[RequestSpec]:
     return [replace(s, arrival_s=s.arrival_s / rate) for s in specs]
 
 
-def replay_engine(engine: Any, specs: list[RequestSpec], vocab: int, seed: int = 0) -> list[RequestRecord]:
+def replay_engine(engine: Any, specs: list[RequestSpec], vocab: int, seed: int = 0, progress: bool = False,
+                  desc: str = "engine") -> list[RequestRecord]:
     """Real-time replay on the engine; times are seconds from the first scheduled arrival."""
     from tidal.core.sampling import SamplingParams
 
@@ -48,6 +52,7 @@ def replay_engine(engine: Any, specs: list[RequestSpec], vocab: int, seed: int =
     prompts = [rng.integers(100, vocab - 100, size=s.prompt_len).tolist() for s in specs]
     records = [RequestRecord(i, s.arrival_s, s.prompt_len, s.output_len) for i, s in enumerate(specs)]
     last: dict[int, float] = {}
+    bar = progress_bar(len(specs), desc, "req", progress)
     t0 = time.monotonic()
     nxt, done = 0, 0
     while done < len(specs):
@@ -80,6 +85,8 @@ def replay_engine(engine: Any, specs: list[RequestSpec], vocab: int, seed: int =
                 rec.output_tokens = len(out.outputs[0].token_ids)
                 rec.success = out.outputs[0].finish_reason == "length"
                 done += 1
+                bar.update(1)
+    bar.close()
     return records
 
 
@@ -128,21 +135,21 @@ def compare(real: dict[str, Any], sim: dict[str, Any]) -> dict[str, Any]:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("sim-accuracy", help="the simulator (profiled CPU model) against the real engine")
-    p.add_argument("--model", default=None)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--num-threads", type=int, default=None,
-                   help="CPU threads for the engine (default: the profile's); must match the profile's")
+    p = sub.add_parser("sim-accuracy", help="the simulator (profiled CPU model) against the real engine",
+                       description=__doc__.split("\n\n")[0])
     p.add_argument("--profile", default="results/profile_cpu.json", help="`tidal profile` output to simulate with")
-    p.add_argument("--num-requests", type=int, default=60)
     p.add_argument("--prompt-len", default="64-512", help="uniform prompt lengths A-B")
     p.add_argument("--output-len", default="32-128", help="uniform output lengths A-B")
     p.add_argument("--loads", default="0.3,0.85", help="fractions of the simulated saturation rate")
     p.add_argument("--saturation-ttft-s", type=float, default=1.0,
                    help="saturation = the rate where the simulated P50 TTFT reaches this")
     p.add_argument("--repeats", type=int, default=1, help="engine runs per load (medians are reported)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", default="results/sim_accuracy.json")
+    F.add_engine_flags(p, omit=("engine_seed",), helps={
+        "num_threads": "CPU threads for the engine (default: the profile's); must match the profile's",
+        "dtype": "weights and KV dtype (default auto, as the engine resolves it); must match the profile's"})
+    F.add_scheduler_flags(p, omit=("max_queued_requests",))
+    F.add_workload_flags(p, only=("num_requests", "seed"), defaults={"num_requests": 60})
+    F.add_output_flags(p, "results/sim_accuracy.json")
     p.set_defaults(func=run)
 
 
@@ -172,36 +179,43 @@ def _plot(runs: list[dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
+def _error(msg: str) -> int:
+    print(f"{PROG}: error: {msg}", file=sys.stderr)
+    return 2
+
+
 def run(args: argparse.Namespace) -> int:
-    from tidal.common.machine import machine_info
-    from tidal.config import EngineConfig
-    from tidal.engine.llm_engine import LLMEngine
+    from tidal.common.machine import describe, machine_info
+    from tidal.engine.llm_engine import LLMEngine, dtype_name
     from tidal.engine.loader import load_checkpoint
     from tidal.engine.profiler import record_steps
     from tidal.engine.tokenizer import Tokenizer
     from tidal.sim.profiled import ProfiledCostModel
 
     if not os.path.isfile(args.profile):
-        print(f"tidal bench sim-accuracy: error: profile not found: {args.profile} (run `tidal profile` first)",
-              file=sys.stderr)
-        return 2
+        return _error(f"profile not found: {args.profile} (run `tidal profile` first)")
     model = ProfiledCostModel.load(args.profile)
     fit = model.fit_report()
     threads = args.num_threads or model.meta.get("threads")
     if model.meta.get("threads") not in (None, threads):
-        print(f"tidal bench sim-accuracy: error: the profile was taken with {model.meta['threads']} threads, the "
-              f"engine would run with {threads}: step times would not compare (pass --num-threads "
-              f"{model.meta['threads']} or profile with --num-threads {threads})", file=sys.stderr)
-        return 2
+        return _error(f"the profile was taken with {model.meta['threads']} threads, the engine would run with "
+                      f"{threads}: step times would not compare (pass --num-threads {model.meta['threads']} or "
+                      f"profile with --num-threads {threads})")
+    dtype = dtype_name(args.dtype, args.device)  # "auto" as the engine resolves it: reported, never "auto"
+    if model.meta.get("dtype") not in (None, dtype):
+        return _error(f"the profile was taken in {model.meta['dtype']}, the engine would run in {dtype}: step "
+                      f"times would not compare (pass --dtype {model.meta['dtype']} or profile with --dtype {dtype})")
+    F.engine_config(args, dtype=dtype, num_threads=threads)  # a bad flag fails before the model loads
     ckpt = load_checkpoint(args.model)
     tok = Tokenizer.from_checkpoint(ckpt)
 
     def build() -> LLMEngine:
-        return LLMEngine(EngineConfig.from_kwargs(model=ckpt.path, dtype=args.dtype, num_threads=threads),
+        return LLMEngine(F.engine_config(args, model=ckpt.path, dtype=dtype, num_threads=threads),
                          checkpoint=ckpt, tokenizer=tok)
 
     engine = build()  # sets the thread count the machine line reports
-    print(f"command: {' '.join(sys.argv)}\nmachine: {machine_info(dtype=args.dtype)}")
+    command, machine = command_line(PROG), machine_info(dtype=dtype)
+    print(f"command: {command}\nmachine: {describe(machine)}")
     print(f"profile {args.profile}: fit median error {fit['median_abs_rel_err']:.1%}, R2 {fit['r2']:.4f}")
     base = make_specs(args.num_requests, args.seed, _range(args.prompt_len), _range(args.output_len))
     sat = sim_saturation_rate(base, engine, args.profile, args.saturation_ttft_s)
@@ -226,7 +240,8 @@ def run(args: argparse.Namespace) -> int:
             gc.collect()
             gc.freeze()  # the harness's own objects stay out of the collector's way during the run
             try:
-                recs = replay_engine(engine, specs, ckpt.arch.vocab_size)
+                recs = replay_engine(engine, specs, ckpt.arch.vocab_size, progress=not args.no_progress,
+                                     desc=f"load {load:.0%}, run {r + 1}")
             finally:
                 gc.unfreeze()
             reals.append((summarize(recs), recs))
@@ -251,11 +266,14 @@ def run(args: argparse.Namespace) -> int:
             nr = norm_rows[name]
             print(f"{name:<16}{row['engine']:>10.1f}{row['sim']:>10.1f}{row['error']:>+9.1%}"
                   f"{nr['sim']:>11.1f}{nr['error']:>+9.1%}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w") as f:
-        json.dump({"command": " ".join(sys.argv), "machine": machine_info(dtype=args.dtype), "profile": args.profile,
-                   "fit": fit, "saturation_rps": sat, "runs": runs}, f, indent=1, default=str)
-    png = os.path.splitext(args.output)[0] + ".png"
-    _plot(runs, png)
-    print(f"wrote {args.output} and {png}")
+    report = {"command": command, "machine": machine, "dtype": dtype, "profile": args.profile, "fit": fit,
+              "saturation_rps": sat, "runs": runs}
+    plots = write_result(report, args.output, not args.no_plots, plotter=_write_plot, prog=PROG)
+    print(f"wrote {args.output}" + (f" and {', '.join(plots)}" if plots else ""))
     return 0
+
+
+def _write_plot(report: dict[str, Any], json_path: str) -> list[str]:
+    png = os.path.splitext(json_path)[0] + ".png"
+    _plot(report["runs"], png)
+    return [png]

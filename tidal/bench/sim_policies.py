@@ -15,15 +15,19 @@ throughput at it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
+from tidal.common import flags as F
+from tidal.common.machine import machine_info
+from tidal.common.progress import progress_bar
+from tidal.common.results import command_line, write_result
 from tidal.metrics import SLO, CapacitySearch, summarize
 from tidal.workload import RequestSpec, gamma_arrivals, lognormal_lengths, specs_at_rate
 
@@ -44,6 +48,9 @@ class Scenario:
     offline: bool = False
     paper: dict[str, str] = field(default_factory=dict)
 
+
+PROG = "tidal bench sim-policies"
+MAX_PROBES = 14  # capacity search probes per policy and workload
 
 POLICIES_ALL = {
     "static": {"batching": "static"},
@@ -109,13 +116,16 @@ def run_sim(sc: Scenario, policy: dict[str, Any], specs: list[RequestSpec]) -> d
     return out
 
 
-def capacity(sc: Scenario, policy: dict[str, Any], specs: list[RequestSpec], low: float, high: float
+def capacity(sc: Scenario, policy: dict[str, Any], specs: list[RequestSpec], low: float, high: float,
+             on_probe: Callable[[], Any] | None = None
              ) -> tuple[float | None, dict[str, Any] | None, list[dict[str, Any]]]:
 
-    search = CapacitySearch(low, high, sc.target, tolerance=0.03, max_probes=14)
+    search = CapacitySearch(low, high, sc.target, tolerance=0.03, max_probes=MAX_PROBES)
     best = None
     while (rate := search.next_rate()) is not None:
         s = run_sim(sc, policy, specs_at_rate(specs, rate, None))
+        if on_probe is not None:
+            on_probe()
         p = search.record(rate, s["slo_attainment"] or 0.0)
         if p.passed and (best is None or rate >= best[0]):
             best = (rate, s)
@@ -123,11 +133,11 @@ def capacity(sc: Scenario, policy: dict[str, Any], specs: list[RequestSpec], low
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("sim-policies", help="the batching policies at cluster scale in the simulator")
+    p = sub.add_parser("sim-policies", help="the batching policies at cluster scale in the simulator",
+                       description=__doc__.split("\n\n")[0])
     p.add_argument("--scenarios", default="bucketserve,pang-sla", help=f"of {', '.join(SCENARIOS)}")
-    p.add_argument("--num-requests", type=int, default=1000)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", default="results/sim_policies.json")
+    F.add_workload_flags(p, only=("num_requests", "seed"), defaults={"num_requests": 1000})
+    F.add_output_flags(p, "results/sim_policies.json")
     p.set_defaults(func=run)
 
 
@@ -171,11 +181,12 @@ def run(args: argparse.Namespace) -> int:
     names = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     bad = [s for s in names if s not in SCENARIOS]
     if bad:
-        print(f"tidal bench sim-policies: error: unknown scenario {bad[0]!r}; available: {', '.join(SCENARIOS)}",
+        print(f"{PROG}: error: unknown scenario {bad[0]!r}; available: {', '.join(SCENARIOS)}",
               file=sys.stderr)
         return 2
-    print(f"command: {' '.join(sys.argv)}")
-    report: dict[str, Any] = {"command": " ".join(sys.argv), "scenarios": {}, "paper": {}}
+    command = command_line(PROG)
+    print(f"command: {command}")
+    report: dict[str, Any] = {"command": command, "machine": machine_info(), "scenarios": {}, "paper": {}}
     t0 = time.perf_counter()
     for name in names:
         sc = SCENARIOS[name]
@@ -189,12 +200,15 @@ def run(args: argparse.Namespace) -> int:
             rows = []
             for pname, pol in sc.policies.items():
                 row: dict[str, Any] = {"policy": pname, "config": pol}
+                bar = progress_bar(MAX_PROBES + sc.offline, pname, "run", not args.no_progress, leave=False)
                 if sc.offline:
                     off = run_sim(sc, pol, [replace(s, arrival_s=0.0) for s in specs])
+                    bar.update(1)
                     row["offline_tok_s"] = off["output_throughput"]
                     row["offline"] = {k: off[k] for k in ("output_throughput", "request_throughput", "duration_s",
                                                           "num_preemptions")}
-                cap, at, probes = capacity(sc, pol, specs, 0.05, 200.0)
+                cap, at, probes = capacity(sc, pol, specs, 0.05, 200.0, on_probe=bar.update)
+                bar.close()
                 row.update({"capacity_rps": cap, "at_capacity": at, "probes": probes})
                 rows.append(row)
                 print(f"  {pname}: capacity {cap if cap is None else round(cap, 3)} req/s"
@@ -204,10 +218,13 @@ def run(args: argparse.Namespace) -> int:
             for k, v in sc.paper.items():
                 print(f"  paper ({k}): {v}")
     report["wall_time_s"] = time.perf_counter() - t0
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w") as f:
-        json.dump(report, f, indent=1, default=str)
-    png = os.path.splitext(args.output)[0] + ".png"
-    _plot(report, png)
-    print(f"\nwall time {report['wall_time_s']:.0f} s; wrote {args.output} and {png}")
+    plots = write_result(report, args.output, not args.no_plots, plotter=_write_plot, prog=PROG)
+    print(f"\nwall time {report['wall_time_s']:.0f} s; wrote {args.output}"
+          + (f" and {', '.join(plots)}" if plots else ""))
     return 0
+
+
+def _write_plot(report: dict[str, Any], json_path: str) -> list[str]:
+    png = os.path.splitext(json_path)[0] + ".png"
+    _plot(report, png)
+    return [png]

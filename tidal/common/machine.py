@@ -12,6 +12,8 @@ import platform
 import sys
 from typing import Any
 
+from tidal.config import default_cpu_threads
+
 ISA_PREFIXES = ("avx512_bf16", "amx", "avx512f", "avx2")
 
 
@@ -33,10 +35,13 @@ def cpu_model_and_flags() -> tuple[str, list[str]]:
 
 
 def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - non-Linux
-        return os.cpu_count() or 1
+    """Cores this process may run on (its affinity), the engine's default thread count."""
+    return default_cpu_threads()
+
+
+def load_average() -> list[float] | None:
+    """1, 5 and 15 minute load averages (None where the platform has none)."""
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
 
 
 def machine_info(**extra: Any) -> dict[str, Any]:
@@ -50,7 +55,7 @@ def machine_info(**extra: Any) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "loadavg": load_average(),
     }
     torch = sys.modules.get("torch")
     if torch is not None:
@@ -70,4 +75,4 @@ def describe(info: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-__all__ = ["cpu_model_and_flags", "describe", "machine_info", "usable_cores"]
+__all__ = ["cpu_model_and_flags", "describe", "load_average", "machine_info", "usable_cores"]

@@ -1,13 +1,16 @@
 """The one progress helper: a tqdm bar on stderr, or nothing when progress is off.
 
 Long jobs (load tests, simulations, profiles, benchmarks) report through :func:`progress_bar`, so
-every command shows progress the same way and ``--no-progress`` turns it off everywhere.
+every command shows progress the same way and ``--no-progress`` turns it off everywhere. Jobs whose
+steps are each worth a line (a benchmark's timed runs, a profile's passes) print them through
+:func:`progress_lines` instead: ``[  3/12]    41.2s  message`` on stderr, also readable in a log file.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any
+import time
+from typing import Any, TextIO
 
 
 class ProgressBar:
@@ -20,8 +23,8 @@ class ProgressBar:
         if enabled:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True,
-                            mininterval=0.5, leave=True, **tqdm_kwargs)
+            kwargs = {"file": sys.stderr, "dynamic_ncols": True, "mininterval": 0.5, "leave": True, **tqdm_kwargs}
+            self.bar = tqdm(total=total, desc=desc, unit=unit, **kwargs)
 
     def update(self, n: float = 1, *_: Any) -> None:
         if self.bar is not None:
@@ -53,4 +56,48 @@ def progress_bar(total: float | None, desc: str, unit: str = "it", enabled: bool
     return ProgressBar(total, desc, unit, enabled, **tqdm_kwargs)
 
 
-__all__ = ["ProgressBar", "progress_bar"]
+class ProgressLines:
+    """Progress as whole lines: ``[  3/12]    41.2s  message`` (done/total, seconds since start).
+
+    ``line(msg)`` counts one unit of work and prints; ``line(msg, count=False)`` prints a note
+    (``[   ...]``); ``report(done, msg)`` sets the count and prints at most once per ``every_s``
+    seconds (and always at the end), with the time left estimated from the rate so far.
+    ``total`` may be corrected as the job learns its size. Disabled, nothing is printed.
+    """
+
+    def __init__(self, total: int | None, enabled: bool = True, every_s: float = 0.0, file: TextIO | None = None):
+        self.total, self.done, self.enabled, self.every_s = total, 0, enabled, every_s
+        self.file = file
+        self.t0 = time.perf_counter()
+        self._last = self.t0
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def _print(self, head: str, msg: str) -> None:
+        print(f"{head} {self.elapsed():7.1f}s  {msg}", file=self.file or sys.stderr, flush=True)
+
+    def line(self, msg: str, count: bool = True) -> None:
+        if count:
+            self.done += 1
+        if self.enabled:
+            self._print(f"[{self.done:3d}/{self.total}]" if count else "[   ...]", msg)
+
+    def report(self, done: int, msg: str) -> None:
+        self.done = done
+        now = time.perf_counter()
+        end = self.total is not None and done >= self.total
+        if not self.enabled or (not end and now - self._last < self.every_s):
+            return
+        self._last = now
+        if self.total and 0 < done < self.total:
+            msg += f", ~{self.elapsed() / done * (self.total - done):.0f}s left"
+        self._print(f"[{done:3d}/{self.total}]", msg)
+
+
+def progress_lines(total: int | None, enabled: bool = True, every_s: float = 0.0,
+                   file: TextIO | None = None) -> ProgressLines:
+    return ProgressLines(total, enabled, every_s, file)
+
+
+__all__ = ["ProgressBar", "ProgressLines", "progress_bar", "progress_lines"]

@@ -30,7 +30,7 @@ def write_json(data: Any, path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(jsonable(data), f, indent=1)
+        json.dump(jsonable(data), f, indent=1, default=str)  # an odd object is its text, not a crash
         f.write("\n")
     os.replace(tmp, path)
 

@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from tidal.common.progress import progress_bar
 from tidal.core.sampling import SamplingParams
 from tidal.engine.llm_engine import LLMEngine
 from tidal.engine.outputs import RequestOutput
@@ -80,21 +81,14 @@ class LLM:
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
-        bar = None
-        if use_tqdm:
-            from tqdm import tqdm
-            bar = tqdm(total=len(ids), desc="generate", unit="req")
-        try:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                        if bar is not None:
+        with progress_bar(len(ids), "generate", "req", use_tqdm) as bar:
+            try:
+                while self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        if out.finished:
+                            done[out.request_id] = out
                             bar.update(1)
-        except BaseException:
-            self.engine.abort_request(ids)  # leave nothing behind on Ctrl-C or an error
-            raise
-        finally:
-            if bar is not None:
-                bar.close()
+            except BaseException:
+                self.engine.abort_request(ids)  # leave nothing behind on Ctrl-C or an error
+                raise
         return [done[i] for i in ids]

@@ -59,6 +59,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return dt
 
 
+def dtype_name(name: str, device: str = "auto") -> str:
+    """What ``--dtype name`` is on ``device`` as the engine resolves it (``auto`` included), as a
+    name: ``"bfloat16"``. Commands report this, never ``auto``."""
+    return str(resolve_dtype(name, resolve_device(device))).removeprefix("torch.")
+
+
 @dataclass
 class RequestSnapshot:
     """A request in flight, as plain data: what export_request gives and import_request takes."""

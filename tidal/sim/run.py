@@ -8,6 +8,7 @@ the pure simulator. The JSON has the keys of ``tidal bench serve`` plus ``simula
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from dataclasses import fields, replace
@@ -15,34 +16,15 @@ from typing import Any
 
 from tidal import metrics as M
 from tidal import workload as W
+from tidal.common import flags as F
 from tidal.common.machine import machine_info
 from tidal.common.progress import progress_bar
 from tidal.common.results import command_line, write_result
-from tidal.config import ConfigError, SchedulerConfig, parse_size
+from tidal.config import ConfigError
 from tidal.sim.build import COST_MODELS, ClusterSpec, build_simulator, resolve
 
 PROG = "tidal sim"
 DEFAULT_OUTPUT = "results/sim.json"
-
-
-def _pos_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return v
-
-
-def _pos_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return v
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,55 +33,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from tidal.sim.models import MODELS
 
     g = p.add_argument_group("cluster")
-    g.add_argument("--model", default="llama-3-8b", help=f"model shape: {', '.join(MODELS)}")
     g.add_argument("--hardware", default="a100-80g", help=f"per-GPU hardware: {', '.join(HARDWARE)}")
-    g.add_argument("--instances", type=_pos_int, default=1, help="serving instances")
-    g.add_argument("--tp", type=_pos_int, default=1, help="GPUs per instance (tensor parallel)")
+    g.add_argument("--instances", type=F.positive_int, default=1, help="serving instances")
+    g.add_argument("--tp", type=F.positive_int, default=1, help="GPUs per instance (tensor parallel)")
     g.add_argument("--router", default="least-outstanding", choices=list(ROUTERS))
     g.add_argument("--cost-model", default=None, choices=list(COST_MODELS),
                    help="analytic (roofline) or profiled (needs --profile); default: profiled if --profile")
     g.add_argument("--profile", default=None, help="profile file written by `tidal profile`")
-    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    g.add_argument("--block-size", type=_pos_int, default=16)
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--kv-cache-memory", default=None, help="KV budget per instance, e.g. 512MiB")
-    g.add_argument("--num-blocks", type=_pos_int, default=None, help="KV blocks per instance (overrides memory)")
-    g.add_argument("--swap-space", default="0", help="host memory per instance for swapped KV, e.g. 4GiB")
-    g.add_argument("--max-model-len", type=_pos_int, default=None)
-    g = p.add_argument_group("scheduler (as the engine's flags)")
-    g.add_argument("--batching", default="continuous", help="policy name(s) joined with +")
-    g.add_argument("--max-num-seqs", type=_pos_int, default=None)
-    g.add_argument("--max-num-batched-tokens", type=_pos_int, default=None)
-    g.add_argument("--long-prefill-token-threshold", type=int, default=None)
-    g.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None)
-    g.add_argument("--tbt-slo-ms", type=_pos_float, default=None)
-    g.add_argument("--policy-arg", action="append", default=None, dest="policy_args", metavar="NAME=VALUE")
-    g = p.add_argument_group("workload (as tidal bench serve)")
-    g.add_argument("--workload", default=None, help=f"one of {', '.join(W.WORKLOAD_NAMES)}")
-    g.add_argument("--trace", default=None, help="timed trace to replay: Azure CSV or Mooncake JSONL")
-    g.add_argument("--time-scale", type=_pos_float, default=None, help="replay a trace this many times faster")
-    g.add_argument("--dataset", default=None)
-    g.add_argument("--traces-dir", default=None)
-    g.add_argument("--num-requests", type=_pos_int, default=None)
-    g.add_argument("--duration", type=_pos_float, default=None, help="seconds of arrivals (a trace is cut)")
-    g.add_argument("--rate", type=_pos_float, default=None, help="mean request rate (req/s)")
-    g.add_argument("--burstiness", type=_pos_float, default=None)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--max-input-len", type=_pos_int, default=None)
-    g.add_argument("--max-output-len", type=_pos_int, default=None)
-    g = p.add_argument_group("SLOs and capacity")
-    g.add_argument("--slo", default=None, help="latency SLOs in ms, e.g. ttft=2000,tpot=100")
-    g.add_argument("--capacity-search", action="store_true", help="bisect the highest rate meeting the target")
-    g.add_argument("--target-attainment", type=float, default=0.9)
-    g.add_argument("--search-low", type=_pos_float, default=0.1)
-    g.add_argument("--search-high", type=_pos_float, default=64.0)
-    g.add_argument("--search-tolerance", type=_pos_float, default=0.05)
-    g.add_argument("--max-probes", type=_pos_int, default=10)
-    g = p.add_argument_group("output")
-    g.add_argument("--output", default=DEFAULT_OUTPUT, help="JSON result path (PNGs beside it)")
-    g.add_argument("--no-plots", action="store_true")
-    g.add_argument("--no-progress", action="store_true")
-    g.add_argument("--timeline-points", type=_pos_int, default=2000, help="samples per instance timeline")
+    g.add_argument("--num-blocks", type=F.positive_int, default=None,
+                   help="KV blocks per instance (overrides memory)")
+    g.add_argument("--timeline-points", type=F.positive_int, default=2000, help="samples per instance timeline")
+    F.add_engine_flags(
+        p, only=("model", "dtype", "max_model_len", "kv_cache_memory", "gpu_memory_utilization", "block_size",
+                 "swap_space"),
+        defaults={"model": "llama-3-8b", "swap_space": "0"},
+        helps={"model": f"model shape: {', '.join(MODELS)}",
+               "dtype": "weights and KV dtype of the simulated instances; auto: the profile's with --profile, "
+                        "else bfloat16 (native on every simulated device)",
+               "kv_cache_memory": "KV budget per instance, e.g. 512MiB (default: --gpu-memory-utilization)",
+               "swap_space": "host memory per instance for swapped-out KV, e.g. 4GiB"},
+        title="model and KV memory (as the engine's flags)")
+    F.add_scheduler_flags(p, omit=("max_queued_requests",))  # the simulated instances never refuse a request
+    F.add_workload_flags(p, helps={"num_requests": "number of requests (default 1000 unless --duration "
+                                                   "or --trace)"})
+    F.add_slo_flags(p, defaults={"search_low": 0.1, "search_high": 64.0, "search_tolerance": 0.05,
+                                 "max_probes": 10})
+    F.add_output_flags(p, DEFAULT_OUTPUT)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -110,33 +69,40 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 # ============================================================================ building
+def sim_dtype(args: argparse.Namespace) -> str:
+    """The simulated instances' dtype: ``auto`` is the profile's (the dtype its step times were
+    measured in) with ``--profile``, else bfloat16, native on every simulated GPU and on the modelled CPU."""
+    if args.dtype != "auto":
+        return args.dtype
+    if args.profile:
+        try:
+            with open(args.profile, encoding="utf-8") as f:
+                measured = json.load(f).get("dtype")
+        except (OSError, ValueError, AttributeError):  # the cost model says what is wrong with the file
+            measured = None
+        return measured or "bfloat16"
+    return "bfloat16"
+
+
 def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
-    sched: dict[str, Any] = {"batching": args.batching}
-    for key in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "preemption_mode",
-                "tbt_slo_ms", "policy_args"):
-        if getattr(args, key) is not None:
-            sched[key] = getattr(args, key)
+    """The cluster the flags describe; the scheduler and cache flags are read as the engine reads them."""
+    cache = F.cache_config(args)
+    if args.max_model_len is not None and args.max_model_len <= 0:
+        raise ConfigError(f"max_model_len must be > 0, got {args.max_model_len}")
     cost = args.cost_model or ("profiled" if args.profile else "analytic")
     return ClusterSpec(
         model=args.model, hardware=args.hardware, instances=args.instances, tp=args.tp,
-        dtype_bytes=4 if args.dtype == "float32" else 2, block_size=args.block_size, router=args.router,
-        cost_model=cost, profile=args.profile, scheduler=SchedulerConfig(**sched),
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_memory=parse_size(args.kv_cache_memory, "kv_cache_memory") if args.kv_cache_memory else None,
-        num_blocks=args.num_blocks, swap_space=parse_size(args.swap_space, "swap_space"),
-        max_model_len=args.max_model_len)
+        dtype_bytes=4 if sim_dtype(args) == "float32" else 2, block_size=cache.block_size, router=args.router,
+        cost_model=cost, profile=args.profile, scheduler=F.scheduler_config(args),
+        gpu_memory_utilization=cache.gpu_memory_utilization, kv_cache_memory=cache.kv_cache_memory,
+        num_blocks=args.num_blocks, swap_space=int(cache.swap_space), max_model_len=args.max_model_len)
 
 
 def workload(args: argparse.Namespace, rate: float | None) -> list[W.RequestSpec]:
     num = args.num_requests
     if num is None and args.duration is None and not args.trace:
         num = 1000
-    opts = W.WorkloadOptions(
-        workload=args.workload, num_requests=num, duration_s=args.duration, rate=rate,
-        burstiness=args.burstiness, seed=args.seed, trace=args.trace, time_scale=args.time_scale,
-        dataset=args.dataset, traces_dir=args.traces_dir or W.default_traces_dir(),
-        max_input_len=args.max_input_len, max_output_len=args.max_output_len)
-    specs = W.make_requests(opts)
+    specs = W.make_requests(F.workload_options(args, rate=rate, num_requests=num))
     if args.trace and args.duration is not None:
         specs = [s for s in specs if s.arrival_s < args.duration]
     if not specs:
@@ -178,11 +144,7 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
     slo = M.parse_slo(args.slo)
     spec = cluster_spec(args)
     arch, hw, blocks, max_len = resolve(spec)  # fail on a bad model/hardware/memory before the workload
-    if args.capacity_search:
-        if args.rate is not None or args.time_scale is not None:
-            raise ConfigError("--capacity-search picks the rates itself; drop --rate/--time-scale")
-        if not 0 < args.target_attainment <= 1:
-            raise ConfigError("--target-attainment must be in (0, 1]")
+    F.check_capacity_flags(args)
     if args.capacity_search:  # one base workload (at 1 req/s, or the trace's times) rescaled per probe
         if args.num_requests is None and args.duration is not None and not args.trace:
             args.num_requests = int(args.search_high * args.duration * 1.5) + 16
@@ -190,12 +152,12 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
     else:
         specs = workload(args, args.rate)
     info = {"model": spec.model, "hardware": spec.hardware, "instances": spec.instances, "tp": spec.tp,
+            "dtype": sim_dtype(args),
             "kv_blocks_per_instance": blocks, "block_size": spec.block_size, "max_model_len": max_len,
             "cost_model": spec.cost_model, "router": spec.router, "batching": spec.scheduler.batching}
     search_report = None
     if args.capacity_search:
-        search = M.CapacitySearch(args.search_low, args.search_high, args.target_attainment,
-                                  tolerance=args.search_tolerance, max_probes=args.max_probes)
+        search = F.capacity_search(args)
         while (rate := search.next_rate()) is not None:
             at_rate = W.specs_at_rate(specs, rate, args.duration)
             out = simulate(spec, at_rate, slo, f"rate {rate:.3g}", not args.no_progress, args.timeline_points)
@@ -219,7 +181,7 @@ def format_summary(r: dict[str, Any]) -> str:
     def f(x: Any, spec: str = ".1f") -> str:
         return "-" if x is None else format(x, spec)
 
-    lines = [f"{r['model']} on {r['instances']} x {r['hardware']} (tp {r['tp']}), {r['batching']}, "
+    lines = [f"{r['model']} ({r['dtype']}) on {r['instances']} x {r['hardware']} (tp {r['tp']}), {r['batching']}, "
              f"router {r['router']}, cost model {r['cost_model']}, {r['kv_blocks_per_instance']} KV blocks/instance",
              f"requests: {r['num_requests']} ({r['completed']} completed, {r['failed']} failed)"
              + (f"; errors: {r['errors']}" if r.get("errors") else ""),

@@ -1,0 +1,87 @@
+"""The shared plumbing: progress lines and bars, and the flag groups' own rules."""
+
+from __future__ import annotations
+
+import argparse
+import io
+
+import pytest
+
+from tidal.common import flags as F
+from tidal.common.progress import progress_bar, progress_lines
+from tidal.config import ConfigError
+
+
+def test_progress_lines_count_throttle_and_estimate(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr("tidal.common.progress.time.perf_counter", lambda: clock[0])
+    out = io.StringIO()
+    p = progress_lines(4, file=out)
+    p.line("loading", count=False)
+    clock[0] += 2
+    p.line("first run")
+    assert out.getvalue().splitlines() == ["[   ...]     0.0s  loading", "[  1/4]     2.0s  first run"]
+    out = io.StringIO()
+    p = progress_lines(10, every_s=5.0, file=out)
+    for done in range(1, 11):
+        clock[0] += 1
+        p.report(done, f"step {done}")
+    lines = out.getvalue().splitlines()
+    # every 5 s (at 5 and 10 s), and the last one always; 5 of 10 done in 5 s: ~5 s left
+    assert lines == ["[  5/10]     5.0s  step 5, ~5s left", "[ 10/10]    10.0s  step 10"]
+    quiet = io.StringIO()
+    q = progress_lines(2, enabled=False, file=quiet)
+    q.line("x")
+    q.report(2, "y")
+    assert quiet.getvalue() == "" and q.done == 2
+
+
+def test_progress_bar_disabled_does_nothing_and_enabled_counts(capsys):
+    with progress_bar(3, "off", enabled=False) as bar:
+        bar.update(1)
+        bar.advance_to(2.5)
+    assert capsys.readouterr().err == ""
+    with progress_bar(10, "on", "sim-s", mininterval=0) as bar:
+        bar.advance_to(4)
+        bar.advance_to(3)  # never backwards
+        bar.advance_to(25)  # never past the total
+        assert bar.pos == 10
+    assert "on" in capsys.readouterr().err
+
+
+def test_generate_use_tqdm_draws_the_shared_bar(make_engine, capsys):
+    from tidal import LLM, SamplingParams
+
+    llm = LLM.from_engine(make_engine())
+    sp = SamplingParams(temperature=0, max_tokens=2)
+    quiet = llm.generate(["a", "b"], sp)
+    assert capsys.readouterr().err == ""
+    shown = llm.generate(["a", "b"], sp, use_tqdm=True)
+    err = capsys.readouterr().err
+    assert "generate" in err and "2/2" in err
+    assert [o.outputs[0].token_ids for o in shown] == [o.outputs[0].token_ids for o in quiet]
+
+
+def test_group_overrides_must_name_real_flags():
+    p = argparse.ArgumentParser()
+    with pytest.raises(ValueError, match="max_num_seq"):
+        F.add_scheduler_flags(p, defaults={"max_num_seq": 3})  # a typo in a command's definition
+    p = argparse.ArgumentParser()
+    F.add_workload_flags(p, only=("rate", "seed"), defaults={"rate": 2.0})
+    assert vars(p.parse_args([])) == {"rate": 2.0, "seed": 0}
+    with pytest.raises(SystemExit) as e:  # workload numbers must be positive: argparse's own error, exit 2
+        p.parse_args(["--rate", "0"])
+    assert e.value.code == 2
+
+
+def test_capacity_flags_are_checked_once_for_every_command():
+    p = argparse.ArgumentParser()
+    F.add_workload_flags(p, only=("rate", "time_scale"))
+    F.add_slo_flags(p)
+    with pytest.raises(ConfigError, match="drop --rate"):
+        F.check_capacity_flags(p.parse_args(["--capacity-search", "--rate", "2"]))
+    with pytest.raises(ConfigError, match="--search-low must be below"):
+        F.check_capacity_flags(p.parse_args(["--capacity-search", "--search-low", "8", "--search-high", "4"]))
+    F.check_capacity_flags(p.parse_args(["--rate", "2"]))  # no search: nothing to check
+    search = F.capacity_search(p.parse_args(["--capacity-search", "--search-low", "1", "--search-high", "9"]))
+    assert (search.low, search.high, search.target, search.max_probes) == (1.0, 9.0, 0.9, 8)

@@ -1,0 +1,288 @@
+"""The command-line flags the commands share, each defined once.
+
+Five groups: engine (the model and its memory), scheduler, workload, SLO and capacity search,
+output. ``tidal generate | serve | sim | profile`` and the ``tidal bench`` commands add the groups
+they take with ``add_*_flags`` and turn the parsed arguments into config objects with
+:func:`engine_kwargs`, :func:`scheduler_config`, :func:`cache_config`, :func:`workload_options` and
+:func:`capacity_search`, so one flag means the same everywhere.
+
+A command that needs another default (``tidal sim --model`` is a model *shape*; ``tidal bench
+policies`` runs 32 requests at once) passes ``defaults={dest: value}``; ``helps`` and ``choices``
+adjust the text and the allowed values the same way; ``only``/``omit`` pick flags by dest. Values
+are checked where the config objects are built (``SchedulerConfig``, ``CacheConfig``...), so a bad
+value is one line naming the field; argparse itself checks only that a number is a number (and, for
+workload and search flags, that it is positive).
+
+``--batching`` and ``--policy-arg`` become a config in one place, :func:`scheduler_config` (for
+engines: :func:`engine_kwargs`, whose scheduler part is the same), so a check of policy names and
+parameters hooks in there.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tidal import metrics as M
+from tidal import workload as W
+from tidal.config import DTYPES, PREEMPTION_MODES, CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+
+
+# ============================================================================ value types
+def positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return v
+
+
+def positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return v
+
+
+# ============================================================================ the flags
+@dataclass(frozen=True)
+class Flag:
+    """One flag: its option strings and argparse keywords. ``dest`` is the attribute it parses to."""
+
+    names: tuple[str, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def dest(self) -> str:
+        return self.kwargs.get("dest") or self.names[0][2:].replace("-", "_")
+
+
+def _flag(*names: str, **kwargs: Any) -> Flag:
+    return Flag(names, kwargs)
+
+
+# model and cache: the fields of ModelConfig and CacheConfig (None = the config's default)
+ENGINE_FLAGS: tuple[Flag, ...] = (
+    _flag("--model", default=None,
+          help="path to a .gguf file or a Hugging Face directory (default: SmolLM2-135M-Instruct)"),
+    _flag("--dtype", default="auto", choices=list(DTYPES),
+          help="weights and KV dtype; auto: bfloat16 on CUDA and on CPUs with native bf16, else float32"),
+    _flag("--device", default="auto", help="auto | cpu | cuda | cuda:N"),
+    _flag("--max-model-len", type=int, default=None, help="context length (default: the model's)"),
+    _flag("--kv-cache-memory", default=None, help="KV pool size on CPU or CUDA, e.g. 512MiB"),
+    _flag("--gpu-memory-utilization", type=float, default=None, help="fraction of GPU memory for weights+KV"),
+    _flag("--block-size", type=int, default=None, help="tokens per KV block"),
+    _flag("--swap-space", default=None, help="host memory for swapped-out KV, e.g. 1GiB"),
+    _flag("--num-threads", type=int, default=None, help="CPU threads for the model (default: all cores)"),
+    # dest differs from the workload's --seed, so a command never mistakes one for the other
+    _flag("--seed", type=int, default=None, dest="engine_seed", help="engine seed for unseeded sampling"),
+)
+
+# the fields of SchedulerConfig
+SCHEDULER_FLAGS: tuple[Flag, ...] = (
+    _flag("--max-num-seqs", type=int, default=None, help="most requests running at once"),
+    _flag("--max-num-batched-tokens", type=int, default=None, help="token budget of one step (prefill chunk)"),
+    _flag("--long-prefill-token-threshold", type=int, default=None, help="cap on one request's prefill chunk"),
+    _flag("--preemption-mode", default=None, choices=list(PREEMPTION_MODES), help="what preemption does"),
+    _flag("--batching", default=None, help="scheduling policy name(s), joined with + (default: continuous)"),
+    _flag("--max-queued-requests", type=int, default=None, help="bound of the waiting queue (server)"),
+    _flag("--tbt-slo-ms", type=float, default=None, help="decode-latency SLO for the SLA/SLO-aware policies"),
+    _flag("--policy-arg", action="append", default=None, dest="policy_args", metavar="NAME=VALUE",
+          help="policy parameter, repeatable (e.g. bucket.theta=0.5)"),
+)
+
+# the fields of tidal.workload.WorkloadOptions
+WORKLOAD_FLAGS: tuple[Flag, ...] = (
+    _flag("--workload", default=None,
+          help="fixed:IN:OUT | uniform:A-B:C-D | " + " | ".join(W.SHAPES) +
+               " | alpaca-real | sharegpt-lengths | arxiv-lengths (default with --trace: the trace)"),
+    _flag("--trace", default=None, help="timed trace to replay: Azure CSV or Mooncake JSONL"),
+    _flag("--time-scale", type=positive_float, default=None,
+          help="trace replay speedup: arrival t becomes t / X (2 = twice as fast)"),
+    _flag("--dataset", default=None, help="file for alpaca-real / *-lengths (default: in --traces-dir)"),
+    _flag("--traces-dir", default=None, help="folder of the shared traces (default: ../shared/traces)"),
+    _flag("--num-requests", type=positive_int, default=None, help="number of requests"),
+    _flag("--duration", type=positive_float, default=None, help="seconds of arrivals (a trace is cut)"),
+    _flag("--rate", type=positive_float, default=None,
+          help="mean request rate (req/s; default inf = all at once; with --trace: rescale the trace "
+               "to this average rate, keeping its pattern)"),
+    _flag("--burstiness", type=positive_float, default=None,
+          help="Gamma arrivals shape: 1 = Poisson (default), < 1 burstier"),
+    _flag("--seed", type=int, default=0, help="seed of the workload (lengths, arrivals, prompts)"),
+    _flag("--max-input-len", type=positive_int, default=None, help="clip prompt lengths"),
+    _flag("--max-output-len", type=positive_int, default=None, help="clip output lengths"),
+)
+
+SLO_FLAGS: tuple[Flag, ...] = (
+    _flag("--slo", default=None, help="latency SLOs in ms, e.g. ttft=2000,tpot=200,e2e=30000"),
+    _flag("--capacity-search", action="store_true",
+          help="search the highest rate whose SLO attainment >= --target-attainment"),
+    _flag("--target-attainment", type=float, default=0.9),
+    _flag("--search-low", type=positive_float, default=0.5, help="lowest rate probed (req/s)"),
+    _flag("--search-high", type=positive_float, default=32.0, help="highest rate probed (req/s)"),
+    _flag("--search-tolerance", type=positive_float, default=0.1,
+          help="stop when the bracket's high/low <= 1 + this"),
+    _flag("--max-probes", type=positive_int, default=8, help="most rates probed"),
+)
+
+OUTPUT_FLAGS: tuple[Flag, ...] = (
+    _flag("--output", default=None, help="JSON result path (PNGs are written beside it)"),
+    _flag("--no-plots", action="store_true", help="no PNG plots"),
+    _flag("--no-progress", action="store_true", help="no progress bar or progress lines"),
+)
+
+def _add_group(p: argparse.ArgumentParser, title: str, flags: tuple[Flag, ...], *,
+               only: Iterable[str] | None, omit: Iterable[str], defaults: Mapping[str, Any] | None,
+               helps: Mapping[str, str] | None, choices: Mapping[str, Sequence[Any]] | None,
+               aliases: Mapping[str, Sequence[str]] | None) -> argparse._ArgumentGroup:
+    defaults, helps, choices, aliases = defaults or {}, helps or {}, choices or {}, aliases or {}
+    only = None if only is None else set(only)
+    omit = set(omit)
+    known = {f.dest for f in flags}
+    for what, names in (("only", only or ()), ("omit", omit), ("defaults", defaults), ("helps", helps),
+                        ("choices", choices), ("aliases", aliases)):
+        unknown = set(names) - known
+        if unknown:  # a mistake in a command's definition, not in a user's input
+            raise ValueError(f"{title} flags: {what} names unknown dests {sorted(unknown)}")
+    g = p.add_argument_group(title)
+    for f in flags:
+        d = f.dest
+        if (only is not None and d not in only) or d in omit:
+            continue
+        kw = dict(f.kwargs)
+        if d in defaults:
+            kw["default"] = defaults[d]
+        if d in helps:
+            kw["help"] = helps[d]
+        if d in choices:
+            kw["choices"] = list(choices[d])
+        g.add_argument(*f.names, *aliases.get(d, ()), **kw)
+    return g
+
+
+def add_engine_flags(p: argparse.ArgumentParser, *, only: Iterable[str] | None = None, omit: Iterable[str] = (),
+                     defaults: Mapping[str, Any] | None = None, helps: Mapping[str, str] | None = None,
+                     choices: Mapping[str, Sequence[Any]] | None = None,
+                     aliases: Mapping[str, Sequence[str]] | None = None,
+                     title: str = "engine") -> argparse._ArgumentGroup:
+    """The model and cache flags (:data:`ENGINE_FLAGS`); the engine's ``--seed`` parses to ``engine_seed``."""
+    return _add_group(p, title, ENGINE_FLAGS, only=only, omit=omit, defaults=defaults, helps=helps,
+                      choices=choices, aliases=aliases)
+
+
+def add_scheduler_flags(p: argparse.ArgumentParser, *, only: Iterable[str] | None = None, omit: Iterable[str] = (),
+                        defaults: Mapping[str, Any] | None = None, helps: Mapping[str, str] | None = None,
+                        choices: Mapping[str, Sequence[Any]] | None = None) -> argparse._ArgumentGroup:
+    """The scheduler flags (:data:`SCHEDULER_FLAGS`), read by :func:`scheduler_config`."""
+    return _add_group(p, "scheduler", SCHEDULER_FLAGS, only=only, omit=omit, defaults=defaults, helps=helps,
+                      choices=choices, aliases=None)
+
+
+def add_workload_flags(p: argparse.ArgumentParser, *, only: Iterable[str] | None = None, omit: Iterable[str] = (),
+                       defaults: Mapping[str, Any] | None = None,
+                       helps: Mapping[str, str] | None = None) -> argparse._ArgumentGroup:
+    """The workload flags (:data:`WORKLOAD_FLAGS`), read by :func:`workload_options`."""
+    return _add_group(p, "workload", WORKLOAD_FLAGS, only=only, omit=omit, defaults=defaults, helps=helps,
+                      choices=None, aliases=None)
+
+
+def add_slo_flags(p: argparse.ArgumentParser, *, only: Iterable[str] | None = None,
+                  defaults: Mapping[str, Any] | None = None,
+                  helps: Mapping[str, str] | None = None) -> argparse._ArgumentGroup:
+    """``--slo`` and the capacity search (:data:`SLO_FLAGS`), read by :func:`capacity_search`."""
+    return _add_group(p, "SLOs and capacity", SLO_FLAGS, only=only, omit=(), defaults=defaults, helps=helps,
+                      choices=None, aliases=None)
+
+
+def add_output_flags(p: argparse.ArgumentParser, output: str, *, plots: bool = True,
+                     aliases: Mapping[str, Sequence[str]] | None = None,
+                     helps: Mapping[str, str] | None = None) -> argparse._ArgumentGroup:
+    """``--output`` (default ``output``), ``--no-plots`` (only with ``plots``) and ``--no-progress``."""
+    return _add_group(p, "output", OUTPUT_FLAGS, only=None, omit=() if plots else ("no_plots",),
+                      defaults={"output": output}, helps=helps, choices=None, aliases=aliases)
+
+
+# ============================================================================ args -> config
+def _values(args: argparse.Namespace, flags: tuple[Flag, ...]) -> dict[str, Any]:
+    """The given flags' values that the command defines and the user (or its default) set."""
+    out = {}
+    for f in flags:
+        if hasattr(args, f.dest):
+            v = getattr(args, f.dest)
+            if v is not None:
+                out["seed" if f.dest == "engine_seed" else f.dest] = v
+    return out
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine and scheduler flags a command defines, as ``EngineConfig.from_kwargs`` (and
+    ``LLM(...)``) arguments; unset ones are left out so the config's defaults apply. ``model`` is
+    always there (None: the default model)."""
+    out = {**_values(args, ENGINE_FLAGS), **_values(args, SCHEDULER_FLAGS)}
+    out.setdefault("model", getattr(args, "model", None))
+    return out
+
+
+def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    """The engine's config from its flags (validated: a bad value is a :class:`ConfigError`)."""
+    return EngineConfig.from_kwargs(**{**engine_kwargs(args), **overrides})
+
+
+def scheduler_config(args: argparse.Namespace, **overrides: Any) -> SchedulerConfig:
+    """``SchedulerConfig`` from the scheduler flags: the same for the engine and the simulator."""
+    return SchedulerConfig(**{**_values(args, SCHEDULER_FLAGS), **overrides})
+
+
+def cache_config(args: argparse.Namespace) -> CacheConfig:
+    """``CacheConfig`` from the cache flags (sizes parsed, block size and utilization checked)."""
+    names = {"kv_cache_memory", "gpu_memory_utilization", "block_size", "swap_space"}
+    return CacheConfig(**{k: v for k, v in _values(args, ENGINE_FLAGS).items() if k in names})
+
+
+def workload_options(args: argparse.Namespace, **overrides: Any) -> W.WorkloadOptions:
+    """``WorkloadOptions`` from the workload flags; ``overrides`` (e.g. ``rate=``, ``num_requests=``)
+    replace what the flags say. ``--traces-dir`` defaults to the shared traces folder."""
+    names = {"duration": "duration_s"}
+    opts = {names.get(f.dest, f.dest): getattr(args, f.dest) for f in WORKLOAD_FLAGS if hasattr(args, f.dest)}
+    opts["traces_dir"] = opts.get("traces_dir") or W.default_traces_dir()
+    if opts.get("seed") is None:
+        opts.pop("seed", None)
+    opts.update(overrides)
+    return W.WorkloadOptions(**opts)
+
+
+def check_capacity_flags(args: argparse.Namespace) -> None:
+    """With ``--capacity-search``: the flags that contradict it, and the search's own bounds."""
+    if not getattr(args, "capacity_search", False):
+        return
+    if getattr(args, "rate", None) is not None or getattr(args, "time_scale", None) is not None:
+        raise ConfigError("--capacity-search picks the rates itself; drop --rate/--time-scale "
+                          "(set the range with --search-low/--search-high)")
+    if not 0 < args.target_attainment <= 1:
+        raise ConfigError("--target-attainment must be in (0, 1]")
+    if not args.search_low < args.search_high:
+        raise ConfigError("--search-low must be below --search-high")
+    if args.max_probes < 2:
+        raise ConfigError("--max-probes must be >= 2 (the low and the high bound)")
+
+
+def capacity_search(args: argparse.Namespace) -> M.CapacitySearch:
+    """The bisection the SLO flags describe (call :func:`check_capacity_flags` first for clear errors)."""
+    check_capacity_flags(args)
+    return M.CapacitySearch(args.search_low, args.search_high, args.target_attainment,
+                            tolerance=args.search_tolerance, max_probes=args.max_probes)
+
+
+__all__ = [
+    "ENGINE_FLAGS", "OUTPUT_FLAGS", "SCHEDULER_FLAGS", "SLO_FLAGS", "WORKLOAD_FLAGS", "Flag",
+    "add_engine_flags", "add_output_flags", "add_scheduler_flags", "add_slo_flags", "add_workload_flags",
+    "cache_config", "capacity_search", "check_capacity_flags", "engine_config", "engine_kwargs",
+    "positive_float", "positive_int", "scheduler_config", "workload_options",
+]
