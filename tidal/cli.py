@@ -13,13 +13,21 @@ import logging
 import signal
 import sys
 
-from tidal.common.flags import add_engine_flags, add_scheduler_flags, engine_kwargs
+from tidal.common.flags import (
+    add_cluster_flags,
+    add_engine_flags,
+    add_scheduler_flags,
+    cluster_layout,
+    engine_config,
+    engine_kwargs,
+)
 from tidal.config import ConfigError
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from tidal import LLM, SamplingParams
 
+    engine_config(args)  # policy names and parameters checked before the weights load
     llm = LLM(**engine_kwargs(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.sampling_seed, stop=args.stop or [])
@@ -34,12 +42,29 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from tidal.engine.async_engine import AsyncLLM
-    from tidal.engine.llm_engine import LLMEngine
+    cfg = engine_config(args)  # policy names and parameters checked before anything loads
+    layout = cluster_layout(args)
+    if args.backend == "ray":
+        from tidal.runtime.backend import check_ray_available, check_reachable
+
+        check_ray_available()
+        if args.ray_address:
+            check_reachable(args.ray_address)
     from tidal.server.app import build_app
 
-    engine = LLMEngine.from_kwargs(**engine_kwargs(args))
-    llm = AsyncLLM(engine)
+    if layout.instances == 1 and args.backend == "process":
+        from tidal.engine.async_engine import AsyncLLM
+        from tidal.engine.llm_engine import LLMEngine
+
+        llm = AsyncLLM(LLMEngine(cfg))
+    else:
+        from tidal.runtime.cluster import ClusterConfig, ClusterLLM
+
+        transport = args.kv_transport or ("ray" if args.backend == "ray" else "shm")
+        llm = ClusterLLM(cfg, ClusterConfig(layout=layout, router=args.router, backend=args.backend,
+                                            ray_address=args.ray_address,
+                                            threads_per_instance=args.threads_per_instance, transport=transport),
+                         engine_kwargs(args))
     app = build_app(llm, args.served_model_name)
     name = app.state.serving.model_name
 
@@ -94,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--access-log", action="store_true", help="log every HTTP request")
     add_engine_flags(s)
     add_scheduler_flags(s)
+    add_cluster_flags(s)
     s.set_defaults(func=_cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks")

@@ -28,6 +28,7 @@ from typing import Any
 from tidal import metrics as M
 from tidal import workload as W
 from tidal.config import DTYPES, PREEMPTION_MODES, CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from tidal.policies import check_policy
 
 
 # ============================================================================ value types
@@ -138,6 +139,25 @@ OUTPUT_FLAGS: tuple[Flag, ...] = (
     _flag("--no-progress", action="store_true", help="no progress bar or progress lines"),
 )
 
+# several instances: shared by `tidal serve` (real workers) and `tidal sim` (simulated instances)
+CLUSTER_FLAGS: tuple[Flag, ...] = (
+    _flag("--instances", type=positive_int, default=1, help="serving instances (engine workers)"),
+    _flag("--mode", default="colocate", choices=["colocate", "disaggregate"],
+          help="colocate: every instance prefills and decodes; disaggregate: prefill instances hand each "
+               "request's KV to a decode instance (BucketServe)"),
+    _flag("--prefill-instances", type=int, default=0, help="prefill instances with --mode disaggregate"),
+    _flag("--router", default="least-outstanding", choices=["round-robin", "least-outstanding", "kv-aware"],
+          help="how the dispatcher picks an instance for a new request"),
+    _flag("--backend", default="process", choices=["process", "ray"],
+          help="workers as local processes, or as Ray actors (pip install -e '.[ray]')"),
+    _flag("--ray-address", default=None, help="Ray cluster to join (default: start a local Ray)"),
+    _flag("--threads-per-instance", type=positive_int, default=None,
+          help="CPU threads of each instance (default: the cores split evenly)"),
+    _flag("--kv-transport", default=None, choices=["shm", "ray"],
+          help="how KV moves between instances (default: shm for processes, ray for Ray actors)"),
+)
+
+
 def _add_group(p: argparse.ArgumentParser, title: str, flags: tuple[Flag, ...], *,
                only: Iterable[str] | None, omit: Iterable[str], defaults: Mapping[str, Any] | None,
                helps: Mapping[str, str] | None, choices: Mapping[str, Sequence[Any]] | None,
@@ -201,6 +221,20 @@ def add_slo_flags(p: argparse.ArgumentParser, *, only: Iterable[str] | None = No
                       choices=None, aliases=None)
 
 
+def add_cluster_flags(p: argparse.ArgumentParser, *, only: Iterable[str] | None = None,
+                      omit: Iterable[str] = ()) -> argparse._ArgumentGroup:
+    """Instances, mode, prefill instances, router (and, for real workers, backend and threads)."""
+    return _add_group(p, "cluster", CLUSTER_FLAGS, only=only, omit=omit, defaults=None, helps=None,
+                      choices=None, aliases=None)
+
+
+def cluster_layout(args: argparse.Namespace) -> Any:
+    """The checked :class:`tidal.cluster.dispatch.ClusterLayout` of the cluster flags."""
+    from tidal.cluster.dispatch import ClusterLayout
+
+    return ClusterLayout(args.instances, args.mode, args.prefill_instances)
+
+
 def add_output_flags(p: argparse.ArgumentParser, output: str, *, plots: bool = True,
                      aliases: Mapping[str, Sequence[str]] | None = None,
                      helps: Mapping[str, str] | None = None) -> argparse._ArgumentGroup:
@@ -231,13 +265,19 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
-    """The engine's config from its flags (validated: a bad value is a :class:`ConfigError`)."""
-    return EngineConfig.from_kwargs(**{**engine_kwargs(args), **overrides})
+    """The engine's config from its flags (validated: a bad value, policy name or policy argument
+    is a :class:`ConfigError`, found here before any weights load)."""
+    cfg = EngineConfig.from_kwargs(**{**engine_kwargs(args), **overrides})
+    check_policy(cfg.scheduler)
+    return cfg
 
 
 def scheduler_config(args: argparse.Namespace, **overrides: Any) -> SchedulerConfig:
-    """``SchedulerConfig`` from the scheduler flags: the same for the engine and the simulator."""
-    return SchedulerConfig(**{**_values(args, SCHEDULER_FLAGS), **overrides})
+    """``SchedulerConfig`` from the scheduler flags: the same for the engine and the simulator
+    (policy names and parameters checked)."""
+    cfg = SchedulerConfig(**{**_values(args, SCHEDULER_FLAGS), **overrides})
+    check_policy(cfg)
+    return cfg
 
 
 def cache_config(args: argparse.Namespace) -> CacheConfig:
@@ -281,8 +321,8 @@ def capacity_search(args: argparse.Namespace) -> M.CapacitySearch:
 
 
 __all__ = [
-    "ENGINE_FLAGS", "OUTPUT_FLAGS", "SCHEDULER_FLAGS", "SLO_FLAGS", "WORKLOAD_FLAGS", "Flag",
-    "add_engine_flags", "add_output_flags", "add_scheduler_flags", "add_slo_flags", "add_workload_flags",
+    "CLUSTER_FLAGS", "ENGINE_FLAGS", "OUTPUT_FLAGS", "SCHEDULER_FLAGS", "SLO_FLAGS", "WORKLOAD_FLAGS", "Flag",
+    "add_cluster_flags", "add_engine_flags", "add_output_flags", "cluster_layout", "add_scheduler_flags", "add_slo_flags", "add_workload_flags",
     "cache_config", "capacity_search", "check_capacity_flags", "engine_config", "engine_kwargs",
     "positive_float", "positive_int", "scheduler_config", "workload_options",
 ]

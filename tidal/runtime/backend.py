@@ -109,7 +109,14 @@ class RayBackend:
         self.started_here = False
         if not ray.is_initialized():
             if address:
-                ray.init(address=address, log_to_driver=False)
+                check_reachable(address)
+                try:
+                    ray.init(address=address, log_to_driver=False)
+                except Exception as e:  # noqa: BLE001 - Ray raises several kinds; the user needs one line
+                    from tidal.config import ConfigError
+
+                    raise ConfigError(f"cannot join the Ray cluster at --ray-address {address}: "
+                                      f"{' '.join(str(e).split())[:200]}") from None
             else:
                 ray.init(num_cpus=max(os.cpu_count() or 1, 1), include_dashboard=False, log_to_driver=False)
                 self.started_here = True
@@ -130,8 +137,26 @@ class RayBackend:
             self.ray.shutdown()
 
 
-def check_ray_address(address: str | None) -> None:
-    """One-line errors for ``--backend ray`` before anything starts."""
+def check_reachable(address: str, timeout_s: float = 3.0) -> None:
+    """A ``host:port`` Ray address that nothing listens on is a one-line error at once (Ray itself
+    retries for about a minute); ``auto`` and other forms are left to Ray."""
+    import socket
+
+    from tidal.config import ConfigError
+
+    hostport = address.split("://", 1)[-1]
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        return
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
+            pass
+    except OSError as e:
+        raise ConfigError(f"cannot reach the Ray cluster at --ray-address {address}: {e.strerror or e}") from None
+
+
+def check_ray_available() -> None:
+    """``--backend ray`` without Ray installed: a one-line error before anything starts."""
     try:
         import ray  # noqa: F401
     except ImportError:
@@ -140,4 +165,4 @@ def check_ray_address(address: str | None) -> None:
         raise ConfigError("--backend ray needs Ray: pip install -e '.[ray]'") from None
 
 
-__all__ = ["ProcessBackend", "ProcessHandle", "RayBackend", "RayHandle", "WorkerHandle", "check_ray_address"]
+__all__ = ["ProcessBackend", "ProcessHandle", "RayBackend", "RayHandle", "WorkerHandle", "check_ray_available", "check_reachable"]

@@ -28,21 +28,19 @@ DEFAULT_OUTPUT = "results/sim.json"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from tidal.cluster.router import ROUTERS
     from tidal.sim.hardware import HARDWARE
     from tidal.sim.models import MODELS
 
     g = p.add_argument_group("cluster")
     g.add_argument("--hardware", default="a100-80g", help=f"per-GPU hardware: {', '.join(HARDWARE)}")
-    g.add_argument("--instances", type=F.positive_int, default=1, help="serving instances")
     g.add_argument("--tp", type=F.positive_int, default=1, help="GPUs per instance (tensor parallel)")
-    g.add_argument("--router", default="least-outstanding", choices=list(ROUTERS))
     g.add_argument("--cost-model", default=None, choices=list(COST_MODELS),
                    help="analytic (roofline) or profiled (needs --profile); default: profiled if --profile")
     g.add_argument("--profile", default=None, help="profile file written by `tidal profile`")
     g.add_argument("--num-blocks", type=F.positive_int, default=None,
                    help="KV blocks per instance (overrides memory)")
     g.add_argument("--timeline-points", type=F.positive_int, default=2000, help="samples per instance timeline")
+    F.add_cluster_flags(p, only=("instances", "router"))
     F.add_engine_flags(
         p, only=("model", "dtype", "max_model_len", "kv_cache_memory", "gpu_memory_utilization", "block_size",
                  "swap_space"),
