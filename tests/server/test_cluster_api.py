@@ -73,3 +73,35 @@ def test_instances_show_in_metrics_and_admin_state(cluster_server):
     if state["cluster"]["mode"] == "disaggregate":
         assert [i["role"] for i in inst] == ["prefill", "decode"]
         assert state["cluster"]["num_handoffs"] >= 1
+
+
+def test_bench_serve_breaks_the_run_down_per_instance(cluster_servers, tmp_path, capsys):
+    import json
+
+    from tidal.cli import main
+
+    server = cluster_servers["disaggregate"].wait_ready()
+    out = tmp_path / "bench.json"
+    code = main(["bench", "serve", "--base-url", server.url, "--workload", "fixed:16:4", "--num-requests", "6",
+                 "--rate", "inf", "--warmup-requests", "0", "--no-progress", "--no-plots", "--output", str(out)])
+    assert code == 0, capsys.readouterr().err
+    res = json.loads(out.read_text())
+    prefill, decode = res["instances"]
+    assert (prefill["role"], decode["role"]) == ("prefill", "decode")
+    assert prefill["dispatched"] == 6 and decode["dispatched"] == 0  # every request enters on the prefill side
+    assert decode["handoffs_in"] == 6 and prefill["failures"] == decode["failures"] == 0
+    assert "Instances" in capsys.readouterr().out
+
+
+def test_instance_breakdown_is_the_difference_of_the_counters():
+    from tidal.bench.serve import instance_breakdown
+
+    before = {"instances": [{"index": 0, "role": "colocated", "dispatched": 5, "handoffs_in": 0, "failures": 1,
+                             "restarts": 1}]}
+    after = {"instances": [{"index": 0, "role": "colocated", "alive": True, "dispatched": 12, "handoffs_in": 0,
+                            "failures": 2, "restarts": 2, "kv_usage": 0.25, "step_time_ema_s": 0.01},
+                           {"index": 1, "role": "colocated", "alive": False, "dispatched": 3, "handoffs_in": 0,
+                            "failures": 0, "restarts": 0, "kv_usage": 0.0, "step_time_ema_s": None}]}
+    got = instance_breakdown(before, after)
+    assert [(g["dispatched"], g["failures"], g["restarts"]) for g in got] == [(7, 1, 1), (3, 0, 0)]
+    assert instance_breakdown(before, None) is None

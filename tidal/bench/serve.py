@@ -206,6 +206,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
           f"{args.workload or 'trace ' + str(args.trace)}, {len(specs)} requests, prompts as {fmt}"
           f"{' (tokenizer ' + tok.name + ')' if tok else ''}", file=sys.stderr)
     progress = not args.no_progress
+    cluster_before = cluster_state(base_url)
     search_report = None
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     if args.capacity_search:
@@ -242,7 +243,37 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "command": command_line(PROG),
         "requests": [r.to_dict() for r in records],
     }
+    instances = instance_breakdown(cluster_before, cluster_state(base_url))
+    if instances is not None:
+        result["instances"] = instances
     return result
+
+
+def cluster_state(base_url: str) -> dict[str, Any] | None:
+    """The server's cluster section of ``/admin/state`` (tidal with several instances), else None."""
+    import httpx
+
+    try:
+        r = httpx.get(f"{base_url}/admin/state", timeout=10)
+        cluster = r.json().get("cluster") if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    return cluster if isinstance(cluster, dict) and isinstance(cluster.get("instances"), list) else None
+
+
+def instance_breakdown(before: dict[str, Any] | None, after: dict[str, Any] | None) -> list[dict[str, Any]] | None:
+    """Per instance, what this run did there: requests dispatched, hand-offs received, failures and
+    restarts (differences of the server's counters), and its KV use and step time at the end."""
+    if after is None:
+        return None
+    prev = {i["index"]: i for i in (before or {}).get("instances", [])}
+    out = []
+    for inst in after["instances"]:
+        b = prev.get(inst["index"], {})
+        out.append({"index": inst["index"], "role": inst.get("role"), "alive": inst.get("alive"),
+                    **{k: inst.get(k, 0) - b.get(k, 0) for k in ("dispatched", "handoffs_in", "failures", "restarts")},
+                    "kv_usage_end": inst.get("kv_usage"), "step_time_ema_s": inst.get("step_time_ema_s")})
+    return out
 
 
 # ============================================================================ reporting
@@ -301,6 +332,11 @@ def format_summary(r: dict[str, Any]) -> str:
                          f"{'pass' if p['passed'] else 'fail'}")
         cap = cs["capacity_rps"]
         row("Capacity (req/s):", cap, ".3g")
+    if r.get("instances"):
+        lines.append("{s:{c}^{n}}".format(s=" Instances ", n=w, c="-"))
+        for i in r["instances"]:
+            lines.append(f"  {i['index']} {i['role'] or '':<10} dispatched {i['dispatched']:>5}  hand-offs in "
+                         f"{i['handoffs_in']:>4}  failures {i['failures']}  KV {_f(100 * (i['kv_usage_end'] or 0), '.0f')}%")
     if r.get("errors"):
         lines.append("{s:{c}^{n}}".format(s=" Errors ", n=w, c="-"))
         for msg, n in r["errors"].items():

@@ -44,6 +44,8 @@ class InstanceRecord:
     outstanding: set[str] = field(default_factory=set)  # dispatched here, not finished (front end's count)
     arrivals: deque = field(default_factory=deque)  # times of recent dispatches (for the arrival rate)
     step_time_ema_s: float | None = None
+    dispatched: int = 0  # requests ever dispatched here
+    handoffs_in: int = 0  # hand-offs that landed here
     reserved: dict[str, int] = field(default_factory=dict)  # hand-offs on their way here: request -> blocks
     failures: int = 0
     restarts: int = 0
@@ -111,6 +113,7 @@ class GlobalMonitor:
     def on_dispatch(self, index: int, request_id: str, now: float) -> None:
         rec = self.instances[index]
         rec.outstanding.add(request_id)
+        rec.dispatched += 1
         rec.arrivals.append(now)
         self.num_dispatched += 1
         self._trim(rec, now)
@@ -133,6 +136,7 @@ class GlobalMonitor:
         if ok:
             self.instances[src].outstanding.discard(request_id)
             self.instances[dst].outstanding.add(request_id)
+            self.instances[dst].handoffs_in += 1
             self.num_handoffs += 1
 
     def on_failure(self, index: int) -> set[str]:
@@ -171,7 +175,8 @@ class GlobalMonitor:
                 "index": r.index, "role": r.role, "alive": r.alive, "outstanding": r.num_outstanding,
                 "kv_usage": r.kv_usage, "arrival_rate": self.arrival_rate(r.index, now),
                 "step_time_ema_s": r.step_time_ema_s, "failures": r.failures, "restarts": r.restarts,
-                "reserved_blocks": sum(r.reserved.values()),
+                "reserved_blocks": sum(r.reserved.values()), "dispatched": r.dispatched,
+                "handoffs_in": r.handoffs_in,
                 **asdict(r.status)} for r in self.instances],
             "pending_handoffs": len(self.pending_handoffs),
             "num_dispatched": self.num_dispatched,
