@@ -41,7 +41,8 @@ def serve(flags: list[str], engine: list[str]) -> tuple[subprocess.Popen, str, s
                             stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
-        text = open(log.name).read()
+        with open(log.name) as f:
+            text = f.read()
         m = READY.search(text)
         if m and httpx.get(f"{m.group(1)}/health", timeout=5).status_code == 200:
             return proc, m.group(1), log.name
