@@ -103,6 +103,26 @@ def test_colocated_greedy_equals_one_engine(colocated, reference):
     no_leak(colocated)
 
 
+def test_a_closed_stream_frees_its_blocks_and_a_bad_prompt_is_rejected(colocated):
+    from tidal.core.scheduler import RequestRejected
+
+    async def run():
+        gen = colocated.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True), "gone")
+        async for o in gen:
+            if len(o.outputs[0].token_ids) >= 2:
+                break
+        await gen.aclose()  # the client went away mid-stream
+        with pytest.raises(RequestRejected, match="context length"):
+            async for _ in colocated.generate(None, SamplingParams(max_tokens=4), "long",
+                                              prompt_token_ids=[1] * 10_000):
+                pass
+
+    asyncio.run(run())
+    settle(colocated)
+    no_leak(colocated)
+    assert not colocated.requests
+
+
 def test_sigkill_of_a_worker_under_16_streams(colocated, reference):
     killed: list[int] = []
     victim = colocated.handles[0].pid
