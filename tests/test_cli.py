@@ -18,6 +18,16 @@ def tidal(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     (["generate", "hi", "--kv-cache-memory", "lots"], "kv_cache_memory"),
     (["generate", "hi", "--max-num-seqs", "0"], "max_num_seqs"),
     (["generate", "hi", "--batching", "nope"], "unknown policy 'nope'"),
+    (["serve", "--batching", "nope"], "unknown policy 'nope'"),
+    (["serve", "--batching", "sla", "--tbt-slo-ms", "50", "--policy-arg", "sla.alpah=8"],
+     "policy argument sla.alpah: unknown parameter of 'sla'"),
+    (["serve", "--policy-arg", "sla.alpah=8"], "policy 'sla' is not in batching 'continuous'"),
+    (["serve", "--batching", "memory", "--policy-arg", "memory.eps_m=2"], "memory.eps_m=2: input should be less"),
+    (["serve", "--instances", "2", "--mode", "disaggregate", "--prefill-instances", "2"], "--prefill-instances"),
+    (["serve", "--prefill-instances", "1"], "needs --mode disaggregate"),
+    (["bench", "policies", "--policies", "continuous,bucket", "--policy-arg", "sla.alpha=4"],
+     "no policy of --policies"),
+    (["sim", "--batching", "sla"], "needs a decode-latency SLO"),
 ])
 def test_bad_arguments_give_one_line(args, needle, tmp_path):
     r = tidal(*args)
@@ -51,7 +61,7 @@ def parse(*argv: str):
 
 
 SCHED_ARGV = ["--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--long-prefill-token-threshold", "64",
-              "--preemption-mode", "swap", "--batching", "bucket+memory", "--tbt-slo-ms", "40",
+              "--preemption-mode", "swap", "--batching", "bucket+memory+sla", "--tbt-slo-ms", "40",
               "--policy-arg", "bucket.theta=0.3", "--policy-arg", "sla.alpha=4"]
 ENGINE_ARGV = ["--model", "m.gguf", "--dtype", "float32", "--device", "cpu", "--max-model-len", "256",
                "--kv-cache-memory", "64MiB", "--gpu-memory-utilization", "0.5", "--block-size", "32",
@@ -64,7 +74,7 @@ def test_scheduler_flags_parse_to_the_same_config_in_every_command():
     from tidal.sim.run import cluster_spec
 
     want = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, long_prefill_token_threshold=64,
-                           preemption_mode="swap", batching="bucket+memory", tbt_slo_ms=40.0,
+                           preemption_mode="swap", batching="bucket+memory+sla", tbt_slo_ms=40.0,
                            policy_args={"bucket.theta": "0.3", "sla.alpha": "4"})
     got = {
         "serve": F.engine_config(parse("serve", *SCHED_ARGV)).scheduler,
@@ -74,7 +84,7 @@ def test_scheduler_flags_parse_to_the_same_config_in_every_command():
     }
     # bench policies runs every policy of --policies: the rest of the scheduler flags are the shared ones
     no_policy = SCHED_ARGV[:SCHED_ARGV.index("--batching")] + SCHED_ARGV[SCHED_ARGV.index("--policy-arg"):]
-    got["bench policies"] = F.engine_config(parse("bench", "policies", *no_policy), batching="bucket+memory",
+    got["bench policies"] = F.engine_config(parse("bench", "policies", *no_policy), batching="bucket+memory+sla",
                                             tbt_slo_ms=40.0).scheduler
     assert got == dict.fromkeys(got, want)
     # unset flags leave the config's own defaults, in the engine and in the simulator alike

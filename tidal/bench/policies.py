@@ -22,8 +22,9 @@ from tidal.common import flags as F
 from tidal.common.machine import describe, machine_info
 from tidal.common.progress import progress_bar
 from tidal.common.results import command_line, write_result
-from tidal.config import ConfigError
+from tidal.config import ConfigError, parse_policy_args
 from tidal.metrics import SLO, RequestRecord, summarize
+from tidal.policies import policy_args_for
 from tidal.workload import gamma_arrivals
 
 DEFAULT_POLICIES = "static,continuous,bucket,memory,sla,slo-compose,bucket+memory+sla"
@@ -186,13 +187,20 @@ def run(args: argparse.Namespace) -> int:
     if not names:
         raise ConfigError("--policies names no policy")
     dtype = dtype_name(args.dtype, args.device)  # "auto" as the engine resolves it: reported, never "auto"
-    F.engine_config(args, dtype=dtype)  # a bad flag fails before the model loads
+    given = parse_policy_args(args.policy_args or [])
+    unused = set(given) - {k for b in names for k in policy_args_for(b, given)}
+    if unused:
+        raise ConfigError(f"policy argument {sorted(unused)[0]}: no policy of --policies {args.policies!r} takes it")
+    for b in names:  # bad flags, policy names or parameters fail before the model loads
+        F.engine_config(args, dtype=dtype, batching=b, policy_args=policy_args_for(b, given),
+                        tbt_slo_ms=50.0)  # a placeholder: the real SLO is measured below
     ckpt = load_checkpoint(args.model)
     tok = Tokenizer.from_checkpoint(ckpt)
     vocab = ckpt.arch.vocab_size
 
     def build(batching: str, tbt_slo_ms: float | None = None) -> LLMEngine:
-        cfg = F.engine_config(args, model=ckpt.path, dtype=dtype, batching=batching, tbt_slo_ms=tbt_slo_ms)
+        cfg = F.engine_config(args, model=ckpt.path, dtype=dtype, batching=batching, tbt_slo_ms=tbt_slo_ms,
+                              policy_args=policy_args_for(batching, given))
         return LLMEngine(cfg, checkpoint=ckpt, tokenizer=tok)
 
     command = command_line(PROG)

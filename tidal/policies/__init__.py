@@ -10,9 +10,10 @@ from tidal.policies.registry import (
     available_policies,
     build_policy,
     check_policy,
+    policy_args_for,
     policy_params,
     register_policy,
 )
 
-__all__ = ["PolicyParams", "available_policies", "build_policy", "check_policy", "policy_params",
+__all__ = ["PolicyParams", "available_policies", "build_policy", "check_policy", "policy_args_for", "policy_params",
            "register_policy"]

@@ -73,6 +73,13 @@ def build_policy(config: SchedulerConfig) -> SchedulingPolicy:
     return CompositePolicy(parts)
 
 
+def policy_args_for(batching: str, policy_args: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of ``policy_args`` that belong to the policies ``batching`` names (for commands
+    that run several policies with one set of ``--policy-arg``)."""
+    names = {n.strip() for n in batching.split("+")}
+    return {k: v for k, v in policy_args.items() if k.partition(".")[0] in names}
+
+
 def check_policy(config: SchedulerConfig) -> None:
     """Raise ConfigError naming what is wrong with ``--batching`` / ``--policy-arg``; build nothing lasting."""
     build_policy(config)
