@@ -145,8 +145,10 @@ class StubClient:
 
 @pytest.fixture(scope="module")
 def stub_server():
+    from tests.processes import POPEN_KW  # (not at the top: this file also runs as the stub's script)
+
     # a separate process, so the client's timing never waits on the stub for the GIL
-    proc = subprocess.Popen([sys.executable, __file__], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, __file__], stdout=subprocess.PIPE, text=True, **POPEN_KW)
     try:
         port = int(proc.stdout.readline())
         url = f"http://127.0.0.1:{port}"

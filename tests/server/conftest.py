@@ -18,6 +18,8 @@ import time
 import httpx
 import pytest
 
+from tests.processes import POPEN_KW
+
 READY_RE = re.compile(r"serving (\S+) on http://([\d.]+):(\d+)")
 STARTUP_TIMEOUT = 240.0
 
@@ -27,7 +29,7 @@ class ServerProcess:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="tidal-serve-", suffix=".log", delete=False)  # noqa: SIM115
         cmd = [sys.executable, "-m", "tidal.cli", "serve", "--port", "0", "--dtype", "float32", *flags]
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, **POPEN_KW)
         self.url = ""
         self.model = ""
         self.final_output = ""
