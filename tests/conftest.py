@@ -7,6 +7,9 @@ import os
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Every engine the tests build in this process reuses the parsed and dequantized default GGUF
+# (tidal.engine.loader's opt-in cache; each engine still gets its own copy of the weights).
+os.environ.setdefault("TIDAL_WEIGHT_CACHE_MB", "1024")
 
 
 @pytest.fixture(scope="session")
