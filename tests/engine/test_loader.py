@@ -29,15 +29,19 @@ transformers = pytest.importorskip("transformers")
 # ------------------------------------------------------------------------------------ default GGUF
 @pytest.fixture(scope="module")
 def smol() -> LoadedCheckpoint:
+    loader_mod.clear_cache()  # these tests read the file itself, not what other tests left in the cache
     return load_checkpoint(None)
 
 
 @pytest.fixture(scope="module")
-def smol_hf_state(smol: LoadedCheckpoint) -> dict[str, torch.Tensor]:
-    """transformers' own GGUF loading of the same file (dequantized, q/k un-permuted)."""
-    d, name = os.path.split(smol.path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+def smol_hf_state(smol: LoadedCheckpoint, hf_smol) -> dict[str, torch.Tensor]:
+    """transformers' own GGUF loading of the same file (dequantized, q/k un-permuted).
+
+    ``hf_smol`` (conftest) is that model, loaded once per session for the parity tests too; the
+    tests here only read its weights.
+    """
+    assert os.path.samefile(hf_smol.config.name_or_path, os.path.dirname(smol.path))
+    return {k: v.detach() for k, v in hf_smol.state_dict().items()}
 
 
 def test_default_model_path_points_at_the_smollm2_gguf():
