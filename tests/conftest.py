@@ -7,6 +7,15 @@ import os
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# OpenMP's worker threads (torch's intra-op pool) spin while they wait for work by default. The
+# suite runs beside its own server subprocesses (and, on a shared 2-core machine, beside whatever
+# else runs), so spinning threads steal the cores the others need: a generate that takes 6 s took
+# 30-60 s under load. Passive waiting changes no result, only who gets the CPU. It must be set
+# before torch (libgomp) is loaded; the server subprocesses inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Every engine the tests build in this process reuses the parsed and dequantized default GGUF
+# (tidal.engine.loader's opt-in cache; each engine still gets its own copy of the weights).
+os.environ.setdefault("TIDAL_WEIGHT_CACHE_MB", "1024")
 
 
 @pytest.fixture(scope="session")

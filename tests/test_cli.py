@@ -13,6 +13,28 @@ def tidal(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+def tidal_in_process(capsys, *args: str) -> subprocess.CompletedProcess:
+    """``tidal.cli.main(args)`` in this process (no interpreter start-up), with what a fresh one shows:
+    the CLI's own logging setup and every warning printed to stderr (pytest would capture both)."""
+    import logging
+    import warnings
+
+    from tidal.cli import main
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    root.handlers = []  # so that main()'s logging.basicConfig installs its stderr handler
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("default")
+            warnings.showwarning = warnings._showwarning_orig  # to stderr, as in a fresh interpreter
+            rc = main(list(args))
+    finally:
+        root.handlers, root.level = handlers, level
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), rc, out.out, out.err)
+
+
 @pytest.mark.parametrize("args, needle", [
     (["generate", "hi", "--model", "/nonexistent/model.gguf"], "/nonexistent/model.gguf"),
     (["generate", "hi", "--kv-cache-memory", "lots"], "kv_cache_memory"),
@@ -29,8 +51,8 @@ def tidal(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
      "no policy of --policies"),
     (["sim", "--batching", "sla"], "needs a decode-latency SLO"),
 ])
-def test_bad_arguments_give_one_line(args, needle, tmp_path):
-    r = tidal(*args)
+def test_bad_arguments_give_one_line(args, needle, tmp_path, capsys):
+    r = tidal_in_process(capsys, *args)  # the real process's exit code: test_garbage_model_file
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr
     assert "Traceback" not in r.stderr

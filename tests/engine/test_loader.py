@@ -29,15 +29,19 @@ transformers = pytest.importorskip("transformers")
 # ------------------------------------------------------------------------------------ default GGUF
 @pytest.fixture(scope="module")
 def smol() -> LoadedCheckpoint:
+    loader_mod.clear_cache()  # these tests read the file itself, not what other tests left in the cache
     return load_checkpoint(None)
 
 
 @pytest.fixture(scope="module")
-def smol_hf_state(smol: LoadedCheckpoint) -> dict[str, torch.Tensor]:
-    """transformers' own GGUF loading of the same file (dequantized, q/k un-permuted)."""
-    d, name = os.path.split(smol.path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+def smol_hf_state(smol: LoadedCheckpoint, hf_smol) -> dict[str, torch.Tensor]:
+    """transformers' own GGUF loading of the same file (dequantized, q/k un-permuted).
+
+    ``hf_smol`` (conftest) is that model, loaded once per session for the parity tests too; the
+    tests here only read its weights.
+    """
+    assert os.path.samefile(hf_smol.config.name_or_path, os.path.dirname(smol.path))
+    return {k: v.detach() for k, v in hf_smol.state_dict().items()}
 
 
 def test_default_model_path_points_at_the_smollm2_gguf():
@@ -315,6 +319,93 @@ def test_gguf_rope_freqs_become_llama3_scaling(tmp_path):
     assert ckpt.arch.rope_scaling == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     assert "rope_freqs.weight" not in dict(ckpt.weights())
+
+
+# ------------------------------------------------------------------------------------ per-process cache
+@pytest.fixture
+def fresh_cache(monkeypatch):
+    monkeypatch.setenv(loader_mod.CACHE_ENV, "1024")
+    loader_mod.clear_cache()
+    calls = {"dequantize": 0, "reader": 0}
+    real_dequantize, real_reader = gguf.quants.dequantize, gguf.GGUFReader
+
+    def dequantize(*a, **k):
+        calls["dequantize"] += 1
+        return real_dequantize(*a, **k)
+
+    def reader(*a, **k):
+        calls["reader"] += 1
+        return real_reader(*a, **k)
+
+    monkeypatch.setattr(gguf.quants, "dequantize", dequantize)  # the loader imports both at call time
+    monkeypatch.setattr(gguf, "GGUFReader", reader)
+    yield calls
+    loader_mod.clear_cache()
+
+
+def _tiny_gguf(tmp_path, seed: int = 0):
+    cfg = _tiny_llama_config(hidden_size=64, intermediate_size=64)
+    state = _save(transformers.LlamaForCausalLM, cfg, tmp_path / f"hf{seed}")
+    if seed:
+        state = {k: v + seed for k, v in state.items()}
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, "llama", cfg, state, _TYPES)
+    return path, state
+
+
+def test_cache_reuses_parsed_and_dequantized_gguf(tmp_path, fresh_cache):
+    path, _ = _tiny_gguf(tmp_path)
+    first = load_checkpoint(str(path))
+    w1 = dict(first.weights())
+    n = fresh_cache["dequantize"]
+    assert fresh_cache["reader"] == 1 and n == len(w1)
+    second = load_checkpoint(str(path))  # parsed once: no second reader
+    assert fresh_cache["reader"] == 1
+    assert second is not first and second.arch == first.arch and second.weight_names() == first.weight_names()
+    w2 = dict(second.weights())  # the cache is hit: nothing is dequantized again
+    assert fresh_cache["dequantize"] == n
+    assert list(w2) == list(w1)
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], atol=0, rtol=0, msg=name)
+        assert w2[name].data_ptr() != w1[name].data_ptr()  # copies, never the cached tensor
+    # a consumer that modifies its tensors in place does not change what the next one gets
+    for w in w2.values():
+        w.zero_()
+    w3 = dict(load_checkpoint(str(path)).weights())
+    assert fresh_cache["dequantize"] == n
+    for name in w1:
+        torch.testing.assert_close(w3[name], w1[name], atol=0, rtol=0, msg=name)
+
+
+def test_cache_reloads_a_changed_file(tmp_path, fresh_cache):
+    path, _ = _tiny_gguf(tmp_path)
+    before = dict(load_checkpoint(str(path)).weights())
+    st = os.stat(path)
+    _, state = _tiny_gguf(tmp_path, seed=1)  # same shapes and size, other values
+    assert os.stat(path).st_size == st.st_size
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # coarse clocks: a visibly new mtime
+    reads, deqs = fresh_cache["reader"], fresh_cache["dequantize"]
+    after = dict(load_checkpoint(str(path)).weights())
+    assert fresh_cache["reader"] == reads + 1 and fresh_cache["dequantize"] == deqs + len(after)
+    name = "model.layers.0.mlp.down_proj.weight"  # Q8_0: close to the written values
+    assert not torch.allclose(after[name], before[name])
+    torch.testing.assert_close(after[name], _roundtrip(state[name], QT.Q8_0), atol=1e-6, rtol=0)
+
+
+def test_cache_is_off_by_default_and_skips_large_files(tmp_path, fresh_cache, monkeypatch):
+    path, _ = _tiny_gguf(tmp_path)
+    monkeypatch.delenv(loader_mod.CACHE_ENV)
+    for _ in range(2):
+        n = len(dict(load_checkpoint(str(path)).weights()))
+    assert fresh_cache["reader"] == 2 and fresh_cache["dequantize"] == 2 * n
+    monkeypatch.setenv(loader_mod.CACHE_ENV, "0")
+    nbytes = sum(4 * w.numel() for w in dict(load_checkpoint(str(path)).weights()).values())
+    assert fresh_cache["reader"] == 3 and fresh_cache["dequantize"] == 3 * n
+    monkeypatch.setenv(loader_mod.CACHE_ENV, str(0.5 * nbytes / 1024**2))  # the file's weights do not fit
+    for _ in range(2):
+        dict(load_checkpoint(str(path)).weights())
+    assert fresh_cache["reader"] == 4  # its metadata is still cached
+    assert fresh_cache["dequantize"] == 5 * n
 
 
 def test_llama3_fit_of_non_standard_factors():

@@ -25,8 +25,9 @@ SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, train
 
 
 @pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.from_checkpoint(load_checkpoint(None))
+def tok(smol_tokenizer) -> Tokenizer:
+    """``Tokenizer.from_checkpoint(load_checkpoint(None))``, built once per session (conftest)."""
+    return smol_tokenizer
 
 
 def _stream(tok: Tokenizer, ids: list[int], prompt: list[int] | None = None, chunks: list[int] | None = None,

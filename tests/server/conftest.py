@@ -29,6 +29,7 @@ class ServerProcess:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="tidal-serve-", suffix=".log", delete=False)  # noqa: SIM115
         cmd = [sys.executable, "-m", "tidal.cli", "serve", "--port", "0", "--dtype", "float32", *flags]
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        env.pop("TIDAL_WEIGHT_CACHE_MB", None)  # a server as users run it (it loads the weights once anyway)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, **POPEN_KW)
         self.url = ""
         self.model = ""

@@ -19,6 +19,16 @@ GGUF specifics:
 * Llama-3.1-style RoPE scaling is stored by llama.cpp as a ``rope_freqs.weight`` tensor of per-frequency
   factors rather than as metadata; the ``llama3`` parameters are recovered from it (and the tensor is not
   yielded as a weight).
+
+Caching (GGUF only, per process, opt-in): parsing a GGUF's metadata (a 49k-token vocabulary is ~150k
+fields) and dequantizing its tensors take seconds, which a process that builds several engines from one
+file (the test suite, benchmarks that compare policies) pays again for each. With ``TIDAL_WEIGHT_CACHE_MB``
+set to a positive budget, the parsed metadata of the last few files and the dequantized fp32 tensors of
+files whose weights fit in the budget are kept, keyed by the file's identity (resolved path, device,
+inode, size and mtime): a file that changes on disk is read again. Cached tensors are never handed out;
+:meth:`LoadedCheckpoint.weights` yields a fresh copy of each, so a caller may still modify what it gets.
+Off by default: a server builds its engine once, and the cache would only hold a second copy of the
+weights (538 MB for the default model). :func:`clear_cache` empties both caches.
 """
 
 from __future__ import annotations
@@ -28,6 +38,8 @@ import json
 import math
 import os
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,6 +137,27 @@ class LoadedCheckpoint:
 
     # ---- GGUF
     def _gguf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        key = _file_key(self.path)
+        cached = _weight_cache.get(key) if key is not None else None
+        if cached is not None:
+            for name, tensor in cached:
+                yield name, tensor.clone()  # the cached tensor itself is never handed out
+            return
+        keep: list[tuple[str, torch.Tensor]] | None = None
+        if key is not None and self._gguf_fp32_bytes() <= _cache_limit_bytes():
+            keep = []
+        for name, tensor in self._gguf_dequantized():
+            if keep is not None:
+                keep.append((name, tensor))
+                tensor = tensor.clone()
+            yield name, tensor
+        if keep is not None:  # only a complete pass is cached
+            _weight_cache.put(key, keep)
+
+    def _gguf_fp32_bytes(self) -> int:
+        return sum(4 * int(np.prod(t.shape)) for t in self._reader.tensors if t.name in self._tensor_names)
+
+    def _gguf_dequantized(self) -> Iterator[tuple[str, torch.Tensor]]:
         from gguf.quants import dequantize
 
         arch = self.arch
@@ -174,7 +207,89 @@ def load_checkpoint(model: str | None) -> LoadedCheckpoint:
     path = resolve_model_path(model)
     if os.path.isdir(path):
         return _load_hf(path)
-    return _load_gguf(path)
+    key = _file_key(path)
+    cached = _meta_cache.get(key) if key is not None else None
+    if cached is None:
+        cached = _load_gguf(path)
+        if key is not None:
+            _meta_cache.put(key, cached)
+    # a new object each time (callers may set attributes on theirs); the reader is read-only and shared
+    return LoadedCheckpoint(arch=cached.arch, path=cached.path, format=cached.format, _reader=cached._reader,
+                            _tensor_names=dict(cached._tensor_names))
+
+
+# ------------------------------------------------------------------------------------ caches
+CACHE_ENV = "TIDAL_WEIGHT_CACHE_MB"  # MiB of dequantized weights a process may keep; unset or 0: no caching
+_META_CACHE_ENTRIES = 4
+
+
+def _cache_limit_bytes() -> int:
+    raw = os.environ.get(CACHE_ENV, "").strip()
+    try:
+        return max(0, int(float(raw) * 1024**2)) if raw else 0
+    except ValueError:
+        return 0
+
+
+def _file_key(path: str) -> tuple | None:
+    """What identifies a file's contents well enough to reuse what was read from it; None: don't cache."""
+    if _cache_limit_bytes() <= 0:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+class _LRU:
+    """A small thread-safe LRU map, bounded by its number of entries or (``sized``) by the bytes of the
+    tensors in its values (the cache budget)."""
+
+    def __init__(self, max_entries: int | None = None, sized: bool = False):
+        self.max_entries, self.sized = max_entries, sized
+        self._items: OrderedDict[tuple, Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    @staticmethod
+    def _nbytes(value: list[tuple[str, torch.Tensor]]) -> int:
+        return sum(t.numel() * t.element_size() for _, t in value)
+
+    def get(self, key: tuple) -> Any:
+        with self._lock:
+            value = self._items.get(key)
+            if value is None:
+                self.misses += 1
+                return None
+            self.hits += 1
+            self._items.move_to_end(key)
+            return value
+
+    def put(self, key: tuple, value: Any) -> None:
+        with self._lock:
+            self._items[key] = value
+            self._items.move_to_end(key)
+            limit = _cache_limit_bytes()
+            while self._items and (
+                    (self.max_entries is not None and len(self._items) > self.max_entries)
+                    or (self.sized and sum(self._nbytes(v) for v in self._items.values()) > limit)):
+                self._items.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self.hits = self.misses = 0
+
+
+_meta_cache = _LRU(max_entries=_META_CACHE_ENTRIES)  # file key -> LoadedCheckpoint (metadata + reader)
+_weight_cache = _LRU(sized=True)  # file key -> [(hf_name, fp32 tensor)] in the file's order
+
+
+def clear_cache() -> None:
+    """Forget every parsed GGUF and every cached dequantized tensor of this process."""
+    _meta_cache.clear()
+    _weight_cache.clear()
 
 
 # ------------------------------------------------------------------------------------ GGUF
@@ -535,6 +650,7 @@ def _hf_tensor_names(files: list[str], tie: bool, path: str) -> dict[str, str]:
 
 
 __all__ = [
-    "LoadedCheckpoint", "ModelLoadError", "SUPPORTED_ARCHITECTURES", "default_model_path",
+    "CACHE_ENV", "LoadedCheckpoint", "ModelLoadError", "SUPPORTED_ARCHITECTURES", "clear_cache",
+    "default_model_path",
     "llama3_rope_from_freq_factors", "load_checkpoint", "resolve_model_path",
 ]
