@@ -33,6 +33,7 @@ weights (538 MB for the default model). :func:`clear_cache` empties both caches.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -47,7 +48,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tidal.config import ConfigError, ModelArch
+from tidal.config import ConfigError, ModelArch, env_str
+from tidal.engine import disk_cache
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -143,25 +145,45 @@ class LoadedCheckpoint:
             for name, tensor in cached:
                 yield name, tensor.clone()  # the cached tensor itself is never handed out
             return
+        disk = disk_cache.cache_path(self.path)
+        source = disk_cache.load(disk) if disk else None  # dequantized by an earlier process
         keep: list[tuple[str, torch.Tensor]] | None = None
-        if key is not None and self._gguf_fp32_bytes() <= _cache_limit_bytes():
-            keep = []
-        for name, tensor in self._gguf_dequantized():
+        if key is not None:
+            size = os.path.getsize(disk) if source is not None else self._gguf_fp32_bytes()
+            keep = [] if size <= _cache_limit_bytes() else None
+        keep_disk: list[tuple[str, torch.Tensor]] | None = [] if disk and source is None else None
+        for name, tensor in source if source is not None else self._gguf_dequantized():
+            if keep_disk is not None:
+                keep_disk.append((name, tensor))
             if keep is not None:
                 keep.append((name, tensor))
+            if keep is not None or keep_disk is not None:
                 tensor = tensor.clone()
             yield name, tensor
-        if keep is not None:  # only a complete pass is cached
+        if keep_disk is not None:  # only a complete pass is cached
+            disk_cache.store(disk, keep_disk)
+        if keep is not None:
             _weight_cache.put(key, keep)
 
     def _gguf_fp32_bytes(self) -> int:
-        return sum(4 * int(np.prod(t.shape)) for t in self._reader.tensors if t.name in self._tensor_names)
+        return sum(4 * int(np.prod(t.shape)) for t in self.reader().tensors if t.name in self._tensor_names)
+
+    def reader(self) -> Any:
+        """The GGUF reader, opened on first use (a checkpoint described by the disk cache has none yet)."""
+        if self._reader is None:
+            from gguf import GGUFReader
+
+            try:
+                self._reader = GGUFReader(self.path, "r")
+            except Exception as e:  # noqa: BLE001 - the reader raises several kinds on garbage
+                raise ModelLoadError(f"cannot read GGUF file {self.path}: {_one_line(e)}") from e
+        return self._reader
 
     def _gguf_dequantized(self) -> Iterator[tuple[str, torch.Tensor]]:
         from gguf.quants import dequantize
 
         arch = self.arch
-        for t in self._reader.tensors:
+        for t in self.reader().tensors:
             hf_name = self._tensor_names.get(t.name)
             if hf_name is None:
                 continue
@@ -210,12 +232,30 @@ def load_checkpoint(model: str | None) -> LoadedCheckpoint:
     key = _file_key(path)
     cached = _meta_cache.get(key) if key is not None else None
     if cached is None:
-        cached = _load_gguf(path)
+        cached = _gguf_from_disk_cache(path)
+        if cached is None:
+            cached = _load_gguf(path)
+            disk_cache.store_meta(path, dataclasses.asdict(cached.arch), cached._tensor_names)
         if key is not None:
             _meta_cache.put(key, cached)
     # a new object each time (callers may set attributes on theirs); the reader is read-only and shared
     return LoadedCheckpoint(arch=cached.arch, path=cached.path, format=cached.format, _reader=cached._reader,
                             _tensor_names=dict(cached._tensor_names))
+
+
+def _gguf_from_disk_cache(path: str) -> LoadedCheckpoint | None:
+    """The architecture and tensor names of a GGUF as an earlier process read them (parsing the
+    metadata of a 49k-token vocabulary takes ~5 s); the reader opens only if weights are dequantized."""
+    meta = disk_cache.load_meta(path)
+    if meta is None:
+        return None
+    try:
+        arch = dict(meta["arch"])
+        arch["eos_token_ids"] = tuple(arch.get("eos_token_ids") or ())
+        return LoadedCheckpoint(arch=ModelArch(**arch), path=path, format="gguf", _reader=None,
+                                _tensor_names=dict(meta["names"]))
+    except (KeyError, TypeError, ValueError):  # written by another version: read the file itself
+        return None
 
 
 # ------------------------------------------------------------------------------------ caches
@@ -224,7 +264,7 @@ _META_CACHE_ENTRIES = 4
 
 
 def _cache_limit_bytes() -> int:
-    raw = os.environ.get(CACHE_ENV, "").strip()
+    raw = (env_str(CACHE_ENV) or "").strip()
     try:
         return max(0, int(float(raw) * 1024**2)) if raw else 0
     except ValueError:

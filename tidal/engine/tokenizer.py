@@ -22,7 +22,6 @@ tokens, independent of the output length.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,8 +56,9 @@ class Tokenizer:
 
         try:
             if ckpt.format == "gguf":
-                hf = AutoTokenizer.from_pretrained(os.path.dirname(ckpt.path),
-                                                   gguf_file=os.path.basename(ckpt.path))
+                from tidal.engine.disk_cache import load_tokenizer
+
+                hf = load_tokenizer(ckpt.path)
             else:
                 hf = AutoTokenizer.from_pretrained(ckpt.path)
         except Exception as e:

@@ -1,0 +1,149 @@
+"""A cache on disk of what loading a GGUF costs most, shared by every process that loads the file.
+
+Building the tokenizer from a GGUF's metadata (transformers parses ~150k vocabulary fields: 11 s
+for the default model on one busy core here) and dequantizing its tensors take seconds, and every
+process pays them: each worker of ``tidal serve --instances N``, a worker restarted after a
+failure, every server a benchmark starts. The first load saves the tokenizer (``save_pretrained``)
+and the fp32 tensors (safetensors); later loads read those instead. The key is the GGUF's resolved
+path, size and mtime (and this format's version), so a changed file is read again. Weights whose
+fp32 size exceeds the budget are not cached. Settings, read through :func:`tidal.config.env_str`: ``TIDAL_CACHE_DIR`` (default
+``~/.cache/tidal``) and ``TIDAL_DISK_CACHE_MB`` (default 2048; 0 turns the cache off).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from tidal.config import env_str
+
+log = logging.getLogger("tidal.loader")
+VERSION = 1  # bump when what the loader yields for a GGUF changes (a permutation fix, say)
+DEFAULT_BUDGET_MB = 2048
+
+
+def cache_dir() -> str:
+    return env_str("TIDAL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tidal")
+
+
+def budget_bytes() -> int:
+    raw = (env_str("TIDAL_DISK_CACHE_MB") or "").strip()
+    try:
+        return max(0, int(float(raw) * 1024**2)) if raw else DEFAULT_BUDGET_MB * 1024**2
+    except ValueError:
+        return DEFAULT_BUDGET_MB * 1024**2
+
+
+def _entry(gguf_path: str, kind: str, suffix: str) -> str | None:
+    if budget_bytes() <= 0:
+        return None
+    try:
+        st = os.stat(gguf_path)
+    except OSError:
+        return None
+    ident = json.dumps([os.path.realpath(gguf_path), st.st_size, st.st_mtime_ns, VERSION])
+    digest = hashlib.sha256(ident.encode()).hexdigest()[:24]
+    return os.path.join(cache_dir(), kind, f"{os.path.basename(gguf_path)}.{digest}{suffix}")
+
+
+def cache_path(gguf_path: str) -> str | None:
+    """Where the dequantized weights of ``gguf_path`` live (or would), None when caching is off."""
+    return _entry(gguf_path, "weights", ".safetensors")
+
+
+def load_tokenizer(gguf_path: str) -> Any:
+    """The Hugging Face tokenizer of ``gguf_path``: from the cache, else built from the GGUF and saved."""
+    from transformers import AutoTokenizer
+
+    where = _entry(gguf_path, "tokenizers", "")
+    if where is not None and os.path.isfile(os.path.join(where, "tokenizer_config.json")):
+        try:
+            return AutoTokenizer.from_pretrained(where)
+        except Exception as e:  # noqa: BLE001 - a torn cache entry: build it again
+            log.warning("ignoring the tokenizer cache %s: %s", where, e)
+    hf = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
+    if where is not None:
+        tmp = f"{where}.{os.getpid()}.tmp"
+        try:
+            hf.save_pretrained(tmp)
+            os.replace(tmp, where)  # a directory rename: readers see all of it or none
+        except OSError as e:
+            log.warning("could not write the tokenizer cache %s: %s", where, e)
+            shutil.rmtree(tmp, ignore_errors=True)
+    return hf
+
+
+def load_meta(gguf_path: str) -> dict[str, Any] | None:
+    """What an earlier process read of the GGUF's metadata (architecture, tensor names), or None."""
+    where = _entry(gguf_path, "meta", ".json")
+    if where is None or not os.path.isfile(where):
+        return None
+    try:
+        with open(where, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def store_meta(gguf_path: str, arch: dict[str, Any], names: dict[str, str]) -> None:
+    where = _entry(gguf_path, "meta", ".json")
+    if where is None:
+        return
+    tmp = f"{where}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(where), exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"arch": arch, "names": names}, f)
+        os.replace(tmp, where)
+    except (OSError, TypeError, ValueError) as e:
+        log.warning("could not write the metadata cache %s: %s", where, e)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
+def load(path: str) -> Iterator[tuple[str, torch.Tensor]] | None:
+    """The cached tensors in the order they were stored, or None if there is no usable file."""
+    from safetensors import safe_open
+
+    if not os.path.isfile(path):
+        return None
+    try:
+        f = safe_open(path, framework="pt")
+        order = json.loads((f.metadata() or {}).get("order", "[]"))
+    except Exception as e:  # noqa: BLE001 - a torn or foreign file is just not a cache hit
+        log.warning("ignoring the weight cache %s: %s", path, e)
+        return None
+
+    def gen() -> Iterator[tuple[str, torch.Tensor]]:
+        for name in order:
+            yield name, f.get_tensor(name)
+
+    return gen()
+
+
+def store(path: str, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """Write the tensors (atomically: a reader never sees half a file); failures only log."""
+    from safetensors.torch import save_file
+
+    if sum(t.numel() * t.element_size() for _, t in tensors) > budget_bytes():
+        return
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        save_file({n: t.contiguous() for n, t in tensors}, tmp, metadata={"order": json.dumps([n for n, _ in tensors])})
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("could not write the weight cache %s: %s", path, e)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
+__all__ = ["budget_bytes", "cache_dir", "cache_path", "load", "load_meta", "load_tokenizer", "store", "store_meta"]
