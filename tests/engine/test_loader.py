@@ -325,6 +325,7 @@ def test_gguf_rope_freqs_become_llama3_scaling(tmp_path):
 @pytest.fixture
 def fresh_cache(monkeypatch):
     monkeypatch.setenv(loader_mod.CACHE_ENV, "1024")
+    monkeypatch.setenv("TIDAL_DISK_CACHE_MB", "0")  # the per-process cache alone (the disk cache has its own tests)
     loader_mod.clear_cache()
     calls = {"dequantize": 0, "reader": 0}
     real_dequantize, real_reader = gguf.quants.dequantize, gguf.GGUFReader
