@@ -27,6 +27,12 @@ transformers = pytest.importorskip("transformers")
 
 
 # ------------------------------------------------------------------------------------ default GGUF
+@pytest.fixture(autouse=True)
+def _no_disk_cache(monkeypatch):
+    """These tests check what the loader makes of the file itself, never a cached copy of it."""
+    monkeypatch.setenv("TIDAL_DISK_CACHE_MB", "0")
+
+
 @pytest.fixture(scope="module")
 def smol() -> LoadedCheckpoint:
     loader_mod.clear_cache()  # these tests read the file itself, not what other tests left in the cache
@@ -98,7 +104,7 @@ def test_gguf_weights_match_transformers(smol: LoadedCheckpoint, smol_hf_state: 
 
 def test_gguf_qk_permutation_is_undone(smol: LoadedCheckpoint, smol_hf_state: dict[str, torch.Tensor]):
     """Without the un-permutation q/k would differ from transformers (which also un-permutes)."""
-    reader = smol._reader
+    reader = smol.reader()
     raw = {t.name: t for t in reader.tensors}["blk.0.attn_q.weight"]
     from gguf.quants import dequantize
 
