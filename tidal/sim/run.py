@@ -231,6 +231,7 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
         rate = search.capacity or args.search_low
         specs = W.specs_at_rate(specs, rate, args.duration)
     result = simulate(spec, specs, slo, "sim", not args.no_progress, args.timeline_points)
+    result["instance_stats"] = result["instances"]  # per instance (info's "instances" is their number)
     result.update(info)
     result["workload"] = {"name": args.workload or "trace", "trace": args.trace, "num_requests": len(specs),
                           "rate": args.rate, **W.length_stats(specs)}
