@@ -59,6 +59,20 @@ def test_fixed_and_uniform():
             W.make_requests(opts(workload=bad, num_requests=2))
 
 
+def test_mix_draws_each_request_from_one_component():
+    opts = W.WorkloadOptions(workload="mix:fixed:10:2=3,fixed:1000:50=1", num_requests=4000, seed=5)
+    specs = W.make_requests(opts)
+    assert {(s.prompt_len, s.output_len) for s in specs} == {(10, 2), (1000, 50)}
+    share = sum(s.prompt_len == 10 for s in specs) / len(specs)
+    assert share == pytest.approx(0.75, abs=0.03)
+    assert specs == W.make_requests(opts)  # seeded
+    mixed = W.make_requests(W.WorkloadOptions(workload="mix:alpaca=0.8,longbench=0.2", num_requests=4000))
+    assert np.mean([s.prompt_len for s in mixed]) == pytest.approx(0.8 * 83 + 0.2 * 5900, rel=0.1)
+    for bad in ("mix:alpaca", "mix:alpaca=-1", "mix:alpaca=0", "mix:mix:alpaca=1=1", "mix:nope=1"):
+        with pytest.raises(W.WorkloadError):
+            W.make_requests(W.WorkloadOptions(workload=bad, num_requests=5))
+
+
 def test_seed_makes_workloads_reproducible():
     a = W.make_requests(opts(workload="sharegpt", num_requests=50, rate=3.0, seed=7))
     b = W.make_requests(opts(workload="sharegpt", num_requests=50, rate=3.0, seed=7))

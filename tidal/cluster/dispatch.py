@@ -10,12 +10,17 @@ Pure decision code shared by the simulator and the real runtime.
   hold it (free blocks less the blocks already queued there, at least the request's need). If
   none can, the request waits on its prefill instance and the monitor shows it as a pending
   hand-off; it is retried whenever an instance reports.
+
+An optional ``recorder`` receives every decision with the monitor's view it was taken on
+(:mod:`tidal.cluster.decisions`), so the real runtime's and the simulator's can be compared.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from tidal.cluster.decisions import Decision, views_of
 from tidal.cluster.monitor import GlobalMonitor
 from tidal.cluster.router import Router, RouteRequest
 from tidal.config import ConfigError
@@ -56,32 +61,39 @@ class ClusterLayout:
 
 
 class Dispatcher:
-    def __init__(self, layout: ClusterLayout, monitor: GlobalMonitor, router: Router):
+    def __init__(self, layout: ClusterLayout, monitor: GlobalMonitor, router: Router,
+                 recorder: Callable[[Decision], None] | None = None):
         if len(monitor.instances) != layout.instances:
             raise ValueError("the monitor and the layout disagree on the number of instances")
         self.layout, self.monitor, self.router = layout, monitor, router
+        self.recorder = recorder
 
     def dispatch(self, req: RouteRequest, now: float) -> int | None:
         """The instance that takes ``req`` first (a prefill instance when disaggregated), or None
         when no instance of that role is alive."""
         role = "prefill" if self.layout.disaggregated else None
         live = self.monitor.alive(role)
-        if not live:
-            return None
-        index = live[self.router.route(req, live)].index
-        self.monitor.on_dispatch(index, req.request_id, now)
+        views = views_of(self.monitor) if self.recorder is not None else ()
+        index = live[self.router.route(req, live)].index if live else None
+        if self.recorder is not None:
+            self.recorder(Decision("dispatch", req.request_id, now, views, index, request=req))
+        if index is not None:
+            self.monitor.on_dispatch(index, req.request_id, now)
         return index
 
-    def choose_decode(self, request_id: str, blocks_needed: int) -> int | None:
+    def choose_decode(self, request_id: str, blocks_needed: int, now: float = 0.0) -> int | None:
         """BucketServe's hand-off target: the live decode instance with the most free KV that can
-        hold ``blocks_needed`` blocks; None (and a pending hand-off) when none can."""
+        hold ``blocks_needed`` blocks; None (and a pending hand-off) when none can. ``now`` is
+        only recorded."""
         fits = [r for r in self.monitor.alive("decode") if r.role == "decode" and r.handoff_room >= blocks_needed]
-        if not fits:
+        best = max(fits, key=lambda r: (r.handoff_room, -r.num_outstanding, -r.index)).index if fits else None
+        if self.recorder is not None:
+            self.recorder(Decision("handoff", request_id, now, views_of(self.monitor), best, blocks=blocks_needed))
+        if best is None:
             self.monitor.on_handoff_wait(request_id, blocks_needed)
-            return None
-        best = max(fits, key=lambda r: (r.handoff_room, -r.num_outstanding, -r.index))
-        self.monitor.on_handoff_start(request_id, best.index, blocks_needed)
-        return best.index
+        else:
+            self.monitor.on_handoff_start(request_id, best, blocks_needed)
+        return best
 
 
 __all__ = ["MODES", "ClusterLayout", "Dispatcher"]

@@ -7,12 +7,16 @@ and waiting requests, the queued KV demand, its last step time); the front end a
 sooner than any report: requests dispatched and not yet finished, arrivals, failures and restarts,
 and hand-offs that wait for room on a decode instance. The simulator and the real runtime feed
 the same object, so the same dispatch decisions come out of both.
+
+A status is an :class:`InstanceStatus` (a worker's report, as of its last step) or any object
+with its fields: the simulator hands in its live instances, so its front end sees each instance
+as it is now (a report delay of zero; the runtime's view lags by up to one step).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 ROLES = ("colocated", "prefill", "decode")
@@ -31,6 +35,9 @@ class InstanceStatus:
     queued_block_demand: int = 0  # KV blocks its waiting requests need to start
     step_time_s: float | None = None  # its last step's measured time
     num_preemptions: int = 0
+
+
+_STATUS_FIELDS = tuple(f.name for f in fields(InstanceStatus))
 
 
 @dataclass
@@ -177,7 +184,7 @@ class GlobalMonitor:
                 "step_time_ema_s": r.step_time_ema_s, "failures": r.failures, "restarts": r.restarts,
                 "reserved_blocks": sum(r.reserved.values()), "dispatched": r.dispatched,
                 "handoffs_in": r.handoffs_in,
-                **asdict(r.status)} for r in self.instances],
+                **{k: getattr(r.status, k) for k in _STATUS_FIELDS}} for r in self.instances],
             "pending_handoffs": len(self.pending_handoffs),
             "num_dispatched": self.num_dispatched,
             "num_handoffs": self.num_handoffs,

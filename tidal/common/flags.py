@@ -103,7 +103,8 @@ SCHEDULER_FLAGS: tuple[Flag, ...] = (
 WORKLOAD_FLAGS: tuple[Flag, ...] = (
     _flag("--workload", default=None,
           help="fixed:IN:OUT | uniform:A-B:C-D | " + " | ".join(W.SHAPES) +
-               " | alpaca-real | sharegpt-lengths | arxiv-lengths (default with --trace: the trace)"),
+               " | mix:NAME=W,NAME=W (e.g. mix:alpaca=0.8,longbench=0.2) | alpaca-real | sharegpt-lengths | "
+               "arxiv-lengths (default with --trace: the trace)"),
     _flag("--trace", default=None, help="timed trace to replay: Azure CSV or Mooncake JSONL"),
     _flag("--time-scale", type=positive_float, default=None,
           help="trace replay speedup: arrival t becomes t / X (2 = twice as fast)"),

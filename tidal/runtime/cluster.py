@@ -332,7 +332,7 @@ class ClusterLLM:
         h = t.handoff
         if h is None or h.dst is not None:
             return
-        dst = self.dispatcher.choose_decode(t.rid, h.blocks)
+        dst = self.dispatcher.choose_decode(t.rid, h.blocks, self.now())
         if dst is None:
             return  # waits, visible in the monitor's pending hand-offs
         h.dst = dst

@@ -20,41 +20,16 @@ from __future__ import annotations
 import contextlib
 import math
 import secrets
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 import torch
 
+from tidal.cluster.handoff import ChunkSpec, plan_chunks  # pure: the simulator plans the same chunks
+
 KV = dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (K, V) [tokens, kv_heads, head_dim]
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkSpec:
-    """Layers ``layers`` (layer ids) of tokens ``[start, end)``."""
-
-    layers: tuple[int, ...]
-    start: int
-    end: int
-
-
-def plan_chunks(layers: Sequence[int], start: int, end: int, layers_per_chunk: int | None = None,
-                tokens_per_chunk: int | None = None) -> list[ChunkSpec]:
-    """Chunks covering ``layers`` x ``[start, end)``: layer groups outer, token ranges inner.
-
-    ``layers_per_chunk`` / ``tokens_per_chunk`` of ``None`` (or 0) mean all of them in one chunk;
-    the last group or range is shorter when the sizes do not divide evenly; no layers or no
-    tokens give no chunks."""
-    layers = list(layers)
-    lpc = max(1, layers_per_chunk or len(layers))
-    tpc = max(1, tokens_per_chunk or (end - start))
-    out = []
-    for i in range(0, len(layers), lpc):
-        group = tuple(layers[i:i + lpc])
-        for t in range(start, end, tpc):
-            out.append(ChunkSpec(group, t, min(t + tpc, end)))
-    return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,22 +1,30 @@
-"""Building a simulated cluster from names: model shape, hardware, cost model, KV pool, router.
+"""Building a simulated cluster from names: model shape, hardware, cost model, KV pool, router,
+layout (colocated or prefill/decode), the link hand-offs travel on.
 
 Each instance's KV pool is sized by :func:`tidal.config.kv_pool_blocks`, the formula the engine
 uses: on a GPU, ``utilization`` of the memory less the weights, the runtime's reserve and one
-step's activations; on the CPU, the engine's KV budget. Pure (no torch, no clock).
+step's activations; on the CPU, the engine's KV budget. Disaggregated, the prefill instances can
+run their own batching policy (``prefill_batching``, e.g. BucketServe's buckets on the prefill
+side and continuous batching on the decode side, Sec. II-C). Pure (no torch, no clock).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
+from tidal.cluster.decisions import Decision
+from tidal.cluster.dispatch import ClusterLayout
+from tidal.cluster.handoff import DEFAULT_LAYERS_PER_CHUNK, DEFAULT_TOKENS_PER_CHUNK
 from tidal.cluster.router import build_router
 from tidal.config import ConfigError, ModelArch, SchedulerConfig
 from tidal.sim.analytic import AnalyticCostModel, kv_pool_blocks_for
 from tidal.sim.cost_model import CostModel, ScaledCostModel
 from tidal.sim.hardware import HardwareSpec, get_hardware
 from tidal.sim.instance import SimInstance
+from tidal.sim.links import LinkSpec, get_link
 from tidal.sim.models import get_model
+from tidal.sim.pd import HandoffConfig
 from tidal.sim.simulator import ClusterSimulator
 from tidal.workload import RequestSpec
 
@@ -42,16 +50,43 @@ class ClusterSpec:
     max_model_len: int | None = None  # default: the model's context
     timeline_interval_s: float = 0.0
     time_factor: float = 1.0  # multiply every step time (a slower or faster machine than modelled)
+    mode: str = "colocate"  # colocate | disaggregate
+    prefill_instances: int = 0  # with mode disaggregate: the first ones prefill, the rest decode
+    prefill_batching: str | None = None  # the prefill instances' policy (default: scheduler.batching)
+    link: str | None = None  # hand-off link (tidal.sim.links; default: nvlink on a GPU, shm on the CPU)
+    layers_per_chunk: int = DEFAULT_LAYERS_PER_CHUNK
+    tokens_per_chunk: int = DEFAULT_TOKENS_PER_CHUNK
 
     def __post_init__(self) -> None:
         if self.instances < 1:
             raise ConfigError(f"instances must be >= 1, got {self.instances}")
+        self.layout  # noqa: B018  (checks mode and prefill_instances)
+        if self.prefill_batching is not None and self.mode != "disaggregate":
+            raise ConfigError("--prefill-batching needs --mode disaggregate")
         if self.tp < 1:
             raise ConfigError(f"tp must be >= 1, got {self.tp}")
         if self.cost_model not in COST_MODELS:
             raise ConfigError(f"cost model must be one of {', '.join(COST_MODELS)}; got {self.cost_model!r}")
         if self.cost_model == "profiled" and not self.profile:
             raise ConfigError("the profiled cost model needs a profile file (write one with `tidal profile`)")
+
+
+    @property
+    def layout(self) -> ClusterLayout:
+        return ClusterLayout(self.instances, self.mode, self.prefill_instances)
+
+    def role_scheduler(self, role: str) -> SchedulerConfig:
+        """The scheduler config of an instance of ``role``: the prefill instances' policy may differ.
+        ``--policy-arg``s go to the roles whose policy they name."""
+        if not self.prefill_batching:
+            return self.scheduler
+        batching = self.prefill_batching if role == "prefill" else self.scheduler.batching
+        return _only_args_of(replace(self.scheduler, batching=batching), batching)
+
+
+def _only_args_of(config: SchedulerConfig, batching: str) -> SchedulerConfig:
+    names = {n.strip() for n in batching.split("+")}
+    return replace(config, policy_args={k: v for k, v in config.policy_args.items() if k.split(".")[0] in names})
 
 
 def make_cost_model(spec: ClusterSpec, arch: ModelArch, hw: HardwareSpec) -> CostModel:
@@ -78,14 +113,33 @@ def resolve(spec: ClusterSpec) -> tuple[ModelArch, HardwareSpec, int, int]:
     return arch, hw, blocks, max_len
 
 
-def build_simulator(spec: ClusterSpec, requests: Sequence[RequestSpec]) -> ClusterSimulator:
+def handoff_config(spec: ClusterSpec, arch: ModelArch, hw: HardwareSpec) -> HandoffConfig:
+    link: LinkSpec = get_link(spec.link, hw)
+    return HandoffConfig.for_model(arch, spec.dtype_bytes, link, spec.tp, spec.layers_per_chunk, spec.tokens_per_chunk)
+
+
+def check_policy_args(spec: ClusterSpec) -> None:
+    """Every ``--policy-arg`` must name a policy some role runs (else it would be dropped silently)."""
+    names = {n.strip() for r in set(spec.layout.roles()) for n in spec.role_scheduler(r).batching.split("+")}
+    for key in spec.scheduler.policy_args:
+        if key.split(".")[0] not in names:
+            raise ConfigError(f"policy argument {key!r} names a policy no instance runs "
+                              f"(--batching / --prefill-batching: {', '.join(sorted(names))})")
+
+
+def build_simulator(spec: ClusterSpec, requests: Sequence[RequestSpec],
+                    recorder: Callable[[Decision], None] | None = None) -> ClusterSimulator:
     arch, hw, blocks, max_len = resolve(spec)
+    layout = spec.layout
+    check_policy_args(spec)
     block_bytes = spec.block_size * arch.kv_bytes_per_token(spec.dtype_bytes)  # all tp shards
     host_blocks = spec.swap_space // block_bytes if spec.scheduler.preemption_mode == "swap" else 0
     cost_model = make_cost_model(spec, arch, hw)  # stateless: the instances share it
     instances = [
-        SimInstance(i, spec.scheduler, blocks, spec.block_size, cost_model, max_len,
-                    num_host_blocks=host_blocks, timeline_interval=spec.timeline_interval_s)
-        for i in range(spec.instances)
+        SimInstance(i, spec.role_scheduler(role), blocks, spec.block_size, cost_model, max_len,
+                    num_host_blocks=host_blocks, timeline_interval=spec.timeline_interval_s, role=role)
+        for i, role in enumerate(layout.roles())
     ]
-    return ClusterSimulator(instances, build_router(spec.router), requests, max_model_len=max_len)
+    handoff = handoff_config(spec, arch, hw) if layout.disaggregated else None
+    return ClusterSimulator(instances, build_router(spec.router), requests, max_model_len=max_len, layout=layout,
+                            handoff=handoff, recorder=recorder, timeline_interval=spec.timeline_interval_s)

@@ -4,6 +4,10 @@ the model runner replaced by a cost model. Pure: time is an argument.
 An instance is idle or executing one step. ``begin_step(now)`` asks the real scheduler for a
 plan and the cost model for its duration; ``end_step(now)`` applies a result (each sampled
 request gets one token) through the real ``Scheduler.update``.
+
+An instance has a role (``colocated``, ``prefill`` or ``decode``, from the cluster layout) and
+is its own live status for the global monitor (it has every field of
+:class:`tidal.cluster.monitor.InstanceStatus`).
 """
 
 from __future__ import annotations
@@ -51,8 +55,9 @@ class Timeline:
 class SimInstance:
     def __init__(self, index: int, config: SchedulerConfig, num_blocks: int, block_size: int,
                  cost_model: CostModel, max_model_len: int | None, num_host_blocks: int = 0,
-                 timeline_interval: float = 0.0):
+                 timeline_interval: float = 0.0, role: str = "colocated"):
         self.index = index
+        self.role = role
         self.kv = KVCacheManager(num_blocks, block_size, num_host_blocks)
         self.policy = build_policy(config)
         self.scheduler = Scheduler(config, self.kv, self.policy, max_model_len)
@@ -67,7 +72,7 @@ class SimInstance:
         self.busy_time = 0.0
         self.timeline = Timeline(timeline_interval)
 
-    # ---- what a router sees (tidal.cluster.router.InstanceLoad) ----
+    # ---- what a router and the monitor see (InstanceLoad, InstanceStatus) ----
     @property
     def num_outstanding(self) -> int:
         return len(self.scheduler.requests)
@@ -88,6 +93,22 @@ class SimInstance:
     def queued_block_demand(self) -> int:
         bs = self.kv.block_size
         return sum(-(-(r.num_tokens + 1) // bs) for r in self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def step_time_s(self) -> float | None:
+        return self._step_time if self.num_steps else None
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
 
     # ---- requests and steps ----
     def add_request(self, req: Request) -> None:
@@ -120,6 +141,6 @@ class SimInstance:
         return self.scheduler.update(plan, result, now)
 
     def stats(self) -> dict:
-        return {"index": self.index, "num_blocks": self.kv.num_blocks, "block_size": self.kv.block_size,
+        return {"index": self.index, "role": self.role, "num_blocks": self.kv.num_blocks, "block_size": self.kv.block_size,
                 "steps": self.num_steps, "busy_time_s": self.busy_time,
                 "num_preemptions": self.scheduler.num_preemptions, "policy_state": self.policy.state().to_dict()}

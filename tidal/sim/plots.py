@@ -1,5 +1,6 @@
 """PNG plots of a ``tidal sim`` result: latency CDFs and attainment vs rate (the bench's own
-plots) and per-instance timelines of KV use, queue length and batch size."""
+plots), per-instance timelines of KV use, queue length and batch size (labelled by role), and,
+disaggregated, the hand-offs: pending and in flight over time, and the CDF of their times."""
 
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ def plot_instance_timelines(timelines: list[dict[str, Any]], path: str, title: s
     for ax, (key, label, scale) in zip(axes, panels, strict=True):
         if len(timelines) <= MAX_LINES:
             for i, tl in enumerate(timelines):
-                ax.plot(tl["t"], [v * scale for v in tl[key]], linewidth=0.8, label=f"instance {i}")
+                role = tl.get("role", "colocated")
+                name = f"instance {i}" + ("" if role == "colocated" else f" ({role})")
+                ax.plot(tl["t"], [v * scale for v in tl[key]], linewidth=0.8, label=name,
+                        linestyle="--" if role == "prefill" else "-")
         else:
             import numpy as np
 
@@ -40,13 +44,55 @@ def plot_instance_timelines(timelines: list[dict[str, Any]], path: str, title: s
     return path
 
 
+def plot_handoffs(result: dict[str, Any], path: str, title: str = "") -> str:
+    """Hand-offs pending (no decode instance with room) and in flight over time, and the CDF of
+    each hand-off's wait, transfer and first-token-to-landing times."""
+    import numpy as np
+
+    plt = BP.pyplot()
+    fig, (a0, a1) = plt.subplots(1, 2, figsize=(13, 3.8))
+    tl = result.get("handoff_timeline") or {}
+    if tl.get("t"):
+        a0.step(tl["t"], tl["pending"], where="post", label="pending")
+        a0.step(tl["t"], tl["in_flight"], where="post", label="in flight")
+    a0.set_xlabel("simulated time (s)")
+    a0.set_ylabel("hand-offs")
+    a0.legend(loc="upper right")
+    a0.grid(alpha=0.3)
+    reqs = [r for r in result.get("requests", []) if r.get("handoff_ms") is not None]
+    xs = np.sort(np.asarray([r["handoff_ms"] for r in reqs], dtype=float))
+    if xs.size:
+        a1.step(xs, np.arange(1, xs.size + 1) / xs.size, where="post", label="first token to landing")
+        if xs[0] > 0 and xs[-1] / xs[0] > 100:
+            a1.set_xscale("log")
+    a1.set_xlabel("ms")
+    a1.set_ylabel("fraction of hand-offs")
+    a1.set_ylim(0, 1.02)
+    a1.grid(alpha=0.3)
+    a1.legend(loc="lower right")
+    h = result.get("handoffs") or {}
+    a1.set_title(f"{h.get('landed', 0)} hand-offs, transfer p50 "
+                 f"{(h.get('transfer_ms') or {}).get('p50') or 0:.2f} ms on {result.get('link', {}).get('name', '?')}")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def write_sim_plots(result: dict[str, Any], json_path: str) -> list[str]:
     stem = os.path.splitext(json_path)[0]
-    title = (f"{result['model']} on {result['instances']} x {result['hardware']}, {result['batching']} "
-             f"(simulated)")
+    setup = result["batching"]
+    if result.get("mode") == "disaggregate":
+        setup = (f"{result['prefill_instances']}P ({result.get('prefill_batching')}) + "
+                 f"{result['instances'] - result['prefill_instances']}D ({result['batching']})")
+    title = f"{result['model']} on {result['instances']} x {result['hardware']}, {setup} (simulated)"
     records, slo = BP.records_of(result), BP.slo_of(result)
     out = [BP.plot_cdfs(records, slo, f"{stem}_cdf.png", title),
            plot_instance_timelines(result["timelines"], f"{stem}_instances.png", title)]
+    if result.get("handoffs"):
+        out.append(plot_handoffs(result, f"{stem}_handoffs.png", title))
     if result.get("capacity_search"):
         out.append(BP.plot_capacity(result["capacity_search"], f"{stem}_capacity.png", title))
     return out

@@ -3,6 +3,9 @@
 The driver (argument parsing, wall clock, progress bar, files) is here; everything it runs is
 the pure simulator. The JSON has the keys of ``tidal bench serve`` plus ``simulated_time_s``,
 ``wall_time_s`` and ``speedup`` (simulated seconds per wall second); PNGs are written beside it.
+``--instances``, ``--mode``, ``--prefill-instances`` and ``--router`` are ``tidal serve``'s own
+flags; disaggregated, the JSON has ``handoffs`` (count, pending, wait / link queue / transfer
+times) and each instance's timeline carries its role.
 """
 
 from __future__ import annotations
@@ -20,15 +23,25 @@ from tidal.common import flags as F
 from tidal.common.machine import machine_info
 from tidal.common.progress import progress_bar
 from tidal.common.results import command_line, write_result
-from tidal.config import ConfigError
-from tidal.sim.build import COST_MODELS, ClusterSpec, build_simulator, resolve
+from tidal.config import ConfigError, SchedulerConfig
+from tidal.sim.build import (
+    COST_MODELS,
+    ClusterSpec,
+    build_simulator,
+    check_policy_args,
+    handoff_config,
+    resolve,
+)
+from tidal.sim.pd import Handoff, summarize_handoffs
 
 PROG = "tidal sim"
 DEFAULT_OUTPUT = "results/sim.json"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from tidal.cluster.handoff import DEFAULT_LAYERS_PER_CHUNK, DEFAULT_TOKENS_PER_CHUNK
     from tidal.sim.hardware import HARDWARE
+    from tidal.sim.links import LINK_NAMES
     from tidal.sim.models import MODELS
 
     g = p.add_argument_group("cluster")
@@ -40,7 +53,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-blocks", type=F.positive_int, default=None,
                    help="KV blocks per instance (overrides memory)")
     g.add_argument("--timeline-points", type=F.positive_int, default=2000, help="samples per instance timeline")
-    F.add_cluster_flags(p, only=("instances", "router"))
+    g.add_argument("--link", default=None, choices=list(LINK_NAMES),
+                   help="link KV hand-offs travel on (--mode disaggregate); default: nvlink on a GPU (BucketServe's "
+                        "one-node testbed), shm on the cpu")
+    g.add_argument("--kv-layers-per-chunk", type=int, default=DEFAULT_LAYERS_PER_CHUNK,
+                   help="layers per KV chunk of a hand-off (0: all; the runtime's default)")
+    g.add_argument("--kv-tokens-per-chunk", type=int, default=DEFAULT_TOKENS_PER_CHUNK,
+                   help="tokens per KV chunk of a hand-off (0: all the request's)")
+    g.add_argument("--prefill-batching", default=None,
+                   help="batching policy of the prefill instances with --mode disaggregate (default: --batching, "
+                        "which the decode instances run), e.g. bucket")
+    F.add_cluster_flags(p, only=("instances", "mode", "prefill_instances", "router"))
     F.add_engine_flags(
         p, only=("model", "dtype", "max_model_len", "kv_cache_memory", "gpu_memory_utilization", "block_size",
                  "swap_space"),
@@ -88,12 +111,40 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     if args.max_model_len is not None and args.max_model_len <= 0:
         raise ConfigError(f"max_model_len must be > 0, got {args.max_model_len}")
     cost = args.cost_model or ("profiled" if args.profile else "analytic")
+    layout = F.cluster_layout(args)
+    if args.kv_layers_per_chunk < 0 or args.kv_tokens_per_chunk < 0:
+        raise ConfigError("--kv-layers-per-chunk and --kv-tokens-per-chunk must be >= 0 (0: all in one chunk)")
+    if (args.link or args.prefill_batching) and not layout.disaggregated:
+        raise ConfigError(f"--{'link' if args.link else 'prefill-batching'} needs --mode disaggregate")
     return ClusterSpec(
-        model=args.model, hardware=args.hardware, instances=args.instances, tp=args.tp,
+        model=args.model, hardware=args.hardware, instances=layout.instances, tp=args.tp,
         dtype_bytes=4 if sim_dtype(args) == "float32" else 2, block_size=cache.block_size, router=args.router,
-        cost_model=cost, profile=args.profile, scheduler=F.scheduler_config(args),
+        cost_model=cost, profile=args.profile, scheduler=_scheduler(args),
         gpu_memory_utilization=cache.gpu_memory_utilization, kv_cache_memory=cache.kv_cache_memory,
-        num_blocks=args.num_blocks, swap_space=int(cache.swap_space), max_model_len=args.max_model_len)
+        num_blocks=args.num_blocks, swap_space=int(cache.swap_space), max_model_len=args.max_model_len,
+        mode=layout.mode, prefill_instances=layout.prefill_instances, prefill_batching=args.prefill_batching,
+        link=args.link, layers_per_chunk=args.kv_layers_per_chunk, tokens_per_chunk=args.kv_tokens_per_chunk)
+
+
+def check_roles(spec: ClusterSpec) -> None:
+    """Each role's policy and the policy arguments, and the link, before any simulation runs."""
+    from tidal.policies import check_policy
+
+    for role in sorted(set(spec.layout.roles())):
+        check_policy(spec.role_scheduler(role))
+    check_policy_args(spec)
+    if spec.layout.disaggregated:
+        arch, hw, _, _ = resolve(spec)
+        handoff_config(spec, arch, hw)
+
+
+def _scheduler(args: argparse.Namespace) -> SchedulerConfig:
+    """The scheduler flags' config. With ``--prefill-batching`` a ``--policy-arg`` may name a policy
+    only the prefill instances run: each role's config is checked in :func:`check_roles` instead."""
+    if not args.prefill_batching:
+        return F.scheduler_config(args)
+    cfg = F.scheduler_config(args, policy_args={})
+    return replace(cfg, policy_args=list(args.policy_args or []))
 
 
 def workload(args: argparse.Namespace, rate: float | None) -> list[W.RequestSpec]:
@@ -122,19 +173,27 @@ def simulate(spec: ClusterSpec, specs: list[W.RequestSpec], slo: M.SLO, desc: st
         bar.close()
     wall = time.perf_counter() - t0
     summary = M.summarize(res.records, slo=slo)
+    by_request = {h.index: h for h in res.handoffs}
     summary.update({
         "simulated_time_s": res.simulated_time_s, "wall_time_s": wall,
         "speedup": res.simulated_time_s / wall if wall > 0 else None, "num_events": res.num_events,
         "instances": res.instances, "timelines": res.timelines,
-        "requests": [_record(r) for r in res.records],
+        "requests": [_record(r, res.routed[i], by_request.get(i)) for i, r in enumerate(res.records)],
     })
+    if res.mode == "disaggregate":
+        summary["handoffs"] = summarize_handoffs(res.handoffs, res.max_pending_handoffs)
+        summary["handoff_timeline"] = res.handoff_timeline
     return summary
 
 
-def _record(r: M.RequestRecord) -> dict[str, Any]:
+def _record(r: M.RequestRecord, instance: int, handoff: Handoff | None = None) -> dict[str, Any]:
     # no per-token gaps: millions of them for a long run; the summary keeps their distribution
     d = {f.name: getattr(r, f.name) for f in fields(r) if f.name != "itl_s"}
     d["tpot_s"], d["queue_s"] = r.tpot_s, r.queue_s
+    d["instance"] = instance
+    if handoff is not None:
+        d["decode_instance"] = handoff.dst
+        d["handoff_ms"] = None if not handoff.landed else 1000 * (handoff.end_s - handoff.ready_s)
     return d
 
 
@@ -142,6 +201,7 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
     slo = M.parse_slo(args.slo)
     spec = cluster_spec(args)
     arch, hw, blocks, max_len = resolve(spec)  # fail on a bad model/hardware/memory before the workload
+    check_roles(spec)
     F.check_capacity_flags(args)
     if args.capacity_search:  # one base workload (at 1 req/s, or the trace's times) rescaled per probe
         if args.num_requests is None and args.duration is not None and not args.trace:
@@ -149,10 +209,16 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
         specs = workload(args, None if args.trace else 1.0)
     else:
         specs = workload(args, args.rate)
+    layout = spec.layout
     info = {"model": spec.model, "hardware": spec.hardware, "instances": spec.instances, "tp": spec.tp,
             "dtype": sim_dtype(args),
             "kv_blocks_per_instance": blocks, "block_size": spec.block_size, "max_model_len": max_len,
-            "cost_model": spec.cost_model, "router": spec.router, "batching": spec.scheduler.batching}
+            "cost_model": spec.cost_model, "router": spec.router, "batching": spec.scheduler.batching,
+            "mode": layout.mode, "prefill_instances": layout.prefill_instances, "roles": layout.roles()}
+    if layout.disaggregated:
+        hc = handoff_config(spec, arch, hw)
+        info.update({"prefill_batching": spec.role_scheduler("prefill").batching, "link": hc.link.to_dict(),
+                     "kv_layers_per_chunk": hc.layers_per_chunk, "kv_tokens_per_chunk": hc.tokens_per_chunk})
     search_report = None
     if args.capacity_search:
         search = F.capacity_search(args)
@@ -165,6 +231,7 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
         rate = search.capacity or args.search_low
         specs = W.specs_at_rate(specs, rate, args.duration)
     result = simulate(spec, specs, slo, "sim", not args.no_progress, args.timeline_points)
+    result["instance_stats"] = result["instances"]  # per instance (info's "instances" is their number)
     result.update(info)
     result["workload"] = {"name": args.workload or "trace", "trace": args.trace, "num_requests": len(specs),
                           "rate": args.rate, **W.length_stats(specs)}
@@ -179,7 +246,13 @@ def format_summary(r: dict[str, Any]) -> str:
     def f(x: Any, spec: str = ".1f") -> str:
         return "-" if x is None else format(x, spec)
 
-    lines = [f"{r['model']} ({r['dtype']}) on {r['instances']} x {r['hardware']} (tp {r['tp']}), {r['batching']}, "
+    mode = r.get("mode", "colocate")
+    if mode == "disaggregate":
+        batching = (f"disaggregated {r['prefill_instances']} prefill ({r['prefill_batching']}) + "
+                    f"{r['instances'] - r['prefill_instances']} decode ({r['batching']}), link {r['link']['name']}")
+    else:
+        batching = r["batching"]
+    lines = [f"{r['model']} ({r['dtype']}) on {r['instances']} x {r['hardware']} (tp {r['tp']}), {batching}, "
              f"router {r['router']}, cost model {r['cost_model']}, {r['kv_blocks_per_instance']} KV blocks/instance",
              f"requests: {r['num_requests']} ({r['completed']} completed, {r['failed']} failed)"
              + (f"; errors: {r['errors']}" if r.get("errors") else ""),
@@ -190,6 +263,13 @@ def format_summary(r: dict[str, Any]) -> str:
              f"  goodput {f(r['goodput']['request_throughput'], '.2f')} req/s",
              f"simulated {r['simulated_time_s']:.1f} s in {r['wall_time_s']:.2f} s wall: "
              f"{f(r['speedup'], '.0f')}x faster than real time ({r['num_events']} events)"]
+    h = r.get("handoffs")
+    if h:
+        lines.append(f"hand-offs: {h['landed']} landed of {h['count']} ({h['pending_at_end']} pending and "
+                     f"{h['in_flight_at_end']} in flight at the end, at most {h['max_pending']} pending); "
+                     f"ms p50/p99 wait {f(h['wait_ms']['p50'], '.2f')} / {f(h['wait_ms']['p99'], '.2f')}, "
+                     f"transfer {f(h['transfer_ms']['p50'], '.2f')} / {f(h['transfer_ms']['p99'], '.2f')}, "
+                     f"first token to landing {f(h['total_ms']['p50'], '.2f')} / {f(h['total_ms']['p99'], '.2f')}")
     cs = r.get("capacity_search")
     if cs:
         lines.append(f"capacity at {cs['target_attainment']:.0%} attainment: {f(cs['capacity_rps'], '.3g')} req/s")

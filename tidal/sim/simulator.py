@@ -1,9 +1,22 @@
-"""The cluster simulator: requests arrive, a router picks an instance, each instance runs the
-engine's scheduler against a cost model on a virtual clock.
+"""The cluster simulator: requests arrive, the dispatcher picks an instance, each instance runs
+the engine's scheduler against a cost model on a virtual clock.
 
-Events, at equal times in this order: arrivals (0), step ends (1), wake-ups of idle instances
-(2). So every request that arrives at ``t`` is queued before any instance plans a step at
-``t`` -- the order the engine's own loop has (add what arrived, then step).
+Placement goes through the same pure objects as the real runtime (``tidal.runtime.cluster``):
+a :class:`~tidal.cluster.monitor.GlobalMonitor` (fed the live instances: no report delay) and a
+:class:`~tidal.cluster.dispatch.Dispatcher` with the router. Colocated, that is all. With
+``--mode disaggregate`` (BucketServe Sec. III, P/D Scheduler) new requests go to the prefill
+instances; when a prefill instance samples a request's first token it pauses the request and
+``Dispatcher.choose_decode`` picks a decode instance (None: the hand-off waits, retried when a
+decode instance ends a step or a hand-off lands; the request keeps its blocks on the prefill
+instance). The decode instance imports it at once, blocks allocated and paused
+(``Scheduler.add_running`` + ``pause``); its KV goes in chunks (``tidal.cluster.handoff``) one
+after the other on the prefill instance's link (:mod:`tidal.sim.pd`), while both instances
+keep stepping; when the last chunk lands, the prefill instance frees the request, the decode
+instance resumes it and the monitor hears ``on_handoff``.
+
+Events, at equal times in this order: arrivals (0), step ends and hand-off landings (1),
+wake-ups of idle instances (2). So every request that arrives at ``t`` is queued before any
+instance plans a step at ``t`` -- the order the engine's own loop has (add what arrived, then step).
 
 Per request the simulator fills a :class:`tidal.metrics.RequestRecord` exactly as the
 load client does for a real server (TTFT, per-token gaps, E2E), so the same ``summarize``
@@ -17,6 +30,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tidal.cluster.decisions import Decision
+from tidal.cluster.dispatch import ClusterLayout, Dispatcher
+from tidal.cluster.handoff import handoff_blocks
+from tidal.cluster.monitor import GlobalMonitor
 from tidal.cluster.router import Router, RouteRequest
 from tidal.core.plan import RequestUpdate
 from tidal.core.request import Request
@@ -25,6 +42,7 @@ from tidal.core.scheduler import RequestRejected
 from tidal.metrics import RequestRecord
 from tidal.sim.instance import SimInstance
 from tidal.sim.loop import Event, EventLoop
+from tidal.sim.pd import Handoff, HandoffConfig
 from tidal.workload import RequestSpec
 
 
@@ -36,6 +54,10 @@ class SimResult:
     simulated_time_s: float
     num_events: int
     routed: list[int] = field(default_factory=list)  # instance of each request (-1: refused)
+    mode: str = "colocate"
+    handoffs: list[Handoff] = field(default_factory=list)
+    max_pending_handoffs: int = 0
+    handoff_timeline: dict[str, list] = field(default_factory=dict)  # t, pending, in_flight
 
 
 class _Arrival(Event):
@@ -59,8 +81,19 @@ class _StepEnd(Event):
         self.sim, self.inst = sim, inst
 
     def fire(self, loop: EventLoop):
-        self.sim._apply(self.inst.end_step(self.time), self.time)
-        return self.sim._begin(self.inst, self.time)
+        return self.sim._step_end(self.inst, self.time)
+
+
+class _Landed(Event):
+    __slots__ = ("sim", "handoff")
+    priority = 1
+
+    def __init__(self, time: float, sim: ClusterSimulator, handoff: Handoff):
+        super().__init__(time)
+        self.sim, self.handoff = sim, handoff
+
+    def fire(self, loop: EventLoop):
+        return self.sim._land(self.handoff, self.time)
 
 
 class _Wake(Event):
@@ -79,12 +112,34 @@ class _Wake(Event):
 
 
 class ClusterSimulator:
+    """``layout`` (default: all colocated) gives the roles; disaggregated needs ``handoff`` (the
+    link and the KV shape). ``recorder`` receives the dispatcher's decisions."""
+
     def __init__(self, instances: Sequence[SimInstance], router: Router, specs: Sequence[RequestSpec],
-                 max_model_len: int | None = None, request_ids: Sequence[str] | None = None):
+                 max_model_len: int | None = None, request_ids: Sequence[str] | None = None,
+                 layout: ClusterLayout | None = None, handoff: HandoffConfig | None = None,
+                 recorder: Callable[[Decision], None] | None = None, timeline_interval: float = 0.0):
         if not instances:
             raise ValueError("the simulator needs at least one instance")
         self.instances = list(instances)
+        self.layout = layout or ClusterLayout(len(self.instances))
+        if self.layout.instances != len(self.instances):
+            raise ValueError(f"the layout has {self.layout.instances} instances, the simulator {len(self.instances)}")
+        if self.layout.disaggregated and handoff is None:
+            raise ValueError("a disaggregated cluster needs a HandoffConfig (the link and the KV shape)")
+        for inst, role in zip(self.instances, self.layout.roles(), strict=True):
+            inst.role = role
         self.router = router
+        self.monitor = GlobalMonitor(self.instances, self.layout.roles())  # type: ignore[arg-type]  (live statuses)
+        self.dispatcher = Dispatcher(self.layout, self.monitor, router, recorder)
+        self.handoff = handoff
+        self.handoffs: list[Handoff] = []
+        self._pending: dict[int, Handoff] = {}  # request index -> hand-off waiting for a decode instance
+        self._in_flight = 0
+        self._max_pending = 0
+        self._link_free = [0.0] * len(self.instances)  # when each prefill instance's link is free again
+        self._htl: dict[str, list] = {"t": [], "pending": [], "in_flight": []}
+        self._htl_interval = timeline_interval
         self.specs = list(specs)
         self.max_model_len = max_model_len
         self.ids = list(request_ids) if request_ids is not None else [str(i) for i in range(len(self.specs))]
@@ -101,15 +156,21 @@ class ClusterSimulator:
         if self.max_model_len is not None and spec.prompt_len + spec.output_len > self.max_model_len:
             return self._refuse(rec, now, f"context: prompt {spec.prompt_len} + max_tokens {spec.output_len} "
                                           f"exceeds the model's context of {self.max_model_len} tokens")
-        k = self.router.route(RouteRequest(self.ids[i], spec.prompt_len, spec.output_len), self.instances)
+        k = self.dispatcher.dispatch(RouteRequest(self.ids[i], spec.prompt_len, spec.output_len), now)
+        if k is None:
+            return self._refuse(rec, now, "unavailable: no instance is alive")
         inst = self.instances[k]
         params = SamplingParams(temperature=0.0, max_tokens=spec.output_len, ignore_eos=True)
         req = Request(self.ids[i], [0] * spec.prompt_len, params, arrival_time=now)
         try:
             inst.add_request(req)
         except RequestRejected as e:
+            self.monitor.on_finish(k, self.ids[i])
             return self._refuse(rec, now, f"rejected: {e}")
         self.routed[i] = k
+        return self._wake(inst, now)
+
+    def _wake(self, inst: SimInstance, now: float) -> Event | None:
         if inst.busy or inst.wake_pending:
             return None
         inst.wake_pending = True
@@ -123,7 +184,7 @@ class ClusterSimulator:
     def _begin(self, inst: SimInstance, now: float) -> Event | None:
         dt, updates = inst.begin_step(now)
         if updates:
-            self._apply(updates, now)
+            self._apply(inst, updates, now)
         if dt is None:
             return None
         ev = inst.end_event  # one step in flight per instance: its event object is reused
@@ -133,7 +194,108 @@ class ClusterSimulator:
             ev.time = now + dt
         return ev
 
-    def _apply(self, updates: list[RequestUpdate], now: float) -> None:
+    def _step_end(self, inst: SimInstance, now: float) -> Event | list[Event] | None:
+        updates = inst.end_step(now)
+        self._apply(inst, updates, now)
+        if inst.role == "colocated":
+            return self._begin(inst, now)
+        out: list[Event | None] = []
+        if inst.role == "prefill":  # as the prefill worker does after a step: pause, hand off
+            for upd in updates:
+                if upd.new_token_ids and not upd.finished:
+                    out.extend(self._start_handoff(inst, upd.request_id, now))
+        elif inst.role == "decode" and self._pending:  # a decode instance reported: retry the waiting ones
+            out.extend(self._retry(now))
+        out.append(self._begin(inst, now))
+        return [e for e in out if e is not None]
+
+    # ---------------------------------------------------------------- P/D hand-offs
+    def _start_handoff(self, src: SimInstance, rid: str, now: float) -> list[Event | None]:
+        """``rid`` sampled its first token on prefill instance ``src`` (n = 1: every simulated request)."""
+        assert self.handoff is not None
+        req = src.scheduler.requests[rid]
+        src.scheduler.pause(rid)
+        nchunks, nbytes, duration = self.handoff.cost(req.num_computed_tokens)
+        h = Handoff(rid, self._index[rid], src.index, handoff_blocks(req.num_computed_tokens, src.block_size),
+                    req.num_computed_tokens, nchunks, nbytes, duration, now)
+        self.handoffs.append(h)
+        self._pending[h.index] = h
+        self._max_pending = max(self._max_pending, len(self._pending))
+        out = self._try(h, now)
+        self._sample_handoffs(now)
+        return out
+
+    def _try(self, h: Handoff, now: float) -> list[Event | None]:
+        dst_index = self.dispatcher.choose_decode(h.request_id, h.blocks, now)
+        if dst_index is None:
+            return []  # pending: the monitor shows it; the request keeps its blocks on src
+        src, dst = self.instances[h.src], self.instances[dst_index]
+        sreq = src.scheduler.requests[h.request_id]
+        req = Request(h.request_id, sreq.prompt_token_ids, sreq.sampling_params, arrival_time=now)
+        req.output_token_ids = list(sreq.output_token_ids)
+        req.num_computed_tokens = sreq.num_computed_tokens
+        try:
+            ok = dst.scheduler.add_running(req)
+        except RequestRejected:
+            ok = False
+        if not ok:  # refused (the runtime's "refused"): retried later
+            self.monitor.on_handoff(h.request_id, h.src, dst_index, ok=False)
+            h.refusals += 1
+            return []
+        dst.scheduler.pause(h.request_id)  # its blocks are held until the last chunk lands
+        del self._pending[h.index]
+        h.dst, h.chosen_s = dst_index, now
+        h.start_s = max(now, self._link_free[h.src])  # chunks one after the other on src's link
+        h.end_s = h.start_s + h.duration_s
+        self._link_free[h.src] = h.end_s
+        self._in_flight += 1
+        return [_Landed(h.end_s, self, h)]
+
+    def _retry(self, now: float) -> list[Event | None]:
+        """Retry the waiting hand-offs in request order. One that needs more blocks than any decode
+        instance has room for is skipped: ``choose_decode`` would answer None and change nothing."""
+        out: list[Event | None] = []
+        room = self._max_room()
+        for i in sorted(self._pending):
+            h = self._pending[i]
+            if h.blocks <= room:
+                got = self._try(h, now)
+                if got:
+                    out.extend(got)
+                    room = self._max_room()
+        self._sample_handoffs(now)
+        return out
+
+    def _max_room(self) -> int:
+        return max((r.handoff_room for r in self.monitor.alive("decode") if r.role == "decode"), default=-1)
+
+    def _land(self, h: Handoff, now: float) -> list[Event]:
+        assert h.dst is not None
+        src, dst = self.instances[h.src], self.instances[h.dst]
+        src.scheduler.abort_requests([h.request_id], now)  # after its last chunk the prefill frees it
+        dst.scheduler.resume(h.request_id)
+        self.monitor.on_handoff(h.request_id, h.src, h.dst, ok=True)
+        h.landed = True
+        self._in_flight -= 1
+        out = [self._wake(dst, now), self._wake(src, now)]
+        if self._pending:
+            out.extend(self._retry(now))
+        else:
+            self._sample_handoffs(now)
+        return [e for e in out if e is not None]
+
+    def _sample_handoffs(self, now: float) -> None:
+        tl = self._htl
+        if tl["t"] and now - tl["t"][-1] < self._htl_interval:
+            tl["pending"][-1] = max(tl["pending"][-1], len(self._pending))  # keep the peak of the interval
+            tl["in_flight"][-1] = max(tl["in_flight"][-1], self._in_flight)
+            return
+        tl["t"].append(now)
+        tl["pending"].append(len(self._pending))
+        tl["in_flight"].append(self._in_flight)
+
+    # ---------------------------------------------------------------- records
+    def _apply(self, inst: SimInstance, updates: list[RequestUpdate], now: float) -> None:
         records, last = self.records, self._last_token
         for upd in updates:
             i = self._index[upd.request_id]
@@ -150,6 +312,7 @@ class ClusterSimulator:
                 rec.counted_tokens += n
                 rec.num_chunks += 1
             if upd.finished:
+                self.monitor.on_finish(inst.index, upd.request_id)
                 last.pop(i, None)
                 rec.end_s = now
                 rec.e2e_s = now - rec.send_s
@@ -169,5 +332,7 @@ class ClusterSimulator:
                 rec.error = rec.error or "unfinished"
         return SimResult(
             records=self.records, instances=[inst.stats() for inst in self.instances],
-            timelines=[inst.timeline.to_dict() for inst in self.instances],
-            simulated_time_s=self.loop.now, num_events=self.loop.num_fired, routed=self.routed)
+            timelines=[{**inst.timeline.to_dict(), "role": inst.role} for inst in self.instances],
+            simulated_time_s=self.loop.now, num_events=self.loop.num_fired, routed=self.routed,
+            mode=self.layout.mode, handoffs=self.handoffs, max_pending_handoffs=self._max_pending,
+            handoff_timeline=self._htl)

@@ -15,6 +15,9 @@ length, output length, and later the prompt itself). Building one has two steps:
 Workload names (``--workload``):
 
 * ``fixed:IN:OUT`` and ``uniform:INMIN-INMAX:OUTMIN-OUTMAX`` (integers, bounds inclusive);
+* ``mix:NAME=WEIGHT,NAME=WEIGHT,...``: each request draws one of those synthetic workloads with
+  probability proportional to its weight (e.g. ``mix:alpaca=0.8,longbench=0.2``, BucketServe's
+  "Mixed" of Alpaca and LongBench, Sec. II-B, whose proportions the paper does not give);
 * named shapes from the papers (:data:`SHAPES`): lognormal lengths with the published means
   (the lognormal ``mu`` is ``ln(mean) - sigma**2 / 2``, so the mean before rounding and clipping is
   exact), or fixed lengths when sigma is 0;
@@ -116,7 +119,8 @@ SHAPES: dict[str, Shape] = {
     "azure-code": Shape(2048, 28, 0.8, 0.9, note="Azure Code 2023, prefill heavy (about 2,048 in / 28 out)"),
 }
 LENGTH_SETS = ("sharegpt-lengths", "arxiv-lengths")
-WORKLOAD_NAMES = (*SHAPES, "alpaca-real", *LENGTH_SETS, "trace", "fixed:IN:OUT", "uniform:A-B:C-D")
+WORKLOAD_NAMES = (*SHAPES, "alpaca-real", *LENGTH_SETS, "trace", "fixed:IN:OUT", "uniform:A-B:C-D",
+                  "mix:NAME=W,NAME=W")
 
 
 def lognormal_lengths(rng: np.random.Generator, n: int, mean: float, sigma: float) -> np.ndarray:
@@ -145,6 +149,8 @@ def synthetic_lengths(name: str, n: int, rng: np.random.Generator) -> tuple[np.n
         s = SHAPES[name]
         return lognormal_lengths(rng, n, s.in_mean, s.in_sigma), lognormal_lengths(rng, n, s.out_mean, s.out_sigma)
     kind, _, rest = name.partition(":")
+    if kind == "mix":
+        return _mixed_lengths(name, rest, n, rng)
     parts = rest.split(":")
     if kind in ("fixed", "uniform") and len(parts) == 2:
         (ilo, ihi), (olo, ohi) = _parse_range(parts[0], "input"), _parse_range(parts[1], "output")
@@ -154,6 +160,29 @@ def synthetic_lengths(name: str, n: int, rng: np.random.Generator) -> tuple[np.n
         outs = rng.integers(olo, ohi + 1, size=n)
         return ins.astype(np.int64), outs.astype(np.int64)
     raise WorkloadError(f"unknown workload {name!r}; choose one of: {', '.join(WORKLOAD_NAMES)}")
+
+
+def _mixed_lengths(name: str, rest: str, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    parts: list[tuple[str, float]] = []
+    for item in rest.split(","):
+        comp, sep, w = item.strip().rpartition("=")
+        try:
+            weight = float(w)
+        except ValueError:
+            weight = -1.0
+        if not sep or not comp or not weight >= 0 or comp.startswith("mix:"):
+            raise WorkloadError(f"bad workload {name!r}: mix takes mix:NAME=WEIGHT,NAME=WEIGHT,... of synthetic "
+                                f"workloads with weights >= 0")
+        parts.append((comp, weight))
+    total = sum(w for _, w in parts)
+    if not total > 0:
+        raise WorkloadError(f"bad workload {name!r}: the weights sum to 0")
+    pick = rng.choice(len(parts), size=n, p=[w / total for _, w in parts])
+    ins, outs = np.ones(n, dtype=np.int64), np.ones(n, dtype=np.int64)
+    for j, (comp, _) in enumerate(parts):
+        sel = pick == j
+        ins[sel], outs[sel] = synthetic_lengths(comp, int(sel.sum()), rng)
+    return ins, outs
 
 
 # ============================================================================ arrivals
