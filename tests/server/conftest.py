@@ -1,14 +1,21 @@
 """Real servers in subprocesses (``python -m tidal.cli serve --port 0``), started once per session.
 
-Both servers are launched as soon as the first one is needed so that their model loads overlap
-with each other and with the in-process reference engine; each fixture then waits for its
-server's "serving <name> on http://host:port" line and a 200 from /health.
+Loading a server takes ~10 s of CPU each (imports, the GGUF, the tokenizer, the weights), mostly on
+one core. When the session will use them, both servers are launched right after collection at the
+lowest CPU priority (nice 19), so that they load on whatever CPU the tests before them leave idle
+and take next to nothing from those tests (some of which measure time). The first server test
+restores their normal priority (every thread of theirs), and each fixture then waits for its
+server's "serving <name> on http://host:port" line and a 200 from /health. Where the priority
+cannot be raised back (not root, RLIMIT_NICE too low) they are launched when first needed, at
+normal priority, as before; their loads then overlap with the in-process reference engine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -22,13 +29,17 @@ READY_RE = re.compile(r"serving (\S+) on http://([\d.]+):(\d+)")
 STARTUP_TIMEOUT = 240.0
 
 
+LOW_PRIORITY = 19  # nice value while the servers load in the background
+
+
 class ServerProcess:
-    def __init__(self, *flags: str):
+    def __init__(self, *flags: str, nice: int = 0):
         self.log = tempfile.NamedTemporaryFile("w+", prefix="tidal-serve-", suffix=".log", delete=False)  # noqa: SIM115
         cmd = [sys.executable, "-m", "tidal.cli", "serve", "--port", "0", "--dtype", "float32", *flags]
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
         env.pop("TIDAL_WEIGHT_CACHE_MB", None)  # a server as users run it (it loads the weights once anyway)
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     preexec_fn=(lambda: os.nice(nice)) if nice else None)
         self.url = ""
         self.model = ""
         self.final_output = ""
@@ -57,6 +68,23 @@ class ServerProcess:
             time.sleep(0.25)
         pytest.fail(f"the server did not come up in {STARTUP_TIMEOUT:.0f} s:\n{self.output()[-3000:]}")
 
+    def normal_priority(self) -> None:
+        """Nice 0 for every thread of the server (on Linux each thread has its own, inherited from the
+        thread that started it): repeated until no thread is left behind."""
+        for _ in range(10):
+            try:
+                tids = [int(t) for t in os.listdir(f"/proc/{self.proc.pid}/task")]
+            except OSError:  # it has exited: wait_ready reports that
+                return
+            lowered = 0
+            for tid in tids:
+                with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+                    if os.getpriority(os.PRIO_PROCESS, tid) != 0:
+                        os.setpriority(os.PRIO_PROCESS, tid, 0)
+                        lowered += 1
+            if not lowered:
+                return
+
     def terminate(self) -> None:
         # once: a second SIGTERM that lands while the interpreter finalizes (its handlers reset to the
         # default) kills a server that was exiting cleanly (CI saw exit code -15)
@@ -77,13 +105,46 @@ class ServerProcess:
         return self.proc.returncode
 
 
+_procs: dict[str, ServerProcess] = {}
+
+
+def _launch(nice: int = 0) -> dict[str, ServerProcess]:
+    if not _procs:
+        _procs["main"] = ServerProcess("--max-num-seqs", "32", nice=nice)
+        _procs["small"] = ServerProcess("--max-num-seqs", "1", "--max-queued-requests", "2",
+                                        "--kv-cache-memory", "64MiB", "--num-threads", "1", nice=nice)
+    return _procs
+
+
+def _can_restore_priority() -> bool:
+    return os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20
+
+
+def pytest_collection_finish(session):
+    if session.config.option.collectonly or not _can_restore_priority():
+        return
+    if any("server_procs" in getattr(item, "fixturenames", ()) for item in session.items):
+        _launch(nice=LOW_PRIORITY)
+
+
+def pytest_sessionfinish(session):
+    """Stop servers launched early but never used (the run ended before the server tests)."""
+    for p in _procs.values():
+        if os.path.exists(p.log.name):  # server_procs' teardown (stop) removes it
+            p.terminate()
+            try:
+                p.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.proc.kill()
+                p.proc.wait(timeout=10)
+            os.unlink(p.log.name)
+
+
 @pytest.fixture(scope="session")
 def server_procs():
-    procs = {
-        "main": ServerProcess("--max-num-seqs", "32"),
-        "small": ServerProcess("--max-num-seqs", "1", "--max-queued-requests", "2",
-                               "--kv-cache-memory", "64MiB", "--num-threads", "1"),
-    }
+    procs = _launch()
+    for p in procs.values():
+        p.normal_priority()
     yield procs
     for p in procs.values():
         p.terminate()
