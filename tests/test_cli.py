@@ -46,7 +46,7 @@ def tidal_in_process(capsys, *args: str) -> subprocess.CompletedProcess:
     (["generate", "hi", "--max-num-seqs", "0"], "max_num_seqs"),
     (["generate", "hi", "--batching", "nope"], "unknown policy 'nope'"),
 ])
-def test_bad_arguments_give_one_line(args, needle, tmp_path, capsys):
+def test_bad_arguments_give_one_line(args, needle, tmp_path, capsys, reuse_smol_tokenizer):
     r = tidal_in_process(capsys, *args)  # the real process's exit code: test_garbage_model_file
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr
