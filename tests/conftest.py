@@ -32,6 +32,23 @@ def smol_tokenizer(smol_ckpt):
     return Tokenizer.from_checkpoint(smol_ckpt)
 
 
+@pytest.fixture
+def reuse_smol_tokenizer(monkeypatch, smol_ckpt, smol_tokenizer):
+    """``Tokenizer.from_checkpoint`` of the default GGUF returns the session's tokenizer (the same
+    construction, ~3-5 s each) for a test that runs a command which builds its own; any other
+    checkpoint's tokenizer is built as usual."""
+    from tidal.engine.tokenizer import Tokenizer
+
+    build = Tokenizer.from_checkpoint.__func__
+
+    def from_checkpoint(cls, ckpt):
+        if ckpt.format == "gguf" and os.path.samefile(ckpt.path, smol_ckpt.path):
+            return smol_tokenizer
+        return build(cls, ckpt)
+
+    monkeypatch.setattr(Tokenizer, "from_checkpoint", classmethod(from_checkpoint))
+
+
 @pytest.fixture(scope="session")
 def make_engine(smol_ckpt, smol_tokenizer):
     """Build an LLMEngine on the shared SmolLM2 checkpoint with the given engine arguments."""

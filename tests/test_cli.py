@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -13,12 +15,13 @@ def tidal(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+def _print_warning(message, category, filename, lineno, file=None, line=None):
+    sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
 def tidal_in_process(capsys, *args: str) -> subprocess.CompletedProcess:
     """``tidal.cli.main(args)`` in this process (no interpreter start-up), with what a fresh one shows:
     the CLI's own logging setup and every warning printed to stderr (pytest would capture both)."""
-    import logging
-    import warnings
-
     from tidal.cli import main
 
     root = logging.getLogger()
@@ -26,8 +29,10 @@ def tidal_in_process(capsys, *args: str) -> subprocess.CompletedProcess:
     root.handlers = []  # so that main()'s logging.basicConfig installs its stderr handler
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("default")
-            warnings.showwarning = warnings._showwarning_orig  # to stderr, as in a fresh interpreter
+            warnings.resetwarnings()  # a fresh interpreter's filters, printing to stderr
+            for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+                warnings.simplefilter("ignore", category)
+            warnings.showwarning = _print_warning
             rc = main(list(args))
     finally:
         root.handlers, root.level = handlers, level
@@ -51,7 +56,7 @@ def tidal_in_process(capsys, *args: str) -> subprocess.CompletedProcess:
      "no policy of --policies"),
     (["sim", "--batching", "sla"], "needs a decode-latency SLO"),
 ])
-def test_bad_arguments_give_one_line(args, needle, tmp_path, capsys):
+def test_bad_arguments_give_one_line(args, needle, tmp_path, capsys, reuse_smol_tokenizer):
     r = tidal_in_process(capsys, *args)  # the real process's exit code: test_garbage_model_file
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr

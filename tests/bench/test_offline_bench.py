@@ -125,7 +125,7 @@ def test_llamacpp_missing_or_not_gguf_is_a_skip(tmp_path, monkeypatch):
 
 
 @pytest.mark.timeout(300)
-def test_tiny_run_tidal_vs_hf(tmp_path):
+def test_tiny_run_tidal_vs_hf(tmp_path, reuse_smol_tokenizer):
     pytest.importorskip("transformers")
     pytest.importorskip("matplotlib")
     out = tmp_path / "res" / "offline.json"

@@ -67,7 +67,7 @@ def test_missing_profile_and_thread_mismatch_are_refused(tmp_path: Path, capsys)
     assert not (tmp_path / "x.json").exists()
 
 
-def test_small_run_end_to_end(tmp_path: Path, capsys, monkeypatch, smol_ckpt):
+def test_small_run_end_to_end(tmp_path: Path, capsys, monkeypatch, smol_ckpt, reuse_smol_tokenizer):
     from tidal.engine import loader
 
     monkeypatch.setattr(loader, "load_checkpoint", lambda path=None: smol_ckpt)  # the session's checkpoint

@@ -1,14 +1,22 @@
 """Real servers in subprocesses (``python -m tidal.cli serve --port 0``), started once per session.
 
-Both servers are launched as soon as the first one is needed so that their model loads overlap
-with each other and with the in-process reference engine; each fixture then waits for its
-server's "serving <name> on http://host:port" line and a 200 from /health.
+Loading a server takes ~10 s of CPU each (imports, the GGUF, the tokenizer, the weights), mostly on
+one core, and the suite leaves about one core of two idle on average. So when the session will use
+the servers, both are launched early, as soon as the tests that time something to within
+milliseconds (``QUIET_MODULES``) are behind, under ``SCHED_IDLE``: they load only on CPU that no
+test wants, and a test's thread that wakes up preempts them at once. The first server test puts
+every thread of theirs back under the normal policy; each fixture then waits for its server's
+"serving <name> on http://host:port" line and a 200 from /health. Where the normal policy cannot be
+restored (not root and RLIMIT_NICE < 20) they are launched when first needed, as before; their loads
+then overlap with the in-process reference engine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -18,19 +26,30 @@ import time
 import httpx
 import pytest
 
-from tests.processes import POPEN_KW
+from tests.processes import die_with_parent
 
 READY_RE = re.compile(r"serving (\S+) on http://([\d.]+):(\d+)")
 STARTUP_TIMEOUT = 240.0
 
 
+# Tests that time a stub server to within 15 ms: they run before the servers are launched.
+QUIET_MODULES = ("tests/bench/test_bench_serve.py",)
+
+
+def _idle_and_die_with_parent() -> None:
+    die_with_parent()
+    with contextlib.suppress(OSError):  # not allowed here: then it loads at the normal policy
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
 class ServerProcess:
-    def __init__(self, *flags: str):
+    def __init__(self, *flags: str, background: bool = False):
         self.log = tempfile.NamedTemporaryFile("w+", prefix="tidal-serve-", suffix=".log", delete=False)  # noqa: SIM115
         cmd = [sys.executable, "-m", "tidal.cli", "serve", "--port", "0", "--dtype", "float32", *flags]
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
         env.pop("TIDAL_WEIGHT_CACHE_MB", None)  # a server as users run it (it loads the weights once anyway)
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, **POPEN_KW)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     preexec_fn=_idle_and_die_with_parent if background else die_with_parent)
         self.url = ""
         self.model = ""
         self.final_output = ""
@@ -59,6 +78,23 @@ class ServerProcess:
             time.sleep(0.25)
         pytest.fail(f"the server did not come up in {STARTUP_TIMEOUT:.0f} s:\n{self.output()[-3000:]}")
 
+    def normal_policy(self) -> None:
+        """SCHED_OTHER for every thread of the server (on Linux each thread has its own policy,
+        inherited from the thread that started it): repeated until no thread is left behind."""
+        for _ in range(10):
+            try:
+                tids = [int(t) for t in os.listdir(f"/proc/{self.proc.pid}/task")]
+            except OSError:  # it has exited: wait_ready reports that
+                return
+            changed = 0
+            for tid in tids:
+                with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+                    if os.sched_getscheduler(tid) != os.SCHED_OTHER:
+                        os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+                        changed += 1
+            if not changed:
+                return
+
     def terminate(self) -> None:
         # once: a second SIGTERM that lands while the interpreter finalizes (its handlers reset to the
         # default) kills a server that was exiting cleanly (CI saw exit code -15)
@@ -79,13 +115,61 @@ class ServerProcess:
         return self.proc.returncode
 
 
+_procs: dict[str, ServerProcess] = {}
+
+
+def _launch(background: bool = False) -> dict[str, ServerProcess]:
+    if not _procs:
+        _procs["main"] = ServerProcess("--max-num-seqs", "32", background=background)
+        _procs["small"] = ServerProcess("--max-num-seqs", "1", "--max-queued-requests", "2",
+                                        "--kv-cache-memory", "64MiB", "--num-threads", "1", background=background)
+    return _procs
+
+
+def _can_restore_policy() -> bool:
+    return os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20
+
+
+class _EarlyLaunch:
+    """A plugin (so that it sees every test, not only this directory's) that launches the servers in
+    the background when the test ``nodeid`` starts."""
+
+    def __init__(self, nodeid: str):
+        self.nodeid = nodeid
+
+    def pytest_runtest_logstart(self, nodeid, location):
+        if nodeid == self.nodeid:
+            _launch(background=True)
+
+
+def pytest_collection_finish(session):
+    items = session.items
+    first = next((i for i, item in enumerate(items) if "server_procs" in getattr(item, "fixturenames", ())), None)
+    if first is None or session.config.option.collectonly or not _can_restore_policy():
+        return
+    quiet = [i for i, item in enumerate(items[:first]) if item.nodeid.startswith(QUIET_MODULES)]
+    start = items[quiet[-1] + 1 if quiet else 0]
+    session.config.pluginmanager.register(_EarlyLaunch(start.nodeid), "tidal-early-servers")
+
+
+def pytest_sessionfinish(session):
+    """Stop servers launched early but never used (the run ended before the server tests)."""
+    for p in _procs.values():
+        if os.path.exists(p.log.name):  # server_procs' teardown (stop) removes it
+            p.terminate()
+            try:
+                p.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.proc.kill()
+                p.proc.wait(timeout=10)
+            os.unlink(p.log.name)
+
+
 @pytest.fixture(scope="session")
 def server_procs():
-    procs = {
-        "main": ServerProcess("--max-num-seqs", "32"),
-        "small": ServerProcess("--max-num-seqs", "1", "--max-queued-requests", "2",
-                               "--kv-cache-memory", "64MiB", "--num-threads", "1"),
-    }
+    procs = _launch()
+    for p in procs.values():
+        p.normal_policy()
     yield procs
     for p in procs.values():
         p.terminate()
