@@ -96,6 +96,9 @@ class Worker:
         self.out.connect(cfg.out_address)
         kwargs = dict(cfg.engine_kwargs, num_threads=cfg.num_threads)
         self.engine = LLMEngine(EngineConfig.from_kwargs(**kwargs))
+        from tidal.engine.loader import clear_cache
+
+        clear_cache()  # a worker builds one engine: a per-process copy of the weights would only cost memory
         self.transport = build_transport(cfg.transport)
         self.exports: deque[_Export] = deque()
         self.handing_off: set[str] = set()
