@@ -20,15 +20,8 @@ GGUF specifics:
   factors rather than as metadata; the ``llama3`` parameters are recovered from it (and the tensor is not
   yielded as a weight).
 
-Caching (GGUF only, per process, opt-in): parsing a GGUF's metadata (a 49k-token vocabulary is ~150k
-fields) and dequantizing its tensors take seconds, which a process that builds several engines from one
-file (the test suite, benchmarks that compare policies) pays again for each. With ``TIDAL_WEIGHT_CACHE_MB``
-set to a positive budget, the parsed metadata of the last few files and the dequantized fp32 tensors of
-files whose weights fit in the budget are kept, keyed by the file's identity (resolved path, device,
-inode, size and mtime): a file that changes on disk is read again. Cached tensors are never handed out;
-:meth:`LoadedCheckpoint.weights` yields a fresh copy of each, so a caller may still modify what it gets.
-Off by default: a server builds its engine once, and the cache would only hold a second copy of the
-weights (538 MB for the default model). :func:`clear_cache` empties both caches.
+Caching: :mod:`tidal.engine.process_cache` (per process, opt-in) and :mod:`tidal.engine.disk_cache`
+(on disk, shared by every process: parsed metadata, built tokenizer, dequantized weights).
 """
 
 from __future__ import annotations
@@ -36,11 +29,8 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import math
 import os
 import re
-import threading
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,8 +38,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from tidal.config import ConfigError, ModelArch, env_str
+from tidal.config import ConfigError, ModelArch
 from tidal.engine import disk_cache
+from tidal.engine.process_cache import (  # noqa: F401  (CACHE_ENV, clear_cache: re-exported)
+    CACHE_ENV,
+    cache_limit_bytes,
+    clear_cache,
+    file_key,
+    meta_cache,
+    weight_cache,
+)
+from tidal.engine.rope_factors import (  # noqa: F401  (re-exported for the loader's users)
+    _llama3_dict,
+    _llama3_factors,
+    llama3_rope_from_freq_factors,
+)
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -139,8 +142,8 @@ class LoadedCheckpoint:
 
     # ---- GGUF
     def _gguf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        key = _file_key(self.path)
-        cached = _weight_cache.get(key) if key is not None else None
+        key = file_key(self.path)
+        cached = weight_cache.get(key) if key is not None else None
         if cached is not None:
             for name, tensor in cached:
                 yield name, tensor.clone()  # the cached tensor itself is never handed out
@@ -150,7 +153,7 @@ class LoadedCheckpoint:
         keep: list[tuple[str, torch.Tensor]] | None = None
         if key is not None:
             size = os.path.getsize(disk) if source is not None else self._gguf_fp32_bytes()
-            keep = [] if size <= _cache_limit_bytes() else None
+            keep = [] if size <= cache_limit_bytes() else None
         keep_disk: list[tuple[str, torch.Tensor]] | None = [] if disk and source is None else None
         for name, tensor in source if source is not None else self._gguf_dequantized():
             if keep_disk is not None:
@@ -163,7 +166,7 @@ class LoadedCheckpoint:
         if keep_disk is not None:  # only a complete pass is cached
             disk_cache.store(disk, keep_disk)
         if keep is not None:
-            _weight_cache.put(key, keep)
+            weight_cache.put(key, keep)
 
     def _gguf_fp32_bytes(self) -> int:
         return sum(4 * int(np.prod(t.shape)) for t in self.reader().tensors if t.name in self._tensor_names)
@@ -229,15 +232,15 @@ def load_checkpoint(model: str | None) -> LoadedCheckpoint:
     path = resolve_model_path(model)
     if os.path.isdir(path):
         return _load_hf(path)
-    key = _file_key(path)
-    cached = _meta_cache.get(key) if key is not None else None
+    key = file_key(path)
+    cached = meta_cache.get(key) if key is not None else None
     if cached is None:
         cached = _gguf_from_disk_cache(path)
         if cached is None:
             cached = _load_gguf(path)
             disk_cache.store_meta(path, dataclasses.asdict(cached.arch), cached._tensor_names)
         if key is not None:
-            _meta_cache.put(key, cached)
+            meta_cache.put(key, cached)
     # a new object each time (callers may set attributes on theirs); the reader is read-only and shared
     return LoadedCheckpoint(arch=cached.arch, path=cached.path, format=cached.format, _reader=cached._reader,
                             _tensor_names=dict(cached._tensor_names))
@@ -256,80 +259,6 @@ def _gguf_from_disk_cache(path: str) -> LoadedCheckpoint | None:
                                 _tensor_names=dict(meta["names"]))
     except (KeyError, TypeError, ValueError):  # written by another version: read the file itself
         return None
-
-
-# ------------------------------------------------------------------------------------ caches
-CACHE_ENV = "TIDAL_WEIGHT_CACHE_MB"  # MiB of dequantized weights a process may keep; unset or 0: no caching
-_META_CACHE_ENTRIES = 4
-
-
-def _cache_limit_bytes() -> int:
-    raw = (env_str(CACHE_ENV) or "").strip()
-    try:
-        return max(0, int(float(raw) * 1024**2)) if raw else 0
-    except ValueError:
-        return 0
-
-
-def _file_key(path: str) -> tuple | None:
-    """What identifies a file's contents well enough to reuse what was read from it; None: don't cache."""
-    if _cache_limit_bytes() <= 0:
-        return None
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-class _LRU:
-    """A small thread-safe LRU map, bounded by its number of entries or (``sized``) by the bytes of the
-    tensors in its values (the cache budget)."""
-
-    def __init__(self, max_entries: int | None = None, sized: bool = False):
-        self.max_entries, self.sized = max_entries, sized
-        self._items: OrderedDict[tuple, Any] = OrderedDict()
-        self._lock = threading.Lock()
-        self.hits = self.misses = 0
-
-    @staticmethod
-    def _nbytes(value: list[tuple[str, torch.Tensor]]) -> int:
-        return sum(t.numel() * t.element_size() for _, t in value)
-
-    def get(self, key: tuple) -> Any:
-        with self._lock:
-            value = self._items.get(key)
-            if value is None:
-                self.misses += 1
-                return None
-            self.hits += 1
-            self._items.move_to_end(key)
-            return value
-
-    def put(self, key: tuple, value: Any) -> None:
-        with self._lock:
-            self._items[key] = value
-            self._items.move_to_end(key)
-            limit = _cache_limit_bytes()
-            while self._items and (
-                    (self.max_entries is not None and len(self._items) > self.max_entries)
-                    or (self.sized and sum(self._nbytes(v) for v in self._items.values()) > limit)):
-                self._items.popitem(last=False)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._items.clear()
-            self.hits = self.misses = 0
-
-
-_meta_cache = _LRU(max_entries=_META_CACHE_ENTRIES)  # file key -> LoadedCheckpoint (metadata + reader)
-_weight_cache = _LRU(sized=True)  # file key -> [(hf_name, fp32 tensor)] in the file's order
-
-
-def clear_cache() -> None:
-    """Forget every parsed GGUF and every cached dequantized tensor of this process."""
-    _meta_cache.clear()
-    _weight_cache.clear()
 
 
 # ------------------------------------------------------------------------------------ GGUF
@@ -448,8 +377,11 @@ def _load_gguf(path: str) -> LoadedCheckpoint:
 
         t = tensors["rope_freqs.weight"]
         factors = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float64).reshape(-1)
-        rope_scaling = llama3_rope_from_freq_factors(
-            factors, rope_theta, int(head_dim), int(get("context_length", 8192)), path)
+        try:
+            rope_scaling = llama3_rope_from_freq_factors(
+                factors, rope_theta, int(head_dim), int(get("context_length", 8192)), path)
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from None
 
     try:
         arch = ModelArch(
@@ -505,54 +437,6 @@ def _gguf_rope_scaling(reader: Any, arch_name: str, path: str) -> dict | None:
         value = _gguf_value(reader, key)
         out[renames.get(suffix, suffix)] = value
     return out
-
-
-def _llama3_factors(inv_freq: np.ndarray, factor: float, low: float, high: float, orig: float) -> np.ndarray:
-    wavelen = 2 * math.pi / inv_freq
-    smooth = np.clip((orig / wavelen - low) / (high - low), 0.0, 1.0)
-    return 1.0 / ((1.0 - smooth) / factor + smooth)
-
-
-def llama3_rope_from_freq_factors(factors: np.ndarray, rope_theta: float, head_dim: int,
-                                  context_length: int, path: str = "") -> dict | None:
-    """Recover HF ``llama3`` rope-scaling parameters from llama.cpp's per-frequency ``rope_freqs``.
-
-    llama.cpp stores ``1 / ((1 - s) / factor + s)`` per frequency (``s`` the clipped smoothing ramp).
-    Those values depend only on ``factor`` and the ramp's two end points, so any (low, high, original
-    context) triple that reproduces them is equivalent; the standard Llama 3.x values are tried first.
-    """
-    n = head_dim // 2
-    if factors.shape[0] != n:
-        raise ModelLoadError(f"{path}: rope_freqs has {factors.shape[0]} entries, expected {n}")
-    if np.allclose(factors, 1.0):
-        return None
-    inv_freq = rope_theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    factor = float(factors.max())
-
-    def matches(low: float, high: float, orig: float) -> bool:
-        return bool(np.allclose(_llama3_factors(inv_freq, factor, low, high, orig), factors, rtol=1e-4, atol=1e-5))
-
-    candidates = [(1.0, 4.0, 8192.0), (1.0, 4.0, float(context_length))]
-    candidates += [(1.0, 4.0, float(2**k)) for k in range(10, 18)]
-    for low, high, orig in candidates:
-        if matches(low, high, orig):
-            return _llama3_dict(factor, low, high, orig)
-    # general fit: s = 1/ff ... is linear in inv_freq on the ramp; fix low = 1 and solve for high/orig
-    inner = (factors > 1.0 + 1e-6) & (factors < factor * (1.0 - 1e-6))
-    if factor > 1.0 and inner.sum() >= 2:
-        s = (1.0 / factors[inner] - 1.0 / factor) / (1.0 - 1.0 / factor)
-        a, b = np.polyfit(inv_freq[inner], s, 1)
-        if b < 0 and a > 0:
-            high = 1.0 - 1.0 / b
-            orig = 2 * math.pi * a * (high - 1.0)
-            if matches(1.0, high, orig):
-                return _llama3_dict(factor, 1.0, high, orig)
-    raise ModelLoadError(f"{path}: cannot interpret the rope_freqs tensor as Llama-3 rope scaling")
-
-
-def _llama3_dict(factor: float, low: float, high: float, orig: float) -> dict:
-    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
-            "original_max_position_embeddings": int(round(orig))}
 
 
 def _model_name(path: str) -> str:
