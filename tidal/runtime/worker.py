@@ -102,7 +102,7 @@ class Worker:
         self.transport = build_transport(cfg.transport)
         self.exports: deque[_Export] = deque()
         self.handing_off: set[str] = set()
-        self.importing: dict[str, int] = {}  # request id -> chunks still expected (unknown: -1)
+        self.importing: set[str] = set()  # paused imports whose KV chunks are still arriving
         self.running = True
 
     # ---------------------------------------------------------------- messages
@@ -127,7 +127,7 @@ class Worker:
             rid = msg[1]
             e.abort_request(rid)
             self.handing_off.discard(rid)
-            self.importing.pop(rid, None)
+            self.importing.discard(rid)
             for ex in list(self.exports):
                 if ex.request_id == rid:
                     self.exports.remove(ex)
@@ -139,7 +139,7 @@ class Worker:
                 self.send("refused", snap.request_id, str(err))
                 return
             if paused:
-                self.importing[snap.request_id] = -1
+                self.importing.add(snap.request_id)
         elif kind == "kv":
             _, rid, handle, last = msg
             if rid not in self.importing:
@@ -147,7 +147,7 @@ class Worker:
             e.import_kv(rid, self.transport.get(handle), handle.spec.start)
             self.transport.release(handle)
             if last:
-                del self.importing[rid]
+                self.importing.discard(rid)
                 e.resume_request(rid)
                 self.send("landed", rid)
         elif kind == "shutdown":
@@ -218,8 +218,8 @@ class Worker:
                 self.send("idle", self.status())
 
     def close(self) -> None:
-        for ex in self.exports:  # hand-offs never finished: nothing of them may stay in /dev/shm
-            ex.chunks.clear()
+        # chunks of unfinished hand-offs that were already put are the front end's to release (it holds
+        # their handles); the ones not yet put never existed
         self.cmd.close(0)
         self.out.close()
         self.ctx.term()
