@@ -36,6 +36,8 @@ class Request:
     priority: int = 0  # lower runs first (as in vLLM)
     request_class: RequestClass = RequestClass.ONLINE
     max_model_len: int | None = None  # the engine's context limit (prompt + output)
+    # DynaServe Sec. 3 micro-request: stop (pause) once this many tokens have KV; the rest runs elsewhere
+    pause_at: int | None = None
     # --- mutable state ---
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache

@@ -47,6 +47,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._finished_since_plan: list[str] = []
         self._pending_updates: list[RequestUpdate] = []  # finishes decided while scheduling
+        self._reached_pause: list[str] = []  # paused at their ``pause_at`` since the last drain
         self._step_id = 0
         self.last_caps = StepCaps(config.max_num_seqs, config.max_num_batched_tokens)  # resolved, last step
 
@@ -129,6 +130,12 @@ class Scheduler:
     def resume(self, request_id: str) -> None:
         self.running.append(self.paused.pop(request_id))
 
+    def drain_reached_pause(self) -> list[str]:
+        """Requests that reached their ``pause_at`` (DynaServe's alpha micro-request is done) and
+        were paused, holding their KV, since the last call; oldest first."""
+        out, self._reached_pause = self._reached_pause, []
+        return out
+
     @property
     def num_waiting(self) -> int:
         return len(self.waiting) + len(self.swapped)
@@ -150,6 +157,8 @@ class Scheduler:
         cap = self.config.long_prefill_token_threshold
         if cap and n > 1:
             n = min(n, cap)
+        if req.pause_at is not None:  # an alpha micro-request computes no KV past its split point
+            n = min(n, max(req.pause_at - req.num_computed_tokens, 1))
         return n
 
     def _make_chunk(self, req: Request, n: int) -> ScheduledChunk:
@@ -272,6 +281,7 @@ class Scheduler:
                 continue  # aborted while the step ran
             req.num_computed_tokens += chunk.num_tokens
             if not chunk.sample:
+                self._check_pause(req)
                 continue
             token = result.sampled[chunk.request_id]
             req.output_token_ids.append(token)
@@ -286,6 +296,14 @@ class Scheduler:
                 reason, stop_reason = stop
                 self.finish_request(req.request_id, reason, stop_reason, now=now)
                 upd.finished, upd.finish_reason, upd.stop_reason = True, reason.value, stop_reason
+            else:
+                self._check_pause(req)
             updates.append(upd)
         self.policy.observe(plan, result)
         return updates
+
+    def _check_pause(self, req: Request) -> None:
+        if req.pause_at is not None and req.num_computed_tokens >= req.pause_at:
+            req.pause_at = None  # once: a resumed request runs on
+            self.pause(req.request_id)
+            self._reached_pause.append(req.request_id)
