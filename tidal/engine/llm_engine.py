@@ -161,8 +161,12 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int] | None = None,
                     params: SamplingParams | None = None, *, prompt_token_ids: list[int] | None = None,
                     arrival_time: float | None = None, priority: int = 0,
-                    request_class: str | RequestClass = RequestClass.ONLINE) -> None:
+                    request_class: str | RequestClass = RequestClass.ONLINE, pause_at: int | None = None) -> None:
+        """Queue a request. ``pause_at`` (n=1 only) makes it DynaServe's alpha micro-request: it
+        pauses, holding its KV, once that many tokens have KV (``scheduler.drain_reached_pause``)."""
         params = params or SamplingParams()
+        if pause_at is not None and (params.n != 1 or pause_at < 1):
+            raise ValueError("pause_at needs n=1 and a split point >= 1")
         text = prompt if isinstance(prompt, str) else None
         if prompt_token_ids is None:
             if isinstance(prompt, str):
@@ -190,7 +194,7 @@ class LLMEngine:
                 child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + i)
             reqs.append(Request(child_id, list(prompt_token_ids), child_params, arrival_time=arrival,
                                 eos_token_ids=self.eos_token_ids, priority=priority,
-                                request_class=RequestClass(request_class)))
+                                request_class=RequestClass(request_class), pause_at=pause_at))
         added: list[str] = []
         try:
             for req in reqs:
@@ -275,6 +279,30 @@ class LLMEngine:
         self._groups[snap.request_id] = _Group(snap.request_id, snap.prompt, list(snap.prompt_token_ids),
                                                snap.params, [child], req.arrival_time)
         self._child_parent[snap.request_id] = (snap.request_id, 0)
+
+    def reserve_import(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       num_kv_tokens: int, priority: int = 0, request_class: str = "online") -> None:
+        """DynaServe Sec. 4.3: hold the blocks of a beta micro-request whose first ``num_kv_tokens``
+        of KV arrive in chunks (:meth:`import_kv`) while its alpha part still computes; the output
+        tokens alpha sampled come last, with :meth:`finish_import`, which also resumes it."""
+        self.import_request(RequestSnapshot(request_id, None, list(prompt_token_ids), [], params, num_kv_tokens, {},
+                                            priority, request_class, text_sent=0), paused=True)
+
+    def finish_import(self, request_id: str, output_token_ids: list[int], text_sent: int | None) -> None:
+        """Complete a :meth:`reserve_import`: set the tokens alpha sampled (the client already has
+        ``text_sent`` characters of their text) and resume the request."""
+        group = self._groups[request_id]
+        ch = group.children[0]
+        req = ch.request
+        if len(req.prompt_token_ids) + len(output_token_ids) < req.num_computed_tokens:
+            raise ValueError(f"{request_id}: {len(output_token_ids)} output tokens cannot cover "
+                             f"{req.num_computed_tokens} tokens of KV")
+        req.output_token_ids = list(output_token_ids)
+        if output_token_ids:
+            ch.text = ch.detok.add_tokens(req.output_token_ids)
+            ch.tok_sent = len(req.output_token_ids)
+            ch.sent = len(ch.text) if text_sent is None else min(text_sent, len(ch.text))
+        self.scheduler.resume(request_id)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         if isinstance(request_ids, str):
