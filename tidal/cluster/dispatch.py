@@ -25,7 +25,7 @@ from tidal.cluster.monitor import GlobalMonitor
 from tidal.cluster.router import Router, RouteRequest
 from tidal.config import ConfigError
 
-MODES = ("colocate", "disaggregate")
+MODES = ("colocate", "disaggregate", "split")
 
 
 @dataclass(frozen=True)
@@ -49,9 +49,16 @@ class ClusterLayout:
                                   f"with --mode disaggregate; got {self.prefill_instances}")
         elif self.prefill_instances:
             raise ConfigError("--prefill-instances needs --mode disaggregate")
+        if self.mode == "split" and (self.instances < 2 or self.instances % 2):
+            raise ConfigError(f"--mode split pairs the instances (alpha, beta): it needs an even number >= 2; "
+                              f"got {self.instances}")
+
+    def pairs(self) -> list[tuple[int, int]]:
+        """DynaServe's instance pairs with --mode split: (2k, 2k+1), the first serving alpha parts."""
+        return [(i, i + 1) for i in range(0, self.instances, 2)] if self.mode == "split" else []
 
     def roles(self) -> list[str]:
-        if self.mode == "colocate":
+        if self.mode != "disaggregate":  # colocate; split: both members of a pair prefill and decode
             return ["colocated"] * self.instances
         return ["prefill"] * self.prefill_instances + ["decode"] * (self.instances - self.prefill_instances)
 

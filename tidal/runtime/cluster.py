@@ -9,6 +9,9 @@ The HTTP server talks to it exactly as to :class:`tidal.engine.async_engine.Asyn
 - one I/O thread owns the ZeroMQ sockets: it sends the commands queued by the event loop,
   receives every worker's outputs and routes them to the request streams, forwards KV chunk
   handles from prefill to decode workers, and watches the workers' process sentinels;
+- with ``--mode split`` (DynaServe), a split planner picks a pair of instances and a split point
+  per request: the alpha member computes the first ``s`` tokens of KV and streams them, chunk by
+  chunk as it computes, to the beta member, which holds a reservation and continues the request;
 - when a worker dies, its requests are re-run on the live instances from their prompt plus the
   tokens already streamed (recompute), their streams continue, and the worker is restarted.
   Only when no instance is alive does a request fail (the server answers 503).
@@ -45,6 +48,7 @@ from tidal.runtime.kv_transfer import KVHandle, build_transport
 from tidal.runtime.worker import WorkerConfig
 
 log = logging.getLogger("tidal.cluster")
+SPLIT_LOG = 4096  # split decisions kept for /admin/state
 
 
 @dataclass(frozen=True)
@@ -64,11 +68,13 @@ class ClusterConfig:
 @dataclass
 class _Handoff:
     src: int
-    meta: RequestSnapshot
+    meta: RequestSnapshot | None
     blocks: int
-    num_chunks: int
+    num_chunks: int  # -1: a streamed alpha part, whose chunk count is known when it ends
     handles: list[KVHandle] = field(default_factory=list)
     dst: int | None = None
+    split: int | None = None  # DynaServe: alpha computes KV [0, split); dst (beta) is reserved from the start
+    alpha_done: bool = False
 
 
 @dataclass
@@ -88,6 +94,7 @@ class _Tracked:
     finished: bool = False
     handoff: _Handoff | None = None
     failovers: int = 0
+    split_log: dict[str, Any] | None = None  # its entry in ClusterLLM.splits (split mode)
 
 
 class _FrontEngine:
@@ -109,7 +116,8 @@ class _FrontEngine:
 
 
 class ClusterLLM:
-    def __init__(self, engine_config: EngineConfig, cluster: ClusterConfig, engine_kwargs: dict[str, Any]):
+    def __init__(self, engine_config: EngineConfig, cluster: ClusterConfig, engine_kwargs: dict[str, Any],
+                 splitter: Any = None):
         from tidal.policies import check_policy
 
         check_policy(engine_config.scheduler)  # before any worker starts
@@ -140,6 +148,11 @@ class ClusterLLM:
         for rec in self.monitor.instances:
             rec.alive = False  # until its worker says ready
         self.dispatcher = Dispatcher(self.layout, self.monitor, build_router(cluster.router))
+        self.splitter = splitter if splitter is not None or self.layout.mode != "split" else \
+            self._default_splitter()
+        self.splits: deque[dict[str, Any]] = deque(maxlen=SPLIT_LOG)  # the latest split decisions
+        self.num_splits = 0
+        self.kv_bytes_moved = 0
         self.requests: dict[str, _Tracked] = {}
         self._outbox: deque[tuple[int, tuple]] = deque()
         self._lock = threading.RLock()
@@ -274,7 +287,9 @@ class ClusterLLM:
                 if i is not None and i >= 0:
                     self._send(i, ("abort", request_id))
                     self.monitor.on_finish(i, request_id)
-            self._release_handoff(t)
+            self._drop_handoff(t)
+            if self.splitter is not None:
+                self.splitter.on_finish(request_id, None)
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -291,6 +306,7 @@ class ClusterLLM:
                 "num_preemptions": sum(r.status.num_preemptions for r in inst),
                 "instance_failures": self.num_failures, "instance_restarts": self.num_restarts,
                 "failovers": self.num_failovers,
+                "splits": self.num_splits, "kv_bytes_moved": self.kv_bytes_moved,
                 "cluster": {"mode": self.layout.mode, "router": self.cluster.router, "backend": self.cluster.backend,
                             "threads_per_instance": self.threads, **self.monitor.snapshot(self.now())},
             }
@@ -298,22 +314,75 @@ class ClusterLLM:
     # ---------------------------------------------------------------- placing requests (under the lock)
     def _place(self, t: _Tracked, fresh: bool) -> bool:
         """Dispatch ``t`` to an instance: a new request, or a re-run from its streamed tokens."""
+        if fresh and self.splitter is not None:
+            placed = self._place_split(t)
+            if placed is not None:
+                return placed
         req = RouteRequest(t.rid, len(t.prompt_ids) + len(t.tokens), t.params.max_tokens or 0)
         i = self.dispatcher.dispatch(req, self.now())
         if i is None:
             return False
         t.instance = i
         if fresh:
-            self._send(i, ("add", t.rid, t.prompt_ids, t.params, t.priority, t.request_class))
+            self._send(i, ("add", t.rid, t.prompt_ids, t.params, t.priority, t.request_class, None))
         else:
             snap = RequestSnapshot(t.rid, None, list(t.prompt_ids), list(t.tokens), t.params, 0, {}, t.priority,
                                    t.request_class, text_sent=t.text_sent)
             self._send(i, ("import", snap, False))
         return True
 
+    def _default_splitter(self) -> Any:
+        from tidal.cluster.split import build_splitter
+
+        return build_splitter(self.config, self.cluster)
+
+    def _live_pairs(self) -> list[tuple[int, int]]:
+        alive = {r.index for r in self.monitor.instances if r.alive}
+        return [p for p in self.layout.pairs() if p[0] in alive and p[1] in alive]
+
+    def _place_split(self, t: _Tracked) -> bool | None:
+        """DynaServe: the planner's pair and split point (Alg. 1); None when no pair is alive (the
+        request then runs whole wherever the router puts it)."""
+        pairs = self._live_pairs()
+        if not pairs:
+            return None
+        d = self.splitter.decide(t.rid, len(t.prompt_ids), t.params.max_tokens, pairs, self.now())
+        alpha, beta = d.pair
+        s, whole = d.split, None
+        if t.params.n > 1 or s <= 0:
+            whole = beta
+        elif s >= d.prompt_len + d.predicted_output:
+            whole = alpha
+        self.num_splits += whole is None
+        self.splits.append({"request_id": t.rid, "pair": [alpha, beta], "split": s, "prompt_len": d.prompt_len,
+                            "predicted_output": d.predicted_output, "whole_on": whole, "kv_bytes": 0})
+        t.split_log = self.splits[-1]
+        t.instance = alpha if whole is None else whole
+        self.monitor.on_dispatch(t.instance, t.rid, self.now())
+        if whole is not None:
+            self._send(whole, ("add", t.rid, t.prompt_ids, t.params, t.priority, t.request_class, None))
+            return True
+        blocks = -(-s // self.monitor.instances[beta].block_size)
+        self.monitor.on_handoff_start(t.rid, beta, blocks)
+        t.handoff = _Handoff(alpha, None, blocks, -1, dst=beta, split=s)
+        self._send(alpha, ("add", t.rid, t.prompt_ids, t.params, t.priority, t.request_class, s))
+        self._send(beta, ("reserve", t.rid, t.prompt_ids, t.params, t.priority, t.request_class, s))
+        return True
+
+    def _unsplit(self, t: _Tracked) -> None:
+        """Beta cannot take its part: alpha keeps the whole request (or, if alpha already let it go,
+        the request is recomputed elsewhere)."""
+        h = t.handoff
+        self._drop_handoff(t)
+        if h.alpha_done:
+            self._failover(t)
+        else:
+            self._send(h.src, ("unsplit", t.rid))
+
     def _failover(self, t: _Tracked) -> None:
-        self._release_handoff(t)
-        t.handoff = None
+        self._drop_handoff(t)
+        if self.splitter is not None:
+            self.splitter.on_finish(t.rid, None)  # its planned parts are void; it runs whole now
         if t.params.n > 1 or not self._place(t, fresh=not t.tokens and t.text_sent == 0):
             self._deliver(t, EngineDeadError("the instance serving this request failed and no other can take it"
                                              if t.params.n == 1 else "an instance failed under an n > 1 request"))
@@ -321,6 +390,14 @@ class ClusterLLM:
             return
         t.failovers += 1
         self.num_failovers += 1
+
+    def _drop_handoff(self, t: _Tracked) -> None:
+        """Forget ``t``'s hand-off: its reservation on the target, and the chunks in flight."""
+        h = t.handoff
+        if h is not None and h.dst is not None:
+            self.monitor.on_handoff(t.rid, h.src, h.dst, ok=False)
+        self._release_handoff(t)
+        t.handoff = None
 
     def _release_handoff(self, t: _Tracked) -> None:
         if t.handoff is not None:
@@ -437,8 +514,24 @@ class ClusterLLM:
                 self.transport.release(handle)  # aborted meanwhile
                 return
             t.handoff.handles.append(handle)
+            self.kv_bytes_moved += handle.nbytes
+            if t.split_log is not None:
+                t.split_log["kv_bytes"] += handle.nbytes
             if t.handoff.dst is not None:
                 self._send(t.handoff.dst, ("kv", rid, handle, last))
+        elif kind == "split_done":
+            rid, tokens = rest
+            t = self.requests.get(rid)
+            if t is None:
+                return
+            h = t.handoff
+            if h is None or h.split is None or h.dst is None:
+                self.monitor.on_finish(i, rid)
+                self._failover(t)  # alpha let go of a request whose beta part was refused: recompute
+                return
+            h.alpha_done = True
+            self.splitter.on_handoff(rid)
+            self._send(h.dst, ("finish", rid, list(tokens), t.text_sent))
         elif kind == "landed":
             t = self.requests.get(rest[0])
             if t is not None and t.handoff is not None:
@@ -446,7 +539,9 @@ class ClusterLLM:
                 t.instance, t.handoff = i, None  # the decode worker released the chunks it read
         elif kind == "refused":
             t = self.requests.get(rest[0])
-            if t is not None and t.handoff is not None and t.handoff.dst == i:
+            if t is not None and t.handoff is not None and t.handoff.split is not None and t.handoff.dst == i:
+                self._unsplit(t)
+            elif t is not None and t.handoff is not None and t.handoff.dst == i:
                 self.monitor.on_handoff(t.rid, t.handoff.src, i, ok=False)
                 t.handoff.dst = None  # retried when an instance reports room
             elif t is not None:  # a fail-over import found no room here: try again elsewhere
@@ -463,10 +558,18 @@ class ClusterLLM:
         if len(out.outputs) == 1:
             t.tokens.extend(c.delta_token_ids)
             t.text_sent += len(c.delta_text)
+            if self.splitter is not None and c.delta_token_ids:
+                self.splitter.on_progress(i, t.rid, decoded=len(c.delta_token_ids))
         if out.finished:
             t.finished = True
             self.requests.pop(t.rid, None)
             self.monitor.on_finish(i, t.rid)
+            h = t.handoff
+            if h is not None and h.split is not None:  # alpha finished before its split point
+                self._send(h.dst, ("abort", t.rid))
+                self._drop_handoff(t)
+            if self.splitter is not None:
+                self.splitter.on_finish(t.rid, len(t.tokens) if len(out.outputs) == 1 else None)
         self._deliver(t, out)
 
     def _on_worker_death(self, i: int, why: str) -> None:
@@ -475,6 +578,8 @@ class ClusterLLM:
         log.warning("instance %d died (%s); re-running its requests elsewhere", i, why)
         self.num_failures += 1
         lost = self.monitor.on_failure(i)
+        if self.splitter is not None:
+            self.splitter.on_failure(i)
         self.handles[i].join(1)
         self.handles[i] = None
         self.generation[i] += 1

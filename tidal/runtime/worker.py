@@ -4,18 +4,25 @@ The control path is ZeroMQ: the front end PUSHes commands to each worker's socke
 every worker's messages from one socket. Messages are tuples of plain data (pickled); KV never
 travels on this path, only :class:`tidal.runtime.kv_transfer.KVHandle`s naming the chunks.
 
-Commands (front end -> worker): ``add``, ``abort``, ``import`` (a snapshot without KV; paused
-when its KV follows in chunks, recomputed otherwise), ``kv`` (one chunk of a paused import; the
-last one resumes it), ``shutdown``.
+Commands (front end -> worker): ``add`` (with a split point for DynaServe's alpha part),
+``abort``, ``import`` (a snapshot without KV; paused when its KV follows in chunks, recomputed
+otherwise), ``reserve`` (DynaServe's beta part: hold blocks for KV that streams in while alpha
+computes), ``kv`` (one chunk of a paused import; the last one resumes it), ``finish`` (alpha's
+sampled tokens: resumes a reserved beta part), ``unsplit`` (alpha keeps the whole request),
+``shutdown``.
 
 Messages (worker -> front end): ``ready``, ``out`` (RequestOutputs of a step plus the instance's
 status), ``rejected``, ``handoff`` (a prefill instance finished a request's prefill: its
-snapshot; chunks follow), ``kv`` (a chunk written), ``landed`` / ``refused`` (a hand-off's
-import), ``fatal``.
+snapshot; chunks follow), ``kv`` (a chunk written), ``split_done`` (an alpha part reached its
+split point; all its chunks were sent), ``landed`` / ``refused`` (a hand-off's import or a
+reservation), ``fatal``.
 
 A prefill worker (BucketServe's disaggregation) pauses each request after its first token,
 then writes one KV chunk per loop turn between its steps, so it keeps computing while the
-chunks are in flight; after the last chunk it frees the request's blocks.
+chunks are in flight; after the last chunk it frees the request's blocks. An alpha part
+(DynaServe Sec. 4.3) streams instead: after every step the KV of its newly computed tokens is
+queued as chunks, so beta receives it while alpha computes on; at the split point the request
+pauses, its last chunks go, then ``split_done``, and its blocks are freed.
 """
 
 from __future__ import annotations
@@ -51,10 +58,19 @@ class WorkerConfig:
 
 @dataclass
 class _Export:
-    """A hand-off being written: the chunks still to put."""
+    """A hand-off being written: the chunks still to put. A streamed alpha part (``stream``) grows
+    as it computes (``sent``: tokens queued so far) until it reaches its split point (``done``)."""
 
     request_id: str
     chunks: deque = field(default_factory=deque)
+    stream: bool = False
+    sent: int = 0
+    done: bool = False
+
+    @property
+    def ready(self) -> bool:
+        """Something to do now: a chunk to put, or a finished stream to close."""
+        return bool(self.chunks) or (self.stream and self.done)
 
 
 def instance_status(engine: Any, index: int, step_time_s: float | None = None) -> Any:
@@ -118,11 +134,39 @@ class Worker:
         kind = msg[0]
         e = self.engine
         if kind == "add":
-            _, rid, prompt_ids, params, priority, rclass = msg
+            _, rid, prompt_ids, params, priority, rclass, pause_at = msg
             try:
-                e.add_request(rid, None, params, prompt_token_ids=prompt_ids, priority=priority, request_class=rclass)
+                e.add_request(rid, None, params, prompt_token_ids=prompt_ids, priority=priority, request_class=rclass,
+                              pause_at=pause_at)
             except (RequestRejected, ValueError) as err:
                 self.send("rejected", rid, str(err), getattr(err, "param", None))
+                return
+            if pause_at is not None:
+                self.exports.append(_Export(rid, stream=True))
+        elif kind == "reserve":
+            _, rid, prompt_ids, params, priority, rclass, num_kv = msg
+            try:
+                e.reserve_import(rid, prompt_ids, params, num_kv, priority, rclass)
+            except (RequestRejected, ValueError) as err:
+                self.send("refused", rid, str(err))
+                return
+            self.importing.add(rid)
+        elif kind == "finish":
+            _, rid, tokens, text_sent = msg
+            if rid in self.importing:
+                self.importing.discard(rid)
+                e.finish_import(rid, tokens, text_sent)
+                self.send("landed", rid)
+        elif kind == "unsplit":
+            rid = msg[1]
+            for ex in list(self.exports):
+                if ex.request_id == rid and ex.stream:
+                    self.exports.remove(ex)
+            req = e.scheduler.requests.get(rid)
+            if req is not None:
+                req.pause_at = None
+                if rid in e.scheduler.paused:
+                    e.resume_request(rid)
         elif kind == "abort":
             rid = msg[1]
             e.abort_request(rid)
@@ -171,18 +215,49 @@ class Worker:
             self.send("handoff", rid, meta, blocks, len(chunks))
             self.exports.append(_Export(rid, deque(chunks)))
 
-    def write_one_chunk(self) -> None:
-        """Put the next chunk of the oldest hand-off; after its last, free the request here."""
-        ex = self.exports[0]
-        spec = ex.chunks.popleft()
-        handle = self.transport.put(self.engine.export_kv(ex.request_id, list(spec.layers), spec.start, spec.end),
-                                    spec)
-        last = not ex.chunks
-        self.send("kv", ex.request_id, handle, last)
-        if last:
-            self.exports.popleft()
-            self.handing_off.discard(ex.request_id)
-            self.engine.abort_request(ex.request_id)  # its KV now lives in the chunks
+    def stream_splits(self) -> None:
+        """After a step: queue the KV each alpha part computed as chunks (DynaServe Sec. 4.3: chunk
+        k is pushed while chunk k+1 computes); mark the parts that reached their split point."""
+        from tidal.runtime.kv_transfer import plan_chunks
+
+        e = self.engine
+        reached = set(e.scheduler.drain_reached_pause())
+        for ex in self.exports:
+            if not ex.stream or ex.done:
+                continue
+            req = e.scheduler.requests.get(ex.request_id)
+            if req is None:  # finished (or aborted) before its split point: nothing to hand over
+                ex.done, ex.chunks = True, deque()
+                continue
+            upto = req.num_computed_tokens
+            ex.chunks.extend(plan_chunks(e.model.layer_ids, ex.sent, upto, self.cfg.layers_per_chunk,
+                                         self.cfg.tokens_per_chunk or None))
+            ex.sent = upto
+            ex.done = ex.request_id in reached
+
+    def write_one_chunk(self) -> bool:
+        """Put the next chunk of the oldest hand-off that has one; after its last, free the request
+        here (a streamed alpha part then also says ``split_done`` with the tokens it sampled)."""
+        ex = next((x for x in self.exports if x.ready), None)
+        if ex is None:
+            return False
+        e = self.engine
+        if ex.chunks:
+            spec = ex.chunks.popleft()
+            handle = self.transport.put(e.export_kv(ex.request_id, list(spec.layers), spec.start, spec.end), spec)
+            last = not ex.chunks and not ex.stream
+            self.send("kv", ex.request_id, handle, last)
+            if not last:
+                return True
+        self.exports.remove(ex)
+        self.handing_off.discard(ex.request_id)
+        if ex.stream:
+            req = e.scheduler.requests.get(ex.request_id)
+            if req is None:
+                return True  # it finished here: its outputs said so
+            self.send("split_done", ex.request_id, list(req.output_token_ids))
+        e.abort_request(ex.request_id)  # its KV now lives in the chunks
+        return True
 
     # ---------------------------------------------------------------- loop
     def run(self) -> None:
@@ -193,7 +268,7 @@ class Worker:
         poller = zmq.Poller()
         poller.register(self.cmd, zmq.POLLIN)
         while self.running:
-            busy = e.has_runnable_requests() or bool(self.exports)
+            busy = e.has_runnable_requests() or any(x.ready for x in self.exports)
             if poller.poll(0 if busy else 100):
                 while True:
                     try:
@@ -213,6 +288,8 @@ class Worker:
                 dt = time.perf_counter() - t0
                 if self.cfg.role == "prefill":
                     self.start_handoffs(outs)
+                if any(x.stream for x in self.exports):
+                    self.stream_splits()
                 self.send("out", outs, self.status(dt))
             elif not busy:
                 self.send("idle", self.status())

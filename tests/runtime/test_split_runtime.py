@@ -1,0 +1,118 @@
+"""DynaServe's micro-requests on real worker processes (``--mode split``): for each request the
+planner names a pair (alpha, beta) and a split point; alpha computes the first ``s`` tokens of KV
+and streams it through shared memory while it computes, beta holds a reservation and continues.
+Greedy outputs equal one engine's for splits at every kind of position, also when the output
+outgrows the predicted length; the KV moved is counted; nothing leaks.
+
+The split positions here are chosen by a fixed test planner, so every kind of position is
+exercised; the real planner (DynaServe Alg. 1) is tested on its own in tests/cluster."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import pytest
+
+from tests.runtime import test_cluster as tc
+from tests.runtime.test_cluster import ENGINE, PARAMS, PROMPTS, no_leak, settle, shm_segments, stop, stream
+from tidal.cluster.dispatch import ClusterLayout
+from tidal.config import ConfigError, EngineConfig
+
+reference = tc.reference  # the same fixture: one engine's tokens and text for PROMPTS
+
+KINDS = ("whole-on-beta", "inside-prompt", "prompt-end", "inside-output", "beyond-prediction", "whole-on-alpha")
+PREDICTED = 3  # the test planner's output-length guess; the requests produce PARAMS.max_tokens = 12
+
+
+@dataclass(frozen=True)
+class _Decision:
+    request_id: str
+    pair: tuple[int, int]
+    prompt_len: int
+    predicted_output: int
+    split: int
+
+
+class FixedSplits:
+    """Splits request ``r{i}`` at the position of kind ``KINDS[i % len(KINDS)]``; records the
+    ledger calls the front end makes."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def decide(self, request_id, prompt_len, max_tokens, pairs, now):
+        kind = KINDS[int(request_id[1:]) % len(KINDS)]
+        p, predicted = prompt_len, PREDICTED
+        s = {"whole-on-beta": 0, "inside-prompt": p // 2, "prompt-end": p, "inside-output": p + 1,
+             "beyond-prediction": p + predicted - 1, "whole-on-alpha": p + predicted}[kind]
+        self.calls.append(("decide", request_id, pairs))
+        return _Decision(request_id, pairs[0], p, predicted, s)
+
+    def on_progress(self, instance, request_id, decoded=None, prefill_done=None):
+        self.calls.append(("progress", request_id, instance, decoded))
+
+    def on_handoff(self, request_id):
+        self.calls.append(("handoff", request_id))
+
+    def on_finish(self, request_id, output_len):
+        self.calls.append(("finish", request_id, output_len))
+
+    def on_failure(self, instance):
+        self.calls.append(("failure", instance))
+
+
+@pytest.fixture(scope="module")
+def split_cluster():
+    from tidal.runtime.cluster import ClusterConfig, ClusterLLM
+
+    before = shm_segments()
+    planner = FixedSplits()
+    llm = ClusterLLM(EngineConfig.from_kwargs(**ENGINE),
+                     ClusterConfig(layout=ClusterLayout(2, "split"), threads_per_instance=1, layers_per_chunk=10,
+                                   tokens_per_chunk=16), ENGINE, splitter=planner)
+    llm.start()
+    yield llm, planner
+    stop(llm)
+    assert shm_segments() <= before
+
+
+def test_split_at_every_kind_of_position_equals_one_engine(split_cluster, reference):
+    llm, planner = split_cluster
+
+    async def run():
+        return await asyncio.gather(*[stream(llm, i) for i in range(len(PROMPTS))])
+
+    assert asyncio.run(run()) == reference
+    by_rid = {e["request_id"]: e for e in llm.splits}
+    for i in range(len(PROMPTS)):
+        kind, e = KINDS[i % len(KINDS)], by_rid[f"r{i}"]
+        if kind.startswith("whole"):
+            assert e["whole_on"] == (1 if kind == "whole-on-beta" else 0) and e["kv_bytes"] == 0
+        else:  # the KV of [0, s) moved: every layer's K and V for s tokens
+            assert e["whole_on"] is None
+            assert e["kv_bytes"] == kv_bytes_per_token(llm) * e["split"], (kind, e)
+    n_split = sum(not KINDS[i % len(KINDS)].startswith("whole") for i in range(len(PROMPTS)))
+    st = llm.stats
+    assert st["splits"] == n_split and st["failovers"] == 0
+    # alpha's hand-off ended each split request's alpha part; every request finished, with 12 tokens
+    handoffs = {c[1] for c in planner.calls if c[0] == "handoff"}
+    assert handoffs == {f"r{i}" for i in range(len(PROMPTS)) if not KINDS[i % len(KINDS)].startswith("whole")}
+    assert sorted(c[1:] for c in planner.calls if c[0] == "finish") == sorted(
+        (f"r{i}", PARAMS.max_tokens) for i in range(len(PROMPTS)))
+    settle(llm)
+    no_leak(llm)
+    assert all(not r["reserved_blocks"] for r in st["cluster"]["instances"])
+
+
+def kv_bytes_per_token(llm) -> int:
+    a = llm.engine.arch
+    return 2 * a.num_layers * a.num_kv_heads * a.head_dim * 4  # K and V, float32
+
+
+def test_split_mode_needs_pairs():
+    with pytest.raises(ConfigError, match="even number"):
+        ClusterLayout(3, "split")
+    with pytest.raises(ConfigError, match="even number"):
+        ClusterLayout(1, "split")
+    assert ClusterLayout(4, "split").pairs() == [(0, 1), (2, 3)]
