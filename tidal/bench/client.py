@@ -198,6 +198,8 @@ async def send_one(session: aiohttp.ClientSession, spec: RequestSpec, opts: Clie
                         return
                     if obj.get("usage"):
                         usage = obj["usage"]
+                    if rec.response_id is None and isinstance(obj.get("id"), str):
+                        rec.response_id = obj["id"]
                     k = sum(chunk_tokens(c, chat) for c in obj.get("choices") or [] if isinstance(c, dict))
                     rec.num_chunks += 1
                     if k:

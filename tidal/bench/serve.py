@@ -241,7 +241,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "config": _config(args),
         "machine": machine_info(),
         "command": command_line(PROG),
-        "requests": [r.to_dict() for r in records],
+        "requests": [r.to_dict() for r in attach_placements(records, base_url)],
     }
     instances = instance_breakdown(cluster_before, cluster_state(base_url))
     if instances is not None:
@@ -259,6 +259,23 @@ def cluster_state(base_url: str) -> dict[str, Any] | None:
     except (httpx.HTTPError, ValueError, AttributeError):
         return None
     return cluster if isinstance(cluster, dict) and isinstance(cluster.get("instances"), list) else None
+
+
+def attach_placements(records: list[M.RequestRecord], base_url: str) -> list[M.RequestRecord]:
+    """Each record's placement as the server logged it (``/admin/splits`` of a tidal cluster in
+    ``--mode split``: its pair, split point and KV moved), joined on the response id."""
+    import httpx
+
+    try:
+        r = httpx.get(f"{base_url}/admin/splits", timeout=10)
+        log = r.json().get("splits") if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return records
+    by_id = {e.get("request_id"): e for e in log or [] if isinstance(e, dict)}
+    for rec in records:
+        if rec.response_id in by_id:
+            rec.placement = by_id[rec.response_id]
+    return records
 
 
 def instance_breakdown(before: dict[str, Any] | None, after: dict[str, Any] | None) -> list[dict[str, Any]] | None:

@@ -143,9 +143,10 @@ OUTPUT_FLAGS: tuple[Flag, ...] = (
 # several instances: shared by `tidal serve` (real workers) and `tidal sim` (simulated instances)
 CLUSTER_FLAGS: tuple[Flag, ...] = (
     _flag("--instances", type=positive_int, default=1, help="serving instances (engine workers)"),
-    _flag("--mode", default="colocate", choices=["colocate", "disaggregate"],
+    _flag("--mode", default="colocate", choices=["colocate", "disaggregate", "split"],
           help="colocate: every instance prefills and decodes; disaggregate: prefill instances hand each "
-               "request's KV to a decode instance (BucketServe)"),
+               "request's KV to a decode instance (BucketServe); split: pairs of instances share each "
+               "request, split at the token the planner picks (DynaServe)"),
     _flag("--prefill-instances", type=int, default=0, help="prefill instances with --mode disaggregate"),
     _flag("--router", default="least-outstanding", choices=["round-robin", "least-outstanding", "kv-aware"],
           help="how the dispatcher picks an instance for a new request"),

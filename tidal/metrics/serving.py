@@ -62,6 +62,8 @@ class RequestRecord:
     num_chunks: int = 0
     status: int | None = None  # HTTP status
     error: str = ""
+    response_id: str | None = None  # the response's ``id`` (the server's request id)
+    placement: dict[str, Any] | None = None  # where a cluster ran it (e.g. DynaServe's split), if it says
 
     @property
     def queue_s(self) -> float | None:

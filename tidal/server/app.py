@@ -134,4 +134,13 @@ def build_app(async_llm: Any, served_model_name: str | None = None) -> FastAPI:
             **({"cluster": cluster} if cluster is not None else {}),
         }))
 
+    @app.get("/admin/splits")
+    async def admin_splits() -> JSONResponse:
+        """DynaServe: the latest split decisions, one per request (pair, split point, KV moved)."""
+        log = getattr(async_llm, "splits", None)
+        if log is None or getattr(async_llm.layout, "mode", None) != "split":
+            return APIError("this server does not split requests (serve with --instances 2 --mode split)", 404,
+                            code="not_found").response()
+        return JSONResponse(_jsonable({"splits": list(log)}))
+
     return app

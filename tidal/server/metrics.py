@@ -102,7 +102,11 @@ class _EngineCollector:
             yield cnt
         for name, val, doc in (("request_failovers", s.get("failovers", 0),
                                 "Requests re-run on another instance after theirs failed."),
-                               ("kv_handoffs", c.get("num_handoffs", 0), "Prefill-to-decode KV hand-offs that landed.")):
+                               ("kv_handoffs", c.get("num_handoffs", 0), "Prefill-to-decode KV hand-offs that landed."),
+                               ("split_requests", s.get("splits", 0),
+                                "Requests split into alpha and beta micro-requests (DynaServe, --mode split)."),
+                               ("kv_transfer_bytes", s.get("kv_bytes_moved", 0),
+                                "Bytes of KV moved between instances (hand-offs and splits).")):
             cnt = CounterMetricFamily(f"tidal:{name}", doc, labels=["model_name"])
             cnt.add_metric([self.model_name], float(val))
             yield cnt
