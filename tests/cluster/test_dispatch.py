@@ -26,7 +26,8 @@ def rq(rid: str, prompt: int = 32, out: int = 8) -> RouteRequest:
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(instances=0), "instances must be >= 1"),
-    (dict(instances=2, mode="split"), "mode must be one of"),
+    (dict(instances=2, mode="splat"), "mode must be one of"),
+    (dict(instances=3, mode="split"), "even number"),
     (dict(instances=1, mode="disaggregate", prefill_instances=1), "at least 2 instances"),
     (dict(instances=2, mode="disaggregate", prefill_instances=2), r"\[1, 1\]"),
     (dict(instances=3, mode="disaggregate", prefill_instances=0), r"\[1, 2\]"),

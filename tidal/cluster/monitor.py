@@ -35,9 +35,14 @@ class InstanceStatus:
     queued_block_demand: int = 0  # KV blocks its waiting requests need to start
     step_time_s: float | None = None  # its last step's measured time
     num_preemptions: int = 0
+    # what that step computed (a profile table's key: DynaServe Alg. 2's plen, ctx, dnum)
+    step_prefill_tokens: int = 0
+    step_decode_count: int = 0
+    step_decode_context: float = 0.0
 
 
 _STATUS_FIELDS = tuple(f.name for f in fields(InstanceStatus))
+_STATUS_DEFAULTS = {f.name: f.default for f in fields(InstanceStatus)}  # a live status may lack the newer ones
 
 
 @dataclass
@@ -184,7 +189,7 @@ class GlobalMonitor:
                 "step_time_ema_s": r.step_time_ema_s, "failures": r.failures, "restarts": r.restarts,
                 "reserved_blocks": sum(r.reserved.values()), "dispatched": r.dispatched,
                 "handoffs_in": r.handoffs_in,
-                **{k: getattr(r.status, k) for k in _STATUS_FIELDS}} for r in self.instances],
+                **{k: getattr(r.status, k, _STATUS_DEFAULTS[k]) for k in _STATUS_FIELDS}} for r in self.instances],
             "pending_handoffs": len(self.pending_handoffs),
             "num_dispatched": self.num_dispatched,
             "num_handoffs": self.num_handoffs,

@@ -24,7 +24,7 @@ from tidal.config import (
     kv_pool_blocks,
 )
 from tidal.core.kv_manager import KVCacheManager
-from tidal.core.plan import RequestUpdate, StepResult
+from tidal.core.plan import RequestUpdate, StepPlan, StepResult
 from tidal.core.request import FinishReason, Request, RequestClass
 from tidal.core.sampling import SamplingParams
 from tidal.core.scheduler import RequestRejected, Scheduler
@@ -137,6 +137,7 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self._child_parent: dict[str, tuple[str, int]] = {}
         self.last_result: StepResult | None = None
+        self.last_plan: StepPlan | None = None
         self.num_steps = 0
         log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
                  ckpt.path, self.device, self.dtype, num_blocks, cc.block_size, self.max_model_len)
@@ -327,7 +328,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule(self.clock())
         result = self.runner.execute(plan)
-        self.last_result = result
+        self.last_plan, self.last_result = plan, result
         self.num_steps += 1
         updates = self.scheduler.update(plan, result, self.clock())
         return self._process(updates)

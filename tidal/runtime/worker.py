@@ -79,8 +79,15 @@ def instance_status(engine: Any, index: int, step_time_s: float | None = None) -
     sched, kv = engine.scheduler, engine.kv_manager
     bs = kv.block_size
     queued = sum(-(-(r.num_tokens + 1) // bs) for r in sched.waiting)
+    p = d = 0
+    ctx = 0.0
+    plan = getattr(engine, "last_plan", None)
+    if step_time_s is not None and plan is not None:
+        dec = [c.context_len for c in plan.chunks if c.is_decode]
+        p, d = plan.composition.num_prefill_tokens, len(dec)
+        ctx = sum(dec) / d if d else 0.0
     return InstanceStatus(index, kv.num_blocks, kv.num_free_blocks, bs, sched.num_running, sched.num_waiting,
-                          queued, step_time_s, sched.num_preemptions)
+                          queued, step_time_s, sched.num_preemptions, p, d, ctx)
 
 
 def _die_with_parent() -> None:
