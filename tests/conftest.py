@@ -52,11 +52,14 @@ def reuse_smol_tokenizer(monkeypatch, smol_ckpt, smol_tokenizer):
 @pytest.fixture(scope="session")
 def make_engine(smol_ckpt, smol_tokenizer):
     """Build an LLMEngine on the shared SmolLM2 checkpoint with the given engine arguments."""
-    from tidal.config import EngineConfig
+    from tidal.config import DEFAULT_CPU_KV_MEMORY, EngineConfig
     from tidal.engine.llm_engine import LLMEngine
 
     def build(ckpt=None, tokenizer=None, **kwargs):
         kwargs.setdefault("dtype", "float32")
+        # the same KV budget on every device: on CUDA the default pool is 90 % of the GPU, so the
+        # many engines one test session holds would each find the GPU already taken
+        kwargs.setdefault("kv_cache_memory", DEFAULT_CPU_KV_MEMORY)
         ck = ckpt or smol_ckpt
         return LLMEngine(EngineConfig.from_kwargs(model=ck.path, **kwargs), checkpoint=ck,
                          tokenizer=tokenizer or (smol_tokenizer if ckpt is None else None))

@@ -41,7 +41,9 @@ def test_profile_has_the_format_and_positive_times(profiled):
     assert len(live) > 10 and all(s["time_s"] > 0 for s in live)
     assert any(len(s["chunks"]) > 1 for s in live)  # batching happened
     assert sum(n for s in live for _, n, _ in s["chunks"] if n == 1) > 0  # decodes
-    assert data["model"]["num_layers"] == engine.arch.num_layers and data["threads"] == 1
+    assert data["model"]["num_layers"] == engine.arch.num_layers
+    if engine.device.type == "cpu":  # the CPU thread count the engine was given (a GPU ignores it)
+        assert data["threads"] == 1
     assert data["block_size"] == engine.kv_manager.block_size
     assert data["overhead"]["per_step_s"] >= 0 and data["overhead"]["per_seq_s"] >= 0
     assert (2 * len(default_grid(quick=True)),) * 2 in seen  # one call per timed run
@@ -82,6 +84,8 @@ def test_fitted_model_predicts_the_samples(profiled):
 
 
 def test_larger_prefill_takes_longer(profiled):
+    if profiled[0].device.type != "cpu":
+        pytest.skip("on a GPU a 135M model's 16- and 128-token prefills are both launch-bound (seen on an H100)")
     times = {tuple(map(tuple, s["chunks"])): s["time_s"] for s in profiled[1]["samples"]}
     assert times[((0, 128, True),)] > times[((0, 16, True),)]
 

@@ -154,9 +154,12 @@ class LLMEngine:
             return kv_pool_blocks(block_bytes, kv_cache_memory=cc.kv_cache_memory or DEFAULT_CPU_KV_MEMORY)
         # CUDA: a fraction of the device's memory, less what is already used, less activations
         free, total = torch.cuda.mem_get_info(self.device)
+        # blocks torch's caching allocator holds but no tensor uses (an engine built and dropped
+        # earlier in this process) are this process's to reuse, not used memory
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         act = activation_reserve_bytes(self.arch, self.config.scheduler.max_num_batched_tokens)
         return kv_pool_blocks(block_bytes, total_bytes=total, utilization=cc.gpu_memory_utilization,
-                              used_bytes=total - free, activation_bytes=act)
+                              used_bytes=total - free - cached, activation_bytes=act)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int] | None = None,
