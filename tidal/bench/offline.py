@@ -87,6 +87,7 @@ class BenchOptions:
     num_requests: int | None = None
     output_len: int | None = None
     num_threads: int | None = None
+    device: str = "cpu"  # cuda: tidal and transformers on the GPU (llama.cpp stays a CPU peer)
     seed: int = 0
     max_num_batched_tokens: int | None = None
     hf_cb_max_batch_tokens: int = 512
@@ -148,9 +149,11 @@ def run_benchmark(opts: BenchOptions) -> BenchResult:
     from tidal.engine.loader import load_checkpoint
 
     requested = opts.dtype
-    opts = replace(opts, dtype=dtype_name(requested, "cpu"))  # "auto" as the engine resolves it on this CPU
+    if opts.device != "cpu" and not (opts.device.startswith("cuda") and torch.cuda.is_available()):
+        raise ValueError(f"--device {opts.device}: no CUDA device here (use --device cpu)")
+    opts = replace(opts, dtype=dtype_name(requested, opts.device))  # "auto" as the engine resolves it there
     if opts.dtype not in CPU_DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(CPU_DTYPES)} on CPU, got {requested!r}")
+        raise ValueError(f"dtype must be one of {', '.join(CPU_DTYPES)}, got {requested!r}")
     if opts.repeats < 1:
         raise ValueError("repeats must be >= 1")
     systems = resolve_systems(opts.systems)
@@ -171,7 +174,7 @@ def run_benchmark(opts: BenchOptions) -> BenchResult:
     workloads = make_workloads(wl_names, arch.vocab_size, sorted(avoid), opts.seed, opts.num_requests,
                                opts.output_len)
     ctx = BenchContext(
-        model_path=ckpt.path, dtype=opts.dtype, num_threads=threads, arch=arch, eos_token_id=eos,
+        model_path=ckpt.path, dtype=opts.dtype, num_threads=threads, arch=arch, eos_token_id=eos, device=opts.device,
         max_requests=max(w.num_requests for w in workloads),
         max_seq_len=max(max(w.prompt_lens) + w.output_len for w in workloads), workloads=workloads,
         max_num_batched_tokens=opts.max_num_batched_tokens, hf_cb_max_batch_tokens=opts.hf_cb_max_batch_tokens,
@@ -180,7 +183,7 @@ def run_benchmark(opts: BenchOptions) -> BenchResult:
     command = opts.command or command_line("tidal bench offline")
     report: dict[str, Any] = {
         "command": command,
-        "machine": machine_info(threads, opts.dtype),
+        "machine": {**machine_info(threads, opts.dtype), "device": _device_name(opts.device)},
         "model": {"path": ckpt.path, "format": ckpt.format, "name": arch.name, "architecture": arch.architecture,
                   "num_params": arch.num_params(), "linear_params": linear_params(arch),
                   "hidden_size": arch.hidden_size, "num_layers": arch.num_layers, "vocab_size": arch.vocab_size},
@@ -453,10 +456,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-peak", action="store_true", help="skip the matmul peak measurement")
     p.add_argument("--no-prefill-runs", action="store_true",
                    help="skip the prefill-only runs (no decode estimate for the peers)")
-    F.add_engine_flags(p, only=("model", "dtype", "num_threads"), choices={"dtype": ("auto", *CPU_DTYPES)},
+    F.add_engine_flags(p, only=("model", "dtype", "num_threads", "device"), choices={"dtype": ("auto", *CPU_DTYPES)},
+                       defaults={"device": "cpu"},
                        helps={"dtype": "weights/activations dtype of every system; auto: what tidal's engine "
                                        "picks on this CPU (bfloat16 with native bf16, else float32)",
-                              "num_threads": "CPU threads for every system (default: all cores)"})
+                              "num_threads": "CPU threads for every system (default: all cores)",
+                              "device": "cpu (default) or cuda[:N]: tidal and transformers on that GPU; llama.cpp "
+                                        "always runs on the CPU"})
     F.add_scheduler_flags(p, only=("max_num_batched_tokens",),
                           helps={"max_num_batched_tokens": "tidal's step token budget (default: tidal's own)"})
     F.add_workload_flags(p, only=("num_requests", "seed"),
@@ -468,11 +474,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--plot", default=None, help="PNG chart path (default: next to the JSON; '' for none)")
 
 
+def _device_name(device: str) -> str:
+    import torch
+
+    return "cpu" if device == "cpu" else f"{device} ({torch.cuda.get_device_name(torch.device(device))})"
+
+
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
     return BenchOptions(
         workloads=args.workloads, systems=args.systems, repeats=args.repeats, dtype=args.dtype, model=args.model,
         output=args.output or None, plot="" if args.no_plots else args.plot, num_requests=args.num_requests,
-        output_len=args.output_len, num_threads=args.num_threads, seed=args.seed,
+        output_len=args.output_len, num_threads=args.num_threads, seed=args.seed, device=args.device,
         max_num_batched_tokens=args.max_num_batched_tokens, hf_cb_max_batch_tokens=args.hf_cb_max_batch_tokens,
         hf_cb_page_size=args.hf_cb_page_size, hf_cb_max_requests=args.hf_cb_max_requests,
         measure_peak=not args.no_peak, prefill_runs=not args.no_prefill_runs, quiet=args.no_progress)

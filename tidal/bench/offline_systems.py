@@ -150,6 +150,7 @@ class BenchContext:
     hf_cb_max_batch_tokens: int = 512
     hf_cb_page_size: int = 64
     hf_cb_max_requests: int | None = 16  # None: every request of the largest workload at once
+    device: str = "cpu"  # tidal's and transformers' device (llama.cpp is a CPU peer)
 
     @property
     def torch_dtype(self):
@@ -249,7 +250,7 @@ class TidalRunner(SystemRunner):
         from tidal import LLM
 
         self.kwargs = dict(
-            dtype=self.ctx.dtype, device="cpu", max_num_seqs=max(64, self.ctx.max_requests),
+            dtype=self.ctx.dtype, device=self.ctx.device, max_num_seqs=max(64, self.ctx.max_requests),
             max_num_batched_tokens=self.ctx.max_num_batched_tokens, kv_cache_memory=self._kv_bytes(),
             num_threads=self.ctx.num_threads)
         self.llm = LLM(model=self.ctx.model_path, **self.kwargs)
@@ -317,7 +318,7 @@ def _quiet_transformers():
         cb_log.setLevel(cb_level)
 
 
-def load_hf_model(model_path: str, torch_dtype):
+def load_hf_model(model_path: str, torch_dtype, device: str = "cpu"):
     """``AutoModelForCausalLM`` from a GGUF file (dequantized by transformers) or an HF directory."""
     from transformers import AutoModelForCausalLM
 
@@ -328,7 +329,7 @@ def load_hf_model(model_path: str, torch_dtype):
             model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch_dtype)
         else:
             model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
-    model.eval()
+    model.to(device).eval()
     # EOS must neither stop nor be masked (tidal's ignore_eos): no EOS in the model's defaults either,
     # else generate() fills it back in. The forced length comes from min/max_new_tokens.
     model.generation_config.eos_token_id = None
@@ -340,10 +341,10 @@ class HFRunner(SystemRunner):
     notes = "one left-padded static batch"
 
     def load(self) -> None:
-        self.model = load_hf_model(self.ctx.model_path, self.ctx.torch_dtype)
+        self.model = load_hf_model(self.ctx.model_path, self.ctx.torch_dtype, self.ctx.device)
 
     def settings(self) -> dict[str, Any]:
-        return {"dtype": self.ctx.dtype, "attn_implementation": self.model.config._attn_implementation,
+        return {"dtype": self.ctx.dtype, "device": self.ctx.device, "attn_implementation": self.model.config._attn_implementation,
                 "padding": "left", "pad_token_id": self.ctx.eos_token_id, "do_sample": False,
                 "min_new_tokens": "= max_new_tokens", "eos": "disabled (never stops, never masked)"}
 
@@ -362,7 +363,8 @@ class HFRunner(SystemRunner):
             ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
             mask[i, width - len(p):] = 1
         with torch.inference_mode(), _quiet_transformers():
-            out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg)
+            out = self.model.generate(input_ids=ids.to(self.ctx.device), attention_mask=mask.to(self.ctx.device),
+                                      generation_config=gen_cfg)
         tokens = out[:, width:].tolist()
         wall = time.perf_counter() - t0
         return RunOutput(wall, tokens)
@@ -378,7 +380,7 @@ class HFCBRunner(SystemRunner):
     def load(self) -> None:
         from transformers.generation import ContinuousBatchingConfig
 
-        self.model = load_hf_model(self.ctx.model_path, self.ctx.torch_dtype)
+        self.model = load_hf_model(self.ctx.model_path, self.ctx.torch_dtype, self.ctx.device)
         page = self.ctx.hf_cb_page_size
         # room for the largest workload at once (whole pages per request), plus a margin
         need = max(sum(-(-(p + w.output_len) // page) for p in w.prompt_lens) for w in self.ctx.workloads)

@@ -22,6 +22,7 @@ tokens, independent of the output length.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -64,6 +65,12 @@ class Tokenizer:
         except Exception as e:
             msg = " ".join(str(e).split()) or type(e).__name__
             raise ModelLoadError(f"cannot load the tokenizer of {ckpt.path}: {msg}") from e
+        eos = ckpt.arch.eos_token_ids
+        if ckpt.format == "gguf" and eos and hf.eos_token_id not in eos:
+            # the GGUF's own tokenizer.ggml.eos_token_id wins: transformers 5.17 read SmolLM2's as
+            # <|im_start|> (seen on a GPU machine's image), which would end every reply at once
+            with contextlib.suppress(Exception):
+                hf.eos_token = hf.convert_ids_to_tokens(int(eos[0]))
         return cls(hf, name=ckpt.arch.name, eos_token_ids=ckpt.arch.eos_token_ids,
                    bos_token_id=ckpt.arch.bos_token_id)
 
