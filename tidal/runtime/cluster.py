@@ -31,12 +31,11 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
-from tidal.cluster.dispatch import ClusterLayout, Dispatcher
+from tidal.cluster.dispatch import Dispatcher
 from tidal.cluster.monitor import GlobalMonitor, InstanceStatus
 from tidal.cluster.router import RouteRequest, build_router
 from tidal.config import EngineConfig, default_cpu_threads
@@ -44,75 +43,12 @@ from tidal.core.sampling import SamplingParams
 from tidal.engine.async_engine import EngineDeadError, QueueFullError
 from tidal.engine.llm_engine import RequestSnapshot
 from tidal.engine.outputs import RequestOutput
-from tidal.runtime.kv_transfer import KVHandle, build_transport
+from tidal.runtime.kv_transfer import build_transport
+from tidal.runtime.records import ClusterConfig, FrontEngine, Handoff, Tracked
 from tidal.runtime.worker import WorkerConfig
 
 log = logging.getLogger("tidal.cluster")
 SPLIT_LOG = 4096  # split decisions kept for /admin/state
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    layout: ClusterLayout = field(default_factory=ClusterLayout)
-    router: str = "least-outstanding"
-    backend: str = "process"  # process | ray
-    ray_address: str | None = None
-    threads_per_instance: int | None = None  # default: the cores split evenly
-    transport: str = "shm"  # shm | ray (KV hand-offs)
-    layers_per_chunk: int = 8
-    tokens_per_chunk: int = 0
-    restart: bool = True
-    start_timeout_s: float = 600.0
-
-
-@dataclass
-class _Handoff:
-    src: int
-    meta: RequestSnapshot | None
-    blocks: int
-    num_chunks: int  # -1: a streamed alpha part, whose chunk count is known when it ends
-    handles: list[KVHandle] = field(default_factory=list)
-    dst: int | None = None
-    split: int | None = None  # DynaServe: alpha computes KV [0, split); dst (beta) is reserved from the start
-    alpha_done: bool = False
-
-
-@dataclass
-class _Tracked:
-    """The front end's record of a request: enough to re-run it anywhere."""
-
-    rid: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    priority: int
-    request_class: str
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    instance: int = -1
-    tokens: list[int] = field(default_factory=list)  # output tokens streamed so far
-    text_sent: int = 0
-    finished: bool = False
-    handoff: _Handoff | None = None
-    failovers: int = 0
-    split_log: dict[str, Any] | None = None  # its entry in ClusterLLM.splits (split mode)
-
-
-class _FrontEngine:
-    """What the server reads of ``llm.engine``: tokenizer, shapes and config (no weights here)."""
-
-    def __init__(self, config: EngineConfig):
-        from tidal.engine.loader import load_checkpoint
-        from tidal.engine.tokenizer import Tokenizer
-
-        self.config = config
-        self.checkpoint = load_checkpoint(config.model.model)  # metadata only: weights load in the workers
-        self.arch = self.checkpoint.arch
-        self.tokenizer = Tokenizer.from_checkpoint(self.checkpoint)
-        mc = config.model
-        self.max_model_len = min(mc.max_model_len or self.arch.max_position_embeddings,
-                                 self.arch.max_position_embeddings)
-        self.scheduler = type("SchedulerInfo", (), {"config": config.scheduler})()
-        self.device, self.dtype = mc.device, mc.dtype
 
 
 class ClusterLLM:
@@ -122,7 +58,7 @@ class ClusterLLM:
 
         check_policy(engine_config.scheduler)  # before any worker starts
         self.config, self.cluster = engine_config, cluster
-        self.engine = _FrontEngine(engine_config)
+        self.engine = FrontEngine(engine_config)
         self.layout = cluster.layout
         n = self.layout.instances
         self.threads = cluster.threads_per_instance or max(1, default_cpu_threads() // n)
@@ -153,7 +89,7 @@ class ClusterLLM:
         self.splits: deque[dict[str, Any]] = deque(maxlen=SPLIT_LOG)  # the latest split decisions
         self.num_splits = 0
         self.kv_bytes_moved = 0
-        self.requests: dict[str, _Tracked] = {}
+        self.requests: dict[str, Tracked] = {}
         self._outbox: deque[tuple[int, tuple]] = deque()
         self._lock = threading.RLock()
         self._wake_r, self._wake_w = os.pipe()
@@ -253,7 +189,7 @@ class ClusterLLM:
             raise RequestRejected("the prompt is empty", param="prompt")
         rid = request_id or f"req-{next(self._ids)}"
         q: asyncio.Queue = asyncio.Queue()
-        t = _Tracked(rid, list(prompt_token_ids), params, priority, request_class, asyncio.get_running_loop(), q)
+        t = Tracked(rid, list(prompt_token_ids), params, priority, request_class, asyncio.get_running_loop(), q)
         max_q = self.config.scheduler.max_queued_requests
         with self._lock:
             if max_q is not None and self.stats["num_requests_waiting"] >= max_q:
@@ -312,7 +248,7 @@ class ClusterLLM:
             }
 
     # ---------------------------------------------------------------- placing requests (under the lock)
-    def _place(self, t: _Tracked, fresh: bool) -> bool:
+    def _place(self, t: Tracked, fresh: bool) -> bool:
         """Dispatch ``t`` to an instance: a new request, or a re-run from its streamed tokens."""
         if fresh and self.splitter is not None:
             placed = self._place_split(t)
@@ -340,7 +276,7 @@ class ClusterLLM:
         alive = {r.index for r in self.monitor.instances if r.alive}
         return [p for p in self.layout.pairs() if p[0] in alive and p[1] in alive]
 
-    def _place_split(self, t: _Tracked) -> bool | None:
+    def _place_split(self, t: Tracked) -> bool | None:
         """DynaServe: the planner's pair and split point (Alg. 1); None when no pair is alive (the
         request then runs whole wherever the router puts it)."""
         pairs = self._live_pairs()
@@ -364,12 +300,12 @@ class ClusterLLM:
             return True
         blocks = -(-s // self.monitor.instances[beta].block_size)
         self.monitor.on_handoff_start(t.rid, beta, blocks)
-        t.handoff = _Handoff(alpha, None, blocks, -1, dst=beta, split=s)
+        t.handoff = Handoff(alpha, None, blocks, -1, dst=beta, split=s)
         self._send(alpha, ("add", t.rid, t.prompt_ids, t.params, t.priority, t.request_class, s))
         self._send(beta, ("reserve", t.rid, t.prompt_ids, t.params, t.priority, t.request_class, s))
         return True
 
-    def _unsplit(self, t: _Tracked) -> None:
+    def _unsplit(self, t: Tracked) -> None:
         """Beta cannot take its part: alpha keeps the whole request (or, if alpha already let it go,
         the request is recomputed elsewhere)."""
         h = t.handoff
@@ -379,7 +315,7 @@ class ClusterLLM:
         else:
             self._send(h.src, ("unsplit", t.rid))
 
-    def _failover(self, t: _Tracked) -> None:
+    def _failover(self, t: Tracked) -> None:
         self._drop_handoff(t)
         if self.splitter is not None:
             self.splitter.on_finish(t.rid, None)  # its planned parts are void; it runs whole now
@@ -391,7 +327,7 @@ class ClusterLLM:
         t.failovers += 1
         self.num_failovers += 1
 
-    def _drop_handoff(self, t: _Tracked) -> None:
+    def _drop_handoff(self, t: Tracked) -> None:
         """Forget ``t``'s hand-off: its reservation on the target, and the chunks in flight."""
         h = t.handoff
         if h is not None and h.dst is not None:
@@ -399,13 +335,13 @@ class ClusterLLM:
         self._release_handoff(t)
         t.handoff = None
 
-    def _release_handoff(self, t: _Tracked) -> None:
+    def _release_handoff(self, t: Tracked) -> None:
         if t.handoff is not None:
             for h in t.handoff.handles:
                 self.transport.release(h)
             t.handoff.handles.clear()
 
-    def _try_handoff(self, t: _Tracked) -> None:
+    def _try_handoff(self, t: Tracked) -> None:
         h = t.handoff
         if h is None or h.dst is not None:
             return
@@ -426,7 +362,7 @@ class ClusterLLM:
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"x")
 
-    def _deliver(self, t: _Tracked, item: Any) -> None:
+    def _deliver(self, t: Tracked, item: Any) -> None:
         t.loop.call_soon_threadsafe(t.queue.put_nowait, item)
 
     def _io_loop(self) -> None:
@@ -505,7 +441,7 @@ class ClusterLLM:
             t = self.requests.get(rid)
             if t is None:
                 return
-            t.handoff = _Handoff(i, meta, blocks, nchunks)
+            t.handoff = Handoff(i, meta, blocks, nchunks)
             self._try_handoff(t)
         elif kind == "kv":
             rid, handle, last = rest

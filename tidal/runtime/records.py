@@ -1,0 +1,81 @@
+"""The front end's records: the cluster's configuration, what it knows of each request, and the
+model facts the HTTP server reads (no weights: those live in the workers)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from tidal.cluster.dispatch import ClusterLayout
+from tidal.config import EngineConfig
+from tidal.core.sampling import SamplingParams
+from tidal.engine.llm_engine import RequestSnapshot
+from tidal.runtime.kv_transfer import KVHandle
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    layout: ClusterLayout = field(default_factory=ClusterLayout)
+    router: str = "least-outstanding"
+    backend: str = "process"  # process | ray
+    ray_address: str | None = None
+    threads_per_instance: int | None = None  # default: the cores split evenly
+    transport: str = "shm"  # shm | ray (KV hand-offs)
+    layers_per_chunk: int = 8
+    tokens_per_chunk: int = 0
+    restart: bool = True
+    start_timeout_s: float = 600.0
+
+
+@dataclass
+class Handoff:
+    src: int
+    meta: RequestSnapshot | None
+    blocks: int
+    num_chunks: int  # -1: a streamed alpha part, whose chunk count is known when it ends
+    handles: list[KVHandle] = field(default_factory=list)
+    dst: int | None = None
+    split: int | None = None  # DynaServe: alpha computes KV [0, split); dst (beta) is reserved from the start
+    alpha_done: bool = False
+
+
+@dataclass
+class Tracked:
+    """The front end's record of a request: enough to re-run it anywhere."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int
+    request_class: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    instance: int = -1
+    tokens: list[int] = field(default_factory=list)  # output tokens streamed so far
+    text_sent: int = 0
+    finished: bool = False
+    handoff: Handoff | None = None
+    failovers: int = 0
+    split_log: dict[str, Any] | None = None  # its entry in ClusterLLM.splits (split mode)
+
+
+class FrontEngine:
+    """What the server reads of ``llm.engine``: tokenizer, shapes and config (no weights here)."""
+
+    def __init__(self, config: EngineConfig):
+        from tidal.engine.loader import load_checkpoint
+        from tidal.engine.tokenizer import Tokenizer
+
+        self.config = config
+        self.checkpoint = load_checkpoint(config.model.model)  # metadata only: weights load in the workers
+        self.arch = self.checkpoint.arch
+        self.tokenizer = Tokenizer.from_checkpoint(self.checkpoint)
+        mc = config.model
+        self.max_model_len = min(mc.max_model_len or self.arch.max_position_embeddings,
+                                 self.arch.max_position_embeddings)
+        self.scheduler = type("SchedulerInfo", (), {"config": config.scheduler})()
+        self.device, self.dtype = mc.device, mc.dtype
+
+
+__all__ = ["ClusterConfig", "FrontEngine", "Handoff", "Tracked"]
