@@ -181,3 +181,15 @@ def test_metrics_and_workloads_are_pure():
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]", proc.stdout
+
+
+def test_tbt_slo_is_each_requests_own_p99_gap():
+    from tidal.metrics.serving import RequestRecord, slo_checks
+
+    slo = parse_slo("tbt=100")
+    assert slo.tbt_s == pytest.approx(0.1) and slo.describe() == "tbt <= 100 ms"
+    smooth = RequestRecord(0, 0.0, 8, 200, success=True, itl_s=[0.05] * 200)
+    one_stall = RequestRecord(1, 0.0, 8, 200, success=True, itl_s=[0.05] * 199 + [0.5])  # 1 of 200: under p99
+    stalls = RequestRecord(2, 0.0, 8, 200, success=True, itl_s=[0.05] * 190 + [0.5] * 10)
+    failed = RequestRecord(3, 0.0, 8, 200, success=False, itl_s=[0.05])
+    assert [slo_checks(r, slo)["tbt"] for r in (smooth, one_stall, stalls, failed)] == [True, True, False, False]

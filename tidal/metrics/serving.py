@@ -125,14 +125,15 @@ class SLO:
     ttft_s: float | None = None
     tpot_s: float | None = None
     e2e_s: float | None = None
+    tbt_s: float | None = None  # the 99th percentile of a request's own gaps between tokens (DynaServe Sec. 6)
 
     @property
     def empty(self) -> bool:
-        return self.ttft_s is None and self.tpot_s is None and self.e2e_s is None
+        return self.ttft_s is None and self.tpot_s is None and self.e2e_s is None and self.tbt_s is None
 
     def to_ms(self) -> dict[str, float]:
         out = {}
-        for key, v in (("ttft", self.ttft_s), ("tpot", self.tpot_s), ("e2e", self.e2e_s)):
+        for key, v in (("ttft", self.ttft_s), ("tpot", self.tpot_s), ("e2e", self.e2e_s), ("tbt", self.tbt_s)):
             if v is not None:
                 out[key] = v * 1000.0
         return out
@@ -141,7 +142,7 @@ class SLO:
         return ", ".join(f"{k} <= {v:g} ms" for k, v in self.to_ms().items()) or "none"
 
 
-_SLO_KEYS = {"ttft": "ttft_s", "tpot": "tpot_s", "e2e": "e2e_s", "e2el": "e2e_s"}
+_SLO_KEYS = {"ttft": "ttft_s", "tpot": "tpot_s", "e2e": "e2e_s", "e2el": "e2e_s", "tbt": "tbt_s"}
 _SLO_ITEM = re.compile(r"\s*([a-zA-Z0-9]+)\s*=\s*([0-9]*\.?[0-9]+(?:[eE][-+]?\d+)?)\s*(ms|s)?\s*")
 
 
@@ -156,7 +157,7 @@ def parse_slo(text: str | None) -> SLO:
             raise SLOError(f"bad --slo item {item.strip()!r}: expected NAME=MILLISECONDS, e.g. ttft=2000,tpot=200")
         key = m.group(1).lower()
         if key not in _SLO_KEYS:
-            raise SLOError(f"unknown SLO {m.group(1)!r} in --slo (use ttft, tpot, e2e)")
+            raise SLOError(f"unknown SLO {m.group(1)!r} in --slo (use ttft, tpot, e2e, tbt)")
         v = float(m.group(2)) * (1.0 if m.group(3) == "s" else 1e-3)
         if not v > 0:
             raise SLOError(f"SLO {key} must be > 0")
@@ -177,6 +178,8 @@ def slo_checks(rec: RequestRecord, slo: SLO) -> dict[str, bool]:
         out["tpot"] = ok and (t is None or t <= slo.tpot_s)
     if slo.e2e_s is not None:
         out["e2e"] = ok and rec.e2e_s is not None and rec.e2e_s <= slo.e2e_s
+    if slo.tbt_s is not None:
+        out["tbt"] = ok and (not rec.itl_s or float(np.percentile(rec.itl_s, 99)) <= slo.tbt_s)
     return out
 
 
