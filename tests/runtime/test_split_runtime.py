@@ -116,3 +116,35 @@ def test_split_mode_needs_pairs():
     with pytest.raises(ConfigError, match="even number"):
         ClusterLayout(1, "split")
     assert ClusterLayout(4, "split").pairs() == [(0, 1), (2, 3)]
+
+
+def test_sigkill_of_beta_under_16_split_streams(split_cluster, reference):
+    """Beta dies while it holds reservations, receives KV and decodes landed parts: every stream
+    completes with one engine's tokens (re-run whole on alpha, the only live instance), beta comes
+    back, and neither instance keeps a block or a reservation."""
+    import os
+    import signal
+    import time
+
+    llm, _ = split_cluster
+    killed: list[int] = []
+    victim = llm.handles[1].pid
+    failures = llm.stats["instance_failures"]
+
+    def on_token(i: int, n: int) -> None:
+        if not killed and n >= 2:
+            killed.append(victim)
+            os.kill(victim, signal.SIGKILL)
+
+    async def run():
+        return await asyncio.gather(*[stream(llm, i, on_token) for i in range(len(PROMPTS))])
+
+    assert asyncio.run(run()) == reference
+    assert killed == [victim] and llm.stats["instance_failures"] == failures + 1
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not all(r.alive for r in llm.monitor.instances):
+        time.sleep(0.5)
+    assert all(r.alive for r in llm.monitor.instances) and llm.handles[1].pid != victim
+    settle(llm)
+    no_leak(llm)
+    assert all(not r["reserved_blocks"] for r in llm.stats["cluster"]["instances"])

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -89,7 +90,8 @@ class ClusterLLM:
         self.splits: deque[dict[str, Any]] = deque(maxlen=SPLIT_LOG)  # the latest split decisions
         self.num_splits = 0
         self.kv_bytes_moved = 0
-        self.requests: dict[str, Tracked] = {}
+        self.requests: dict[str, Tracked] = {}  # by the client's request id
+        self.by_wid: dict[str, Tracked] = {}  # by the id its current run has on the workers (Tracked.wid)
         self._outbox: deque[tuple[int, tuple]] = deque()
         self._lock = threading.RLock()
         self._wake_r, self._wake_w = os.pipe()
@@ -194,11 +196,12 @@ class ClusterLLM:
         with self._lock:
             if max_q is not None and self.stats["num_requests_waiting"] >= max_q:
                 raise QueueFullError(f"the server's waiting queue is full ({max_q} requests); retry later")
-            if rid in self.requests:
+            if rid in self.requests or rid in self.by_wid:
                 raise RequestRejected(f"request id {rid!r} is already in use")
             self.requests[rid] = t
+            self.by_wid[rid] = t
             if not self._place(t, fresh=True):
-                del self.requests[rid]
+                del self.requests[rid], self.by_wid[rid]
                 raise EngineDeadError("no serving instance is alive")
         finished = False
         try:
@@ -219,9 +222,10 @@ class ClusterLLM:
             t = self.requests.pop(request_id, None)
             if t is None:
                 return
+            self.by_wid.pop(t.wid, None)
             for i in {t.instance, *(() if t.handoff is None else (t.handoff.src, t.handoff.dst))}:
                 if i is not None and i >= 0:
-                    self._send(i, ("abort", request_id))
+                    self._send(i, ("abort", t.wid))
                     self.monitor.on_finish(i, request_id)
             self._drop_handoff(t)
             if self.splitter is not None:
@@ -260,9 +264,9 @@ class ClusterLLM:
             return False
         t.instance = i
         if fresh:
-            self._send(i, ("add", t.rid, t.prompt_ids, t.params, t.priority, t.request_class, None))
+            self._send(i, ("add", t.wid, t.prompt_ids, t.params, t.priority, t.request_class, None))
         else:
-            snap = RequestSnapshot(t.rid, None, list(t.prompt_ids), list(t.tokens), t.params, 0, {}, t.priority,
+            snap = RequestSnapshot(t.wid, None, list(t.prompt_ids), list(t.tokens), t.params, 0, {}, t.priority,
                                    t.request_class, text_sent=t.text_sent)
             self._send(i, ("import", snap, False))
         return True
@@ -296,13 +300,13 @@ class ClusterLLM:
         t.instance = alpha if whole is None else whole
         self.monitor.on_dispatch(t.instance, t.rid, self.now())
         if whole is not None:
-            self._send(whole, ("add", t.rid, t.prompt_ids, t.params, t.priority, t.request_class, None))
+            self._send(whole, ("add", t.wid, t.prompt_ids, t.params, t.priority, t.request_class, None))
             return True
         blocks = -(-s // self.monitor.instances[beta].block_size)
         self.monitor.on_handoff_start(t.rid, beta, blocks)
         t.handoff = Handoff(alpha, None, blocks, -1, dst=beta, split=s)
-        self._send(alpha, ("add", t.rid, t.prompt_ids, t.params, t.priority, t.request_class, s))
-        self._send(beta, ("reserve", t.rid, t.prompt_ids, t.params, t.priority, t.request_class, s))
+        self._send(alpha, ("add", t.wid, t.prompt_ids, t.params, t.priority, t.request_class, s))
+        self._send(beta, ("reserve", t.wid, t.prompt_ids, t.params, t.priority, t.request_class, s))
         return True
 
     def _unsplit(self, t: Tracked) -> None:
@@ -313,16 +317,22 @@ class ClusterLLM:
         if h.alpha_done:
             self._failover(t)
         else:
-            self._send(h.src, ("unsplit", t.rid))
+            self._send(h.src, ("unsplit", t.wid))
 
     def _failover(self, t: Tracked) -> None:
         self._drop_handoff(t)
         if self.splitter is not None:
             self.splitter.on_finish(t.rid, None)  # its planned parts are void; it runs whole now
+        # a new id on the workers: outputs of the old run still in flight from a live instance (one
+        # that was told to abort it) must not reach the client twice
+        self.by_wid.pop(t.wid, None)
+        t.wid = f"{t.rid}~{t.failovers + 1}"
+        self.by_wid[t.wid] = t
         if t.params.n > 1 or not self._place(t, fresh=not t.tokens and t.text_sent == 0):
             self._deliver(t, EngineDeadError("the instance serving this request failed and no other can take it"
                                              if t.params.n == 1 else "an instance failed under an n > 1 request"))
             self.requests.pop(t.rid, None)
+            self.by_wid.pop(t.wid, None)
             return
         t.failovers += 1
         self.num_failovers += 1
@@ -351,7 +361,7 @@ class ClusterLLM:
         h.dst = dst
         self._send(dst, ("import", h.meta, True))
         for k, handle in enumerate(h.handles):
-            self._send(dst, ("kv", t.rid, handle, k == h.num_chunks - 1))
+            self._send(dst, ("kv", t.wid, handle, k == h.num_chunks - 1))
 
     # ---------------------------------------------------------------- I/O thread
     def _send(self, i: int, msg: tuple) -> None:
@@ -430,22 +440,23 @@ class ClusterLLM:
                     self._try_handoff(t)
         elif kind == "rejected":
             rid, message, param = rest
-            t = self.requests.pop(rid, None)
-            self.monitor.on_finish(i, rid)
+            t = self.by_wid.pop(rid, None)
             if t is not None:
+                self.requests.pop(t.rid, None)
+                self.monitor.on_finish(i, t.rid)
                 from tidal.core.scheduler import RequestRejected
 
                 self._deliver(t, RequestRejected(message, param=param))
         elif kind == "handoff":
             rid, meta, blocks, nchunks = rest
-            t = self.requests.get(rid)
+            t = self.by_wid.get(rid)
             if t is None:
                 return
             t.handoff = Handoff(i, meta, blocks, nchunks)
             self._try_handoff(t)
         elif kind == "kv":
             rid, handle, last = rest
-            t = self.requests.get(rid)
+            t = self.by_wid.get(rid)
             if t is None or t.handoff is None:
                 self.transport.release(handle)  # aborted meanwhile
                 return
@@ -457,7 +468,7 @@ class ClusterLLM:
                 self._send(t.handoff.dst, ("kv", rid, handle, last))
         elif kind == "split_done":
             rid, tokens = rest
-            t = self.requests.get(rid)
+            t = self.by_wid.get(rid)
             if t is None:
                 return
             h = t.handoff
@@ -469,12 +480,12 @@ class ClusterLLM:
             self.splitter.on_handoff(rid)
             self._send(h.dst, ("finish", rid, list(tokens), t.text_sent))
         elif kind == "landed":
-            t = self.requests.get(rest[0])
+            t = self.by_wid.get(rest[0])
             if t is not None and t.handoff is not None:
                 self.monitor.on_handoff(t.rid, t.handoff.src, i, ok=True)
                 t.instance, t.handoff = i, None  # the decode worker released the chunks it read
         elif kind == "refused":
-            t = self.requests.get(rest[0])
+            t = self.by_wid.get(rest[0])
             if t is not None and t.handoff is not None and t.handoff.split is not None and t.handoff.dst == i:
                 self._unsplit(t)
             elif t is not None and t.handoff is not None and t.handoff.dst == i:
@@ -487,9 +498,11 @@ class ClusterLLM:
             log.error("worker %d failed: %s\n%s", i, rest[0], rest[1])
 
     def _on_output(self, i: int, out: RequestOutput) -> None:
-        t = self.requests.get(out.request_id)
+        t = self.by_wid.get(out.request_id)
         if t is None:
             return
+        if out.request_id != t.rid:  # a re-run after a fail-over: the client knows the first id
+            out = dataclasses.replace(out, request_id=t.rid)
         c = out.outputs[0]
         if len(out.outputs) == 1:
             t.tokens.extend(c.delta_token_ids)
@@ -499,10 +512,11 @@ class ClusterLLM:
         if out.finished:
             t.finished = True
             self.requests.pop(t.rid, None)
+            self.by_wid.pop(t.wid, None)
             self.monitor.on_finish(i, t.rid)
             h = t.handoff
             if h is not None and h.split is not None:  # alpha finished before its split point
-                self._send(h.dst, ("abort", t.rid))
+                self._send(h.dst, ("abort", t.wid))
                 self._drop_handoff(t)
             if self.splitter is not None:
                 self.splitter.on_finish(t.rid, len(t.tokens) if len(out.outputs) == 1 else None)
@@ -526,7 +540,7 @@ class ClusterLLM:
             if t.handoff is not None:  # a hand-off touching the dead instance: recompute instead
                 for j in (t.handoff.src, t.handoff.dst):
                     if j is not None and j != i:
-                        self._send(j, ("abort", t.rid))
+                        self._send(j, ("abort", t.wid))
                         self.monitor.on_finish(j, t.rid)
             self._failover(t)
         if self.cluster.restart and not self._stop.is_set():

@@ -57,7 +57,11 @@ class Tracked:
     finished: bool = False
     handoff: Handoff | None = None
     failovers: int = 0
+    wid: str = ""  # the id this run has on the workers: rid, then a new one after each fail-over
     split_log: dict[str, Any] | None = None  # its entry in ClusterLLM.splits (split mode)
+
+    def __post_init__(self) -> None:
+        self.wid = self.wid or self.rid
 
 
 class FrontEngine:
