@@ -114,6 +114,10 @@ class AsyncLLM:
         kind, arg, fut = cmd
         if kind == "add":
             rid, prompt, params, toks, priority, rclass = arg
+            if not fut.set_running_or_notify_cancel():  # the caller gave up before we got here: skip it
+                with self._lock:
+                    self._pending_adds -= 1
+                return
             try:
                 self.engine.add_request(rid, prompt, params, prompt_token_ids=toks, priority=priority,
                                         request_class=rclass)
@@ -126,6 +130,8 @@ class AsyncLLM:
         elif kind == "abort":
             self.engine.abort_request(arg)
         elif kind == "call":
+            if not fut.set_running_or_notify_cancel():
+                return
             try:
                 fut.set_result(arg(self.engine))
             except BaseException as e:
