@@ -243,6 +243,10 @@ class SplitPlanner:
     def outstanding(self, instance: int) -> int:
         return len(self._ledger(instance).parts)
 
+    def request_ids(self, instance: int) -> list[str]:
+        """The requests with a part in ``instance``'s ledger, FCFS order."""
+        return list(self._ledger(instance).parts)
+
     # ---------------------------------------------------------------- Alg. 1
     def search(self, prompt_len: int, predicted_output: int, pair: tuple[int, int], request_id: str = ""
                ) -> tuple[Probe, int, bool, tuple[Probe, ...]]:

@@ -17,6 +17,7 @@ from tidal.cluster.decisions import Decision
 from tidal.cluster.dispatch import ClusterLayout
 from tidal.cluster.handoff import DEFAULT_LAYERS_PER_CHUNK, DEFAULT_TOKENS_PER_CHUNK
 from tidal.cluster.router import build_router
+from tidal.cluster.split import SplitParams, SplitPlanner
 from tidal.config import ConfigError, ModelArch, SchedulerConfig
 from tidal.sim.analytic import AnalyticCostModel, kv_pool_blocks_for
 from tidal.sim.cost_model import CostModel, ScaledCostModel
@@ -56,6 +57,9 @@ class ClusterSpec:
     link: str | None = None  # hand-off link (tidal.sim.links; default: nvlink on a GPU, shm on the CPU)
     layers_per_chunk: int = DEFAULT_LAYERS_PER_CHUNK
     tokens_per_chunk: int = DEFAULT_TOKENS_PER_CHUNK
+    split: SplitParams | None = None  # mode split: Alg. 1's knobs (default: SplitParams() on the scheduler's limits)
+    split_length: str = "max-tokens"  # mode split: what the planner knows of the output (tidal.sim.split.LENGTH_MODES)
+    kv_stream_tokens: int = 16  # mode split: KV goes to beta each time this many tokens are computed
 
     def __post_init__(self) -> None:
         if self.instances < 1:
@@ -67,6 +71,10 @@ class ClusterSpec:
             raise ConfigError(f"tp must be >= 1, got {self.tp}")
         if self.cost_model not in COST_MODELS:
             raise ConfigError(f"cost model must be one of {', '.join(COST_MODELS)}; got {self.cost_model!r}")
+        if self.mode != "split" and (self.split is not None or self.split_length != "max-tokens"):
+            raise ConfigError("the split planner's settings need --mode split")
+        if self.kv_stream_tokens < 1:
+            raise ConfigError(f"kv_stream_tokens must be >= 1, got {self.kv_stream_tokens}")
         if self.cost_model == "profiled" and not self.profile:
             raise ConfigError("the profiled cost model needs a profile file (write one with `tidal profile`)")
 
@@ -127,6 +135,23 @@ def check_policy_args(spec: ClusterSpec) -> None:
                               f"(--batching / --prefill-batching: {', '.join(sorted(names))})")
 
 
+def split_params(spec: ClusterSpec) -> SplitParams:
+    """Alg. 1's knobs, with the predictor's passes on the instances' own limits."""
+    base = spec.split or SplitParams()
+    return replace(base, token_budget=spec.scheduler.max_num_batched_tokens, max_num_seqs=spec.scheduler.max_num_seqs)
+
+
+def _split_simulator(spec: ClusterSpec, instances: list[SimInstance], requests: Sequence[RequestSpec],
+                     cost_model: CostModel, handoff: HandoffConfig, max_len: int) -> ClusterSimulator:
+    from tidal.sim.split import ProfileGrid, SplitSimulator
+
+    params = split_params(spec)
+    grid = ProfileGrid(cost_model, params.token_budget, params.max_num_seqs, max_len)
+    planner = SplitPlanner(params, grid)
+    return SplitSimulator(instances, planner, requests, handoff, max_model_len=max_len, length_mode=spec.split_length,
+                          stream_tokens=spec.kv_stream_tokens, timeline_interval=spec.timeline_interval_s)
+
+
 def build_simulator(spec: ClusterSpec, requests: Sequence[RequestSpec],
                     recorder: Callable[[Decision], None] | None = None) -> ClusterSimulator:
     arch, hw, blocks, max_len = resolve(spec)
@@ -140,6 +165,8 @@ def build_simulator(spec: ClusterSpec, requests: Sequence[RequestSpec],
                     num_host_blocks=host_blocks, timeline_interval=spec.timeline_interval_s, role=role)
         for i, role in enumerate(layout.roles())
     ]
+    if layout.split:
+        return _split_simulator(spec, instances, requests, cost_model, handoff_config(spec, arch, hw), max_len)
     handoff = handoff_config(spec, arch, hw) if layout.disaggregated else None
     return ClusterSimulator(instances, build_router(spec.router), requests, max_model_len=max_len, layout=layout,
                             handoff=handoff, recorder=recorder, timeline_interval=spec.timeline_interval_s)
