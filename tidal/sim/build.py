@@ -60,6 +60,7 @@ class ClusterSpec:
     split: SplitParams | None = None  # mode split: Alg. 1's knobs (default: SplitParams() on the scheduler's limits)
     split_length: str = "max-tokens"  # mode split: what the planner knows of the output (tidal.sim.split.LENGTH_MODES)
     kv_stream_tokens: int = 16  # mode split: KV goes to beta each time this many tokens are computed
+    kv_stream_lead: int | None = None  # mode split: ... once alpha is within this many tokens of s (None: always)
 
     def __post_init__(self) -> None:
         if self.instances < 1:
@@ -75,6 +76,8 @@ class ClusterSpec:
             raise ConfigError("the split planner's settings need --mode split")
         if self.kv_stream_tokens < 1:
             raise ConfigError(f"kv_stream_tokens must be >= 1, got {self.kv_stream_tokens}")
+        if self.kv_stream_lead is not None and self.kv_stream_lead < 0:
+            raise ConfigError(f"kv_stream_lead must be >= 0, got {self.kv_stream_lead}")
         if self.cost_model == "profiled" and not self.profile:
             raise ConfigError("the profiled cost model needs a profile file (write one with `tidal profile`)")
 
@@ -149,7 +152,8 @@ def _split_simulator(spec: ClusterSpec, instances: list[SimInstance], requests: 
     grid = ProfileGrid(cost_model, params.token_budget, params.max_num_seqs, max_len)
     planner = SplitPlanner(params, grid)
     return SplitSimulator(instances, planner, requests, handoff, max_model_len=max_len, length_mode=spec.split_length,
-                          stream_tokens=spec.kv_stream_tokens, timeline_interval=spec.timeline_interval_s)
+                          stream_tokens=spec.kv_stream_tokens, stream_lead=spec.kv_stream_lead,
+                          timeline_interval=spec.timeline_interval_s)
 
 
 def build_simulator(spec: ClusterSpec, requests: Sequence[RequestSpec],

@@ -11,8 +11,11 @@ picks a pair and a split point ``s`` (Alg. 1). The request goes to the pair's al
    link once it fills ``stream_tokens`` tokens (one KV block by default), in the chunks of
    :class:`tidal.sim.pd.HandoffConfig` (layer groups), after what is already on the link; so
    while alpha computes chunk k + 1, chunk k travels, and only the tail is on the critical path.
-   Beta holds the blocks of ``[0, s)`` from the first chunk on (the engine's ``reserve_import``);
-   when beta has no room yet the KV waits on alpha, retried when beta ends a step;
+   Beta holds blocks for the KV that has arrived, growing them chunk by chunk (the engine's
+   ``reserve_import``); when beta has no room yet the KV waits on alpha, retried when beta ends
+   a step. A request's streamed KV is on both instances (alpha still attends to all of it), so
+   with ``stream_lead`` alpha starts pushing only once it is within that many tokens of ``s``
+   (None: from its first chunk, as Sec. 4.3);
 3. when alpha reaches ``s`` its scheduler pauses the request (``drain_reached_pause``); the
    planner hears ``on_handoff``; the tail is pushed; when the last chunk lands, alpha frees the
    request and beta resumes it with alpha's sampled tokens (the engine's ``finish_import``).
@@ -133,7 +136,7 @@ class SplitTransfer:
     sent_tokens: int = 0  # KV tokens pushed on alpha's link so far
     nbytes: int = 0
     num_chunks: int = 0
-    reserved_s: float | None = None  # beta holds the blocks (the first chunk could go)
+    reserved_s: float | None = None  # beta holds blocks for its first chunk (the first could go)
     paused_s: float | None = None  # alpha reached s
     last_end_s: float | None = None  # the last chunk pushed so far lands
     landed_s: float | None = None  # beta resumed it
@@ -149,7 +152,8 @@ class SplitSimulator(ClusterSimulator):
 
     def __init__(self, instances: Sequence[SimInstance], planner: SplitPlanner, specs: Sequence[RequestSpec],
                  handoff: HandoffConfig, max_model_len: int | None = None, request_ids: Sequence[str] | None = None,
-                 length_mode: str = "max-tokens", stream_tokens: int = 16, timeline_interval: float = 0.0,
+                 length_mode: str = "max-tokens", stream_tokens: int = 16, stream_lead: int | None = None,
+                 timeline_interval: float = 0.0,
                  recorder: Callable[[SplitRecord], None] | None = None):
         from tidal.cluster.router import build_router
 
@@ -161,7 +165,9 @@ class SplitSimulator(ClusterSimulator):
         super().__init__(instances, build_router("round-robin"), specs, max_model_len=max_model_len,
                          request_ids=request_ids, layout=layout, handoff=handoff, timeline_interval=timeline_interval)
         self.planner, self.pairs = planner, layout.pairs()
-        self.length_mode, self.stream_tokens = length_mode, stream_tokens
+        if stream_lead is not None and stream_lead < 0:
+            raise ValueError(f"stream_lead must be >= 0, got {stream_lead}")
+        self.length_mode, self.stream_tokens, self.stream_lead = length_mode, stream_tokens, stream_lead
         if recorder is not None:
             planner.recorder = recorder
         self.transfers: dict[int, SplitTransfer] = {}  # request index -> its split
@@ -253,29 +259,38 @@ class SplitSimulator(ClusterSimulator):
                 if c.request_id in streaming:
                     streaming[c.request_id] += c.num_tokens
         paused = set(inst.scheduler.drain_reached_pause())
+        lead, reqs = self.stream_lead, inst.scheduler.requests
         for rid in list(streaming):
-            if streaming[rid] >= self.stream_tokens or rid in paused:
-                out.extend(self._push(rid, now, final=rid in paused))
+            if rid in paused:
+                out.extend(self._push(rid, now, final=True))
+            elif streaming[rid] >= self.stream_tokens and (
+                    lead is None or self.transfers[self._index[rid]].split - reqs[rid].num_computed_tokens <= lead):
+                out.extend(self._push(rid, now, final=False))
         if self._waiting_room:
             out.extend(self._retry_rooms(inst.index, now))
         out.append(self._begin(inst, now))
         return [e for e in out if e is not None]
 
+    def _unsent(self, t: SplitTransfer) -> int:
+        # alpha's KV of [0, s) goes once: what a recompute after a preemption recomputes was sent already
+        return min(self._streaming[t.alpha].get(t.request_id, 0), t.split - t.sent_tokens)
+
     def _push(self, rid: str, now: float, final: bool) -> list[Event | None]:
-        """Send alpha's computed, unsent KV of ``rid`` (beta must hold the blocks first)."""
+        """Send alpha's computed, unsent KV of ``rid``, once beta holds blocks for it."""
         t = self.transfers[self._index[rid]]
         if final:
             t.paused_s = now
             self.planner.on_handoff(rid)
-        if t.reserved_s is None and not self._reserve(t, now):
+        n = self._unsent(t)
+        if n > 0 and not self._hold(t, t.sent_tokens + n, now):
             self._waiting_room[rid] = t
             return []
+        self._waiting_room.pop(rid, None)
         return self._send(t, now, final)
 
     def _send(self, t: SplitTransfer, now: float, final: bool) -> list[Event | None]:
         assert self.handoff is not None
-        streaming = self._streaming[t.alpha]
-        n = min(streaming.get(t.request_id, 0), t.split - t.sent_tokens)  # recomputed KV was sent already
+        n = self._unsent(t)
         if n > 0:
             chunks, nbytes, dur = self.handoff.cost(n)
             start = max(now, self._link_free[t.alpha])  # behind what is already on alpha's link
@@ -283,19 +298,26 @@ class SplitSimulator(ClusterSimulator):
             t.sent_tokens += n
             t.nbytes += nbytes
             t.num_chunks += chunks
-        if t.request_id in streaming:
-            streaming[t.request_id] = 0
+        streaming = self._streaming[t.alpha]
         if not final:
+            if t.request_id in streaming:
+                streaming[t.request_id] = 0
             return []
         streaming.pop(t.request_id, None)
         return [_Landed(max(now, t.last_end_s or now), self, t)]  # type: ignore[arg-type]
 
-    def _reserve(self, t: SplitTransfer, now: float) -> bool:
-        """Beta holds the blocks of [0, s) (the engine's reserve_import); False: no room yet."""
+    def _hold(self, t: SplitTransfer, tokens: int, now: float) -> bool:
+        """Beta holds blocks for the first ``tokens`` of KV (the engine's reserve_import, grown
+        chunk by chunk as they arrive); False: no room yet."""
+        dst = self.instances[t.beta].scheduler
+        if t.reserved_s is not None:
+            if dst.kv.allocate(t.request_id, tokens) is None:
+                return False
+            dst.requests[t.request_id].num_computed_tokens = tokens
+            return True
         src = self.instances[t.alpha].scheduler.requests[t.request_id]
         req = Request(t.request_id, src.prompt_token_ids, src.sampling_params, arrival_time=src.arrival_time)
-        req.num_computed_tokens = t.split
-        dst = self.instances[t.beta].scheduler
+        req.num_computed_tokens = tokens
         try:
             ok = dst.add_running(req)
         except RequestRejected:
@@ -310,7 +332,10 @@ class SplitSimulator(ClusterSimulator):
     def _retry_rooms(self, index: int, now: float) -> list[Event | None]:
         out: list[Event | None] = []
         for rid, t in list(self._waiting_room.items()):
-            if t.beta == index and self._reserve(t, now):
+            if t.beta != index:
+                continue
+            n = self._unsent(t)
+            if n <= 0 or self._hold(t, t.sent_tokens + n, now):
                 del self._waiting_room[rid]
                 out.extend(self._send(t, now, final=t.paused_s is not None))
         return out
