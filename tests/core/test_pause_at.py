@@ -101,3 +101,14 @@ def test_a_resumed_decode_goes_ahead_of_a_running_chunked_prefill():
     d2.step()
     d2.sched.resume("a")
     assert [r.request_id for r in d2.sched.running] == ["b", "a"]
+
+
+def test_every_sampled_token_stamps_last_token_time():
+    d = Driver(make_scheduler(budget=16))
+    r = d.add(make_request("r", 5, 3))
+    times = []
+    while d.sched.has_unfinished():
+        d.now += 0.5
+        d.step()
+        times.append(d.now)
+    assert r.first_token_time == times[0] and r.last_token_time == times[-1] != times[0]

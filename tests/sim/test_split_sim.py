@@ -73,6 +73,15 @@ def test_cold_start_is_pd_alpha_samples_the_first_token_then_beta_decodes():
 def test_split_inside_the_output_streams_kv_while_alpha_decodes():
     # beta has 50 passes of work: Alg. 1 gives alpha the prompt and most of the output
     sim = _sim([RequestSpec(0.0, 32, 64)], beta_load=50)
+    seen = []
+    beta = sim.instances[1].scheduler
+    resume = beta.resume
+
+    def watch(rid):  # what beta's request carries when it resumes (the engine's finish_import)
+        req = beta.requests[rid]
+        seen.append((len(req.output_token_ids), req.num_computed_tokens, req.last_token_time))
+        resume(rid)
+    beta.resume = watch
     res = sim.run()
     (t,) = res.splits
     a_samples = t.split - 32 + 1
@@ -86,6 +95,8 @@ def test_split_inside_the_output_streams_kv_while_alpha_decodes():
     assert t.landed_s - t.paused_s <= 2 * (1e-3 + 2 * tail * BYTES / 1e6) + 1e-12
     assert t.landed_s - t.paused_s < 0.5 * t.whole_transfer_s
     assert t.num_chunks > 2 * 2  # several pushes of 2 chunks each
+    # beta resumed it with alpha's tokens, its KV of [0, s), and the time of alpha's last token
+    assert seen == [(a_samples, t.split, pytest.approx(t.paused_s))]
     assert _free(sim)
 
 
@@ -151,6 +162,21 @@ def test_the_sims_decisions_replay_from_their_records_and_use_every_pair():
     assert params.token_budget == 2048 and params.max_num_seqs == 128  # the instances' own limits
     assert all(replay(rec, step_time, params) == rec.decision for rec in records)
     assert _free(sim)
+
+
+def test_seed_profile_records_the_offline_profile_in_slo_compose_tables_only():
+    sched = SchedulerConfig(batching="slo-compose", tbt_slo_ms=100, max_num_batched_tokens=2048, max_num_seqs=64)
+    spec = ClusterSpec(model="qwen-2.5-14b", hardware="a100-80g", instances=2, mode="split", scheduler=sched,
+                       seed_profile=True)
+    sim = build_simulator(spec, [RequestSpec(0.0, 100, 4)])
+    grid = sim.planner.predictor.step_time
+    for inst in sim.instances:
+        table = inst.policy.table
+        assert table.num_samples == len(grid.records()) > 1000
+        assert table.predict(512, 4096, 64) == pytest.approx(grid(512, 4096, 64), rel=0.02)  # a grid point
+    plain = build_simulator(ClusterSpec(model="qwen-2.5-14b", hardware="a100-80g", instances=2, mode="split",
+                                        scheduler=sched), [RequestSpec(0.0, 100, 4)])
+    assert all(i.policy.table.num_samples == 0 for i in plain.instances)
 
 
 def test_split_needs_an_even_number_of_instances():

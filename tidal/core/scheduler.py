@@ -297,6 +297,7 @@ class Scheduler:
             req.output_token_ids.append(token)
             if req.first_token_time is None:
                 req.first_token_time = now
+            req.last_token_time = now
             upd = RequestUpdate(chunk.request_id, [token])
             lp = result.logprobs.get(chunk.request_id)
             if lp is not None:

@@ -76,6 +76,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--split-length", default=None, choices=list(LENGTH_MODES),
                    help="what the planner knows of each output: max-tokens (the request's max_tokens caps the "
                         "history's prediction, as in the runtime; default), predict (no cap), oracle (the true length)")
+    s.add_argument("--kv-stream-lead", type=int, default=None,
+                   help="alpha starts pushing a request's KV only this many tokens before its split point (default: "
+                        "from its first chunk, Sec. 4.3); beta then holds the KV for less time")
+    g.add_argument("--seed-profile", action="store_true",
+                   help="slo-compose's profile table starts from the cost model on a grid (an offline profile)")
     s.add_argument("--kv-stream-tokens", type=F.positive_int, default=16,
                    help="alpha pushes a request's KV to beta each time this many tokens are computed (Sec. 4.3)")
     F.add_cluster_flags(p, only=("instances", "mode", "prefill_instances", "router"), choices={"mode": MODES},
@@ -138,7 +143,7 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     split_flags = {"max_probes": args.split_probes, "margin": args.split_margin,
                    "epsilon_s": None if args.split_epsilon_ms is None else args.split_epsilon_ms / 1000.0}
     split_flags = {k: v for k, v in split_flags.items() if v is not None}
-    if not layout.split and (split_flags or args.split_length):
+    if not layout.split and (split_flags or args.split_length or args.kv_stream_lead is not None):
         raise ConfigError("--split-* flags need --mode split")
     return ClusterSpec(
         model=args.model, hardware=args.hardware, instances=layout.instances, tp=args.tp,
@@ -149,7 +154,7 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         mode=layout.mode, prefill_instances=layout.prefill_instances, prefill_batching=args.prefill_batching,
         link=args.link, layers_per_chunk=args.kv_layers_per_chunk, tokens_per_chunk=args.kv_tokens_per_chunk,
         split=SplitParams(**split_flags) if layout.split else None, split_length=args.split_length or "max-tokens",
-        kv_stream_tokens=args.kv_stream_tokens)
+        kv_stream_tokens=args.kv_stream_tokens, kv_stream_lead=args.kv_stream_lead, seed_profile=args.seed_profile)
 
 
 def check_roles(spec: ClusterSpec) -> None:

@@ -90,6 +90,12 @@ class ProfileGrid:
                 plane.append(row)
             self.t.append(plane)
 
+    def records(self) -> list[tuple[int, int, int, float]]:
+        """Every grid point as (prefill tokens, mean context, decode count, seconds): an offline
+        profile to seed a :class:`~tidal.policies.profile_table.ProfileTable` with."""
+        return [(p, c, d, self.t[i][j][k]) for i, p in enumerate(self.ps) for j, c in enumerate(self.cs)
+                for k, d in enumerate(self.ds) if p or d]
+
     @staticmethod
     def _at(axis: list[int], x: float) -> tuple[int, float]:
         """(index i, weight w): x = (1 - w) axis[i] + w axis[i + 1], clamped to the axis."""
@@ -347,6 +353,7 @@ class SplitSimulator(ClusterSimulator):
         if sreq is None or dreq is None:  # ended meanwhile
             return []
         dreq.output_token_ids = list(sreq.output_token_ids)  # the engine's finish_import
+        dreq.last_token_time = sreq.last_token_time
         src.scheduler.abort_requests([t.request_id], now)
         dst.scheduler.resume(t.request_id)
         self.monitor.on_handoff(t.request_id, t.alpha, t.beta, ok=True)
