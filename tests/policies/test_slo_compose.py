@@ -191,5 +191,5 @@ def test_catch_up_gives_a_decode_that_waited_less_step(catch_up, waited, m):
     v = SchedulerView(now=1.0, running=(fresh, landed), waiting=(), num_free_blocks=10, num_total_blocks=10,
                       block_size=16, max_num_seqs=64, max_num_batched_tokens=255)
     caps = pol.plan_step(v)
-    assert pol.M == m and caps.token_budget == 2 + m
+    assert (pol.M, caps.token_budget) == (m, 2 + m)
     assert pol.state().step_target_ms == pytest.approx(1000 * max(0.06 - (waited if catch_up else 0.0), 0.0))
