@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command", required=True)
-    from tidal.bench import offline, sim_accuracy, sim_policies
+    from tidal.bench import offline, sim_accuracy, sim_dynaserve, sim_policies
     from tidal.bench import policies as bench_policies
     from tidal.bench import serve as bench_serve
 
@@ -133,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_policies.add_parser(bsub)
     sim_accuracy.add_parser(bsub)
     sim_policies.add_parser(bsub)
+    sim_dynaserve.add_parser(bsub)
     from tidal.bench import kv_transfer
     kv_transfer.add_parser(bsub)
 

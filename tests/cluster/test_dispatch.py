@@ -26,8 +26,9 @@ def rq(rid: str, prompt: int = 32, out: int = 8) -> RouteRequest:
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(instances=0), "instances must be >= 1"),
-    (dict(instances=2, mode="splat"), "mode must be one of"),
-    (dict(instances=3, mode="split"), "even number"),
+    (dict(instances=2, mode="pipeline"), "mode must be one of"),
+    (dict(instances=3, mode="split"), "even number >= 2, got 3"),
+    (dict(instances=2, mode="split", prefill_instances=1), "needs --mode disaggregate"),
     (dict(instances=1, mode="disaggregate", prefill_instances=1), "at least 2 instances"),
     (dict(instances=2, mode="disaggregate", prefill_instances=2), r"\[1, 1\]"),
     (dict(instances=3, mode="disaggregate", prefill_instances=0), r"\[1, 2\]"),
@@ -41,6 +42,8 @@ def test_bad_layouts_are_one_line_errors(kwargs, match):
 def test_roles():
     assert ClusterLayout(3).roles() == ["colocated"] * 3
     assert ClusterLayout(3, "disaggregate", 1).roles() == ["prefill", "decode", "decode"]
+    split = ClusterLayout(4, "split")  # unified instances, paired 2k alpha / 2k+1 beta
+    assert split.roles() == ["colocated"] * 4 and split.pairs() == [(0, 1), (2, 3)] and split.split
 
 
 def test_colocated_dispatch_balances_outstanding_and_skips_dead_instances():

@@ -76,3 +76,39 @@ def test_pause_at_cuts_only_its_own_request_and_other_requests_keep_running():
     assert len(d.outputs["b"]) == 4 and d.outputs["a"] == []
     d.sched.abort_requests(["a"])  # a paused request can be aborted and frees its blocks
     assert d.sched.kv.num_free_blocks == d.sched.kv.num_blocks
+
+
+def test_a_resumed_decode_goes_ahead_of_a_running_chunked_prefill():
+    # "long" is chunked over many steps by an 8-token budget; "h" lands (resumes) meanwhile with
+    # only its decode left: it must get its token in the very next step, not after the prefill
+    d = Driver(make_scheduler(num_blocks=128, budget=8))
+    h = d.add(make_request("h", 4, 6))
+    h.pause_at = 4
+    _run_until_paused(d, "h")
+    d.add(make_request("long", 60, 2))
+    d.step()
+    assert [c.request_id for c in d.plans[-1].chunks] == ["long"] and d.plans[-1].chunks[0].num_tokens == 8
+    d.sched.resume("h")
+    assert [r.request_id for r in d.sched.running] == ["h", "long"]
+    d.step()
+    assert {c.request_id: c.num_tokens for c in d.plans[-1].chunks} == {"h": 1, "long": 7}
+    # a resumed request with a prompt left (beta continuing a prefill) goes last, as a new one would
+    d2 = Driver(make_scheduler(num_blocks=128, budget=8))
+    a = d2.add(make_request("a", 20, 2))
+    a.pause_at = 5
+    _run_until_paused(d2, "a")
+    d2.add(make_request("b", 4, 8))
+    d2.step()
+    d2.sched.resume("a")
+    assert [r.request_id for r in d2.sched.running] == ["b", "a"]
+
+
+def test_every_sampled_token_stamps_last_token_time():
+    d = Driver(make_scheduler(budget=16))
+    r = d.add(make_request("r", 5, 3))
+    times = []
+    while d.sched.has_unfinished():
+        d.now += 0.5
+        d.step()
+        times.append(d.now)
+    assert r.first_token_time == times[0] and r.last_token_time == times[-1] != times[0]

@@ -172,3 +172,24 @@ def test_slo_compose_keeps_prefill_within_m_on_the_real_scheduler():
     late = [t for c, _, t in log[20:] if c.num_prefill_tokens]
     assert late and max(late) <= 0.050 + 1e-6
     assert pol.state().table_cells > 5
+
+
+@pytest.mark.parametrize("catch_up, waited, m", [(False, 0.03, 141), (True, 0.0, 141), (True, 0.03, 50),
+                                                 (True, 0.08, 16)])
+def test_catch_up_gives_a_decode_that_waited_less_step(catch_up, waited, m):
+    # target 60 ms; a decode whose KV landed 30 ms after its last token leaves 30 ms: M = 50 (cell 0:
+    # 10 + 0.4 p <= 30, as above); one that waited past the target gets the one-block floor
+    cfg = SchedulerConfig(max_num_batched_tokens=255, tbt_slo_ms=60, batching="slo-compose")
+    from tidal.policies.slo_compose import SLOComposeParams
+
+    pol = SLOComposePolicy(cfg, table=hand_table(), params=SLOComposeParams(catch_up=catch_up))
+    landed = Request("h", [1] * 8, SamplingParams(max_tokens=4))
+    landed.output_token_ids, landed.num_computed_tokens = [5], 8  # only its decode left
+    landed.last_token_time = 1.0 - waited
+    fresh = Request("f", [1] * 8, SamplingParams(max_tokens=4))
+    fresh.output_token_ids, fresh.num_computed_tokens, fresh.last_token_time = [5], 8, 1.0
+    v = SchedulerView(now=1.0, running=(fresh, landed), waiting=(), num_free_blocks=10, num_total_blocks=10,
+                      block_size=16, max_num_seqs=64, max_num_batched_tokens=255)
+    caps = pol.plan_step(v)
+    assert (pol.M, caps.token_budget) == (m, 2 + m)
+    assert pol.state().step_target_ms == pytest.approx(1000 * max(0.06 - (waited if catch_up else 0.0), 0.0))

@@ -32,6 +32,8 @@ class _Decision:
     prompt_len: int
     predicted_output: int
     split: int
+    alpha: object
+    beta: object
 
 
 class FixedSplits:
@@ -41,13 +43,15 @@ class FixedSplits:
     def __init__(self):
         self.calls: list[tuple] = []
 
-    def decide(self, request_id, prompt_len, max_tokens, pairs, now):
+    def plan(self, request_id, prompt_len, max_tokens, pair, now, candidates):
+        from tidal.cluster.split import split_parts
+
         kind = KINDS[int(request_id[1:]) % len(KINDS)]
         p, predicted = prompt_len, PREDICTED
         s = {"whole-on-beta": 0, "inside-prompt": p // 2, "prompt-end": p, "inside-output": p + 1,
-             "beyond-prediction": p + predicted - 1, "whole-on-alpha": p + predicted}[kind]
-        self.calls.append(("decide", request_id, pairs))
-        return _Decision(request_id, pairs[0], p, predicted, s)
+             "beyond-prediction": p + predicted - 2, "whole-on-alpha": p + predicted - 1}[kind]
+        self.calls.append(("plan", request_id, candidates))
+        return _Decision(request_id, candidates[0], p, predicted, s, *split_parts(p, predicted, s, request_id))
 
     def on_progress(self, instance, request_id, decoded=None, prefill_done=None):
         self.calls.append(("progress", request_id, instance, decoded))
@@ -60,6 +64,9 @@ class FixedSplits:
 
     def on_failure(self, instance):
         self.calls.append(("failure", instance))
+
+    def on_restart(self, instance):
+        self.calls.append(("restart", instance))
 
 
 @pytest.fixture(scope="module")

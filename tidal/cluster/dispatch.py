@@ -11,6 +11,10 @@ Pure decision code shared by the simulator and the real runtime.
   none can, the request waits on its prefill instance and the monitor shows it as a pending
   hand-off; it is retried whenever an instance reports.
 
+- ``split`` (DynaServe): instances pair up (``2k`` alpha, ``2k+1`` beta, :func:`tidal.cluster.split.pairs`)
+  and every instance prefills and decodes; :class:`tidal.cluster.split.SplitPlanner` picks the pair
+  and the split point of each request, not this dispatcher.
+
 An optional ``recorder`` receives every decision with the monitor's view it was taken on
 (:mod:`tidal.cluster.decisions`), so the real runtime's and the simulator's can be compared.
 """
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 from tidal.cluster.decisions import Decision, views_of
 from tidal.cluster.monitor import GlobalMonitor
 from tidal.cluster.router import Router, RouteRequest
+from tidal.cluster.split import pairs
 from tidal.config import ConfigError
 
 MODES = ("colocate", "disaggregate", "split")
@@ -49,22 +54,26 @@ class ClusterLayout:
                                   f"with --mode disaggregate; got {self.prefill_instances}")
         elif self.prefill_instances:
             raise ConfigError("--prefill-instances needs --mode disaggregate")
-        if self.mode == "split" and (self.instances < 2 or self.instances % 2):
-            raise ConfigError(f"--mode split pairs the instances (alpha, beta): it needs an even number >= 2; "
-                              f"got {self.instances}")
+        if self.mode == "split":
+            pairs(self.instances)  # an even number >= 2 (ConfigError)
 
     def pairs(self) -> list[tuple[int, int]]:
-        """DynaServe's instance pairs with --mode split: (2k, 2k+1), the first serving alpha parts."""
-        return [(i, i + 1) for i in range(0, self.instances, 2)] if self.mode == "split" else []
+        """DynaServe's instance pairs with --mode split: (2k alpha, 2k+1 beta); none otherwise."""
+        return pairs(self.instances) if self.mode == "split" else []
 
     def roles(self) -> list[str]:
-        if self.mode != "disaggregate":  # colocate; split: both members of a pair prefill and decode
+        if self.mode in ("colocate", "split"):  # split: unified instances (DynaServe Sec. 3.1)
             return ["colocated"] * self.instances
         return ["prefill"] * self.prefill_instances + ["decode"] * (self.instances - self.prefill_instances)
 
     @property
     def disaggregated(self) -> bool:
         return self.mode == "disaggregate"
+
+    @property
+    def split(self) -> bool:
+        return self.mode == "split"
+
 
 
 class Dispatcher:

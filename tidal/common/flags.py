@@ -224,10 +224,12 @@ def add_slo_flags(p: argparse.ArgumentParser, *, only: Iterable[str] | None = No
 
 
 def add_cluster_flags(p: argparse.ArgumentParser, *, only: Iterable[str] | None = None,
-                      omit: Iterable[str] = ()) -> argparse._ArgumentGroup:
-    """Instances, mode, prefill instances, router (and, for real workers, backend and threads)."""
-    return _add_group(p, "cluster", CLUSTER_FLAGS, only=only, omit=omit, defaults=None, helps=None,
-                      choices=None, aliases=None)
+                      omit: Iterable[str] = (), choices: Mapping[str, Sequence[Any]] | None = None,
+                      helps: Mapping[str, str] | None = None) -> argparse._ArgumentGroup:
+    """Instances, mode, prefill instances, router (and, for real workers, backend and threads).
+    ``choices`` / ``helps`` widen a flag for one command (``tidal sim --mode split``)."""
+    return _add_group(p, "cluster", CLUSTER_FLAGS, only=only, omit=omit, defaults=None, helps=helps,
+                      choices=choices, aliases=None)
 
 
 def cluster_layout(args: argparse.Namespace) -> Any:

@@ -47,6 +47,7 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None  # when its latest output token was sampled (a hand-off carries it)
     finish_time: float | None = None
 
     def __post_init__(self) -> None:

@@ -128,7 +128,17 @@ class Scheduler:
         self.paused[request_id] = req
 
     def resume(self, request_id: str) -> None:
-        self.running.append(self.paused.pop(request_id))
+        """Put a paused request back. One with only its next token left to compute (a decode: a
+        KV hand-off that landed) goes ahead of the running prefills, as if it had been admitted
+        before them: running requests are served in order, and a chunked prefill ahead of it
+        would take the step's whole token budget, step after step. Any other goes last."""
+        req = self.paused.pop(request_id)
+        if req.num_uncomputed_tokens == 1:
+            for i, r in enumerate(self.running):
+                if r.in_prefill:
+                    self.running.insert(i, req)
+                    return
+        self.running.append(req)
 
     def drain_reached_pause(self) -> list[str]:
         """Requests that reached their ``pause_at`` (DynaServe's alpha micro-request is done) and
@@ -287,6 +297,7 @@ class Scheduler:
             req.output_token_ids.append(token)
             if req.first_token_time is None:
                 req.first_token_time = now
+            req.last_token_time = now
             upd = RequestUpdate(chunk.request_id, [token])
             lp = result.logprobs.get(chunk.request_id)
             if lp is not None:

@@ -19,7 +19,12 @@ starves when the decodes alone fill the SLO. The budget is at most
 ``config.max_num_batched_tokens``.
 
 S is ``slo-compose.tbt_slo_ms`` (else ``config.tbt_slo_ms``) x ``slo-compose.slo_scale`` (default
-1.0; below 1 leaves headroom for noise, since the table predicts means). The grid is set by
+1.0; below 1 leaves headroom for noise, since the table predicts means). With
+``slo-compose.catch_up`` a step aims at S less the longest time any of its decodes has already
+waited since its last token (``Request.last_token_time``): 0 for the decodes of the step that just
+ended, but a request whose KV hand-off landed while a step ran (DynaServe's beta) has waited, so
+the next step shrinks to keep its gap within S ("if latency approaches the SLO, it reconfigures
+per-batch composition", Sec. 3.1). The grid is set by
 ``slo-compose.prefill_bucket`` / ``context_bucket`` / ``decode_bucket``. A profile measured
 offline can be given to :meth:`SLOComposePolicy.seed` (``ProfileTable.load`` format).
 """
@@ -48,6 +53,7 @@ class SLOComposeParams(PolicyParams):
     prefill_bucket: int = Field(64, ge=1, description="profile table grid: prefill tokens")
     context_bucket: int = Field(256, ge=1, description="profile table grid: mean decode context")
     decode_bucket: int = Field(4, ge=1, description="profile table grid: decode count")
+    catch_up: bool = Field(False, description="aim at S less the longest wait of a decode since its last token")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +68,7 @@ class SLOComposeState(PolicyState):
     last_predicted_ms: float | None = None
     last_measured_ms: float | None = None
     budget_predicted_ms: float | None = None
+    step_target_ms: float = 0.0
 
 
 class SLOComposePolicy(SchedulingPolicy):
@@ -72,6 +79,8 @@ class SLOComposePolicy(SchedulingPolicy):
         params = params or SLOComposeParams()
         self.target_s = d_sla_seconds(params.tbt_slo_ms, config, f"{NAME}.tbt_slo_ms") * params.slo_scale
         self.min_prefill = params.min_prefill  # 0: one KV block
+        self.catch_up = params.catch_up
+        self.target_now_s = self.target_s
         self.max_tokens = config.max_num_batched_tokens
         self.table = table or ProfileTable(prefill_bucket=params.prefill_bucket,
                                            context_bucket=params.context_bucket,
@@ -92,7 +101,12 @@ class SLOComposePolicy(SchedulingPolicy):
         ctx = sum(r.num_computed_tokens + 1 for r in decodes) / d if d else 0.0  # context after the step
         room = max(self.max_tokens - d, 0)
         floor = min(self.min_prefill or view.block_size, room)
-        m = self.table.max_prefill(self.target_s, ctx, d, room)  # DynaServe Alg. 2 line 2: MAXPREFILLALLOWED
+        target = self.target_s
+        if self.catch_up:  # a decode that has waited (a landed hand-off) leaves the step less time
+            waited = max((view.now - r.last_token_time for r in decodes if r.last_token_time is not None), default=0.0)
+            target = max(target - waited, 0.0)
+        self.target_now_s = target
+        m = self.table.max_prefill(target, ctx, d, room)  # DynaServe Alg. 2 line 2: MAXPREFILLALLOWED
         self.M = max(m, floor)
         self.budget = min(d + self.M, self.max_tokens)
         self._query = (ctx, d)
@@ -117,7 +131,8 @@ class SLOComposePolicy(SchedulingPolicy):
                                decode_context=self._query[0], decode_count=self._query[1],
                                table_cells=len(self.table), table_samples=self.table.num_samples,
                                last_predicted_ms=ms(self.last_predicted_s), last_measured_ms=ms(self.last_measured_s),
-                               budget_predicted_ms=ms(self.last_budget_predicted_s))
+                               budget_predicted_ms=ms(self.last_budget_predicted_s),
+                               step_target_ms=self.target_now_s * 1e3)
 
 
 @register_policy(NAME, params=SLOComposeParams)

@@ -85,6 +85,7 @@ class ClusterLLM:
         for rec in self.monitor.instances:
             rec.alive = False  # until its worker says ready
         self.dispatcher = Dispatcher(self.layout, self.monitor, build_router(cluster.router))
+        self.step_table: Any = None  # the split planner's step times (a ProfileTable), with --mode split
         self.splitter = splitter if splitter is not None or self.layout.mode != "split" else \
             self._default_splitter()
         self.splits: deque[dict[str, Any]] = deque(maxlen=SPLIT_LOG)  # the latest split decisions
@@ -272,9 +273,16 @@ class ClusterLLM:
         return True
 
     def _default_splitter(self) -> Any:
-        from tidal.cluster.split import build_splitter
+        """DynaServe's planner (Alg. 1) on the instances' own limits. Its step-time model is a
+        profile table the workers' step reports fill as they run (Sec. 4.1: the predictor
+        "continuously calibrates itself"); until the first report it counts tokens."""
+        from tidal.cluster.split import SplitParams, SplitPlanner
+        from tidal.policies.profile_table import ProfileTable
 
-        return build_splitter(self.config, self.cluster)
+        sc = self.config.scheduler
+        self.step_table = ProfileTable()
+        return SplitPlanner(SplitParams(token_budget=sc.max_num_batched_tokens, max_num_seqs=sc.max_num_seqs),
+                            self.step_table.predict)
 
     def _live_pairs(self) -> list[tuple[int, int]]:
         alive = {r.index for r in self.monitor.instances if r.alive}
@@ -284,15 +292,13 @@ class ClusterLLM:
         """DynaServe: the planner's pair and split point (Alg. 1); None when no pair is alive (the
         request then runs whole wherever the router puts it)."""
         pairs = self._live_pairs()
-        if not pairs:
+        if not pairs or t.params.n > 1:  # a hand-off moves one sequence: n > 1 runs whole
             return None
-        d = self.splitter.decide(t.rid, len(t.prompt_ids), t.params.max_tokens, pairs, self.now())
+        max_tokens = t.params.max_tokens or max(1, self.engine.max_model_len - len(t.prompt_ids))
+        d = self.splitter.plan(t.rid, len(t.prompt_ids), max_tokens, None, self.now(), candidates=pairs)
         alpha, beta = d.pair
-        s, whole = d.split, None
-        if t.params.n > 1 or s <= 0:
-            whole = beta
-        elif s >= d.prompt_len + d.predicted_output:
-            whole = alpha
+        s = d.split
+        whole = beta if d.alpha is None else (alpha if d.beta is None else None)
         self.num_splits += whole is None
         self.splits.append({"request_id": t.rid, "pair": [alpha, beta], "split": s, "prompt_len": d.prompt_len,
                             "predicted_output": d.predicted_output, "whole_on": whole, "kv_bytes": 0})
@@ -425,6 +431,8 @@ class ClusterLLM:
             rec = self.monitor.instances[i]
             if rec.failures:
                 self.monitor.on_restart(rest[0], now)
+                if self.splitter is not None:
+                    self.splitter.on_restart(i)
             else:
                 self.monitor.on_status(rest[0], now)
                 rec.alive = True
@@ -435,6 +443,10 @@ class ClusterLLM:
                 for out in rest[0]:
                     self._on_output(i, out)
             self.monitor.on_status(rest[-1], now)
+            st = rest[-1]
+            if self.step_table is not None and st.step_time_s:  # DynaServe Alg. 2 line 1 RECORD, for Alg. 1
+                self.step_table.record(st.step_prefill_tokens, st.step_decode_context, st.step_decode_count,
+                                       st.step_time_s)
             for t in list(self.requests.values()):
                 if t.handoff is not None and t.handoff.dst is None:
                     self._try_handoff(t)

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from tidal.cluster.decisions import Decision
 from tidal.cluster.dispatch import ClusterLayout
 from tidal.cluster.handoff import DEFAULT_LAYERS_PER_CHUNK, DEFAULT_TOKENS_PER_CHUNK
 from tidal.cluster.router import build_router
+from tidal.cluster.split import SplitParams, SplitPlanner
 from tidal.config import ConfigError, ModelArch, SchedulerConfig
+from tidal.policies.profile_table import ProfileTable
 from tidal.sim.analytic import AnalyticCostModel, kv_pool_blocks_for
 from tidal.sim.cost_model import CostModel, ScaledCostModel
 from tidal.sim.hardware import HardwareSpec, get_hardware
@@ -27,6 +30,9 @@ from tidal.sim.models import get_model
 from tidal.sim.pd import HandoffConfig
 from tidal.sim.simulator import ClusterSimulator
 from tidal.workload import RequestSpec
+
+if TYPE_CHECKING:
+    from tidal.sim.split import ProfileGrid
 
 COST_MODELS = ("analytic", "profiled")
 
@@ -56,6 +62,11 @@ class ClusterSpec:
     link: str | None = None  # hand-off link (tidal.sim.links; default: nvlink on a GPU, shm on the CPU)
     layers_per_chunk: int = DEFAULT_LAYERS_PER_CHUNK
     tokens_per_chunk: int = DEFAULT_TOKENS_PER_CHUNK
+    split: SplitParams | None = None  # mode split: Alg. 1's knobs (default: SplitParams() on the scheduler's limits)
+    split_length: str = "max-tokens"  # mode split: what the planner knows of the output (tidal.sim.split.LENGTH_MODES)
+    kv_stream_tokens: int = 16  # mode split: KV goes to beta each time this many tokens are computed
+    kv_stream_lead: int | None = None  # mode split: ... once alpha is within this many tokens of s (None: always)
+    seed_profile: bool = False  # seed slo-compose's profile table with the cost model on a grid (an offline profile)
 
     def __post_init__(self) -> None:
         if self.instances < 1:
@@ -67,6 +78,12 @@ class ClusterSpec:
             raise ConfigError(f"tp must be >= 1, got {self.tp}")
         if self.cost_model not in COST_MODELS:
             raise ConfigError(f"cost model must be one of {', '.join(COST_MODELS)}; got {self.cost_model!r}")
+        if self.mode != "split" and (self.split is not None or self.split_length != "max-tokens"):
+            raise ConfigError("the split planner's settings need --mode split")
+        if self.kv_stream_tokens < 1:
+            raise ConfigError(f"kv_stream_tokens must be >= 1, got {self.kv_stream_tokens}")
+        if self.kv_stream_lead is not None and self.kv_stream_lead < 0:
+            raise ConfigError(f"kv_stream_lead must be >= 0, got {self.kv_stream_lead}")
         if self.cost_model == "profiled" and not self.profile:
             raise ConfigError("the profiled cost model needs a profile file (write one with `tidal profile`)")
 
@@ -127,6 +144,37 @@ def check_policy_args(spec: ClusterSpec) -> None:
                               f"(--batching / --prefill-batching: {', '.join(sorted(names))})")
 
 
+def seed_profile_tables(instances: Sequence[SimInstance], records: Sequence[tuple[int, int, int, float]]) -> int:
+    """Record an offline profile in the profile table of every policy (or policy part) that has
+    one (``slo-compose``: DynaServe's table is "derived from offline profiling", then refined
+    with every step). Returns how many tables were seeded."""
+    n = 0
+    for inst in instances:
+        for pol in getattr(inst.policy, "parts", [inst.policy]):
+            table = getattr(pol, "table", None)
+            if isinstance(table, ProfileTable):
+                for p, c, d, t in records:
+                    table.record(p, c, d, t)
+                n += 1
+    return n
+
+
+def split_params(spec: ClusterSpec) -> SplitParams:
+    """Alg. 1's knobs, with the predictor's passes on the instances' own limits."""
+    base = spec.split or SplitParams()
+    return replace(base, token_budget=spec.scheduler.max_num_batched_tokens, max_num_seqs=spec.scheduler.max_num_seqs)
+
+
+def _split_simulator(spec: ClusterSpec, instances: list[SimInstance], requests: Sequence[RequestSpec],
+                     grid: ProfileGrid, handoff: HandoffConfig, max_len: int) -> ClusterSimulator:
+    from tidal.sim.split import SplitSimulator
+
+    planner = SplitPlanner(split_params(spec), grid)
+    return SplitSimulator(instances, planner, requests, handoff, max_model_len=max_len, length_mode=spec.split_length,
+                          stream_tokens=spec.kv_stream_tokens, stream_lead=spec.kv_stream_lead,
+                          timeline_interval=spec.timeline_interval_s)
+
+
 def build_simulator(spec: ClusterSpec, requests: Sequence[RequestSpec],
                     recorder: Callable[[Decision], None] | None = None) -> ClusterSimulator:
     arch, hw, blocks, max_len = resolve(spec)
@@ -140,6 +188,17 @@ def build_simulator(spec: ClusterSpec, requests: Sequence[RequestSpec],
                     num_host_blocks=host_blocks, timeline_interval=spec.timeline_interval_s, role=role)
         for i, role in enumerate(layout.roles())
     ]
+    grid = None
+    if layout.split or spec.seed_profile:
+        from tidal.sim.split import ProfileGrid
+
+        grid = ProfileGrid(cost_model, spec.scheduler.max_num_batched_tokens, spec.scheduler.max_num_seqs, max_len)
+    if spec.seed_profile:
+        assert grid is not None
+        seed_profile_tables(instances, grid.records())
+    if layout.split:
+        assert grid is not None
+        return _split_simulator(spec, instances, requests, grid, handoff_config(spec, arch, hw), max_len)
     handoff = handoff_config(spec, arch, hw) if layout.disaggregated else None
     return ClusterSimulator(instances, build_router(spec.router), requests, max_model_len=max_len, layout=layout,
                             handoff=handoff, recorder=recorder, timeline_interval=spec.timeline_interval_s)

@@ -1,6 +1,7 @@
 """PNG plots of a ``tidal sim`` result: latency CDFs and attainment vs rate (the bench's own
-plots), per-instance timelines of KV use, queue length and batch size (labelled by role), and,
-disaggregated, the hand-offs: pending and in flight over time, and the CDF of their times."""
+plots), per-instance timelines of KV use, queue length and batch size (labelled by role);
+disaggregated, the hand-offs: pending and in flight over time, and the CDF of their times; split,
+each request's split ratio over time and the planner's predicted load per instance."""
 
 from __future__ import annotations
 
@@ -81,9 +82,47 @@ def plot_handoffs(result: dict[str, Any], path: str, title: str = "") -> str:
     return path
 
 
+def plot_splits(result: dict[str, Any], path: str, title: str = "") -> str:
+    """DynaServe's splits: each request's split ratio phi = s / L over its arrival time, with its
+    P/D point P / L beside it (above it: alpha also decodes; below: beta also prefills), and the
+    planner's predicted load of every instance (the time to finish its ledger) at each decision."""
+    plt = BP.pyplot()
+    fig, (a0, a1) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
+    reqs = [r for r in result.get("requests", []) if r.get("split") is not None]
+    t = [r["send_s"] for r in reqs]
+    a0.scatter(t, [r["phi"] for r in reqs], s=6, label="split phi = s / L", color="tab:blue")
+    a0.scatter(t, [r["prompt_len"] / (r["prompt_len"] + r["predicted_output"]) for r in reqs], s=4, marker="_",
+               color="tab:gray", label="P / L (P/D disaggregation)")
+    a0.set_ylabel("split ratio")
+    a0.set_ylim(-0.02, 1.02)
+    a0.grid(alpha=0.3)
+    a0.legend(loc="lower right", fontsize=8)
+    sp = result.get("splits") or {}
+    a0.set_title(f"{sp.get('inside_prompt', 0)} inside the prompt, {sp.get('at_prompt_end', 0)} at its end, "
+                 f"{sp.get('inside_output', 0)} inside the output, {sp.get('whole_on_alpha', 0)} whole on alpha, "
+                 f"{sp.get('whole_on_beta', 0)} whole on beta", fontsize=9)
+    load = result.get("split_load") or {}
+    for inst in sorted(set(load.get("instance", []))):
+        pts = [(tt, v) for tt, i, v in zip(load["t"], load["instance"], load["load_s"], strict=True) if i == inst]
+        a1.plot([x for x, _ in pts], [y for _, y in pts], linewidth=0.8,
+                label=f"instance {inst} ({'alpha' if inst % 2 == 0 else 'beta'})")
+    a1.set_ylabel("predicted time to finish its work (s)")
+    a1.set_xlabel("simulated time (s)")
+    a1.grid(alpha=0.3)
+    a1.legend(loc="upper right", fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def write_sim_plots(result: dict[str, Any], json_path: str) -> list[str]:
     stem = os.path.splitext(json_path)[0]
     setup = result["batching"]
+    if result.get("mode") == "split":
+        setup = f"split on {result['instances'] // 2} pair(s) ({result['batching']})"
     if result.get("mode") == "disaggregate":
         setup = (f"{result['prefill_instances']}P ({result.get('prefill_batching')}) + "
                  f"{result['instances'] - result['prefill_instances']}D ({result['batching']})")
@@ -93,6 +132,8 @@ def write_sim_plots(result: dict[str, Any], json_path: str) -> list[str]:
            plot_instance_timelines(result["timelines"], f"{stem}_instances.png", title)]
     if result.get("handoffs"):
         out.append(plot_handoffs(result, f"{stem}_handoffs.png", title))
+    if result.get("splits"):
+        out.append(plot_splits(result, f"{stem}_splits.png", title))
     if result.get("capacity_search"):
         out.append(BP.plot_capacity(result["capacity_search"], f"{stem}_capacity.png", title))
     return out

@@ -14,11 +14,12 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import fields, replace
+from dataclasses import asdict, fields, replace
 from typing import Any
 
 from tidal import metrics as M
 from tidal import workload as W
+from tidal.cluster.split import SplitParams
 from tidal.common import flags as F
 from tidal.common.machine import machine_info
 from tidal.common.progress import progress_bar
@@ -31,18 +32,22 @@ from tidal.sim.build import (
     check_policy_args,
     handoff_config,
     resolve,
+    split_params,
 )
 from tidal.sim.pd import Handoff, summarize_handoffs
+from tidal.sim.split import SplitTransfer, summarize_splits
 
 PROG = "tidal sim"
 DEFAULT_OUTPUT = "results/sim.json"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from tidal.cluster.dispatch import MODES
     from tidal.cluster.handoff import DEFAULT_LAYERS_PER_CHUNK, DEFAULT_TOKENS_PER_CHUNK
     from tidal.sim.hardware import HARDWARE
     from tidal.sim.links import LINK_NAMES
     from tidal.sim.models import MODELS
+    from tidal.sim.split import LENGTH_MODES
 
     g = p.add_argument_group("cluster")
     g.add_argument("--hardware", default="a100-80g", help=f"per-GPU hardware: {', '.join(HARDWARE)}")
@@ -63,7 +68,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-batching", default=None,
                    help="batching policy of the prefill instances with --mode disaggregate (default: --batching, "
                         "which the decode instances run), e.g. bucket")
-    F.add_cluster_flags(p, only=("instances", "mode", "prefill_instances", "router"))
+    s = p.add_argument_group("split (--mode split: DynaServe micro-requests, instances 2k alpha / 2k+1 beta)")
+    s.add_argument("--split-probes", type=F.positive_int, default=None, help="Alg. 1's K, probes per request (6)")
+    s.add_argument("--split-epsilon-ms", type=float, default=None,
+                   help="Alg. 1's tolerance on |T_alpha - T_beta| in ms (20)")
+    s.add_argument("--split-margin", type=int, default=None, help="tokens added to the predicted output (20)")
+    s.add_argument("--split-length", default=None, choices=list(LENGTH_MODES),
+                   help="what the planner knows of each output: max-tokens (the request's max_tokens caps the "
+                        "history's prediction, as in the runtime; default), predict (no cap), oracle (the true length)")
+    s.add_argument("--kv-stream-lead", type=int, default=None,
+                   help="alpha starts pushing a request's KV only this many tokens before its split point (default: "
+                        "from its first chunk, Sec. 4.3); beta then holds the KV for less time")
+    g.add_argument("--seed-profile", action="store_true",
+                   help="slo-compose's profile table starts from the cost model on a grid (an offline profile)")
+    s.add_argument("--kv-stream-tokens", type=F.positive_int, default=16,
+                   help="alpha pushes a request's KV to beta each time this many tokens are computed (Sec. 4.3)")
+    F.add_cluster_flags(p, only=("instances", "mode", "prefill_instances", "router"), choices={"mode": MODES},
+                        helps={"mode": "colocate; disaggregate (BucketServe P/D); split (DynaServe: every request split "
+                                       "at a token on a pair of instances)"})
     F.add_engine_flags(
         p, only=("model", "dtype", "max_model_len", "kv_cache_memory", "gpu_memory_utilization", "block_size",
                  "swap_space"),
@@ -114,8 +136,15 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     layout = F.cluster_layout(args)
     if args.kv_layers_per_chunk < 0 or args.kv_tokens_per_chunk < 0:
         raise ConfigError("--kv-layers-per-chunk and --kv-tokens-per-chunk must be >= 0 (0: all in one chunk)")
-    if (args.link or args.prefill_batching) and not layout.disaggregated:
-        raise ConfigError(f"--{'link' if args.link else 'prefill-batching'} needs --mode disaggregate")
+    if args.prefill_batching and not layout.disaggregated:
+        raise ConfigError("--prefill-batching needs --mode disaggregate")
+    if args.link and layout.mode == "colocate":
+        raise ConfigError("--link needs --mode disaggregate or split")
+    split_flags = {"max_probes": args.split_probes, "margin": args.split_margin,
+                   "epsilon_s": None if args.split_epsilon_ms is None else args.split_epsilon_ms / 1000.0}
+    split_flags = {k: v for k, v in split_flags.items() if v is not None}
+    if not layout.split and (split_flags or args.split_length or args.kv_stream_lead is not None):
+        raise ConfigError("--split-* flags need --mode split")
     return ClusterSpec(
         model=args.model, hardware=args.hardware, instances=layout.instances, tp=args.tp,
         dtype_bytes=4 if sim_dtype(args) == "float32" else 2, block_size=cache.block_size, router=args.router,
@@ -123,7 +152,9 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         gpu_memory_utilization=cache.gpu_memory_utilization, kv_cache_memory=cache.kv_cache_memory,
         num_blocks=args.num_blocks, swap_space=int(cache.swap_space), max_model_len=args.max_model_len,
         mode=layout.mode, prefill_instances=layout.prefill_instances, prefill_batching=args.prefill_batching,
-        link=args.link, layers_per_chunk=args.kv_layers_per_chunk, tokens_per_chunk=args.kv_tokens_per_chunk)
+        link=args.link, layers_per_chunk=args.kv_layers_per_chunk, tokens_per_chunk=args.kv_tokens_per_chunk,
+        split=SplitParams(**split_flags) if layout.split else None, split_length=args.split_length or "max-tokens",
+        kv_stream_tokens=args.kv_stream_tokens, kv_stream_lead=args.kv_stream_lead, seed_profile=args.seed_profile)
 
 
 def check_roles(spec: ClusterSpec) -> None:
@@ -133,7 +164,7 @@ def check_roles(spec: ClusterSpec) -> None:
     for role in sorted(set(spec.layout.roles())):
         check_policy(spec.role_scheduler(role))
     check_policy_args(spec)
-    if spec.layout.disaggregated:
+    if spec.layout.disaggregated or spec.layout.split:
         arch, hw, _, _ = resolve(spec)
         handoff_config(spec, arch, hw)
 
@@ -174,19 +205,24 @@ def simulate(spec: ClusterSpec, specs: list[W.RequestSpec], slo: M.SLO, desc: st
     wall = time.perf_counter() - t0
     summary = M.summarize(res.records, slo=slo)
     by_request = {h.index: h for h in res.handoffs}
+    splits = {t.index: t for t in res.splits}
     summary.update({
         "simulated_time_s": res.simulated_time_s, "wall_time_s": wall,
         "speedup": res.simulated_time_s / wall if wall > 0 else None, "num_events": res.num_events,
         "instances": res.instances, "timelines": res.timelines,
-        "requests": [_record(r, res.routed[i], by_request.get(i)) for i, r in enumerate(res.records)],
+        "requests": [_record(r, res.routed[i], by_request.get(i), splits.get(i)) for i, r in enumerate(res.records)],
     })
+    if res.mode == "split":
+        summary["splits"] = summarize_splits(res.splits)
+        summary["split_load"] = res.split_load
     if res.mode == "disaggregate":
         summary["handoffs"] = summarize_handoffs(res.handoffs, res.max_pending_handoffs)
         summary["handoff_timeline"] = res.handoff_timeline
     return summary
 
 
-def _record(r: M.RequestRecord, instance: int, handoff: Handoff | None = None) -> dict[str, Any]:
+def _record(r: M.RequestRecord, instance: int, handoff: Handoff | None = None,
+            split: SplitTransfer | None = None) -> dict[str, Any]:
     # no per-token gaps: millions of them for a long run; the summary keeps their distribution
     d = {f.name: getattr(r, f.name) for f in fields(r) if f.name != "itl_s"}
     d["tpot_s"], d["queue_s"] = r.tpot_s, r.queue_s
@@ -194,6 +230,12 @@ def _record(r: M.RequestRecord, instance: int, handoff: Handoff | None = None) -
     if handoff is not None:
         d["decode_instance"] = handoff.dst
         d["handoff_ms"] = None if not handoff.landed else 1000 * (handoff.end_s - handoff.ready_s)
+    if split is not None:  # where it was split, how much KV moved, how long the tail took
+        d.update({"pair": [split.alpha, split.beta], "split": split.split, "phi": split.phi,
+                  "predicted_output": split.predicted_output, "split_probes": split.probes,
+                  "cold_start": split.cold_start, "kv_bytes": split.nbytes, "kv_chunks": split.num_chunks,
+                  "handoff_ms": None if split.landed_s is None or split.paused_s is None
+                  else 1000 * (split.landed_s - split.paused_s)})
     return d
 
 
@@ -219,6 +261,11 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
         hc = handoff_config(spec, arch, hw)
         info.update({"prefill_batching": spec.role_scheduler("prefill").batching, "link": hc.link.to_dict(),
                      "kv_layers_per_chunk": hc.layers_per_chunk, "kv_tokens_per_chunk": hc.tokens_per_chunk})
+    if layout.split:
+        hc = handoff_config(spec, arch, hw)
+        info.update({"pairs": layout.pairs(), "split_params": asdict(split_params(spec)),
+                     "split_length": spec.split_length, "link": hc.link.to_dict(),
+                     "kv_layers_per_chunk": hc.layers_per_chunk, "kv_stream_tokens": spec.kv_stream_tokens})
     search_report = None
     if args.capacity_search:
         search = F.capacity_search(args)
@@ -247,7 +294,10 @@ def format_summary(r: dict[str, Any]) -> str:
         return "-" if x is None else format(x, spec)
 
     mode = r.get("mode", "colocate")
-    if mode == "disaggregate":
+    if mode == "split":
+        batching = (f"split on {r['instances'] // 2} pair(s) ({r['batching']}), K={r['split_params']['max_probes']}, "
+                    f"link {r['link']['name']}")
+    elif mode == "disaggregate":
         batching = (f"disaggregated {r['prefill_instances']} prefill ({r['prefill_batching']}) + "
                     f"{r['instances'] - r['prefill_instances']} decode ({r['batching']}), link {r['link']['name']}")
     else:
@@ -270,6 +320,15 @@ def format_summary(r: dict[str, Any]) -> str:
                      f"ms p50/p99 wait {f(h['wait_ms']['p50'], '.2f')} / {f(h['wait_ms']['p99'], '.2f')}, "
                      f"transfer {f(h['transfer_ms']['p50'], '.2f')} / {f(h['transfer_ms']['p99'], '.2f')}, "
                      f"first token to landing {f(h['total_ms']['p50'], '.2f')} / {f(h['total_ms']['p99'], '.2f')}")
+    sp = r.get("splits")
+    if sp:
+        lines.append(f"splits: {sp['handoffs']} handed off of {sp['count']} ({sp['inside_prompt']} inside the prompt, "
+                     f"{sp['at_prompt_end']} at its end, {sp['inside_output']} inside the output; whole on alpha "
+                     f"{sp['whole_on_alpha']}, on beta {sp['whole_on_beta']}); phi p50 {f(sp['phi']['p50'], '.2f')}; "
+                     f"KV moved {sp['kv_bytes_total'] / 1e9:.2f} GB; exposed transfer p50/p99 "
+                     f"{f(sp['exposed_transfer_ms']['p50'], '.2f')} / {f(sp['exposed_transfer_ms']['p99'], '.2f')} ms "
+                     f"({f(None if sp['exposed_vs_whole'] is None else 100 * sp['exposed_vs_whole'])}% of sending "
+                     f"it after the pause)")
     cs = r.get("capacity_search")
     if cs:
         lines.append(f"capacity at {cs['target_attainment']:.0%} attainment: {f(cs['capacity_rps'], '.3g')} req/s")

@@ -58,6 +58,8 @@ class SimResult:
     handoffs: list[Handoff] = field(default_factory=list)
     max_pending_handoffs: int = 0
     handoff_timeline: dict[str, list] = field(default_factory=dict)  # t, pending, in_flight
+    splits: list[Any] = field(default_factory=list)  # --mode split: tidal.sim.split.SplitTransfer per request
+    split_load: dict[str, list] = field(default_factory=dict)  # --mode split: the planner's predicted loads
 
 
 class _Arrival(Event):

@@ -1,0 +1,425 @@
+"""DynaServe's global scheduler: where to split each request, and on which pair (pure).
+
+DynaServe (Sec. 3.1) splits a request of prompt ``P`` and predicted output ``D`` (``L = P + D``)
+at a token ``s`` into two micro-requests: r^alpha computes the KV of tokens ``[0, s)`` on one
+instance, r^beta continues from that KV on another. The global scheduler (Sec. 4.1, Alg. 1)
+picks ``s`` by a bounded binary search on the split ratio phi that balances the predicted time
+each instance of the pair needs for all its work (the ledgers of outstanding micro-requests,
+the "current server load"), with :class:`~tidal.cluster.split_predict.ExecutionPredictor`.
+
+What a split point means (:func:`split_parts`; ``s`` is clamped to ``[0, L]``):
+
+- ``s == 0``: the whole request runs on beta (no alpha part, no hand-off);
+- ``0 < s < P``: alpha prefills the first ``s`` prompt tokens and samples nothing; beta prefills
+  the other ``P - s`` (from KV position ``s``), samples the first token and decodes the rest;
+- ``P <= s < L - 1``: alpha prefills the prompt and decodes; it has sampled ``s - P + 1`` tokens
+  when its KV covers ``[0, s)`` (``s == P`` is P/D disaggregation: alpha samples the first
+  token); beta samples the other ``D - (s - P + 1)``, feeding the last token alpha sampled;
+- ``s >= L - 1``: the whole request runs on alpha (when its KV covers ``[0, L - 1)`` it has
+  sampled all ``D`` tokens: nothing is left for beta).
+
+So alpha's and beta's sampled tokens always add up to ``D``, and the runtime pauses alpha with
+``Request.pause_at = s`` (the engine computes no KV past it).
+
+Pairs (Sec. 6.1: "1 GPU each for r^alpha and r^beta"): instance ``2k`` is the alpha and ``2k+1``
+the beta of pair ``k`` (:func:`pairs`). A ``recorder`` receives every decision with the ledgers it
+saw (:class:`SplitRecord`); :func:`replay` asks a fresh planner the same question, so the runtime's
+and the simulator's decisions can be shown to be the same function of the same inputs.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+from tidal.cluster.split_predict import ExecutionPredictor, MicroRequest, StepTimeModel, Timeline
+from tidal.config import ConfigError
+
+DEFAULT_OUTPUT_ESTIMATE = 256  # before any history: about the mean output of chat traces (BurstGPT 262, ShareGPT 373)
+DEFAULT_LENGTH_BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+# ============================================================================ split points
+def split_parts(prompt_len: int, predicted_output: int, s: int, request_id: str = ""
+                ) -> tuple[MicroRequest | None, MicroRequest | None]:
+    """(alpha, beta) of a request split at ``s`` (module docstring; DynaServe Sec. 3.1: r^alpha =
+    tokens 1..s, r^beta = tokens s+1..L). None where a side has nothing to do."""
+    if prompt_len < 1 or predicted_output < 1:
+        raise ValueError(f"split: prompt and predicted output must be >= 1, got {prompt_len}, {predicted_output}")
+    P, D = prompt_len, predicted_output
+    L = P + D
+    s = min(max(int(s), 0), L)
+    if s == 0:
+        return None, MicroRequest(request_id, P, 0, D)
+    if s >= L - 1:
+        return MicroRequest(request_id, P, 0, D), None
+    if s < P:
+        return MicroRequest(request_id, s, 0, 0), MicroRequest(request_id, P - s, s, D)
+    a = s - P + 1  # alpha samples the first token at the end of the prompt, then one per decode
+    return MicroRequest(request_id, P, 0, a), MicroRequest(request_id, 0, s, D - a)
+
+
+# ============================================================================ output length
+class LengthPredictor:
+    """Output length from the served history (DynaServe Sec. 5, "Prediction length discussion").
+
+    The estimate is the running mean of the outputs of earlier requests whose prompt fell in the
+    same length bucket (``buckets`` are the upper edges; one more bucket holds longer prompts);
+    an empty bucket uses the mean of all requests; with no history at all it is ``default``
+    (256 tokens). ``predict`` adds ``margin`` (20 tokens, Sec. 5: "to avoid underestimation,
+    which could lead to SLO violations") and caps the result at ``max_tokens``. Deterministic.
+    """
+
+    def __init__(self, margin: int = 20, default: int = DEFAULT_OUTPUT_ESTIMATE,
+                 buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS):
+        if margin < 0 or default < 1 or list(buckets) != sorted(set(buckets)):
+            raise ValueError("length predictor: margin >= 0, default >= 1, buckets strictly increasing")
+        self.margin, self.default, self.buckets = margin, default, tuple(buckets)
+        self._n = [0] * (len(self.buckets) + 1)
+        self._mean = [0.0] * (len(self.buckets) + 1)
+        self.count, self.mean = 0, 0.0
+
+    def _bucket(self, prompt_len: int) -> int:
+        return bisect.bisect_left(self.buckets, prompt_len)
+
+    def observe(self, prompt_len: int, output_len: int) -> None:
+        b = self._bucket(prompt_len)
+        self._n[b] += 1
+        self._mean[b] += (output_len - self._mean[b]) / self._n[b]
+        self.count += 1
+        self.mean += (output_len - self.mean) / self.count
+
+    def estimate(self, prompt_len: int) -> float:
+        b = self._bucket(prompt_len)
+        if self._n[b]:
+            return self._mean[b]
+        return self.mean if self.count else float(self.default)
+
+    def predict(self, prompt_len: int, max_tokens: int) -> int:
+        """min(max_tokens, estimate + margin), at least 1."""
+        return max(1, min(int(max_tokens), math.ceil(self.estimate(prompt_len) + self.margin)))
+
+
+# ============================================================================ parameters
+@dataclass(frozen=True)
+class SplitParams:
+    """Alg. 1's knobs. ``max_probes`` is K (Sec. 4.1: "typically set to 6"); ``epsilon_s`` the
+    tolerance on |T_alpha - T_beta| (line 7); ``margin`` the length predictor's (Sec. 5: 20);
+    ``token_budget`` / ``max_num_seqs`` the instances' limits the predictor's passes obey."""
+
+    max_probes: int = 6
+    epsilon_s: float = 0.02
+    margin: int = 20
+    token_budget: int = 2048
+    max_num_seqs: int = 256
+
+    def __post_init__(self) -> None:
+        for name, lo, hi in (("max_probes", 1, 64), ("margin", 0, 1 << 20), ("token_budget", 1, 1 << 24),
+                             ("max_num_seqs", 1, 1 << 20)):
+            v = getattr(self, name)
+            if not lo <= v <= hi:
+                raise ConfigError(f"split.{name} must be in [{lo}, {hi}], got {v}")
+        if not 0 <= self.epsilon_s < math.inf:
+            raise ConfigError(f"split.epsilon_s must be >= 0 and finite, got {self.epsilon_s}")
+
+
+# ============================================================================ decisions
+@dataclass(frozen=True, slots=True)
+class Probe:
+    split: int
+    phi: float
+    t_alpha: float
+    t_beta: float
+
+
+@dataclass(frozen=True, slots=True)
+class SplitDecision:
+    request_id: str
+    pair: tuple[int, int]
+    prompt_len: int
+    predicted_output: int
+    split: int  # s: alpha computes the KV of tokens [0, s)
+    phi: float
+    probes: int  # Alg. 1 iterations run (0: cold start)
+    t_alpha: float  # predicted time for each instance to finish its ledger with the new part
+    t_beta: float
+    cold_start: bool
+    alpha: MicroRequest | None = None
+    beta: MicroRequest | None = None
+    trace: tuple[Probe, ...] = ()
+
+    @property
+    def handoff(self) -> bool:
+        """Both parts exist: alpha pauses at ``split`` and its KV moves to beta."""
+        return self.alpha is not None and self.beta is not None
+
+
+@dataclass(frozen=True, slots=True)
+class SplitRecord:
+    """A decision with what it was a function of: the remaining work on every candidate
+    instance (FCFS order), the pairs it chose among and the predicted output."""
+
+    decision: SplitDecision
+    now: float
+    max_tokens: int
+    candidates: tuple[tuple[int, int], ...]
+    ledgers: tuple[tuple[int, tuple[MicroRequest, ...]], ...]
+
+
+def pairs(num_instances: int) -> list[tuple[int, int]]:
+    """Pair k is (alpha 2k, beta 2k+1) (DynaServe Sec. 6.1: one GPU group each for r^alpha, r^beta)."""
+    if num_instances < 2 or num_instances % 2:
+        raise ConfigError(f"--mode split pairs instances (2k: alpha, 2k+1: beta): it needs an even number >= 2, "
+                          f"got {num_instances}")
+    return [(i, i + 1) for i in range(0, num_instances, 2)]
+
+
+# ============================================================================ the planner
+@dataclass
+class _Part:
+    micro: MicroRequest
+    prefill_done: int = 0
+    decoded: int = 0
+
+    def remaining(self) -> MicroRequest:
+        m = self.micro
+        pre = 0 if self.decoded else max(m.prefill_tokens - self.prefill_done, 0)
+        done = m.prefill_tokens - pre
+        return MicroRequest(m.request_id, pre, m.context + done, max(m.decode_tokens - self.decoded, 0))
+
+
+@dataclass
+class _Owner:
+    prompt_len: int
+    alpha: int | None
+    beta: int | None
+
+
+@dataclass
+class _Ledger:
+    parts: dict[str, _Part] = field(default_factory=dict)  # FCFS order
+    timeline: Timeline | None = None  # of the remaining parts, until the ledger changes
+
+
+class SplitPlanner:
+    """Alg. 1 over per-instance ledgers of outstanding micro-requests; see the module docstring."""
+
+    def __init__(self, params: SplitParams, step_time: StepTimeModel,
+                 recorder: Callable[[SplitRecord], None] | None = None,
+                 lengths: LengthPredictor | None = None):
+        self.params = params
+        self.predictor = ExecutionPredictor(step_time, params.token_budget, params.max_num_seqs)
+        self.lengths = lengths or LengthPredictor(margin=params.margin)
+        self.recorder = recorder
+        self._ledgers: dict[int, _Ledger] = {}
+        self._owners: dict[str, _Owner] = {}
+        self.failed: set[int] = set()
+        self.num_decisions = 0
+
+    # ---------------------------------------------------------------- views
+    def _ledger(self, instance: int) -> _Ledger:
+        led = self._ledgers.get(instance)
+        if led is None:
+            led = self._ledgers[instance] = _Ledger()
+        return led
+
+    def ledger(self, instance: int) -> tuple[MicroRequest, ...]:
+        """The remaining work on ``instance``, FCFS order."""
+        return tuple(p.remaining() for p in self._ledger(instance).parts.values())
+
+    def _timeline(self, instance: int) -> Timeline:
+        led = self._ledger(instance)
+        if led.timeline is None:
+            led.timeline = self.predictor.timeline([p.remaining() for p in led.parts.values()])
+        return led.timeline
+
+    def load(self, instance: int) -> float:
+        """Predicted seconds for ``instance`` to finish its ledger."""
+        return self._timeline(instance).total
+
+    def outstanding(self, instance: int) -> int:
+        return len(self._ledger(instance).parts)
+
+    def request_ids(self, instance: int) -> list[str]:
+        """The requests with a part in ``instance``'s ledger, FCFS order."""
+        return list(self._ledger(instance).parts)
+
+    # ---------------------------------------------------------------- Alg. 1
+    def search(self, prompt_len: int, predicted_output: int, pair: tuple[int, int], request_id: str = ""
+               ) -> tuple[Probe, int, bool, tuple[Probe, ...]]:
+        """Alg. 1 lines 1-10 on the pair's current ledgers: (best probe, probes run, cold start, all probes)."""
+        a, b = pair
+        P, D = prompt_len, predicted_output
+        L = P + D
+        ta_tl, tb_tl = self._timeline(a), self._timeline(b)
+        pred = self.predictor
+
+        def probe(phi: Fraction) -> Probe:
+            s = -((-phi.numerator * L) // phi.denominator)  # SPLIT at s = ceil(phi L) (Sec. 3.1), exactly
+            alpha, beta = split_parts(P, D, s, request_id)
+            # Alg. 1 line 6, PREDICT: each instance's total time with the new part behind its ledger
+            return Probe(s, float(phi), pred.total_time_with(ta_tl, alpha), pred.total_time_with(tb_tl, beta))
+
+        phi, lo, hi = Fraction(P, L), Fraction(0), Fraction(1)  # line 3: start from P/D disaggregation
+        if not self._ledger(a).parts and not self._ledger(b).parts:
+            # lines 1-2, cold start: the paper leaves COLDSTART unspecified ("seeds the prefill and
+            # decode clocks"); we read it as the phi = P/L seed itself, taken without a search
+            first = probe(phi)
+            return first, 0, True, (first,)
+        seen: dict[int, Probe] = {}
+        trace: list[Probe] = []
+        best: Probe | None = None
+        for _ in range(self.params.max_probes):  # line 4: at most K probes
+            s = -((-phi.numerator * L) // phi.denominator)
+            pr = seen.get(s)
+            if pr is None:
+                pr = seen[s] = probe(phi)
+            trace.append(pr)
+            gap = abs(pr.t_alpha - pr.t_beta)
+            if best is None or (gap, max(pr.t_alpha, pr.t_beta)) < (abs(best.t_alpha - best.t_beta),
+                                                                    max(best.t_alpha, best.t_beta)):
+                best = pr
+            if gap < self.params.epsilon_s:  # line 7: balanced
+                break
+            if pr.t_alpha > pr.t_beta:  # line 10, UPDATE: alpha is the slower, give it less
+                hi = phi
+            else:
+                lo = phi
+            phi = (lo + hi) / 2
+        assert best is not None
+        return best, len(trace), False, tuple(trace)
+
+    def live_pairs(self, candidates: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        return [p for p in candidates if p[0] not in self.failed and p[1] not in self.failed]
+
+    def choose_pair(self, prompt_len: int, predicted_output: int, candidates: Sequence[tuple[int, int]],
+                    request_id: str = "") -> tuple[int, int] | None:
+        """The live pair whose best split has the least predicted max(T_alpha, T_beta); ties: the
+        lowest index. None when no pair is alive."""
+        best, best_t = None, math.inf
+        for pr in self.live_pairs(candidates):
+            p, _, _, _ = self.search(prompt_len, predicted_output, pr, request_id)
+            t = max(p.t_alpha, p.t_beta)
+            if t < best_t:
+                best, best_t = pr, t
+        return best
+
+    def plan(self, request_id: str, prompt_len: int, max_tokens: int, pair: tuple[int, int] | None = None,
+             now: float = 0.0, predicted_output: int | None = None,
+             candidates: Sequence[tuple[int, int]] | None = None) -> SplitDecision:
+        """Alg. 1 for one arriving request on ``pair`` (or, with ``pair=None``, on the best of
+        ``candidates``), then COMMIT (line 11): its parts join the pair's ledgers.
+        ``predicted_output`` overrides the length predictor (an oracle, or a replay)."""
+        if request_id in self._owners:
+            raise ValueError(f"split planner: request {request_id!r} is already planned")
+        D = predicted_output if predicted_output is not None else self.lengths.predict(prompt_len, max_tokens)
+        cands = tuple(candidates) if candidates is not None else (() if pair is None else (pair,))
+        if pair is None:
+            pair = self.choose_pair(prompt_len, D, cands, request_id)
+            if pair is None:
+                raise ValueError("split planner: no live pair to place the request on")
+        elif not cands:
+            cands = (pair,)
+        views = tuple((i, self.ledger(i)) for i in sorted({i for c in cands for i in c}))
+        best, n, cold, trace = self.search(prompt_len, D, pair, request_id)
+        alpha, beta = split_parts(prompt_len, D, best.split, request_id)
+        dec = SplitDecision(request_id, pair, prompt_len, D, best.split, best.phi, n, best.t_alpha, best.t_beta,
+                            cold, alpha, beta, trace)
+        self._commit(dec)
+        self.num_decisions += 1
+        if self.recorder is not None:
+            self.recorder(SplitRecord(dec, now, max_tokens, cands, views))
+        return dec
+
+    def _commit(self, dec: SplitDecision) -> None:
+        a, b = dec.pair
+        for inst, part in ((a, dec.alpha), (b, dec.beta)):
+            if part is not None:
+                led = self._ledger(inst)
+                led.parts[dec.request_id] = _Part(part)
+                led.timeline = None
+        self._owners[dec.request_id] = _Owner(dec.prompt_len, a if dec.alpha else None, b if dec.beta else None)
+
+    # ---------------------------------------------------------------- ledger updates
+    def on_progress(self, instance: int, request_id: str, prefill_done: int | None = None,
+                    decoded: int | None = None) -> None:
+        """The part of ``request_id`` on ``instance`` has computed ``prefill_done`` of its prefill
+        tokens and sampled ``decoded`` tokens so far (totals of this part, not increments)."""
+        led = self._ledger(instance)
+        part = led.parts.get(request_id)
+        if part is None:
+            return
+        changed = False
+        if prefill_done is not None and prefill_done != part.prefill_done:
+            part.prefill_done, changed = prefill_done, True
+        if decoded is not None and decoded != part.decoded:
+            part.decoded, changed = decoded, True
+        if changed:
+            led.timeline = None
+
+    def on_handoff(self, request_id: str) -> None:
+        """The alpha part is done (its KV is on its way to beta): it leaves alpha's ledger."""
+        own = self._owners.get(request_id)
+        if own is not None and own.alpha is not None:
+            self._drop(own.alpha, request_id)
+            own.alpha = None
+
+    def on_finish(self, request_id: str, output_len: int | None = None) -> None:
+        """The request ended: both parts leave; its output length feeds the length predictor."""
+        own = self._owners.pop(request_id, None)
+        if own is None:
+            return
+        for inst in (own.alpha, own.beta):
+            if inst is not None:
+                self._drop(inst, request_id)
+        if output_len is not None and output_len > 0:
+            self.lengths.observe(own.prompt_len, output_len)
+
+    def on_failure(self, instance: int) -> set[str]:
+        """``instance`` died: its pairs are skipped and its ledger is cleared; returns the requests
+        that had a part there."""
+        self.failed.add(instance)
+        led = self._ledger(instance)
+        lost = set(led.parts)
+        led.parts.clear()
+        led.timeline = None
+        for rid in lost:
+            own = self._owners.get(rid)
+            if own is not None:
+                own.alpha = None if own.alpha == instance else own.alpha
+                own.beta = None if own.beta == instance else own.beta
+        return lost
+
+    def on_restart(self, instance: int) -> None:
+        self.failed.discard(instance)
+
+    def _drop(self, instance: int, request_id: str) -> None:
+        led = self._ledger(instance)
+        if led.parts.pop(request_id, None) is not None:
+            led.timeline = None
+
+    def load_ledger(self, instance: int, parts: Sequence[MicroRequest]) -> None:
+        """Replace ``instance``'s ledger by ``parts`` (remaining work, FCFS order): a replay's view."""
+        led = self._ledger(instance)
+        led.parts = {m.request_id: _Part(m) for m in parts}
+        led.timeline = None
+
+
+def replay(record: SplitRecord, step_time: StepTimeModel, params: SplitParams) -> SplitDecision:
+    """Ask a fresh planner the recorded question on the recorded ledgers: the same decision comes
+    back when the planner is a function of its inputs (the test of "the same decisions in both shells")."""
+    planner = SplitPlanner(params, step_time)
+    for inst, parts in record.ledgers:
+        planner.load_ledger(inst, parts)
+    d = record.decision
+    chosen = d.pair if len(record.candidates) <= 1 else None
+    return planner.plan(d.request_id, d.prompt_len, record.max_tokens, chosen, record.now,
+                        predicted_output=d.predicted_output, candidates=record.candidates)
+
+
+__all__ = ["DEFAULT_OUTPUT_ESTIMATE", "ExecutionPredictor", "LengthPredictor", "MicroRequest", "Probe",
+           "SplitDecision", "SplitParams", "SplitPlanner", "SplitRecord", "StepTimeModel", "pairs", "replay",
+           "split_parts"]
