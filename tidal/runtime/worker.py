@@ -63,8 +63,10 @@ def instance_status(engine: Any, index: int, step_time_s: float | None = None) -
     sched, kv = engine.scheduler, engine.kv_manager
     bs = kv.block_size
     queued = sum(-(-(r.num_tokens + 1) // bs) for r in sched.waiting)
+    head = sched.swapped[0] if sched.swapped else sched.waiting[0] if sched.waiting else None
+    hol = -(-(head.num_tokens + 1) // bs) if head is not None else 0
     return InstanceStatus(index, kv.num_blocks, kv.num_free_blocks, bs, sched.num_running, sched.num_waiting,
-                          queued, step_time_s, sched.num_preemptions)
+                          queued, step_time_s, sched.num_preemptions, hol)
 
 
 def _die_with_parent() -> None:
