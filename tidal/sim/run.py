@@ -30,6 +30,7 @@ from tidal.sim.build import (
     build_simulator,
     check_policy_args,
     handoff_config,
+    pressure_link,
     resolve,
 )
 from tidal.sim.pd import Handoff, summarize_handoffs
@@ -40,6 +41,7 @@ DEFAULT_OUTPUT = "results/sim.json"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from tidal.cluster.handoff import DEFAULT_LAYERS_PER_CHUNK, DEFAULT_TOKENS_PER_CHUNK
+    from tidal.cluster.pressure import PRESSURE_MODES
     from tidal.sim.hardware import HARDWARE
     from tidal.sim.links import LINK_NAMES
     from tidal.sim.models import MODELS
@@ -54,8 +56,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV blocks per instance (overrides memory)")
     g.add_argument("--timeline-points", type=F.positive_int, default=2000, help="samples per instance timeline")
     g.add_argument("--link", default=None, choices=list(LINK_NAMES),
-                   help="link KV hand-offs travel on (--mode disaggregate); default: nvlink on a GPU (BucketServe's "
-                        "one-node testbed), shm on the cpu")
+                   help="link KV hand-offs travel on (--mode disaggregate; default: nvlink on a GPU, BucketServe's "
+                        "one-node testbed), or KV migrations, exchanges, activations and restored layers "
+                        "(--kv-pressure migrate/drop; default ib-hdr, KunServe's 200 Gbps); shm on the cpu")
+    g.add_argument("--kv-pressure", default=None, choices=list(PRESSURE_MODES),
+                   help="what a throttled instance (its queue's KV does not fit) does: preempt (the scheduler's "
+                        "--preemption-mode alone), migrate (Llumnix-like: requests move with their KV to spare "
+                        "instances), drop (KunServe: groups drop replicated layers and run as pipelines)")
+    g.add_argument("--no-lookahead", action="store_true",
+                   help="--kv-pressure drop: token-count microbatches instead of KunServe's cost-balanced lookahead")
     g.add_argument("--kv-layers-per-chunk", type=int, default=DEFAULT_LAYERS_PER_CHUNK,
                    help="layers per KV chunk of a hand-off (0: all; the runtime's default)")
     g.add_argument("--kv-tokens-per-chunk", type=int, default=DEFAULT_TOKENS_PER_CHUNK,
@@ -114,8 +123,12 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     layout = F.cluster_layout(args)
     if args.kv_layers_per_chunk < 0 or args.kv_tokens_per_chunk < 0:
         raise ConfigError("--kv-layers-per-chunk and --kv-tokens-per-chunk must be >= 0 (0: all in one chunk)")
-    if (args.link or args.prefill_batching) and not layout.disaggregated:
-        raise ConfigError(f"--{'link' if args.link else 'prefill-batching'} needs --mode disaggregate")
+    if args.prefill_batching and not layout.disaggregated:
+        raise ConfigError("--prefill-batching needs --mode disaggregate")
+    if args.link and not layout.disaggregated and args.kv_pressure not in ("migrate", "drop"):
+        raise ConfigError("--link needs --mode disaggregate or --kv-pressure migrate/drop")
+    if args.no_lookahead and args.kv_pressure != "drop":
+        raise ConfigError("--no-lookahead needs --kv-pressure drop")
     return ClusterSpec(
         model=args.model, hardware=args.hardware, instances=layout.instances, tp=args.tp,
         dtype_bytes=4 if sim_dtype(args) == "float32" else 2, block_size=cache.block_size, router=args.router,
@@ -123,7 +136,8 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         gpu_memory_utilization=cache.gpu_memory_utilization, kv_cache_memory=cache.kv_cache_memory,
         num_blocks=args.num_blocks, swap_space=int(cache.swap_space), max_model_len=args.max_model_len,
         mode=layout.mode, prefill_instances=layout.prefill_instances, prefill_batching=args.prefill_batching,
-        link=args.link, layers_per_chunk=args.kv_layers_per_chunk, tokens_per_chunk=args.kv_tokens_per_chunk)
+        link=args.link, layers_per_chunk=args.kv_layers_per_chunk, tokens_per_chunk=args.kv_tokens_per_chunk,
+        kv_pressure=args.kv_pressure, lookahead=not args.no_lookahead)
 
 
 def check_roles(spec: ClusterSpec) -> None:
@@ -180,6 +194,8 @@ def simulate(spec: ClusterSpec, specs: list[W.RequestSpec], slo: M.SLO, desc: st
         "instances": res.instances, "timelines": res.timelines,
         "requests": [_record(r, res.routed[i], by_request.get(i)) for i, r in enumerate(res.records)],
     })
+    if res.pressure is not None:
+        summary["kv_pressure"] = res.pressure
     if res.mode == "disaggregate":
         summary["handoffs"] = summarize_handoffs(res.handoffs, res.max_pending_handoffs)
         summary["handoff_timeline"] = res.handoff_timeline
@@ -219,6 +235,8 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
         hc = handoff_config(spec, arch, hw)
         info.update({"prefill_batching": spec.role_scheduler("prefill").batching, "link": hc.link.to_dict(),
                      "kv_layers_per_chunk": hc.layers_per_chunk, "kv_tokens_per_chunk": hc.tokens_per_chunk})
+    if spec.kv_pressure in ("migrate", "drop"):
+        info["pressure_link"] = pressure_link(spec, hw).to_dict()
     search_report = None
     if args.capacity_search:
         search = F.capacity_search(args)
@@ -263,6 +281,13 @@ def format_summary(r: dict[str, Any]) -> str:
              f"  goodput {f(r['goodput']['request_throughput'], '.2f')} req/s",
              f"simulated {r['simulated_time_s']:.1f} s in {r['wall_time_s']:.2f} s wall: "
              f"{f(r['speedup'], '.0f')}x faster than real time ({r['num_events']} events)"]
+    kp = r.get("kv_pressure")
+    if kp:
+        counts = ", ".join(f"{v} {k}" for k, v in sorted(kp["counts"].items())) or "no throttle"
+        lines.append(f"kv pressure ({kp['mode']}): {counts}"
+                     + (f"; {kp['migrated']} migrated" if "migrated" in kp else "")
+                     + (f"; {len(kp['groups'])} pipeline groups, {kp['exchange_bytes'] / 1e9:.1f} GB exchanged"
+                        if "groups" in kp else ""))
     h = r.get("handoffs")
     if h:
         lines.append(f"hand-offs: {h['landed']} landed of {h['count']} ({h['pending_at_end']} pending and "
