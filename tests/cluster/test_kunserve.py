@@ -264,7 +264,20 @@ def test_the_controller_signals_autoscale_when_nothing_is_left_to_drop():
     ctl = KunServeController(mon, M8, recorder=log.append)
     ctl.groups, ctl.layers = ((0, 1),), {0: (0, 4), 1: (4, 8)}
     assert ctl.decide(1.0) is None and ctl.decide(2.0) is None
-    assert [d.kind for d in log] == ["throttle", "autoscale"]
+    mon.on_status(InstanceStatus(0, 264, 100, 16, 9, 0, 0, None, 0, 0), 3.0)  # calm a moment (164 used: no
+    assert ctl.decide(3.0) is None  # restore below 100), then throttled again
+    mon.on_status(InstanceStatus(0, 264, 5, 16, 9, 4, 60, None, 0, 30), 4.0)
+    assert ctl.decide(4.0) is None
+    assert [d.kind for d in log] == ["throttle", "autoscale", "throttle"]  # one signal until a plan is applied
+
+
+def test_observing_never_makes_a_plan():
+    log: list[PressureDecision] = []
+    mon = _monitor([(100, 5, 16, 9, 4, 60, None, 0, 30), (100, 70, 16, 2, 0, 0, None, 0, 0)])
+    ctl = KunServeController(mon, M8, recorder=log.append)
+    assert [t.index for t in ctl.observe(1.0)] == [0] and ctl.pending is None
+    assert isinstance(ctl.decide(2.0), DropPlan)  # the throttle is still there: now a plan
+    assert [d.kind for d in log] == ["throttle", "drop"]
 
 
 # ---------------------------------------------------------------------------- migrate baseline (Llumnix)

@@ -72,7 +72,7 @@ class DropHandler(PressureHandler):
         if self.draining:
             return self._drained(now)
         if self.plan is not None or self.in_flight:
-            self.ctl.decide(now)  # keeps the throttle and autoscale log current; no plan while one runs
+            self.ctl.observe(now)  # keeps the throttle and autoscale log current; no plan while one runs
             return []
         plan = self.ctl.decide(now)
         if isinstance(plan, DropPlan):

@@ -172,7 +172,8 @@ class GroupInstance(SimInstance):
         out = super().begin_step(now)
         if len(tl.t) > n:
             for m in self.members[1:]:
-                m.timeline.sample(tl.t[-1], tl.kv_usage[-1], tl.waiting[-1], tl.running[-1], tl.batch_size[-1])
+                m.timeline.sample(tl.t[-1], tl.kv_usage[-1], tl.waiting[-1], tl.running[-1], tl.batch_size[-1],
+                                  tl.kv_demand[-1])
         return out
 
     def stats(self) -> dict:

@@ -48,20 +48,24 @@ class KunServeController:
         self.layers: dict[int, Layers] = {r.index: (0, model.num_layers) for r in monitor.instances}
         self.pending: Plan | None = None
         self._throttled: set[int] = set()
-        self._stuck = False  # throttled and no plan: the autoscale signal was given
+        self._stuck = False  # throttled and no plan: the autoscale signal was given (again after a plan is applied)
 
     # ---------------------------------------------------------------- decisions
-    def decide(self, now: float) -> Plan | None:
+    def observe(self, now: float) -> list[Throttle]:
+        """Log throttle onsets and feed the autoscale signal; no plan (the caller is busy executing one)."""
         throttles = self.detector.scan(self.monitor)
         self._note_throttles(throttles, now)
         if self.autoscale.observe(now, self.usage()):
             self.note("autoscale", now, tuple(sorted(self._throttled)), reason="KV use still rising after a drop",
                       usage=round(self.usage(), 4))
+        return throttles
+
+    def decide(self, now: float) -> Plan | None:
+        throttles = self.observe(now)
         if self.pending is not None:
             return None
         if throttles:
             return self._drop(throttles, now)
-        self._stuck = False
         for g in self.groups:
             if len(g) > 1:
                 st = self.monitor.instances[g[0]].status
@@ -96,7 +100,7 @@ class KunServeController:
         """The caller executed ``plan``: the new groups run from now on."""
         if plan is not self.pending:
             raise ValueError("applied() takes the plan decide() returned last")
-        self.pending = None
+        self.pending, self._stuck = None, False
         self.layers.update(plan.layers)
         if isinstance(plan, DropPlan):
             self.groups = plan.groups
