@@ -21,7 +21,8 @@ PURE_PACKAGES = ("tidal/core", "tidal/policies", "tidal/cluster", "tidal/metrics
 # the simulator runs on a virtual clock: all of it but its CLI driver (wall time, progress, plots)
 PURE_SIM_FILES = ("tidal/sim/loop.py", "tidal/sim/instance.py", "tidal/sim/simulator.py", "tidal/sim/build.py",
                   "tidal/sim/cost_model.py", "tidal/sim/analytic.py", "tidal/sim/profiled.py",
-                  "tidal/sim/hardware.py", "tidal/sim/models.py")
+                  "tidal/sim/hardware.py", "tidal/sim/models.py", "tidal/sim/pressure.py", "tidal/sim/migrate.py",
+                  "tidal/sim/kunserve.py", "tidal/sim/pipeline.py")
 PURE_MODULE_PREFIXES = ("tidal.core", "tidal.policies", "tidal.config", "tidal.metrics",
                         "tidal.workload", "tidal.cluster", "tidal.sim")
 BANNED_TIME = {"time", "monotonic", "perf_counter", "time_ns", "monotonic_ns", "perf_counter_ns"}

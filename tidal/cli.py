@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim_accuracy.add_parser(bsub)
     sim_policies.add_parser(bsub)
     sim_dynaserve.add_parser(bsub)
+    from tidal.bench import sim_kunserve
+
+    sim_kunserve.add_parser(bsub)
     from tidal.bench import kv_transfer
     kv_transfer.add_parser(bsub)
 

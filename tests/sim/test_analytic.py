@@ -70,14 +70,18 @@ def test_smollm2_matches_the_shape_the_engine_loads_from_gguf():
 
 
 def test_registries_have_the_agreed_names_and_unknown_names_list_the_valid_ones():
-    assert set(HARDWARE) == {"a100-40g", "a100-80g", "h100-80g", "h200", "cpu"}
+    assert set(HARDWARE) == {"a100-40g", "a100-80g", "a800-80g", "h100-80g", "h200", "cpu"}
     assert set(MODELS) == {"smollm2-135m", "llama-2-7b", "llama-2-13b", "llama-3-8b", "llama-3-70b", "opt-13b",
                            "qwen-2.5-14b", "qwen-2.5-32b", "qwen-2.5-72b"}
-    with pytest.raises(ValueError, match="a100-40g, a100-80g, h100-80g, h200, cpu"):
+    with pytest.raises(ValueError, match="a100-40g, a100-80g, a800-80g, h100-80g, h200, cpu"):
         get_hardware("v100")
     with pytest.raises(ValueError, match="valid names: smollm2-135m, llama-2-7b"):
         get_model("gpt-5")
     assert get_hardware("cpu").kv_pool_sizing == "budget" and get_hardware("h200").kv_pool_sizing == "fraction"
+    a800, a100 = get_hardware("a800-80g"), get_hardware("a100-80g")  # an A100-80G whose NVLink is 200 GB/s a way
+    assert (a800.peak_flops, a800.mem_bandwidth, a800.memory_bytes) == (a100.peak_flops, a100.mem_bandwidth,
+                                                                        a100.memory_bytes)
+    assert a800.interconnect_bandwidth == 200e9 == a100.interconnect_bandwidth * 2 / 3
     assert get_hardware("cpu").kv_budget_bytes == DEFAULT_CPU_KV_MEMORY
 
 

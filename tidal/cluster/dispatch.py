@@ -88,7 +88,7 @@ class Dispatcher:
         """The instance that takes ``req`` first (a prefill instance when disaggregated), or None
         when no instance of that role is alive."""
         role = "prefill" if self.layout.disaggregated else None
-        live = self.monitor.alive(role)
+        live = self.monitor.routable(role)
         views = views_of(self.monitor) if self.recorder is not None else ()
         index = live[self.router.route(req, live)].index if live else None
         if self.recorder is not None:

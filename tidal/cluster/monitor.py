@@ -35,6 +35,7 @@ class InstanceStatus:
     queued_block_demand: int = 0  # KV blocks its waiting requests need to start
     step_time_s: float | None = None  # its last step's measured time
     num_preemptions: int = 0
+    hol_block_demand: int = 0  # KV blocks the head of its queue (first swapped, else first waiting) needs
     # what that step computed (a profile table's key: DynaServe Alg. 2's plen, ctx, dnum)
     step_prefill_tokens: int = 0
     step_decode_count: int = 0
@@ -62,6 +63,13 @@ class InstanceRecord:
     failures: int = 0
     restarts: int = 0
     last_report: float | None = None
+    group: tuple[int, ...] = ()  # KunServe pipeline group it belongs to, stage order (empty: none)
+
+    @property
+    def routable(self) -> bool:
+        """Takes new requests: alive, and not a later stage of a pipeline group (a group is
+        dispatched to through its first stage, which reports the group's pool)."""
+        return self.alive and (not self.group or self.group[0] == self.index)
 
     # ---- InstanceLoad ----
     @property
@@ -151,6 +159,21 @@ class GlobalMonitor:
             self.instances[dst].handoffs_in += 1
             self.num_handoffs += 1
 
+    def on_move(self, request_id: str, src: int, dst: int) -> None:
+        """``request_id`` now runs on ``dst`` (a migration, a group forming or splitting)."""
+        self.instances[src].outstanding.discard(request_id)
+        self.instances[dst].outstanding.add(request_id)
+
+    def on_groups(self, groups: list[tuple[int, ...]] | tuple[tuple[int, ...], ...]) -> None:
+        """The pipeline groups now executing (KunServe Sec. 4.1), each in stage order; an
+        instance in none, or in a group of one, runs alone."""
+        for rec in self.instances:
+            rec.group = ()
+        for g in groups:
+            if len(g) > 1:
+                for i in g:
+                    self.instances[i].group = tuple(g)
+
     def on_failure(self, index: int) -> set[str]:
         """Instance ``index`` died: it is skipped until it restarts; returns the requests it held."""
         rec = self.instances[index]
@@ -171,6 +194,10 @@ class GlobalMonitor:
         """Live instances (of ``role``; colocated instances count for every role)."""
         return [r for r in self.instances if r.alive and (role is None or r.role in (role, "colocated"))]
 
+    def routable(self, role: str | None = None) -> list[InstanceRecord]:
+        """Live instances that take new requests: :meth:`alive`, less the later stages of pipeline groups."""
+        return [r for r in self.alive(role) if r.routable]
+
     def arrival_rate(self, index: int, now: float) -> float:
         rec = self.instances[index]
         self._trim(rec, now)
@@ -188,7 +215,7 @@ class GlobalMonitor:
                 "kv_usage": r.kv_usage, "arrival_rate": self.arrival_rate(r.index, now),
                 "step_time_ema_s": r.step_time_ema_s, "failures": r.failures, "restarts": r.restarts,
                 "reserved_blocks": sum(r.reserved.values()), "dispatched": r.dispatched,
-                "handoffs_in": r.handoffs_in,
+                "handoffs_in": r.handoffs_in, "group": list(r.group),
                 **{k: getattr(r.status, k, _STATUS_DEFAULTS[k]) for k in _STATUS_FIELDS}} for r in self.instances],
             "pending_handoffs": len(self.pending_handoffs),
             "num_dispatched": self.num_dispatched,

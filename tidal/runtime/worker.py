@@ -86,8 +86,11 @@ def instance_status(engine: Any, index: int, step_time_s: float | None = None) -
         dec = [c.context_len for c in plan.chunks if c.is_decode]
         p, d = plan.composition.num_prefill_tokens, len(dec)
         ctx = sum(dec) / d if d else 0.0
+    head = sched.swapped[0] if sched.swapped else sched.waiting[0] if sched.waiting else None
+    hol = -(-(head.num_tokens + 1) // bs) if head is not None else 0
     return InstanceStatus(index, kv.num_blocks, kv.num_free_blocks, bs, sched.num_running, sched.num_waiting,
-                          queued, step_time_s, sched.num_preemptions, p, d, ctx)
+                          queued, step_time_s, sched.num_preemptions, hol, step_prefill_tokens=p,
+                          step_decode_count=d, step_decode_context=ctx)
 
 
 def _die_with_parent() -> None:

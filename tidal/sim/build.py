@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from tidal.cluster.decisions import Decision
 from tidal.cluster.dispatch import ClusterLayout
 from tidal.cluster.handoff import DEFAULT_LAYERS_PER_CHUNK, DEFAULT_TOKENS_PER_CHUNK
+from tidal.cluster.pressure import ModelMemory, check_pressure_mode
 from tidal.cluster.router import build_router
 from tidal.cluster.split import SplitParams, SplitPlanner
 from tidal.config import ConfigError, ModelArch, SchedulerConfig
@@ -26,8 +27,9 @@ from tidal.sim.cost_model import CostModel, ScaledCostModel
 from tidal.sim.hardware import HardwareSpec, get_hardware
 from tidal.sim.instance import SimInstance
 from tidal.sim.links import LinkSpec, get_link
-from tidal.sim.models import get_model
+from tidal.sim.models import MODELS, get_model
 from tidal.sim.pd import HandoffConfig
+from tidal.sim.pressure import PressureConfig, PressureHandler, build_pressure
 from tidal.sim.simulator import ClusterSimulator
 from tidal.workload import RequestSpec
 
@@ -67,6 +69,9 @@ class ClusterSpec:
     kv_stream_tokens: int = 16  # mode split: KV goes to beta each time this many tokens are computed
     kv_stream_lead: int | None = None  # mode split: ... once alpha is within this many tokens of s (None: always)
     seed_profile: bool = False  # seed slo-compose's profile table with the cost model on a grid (an offline profile)
+    kv_pressure: str | None = None  # preempt | migrate | drop (tidal.sim.pressure); None: no handler
+    lookahead: bool = True  # drop: Fig. 11's cost-balanced microbatches (False: token counts)
+    restore_threshold: float = 0.5  # drop: Sec. 4.4's restore rule
 
     def __post_init__(self) -> None:
         if self.instances < 1:
@@ -86,6 +91,12 @@ class ClusterSpec:
             raise ConfigError(f"kv_stream_lead must be >= 0, got {self.kv_stream_lead}")
         if self.cost_model == "profiled" and not self.profile:
             raise ConfigError("the profiled cost model needs a profile file (write one with `tidal profile`)")
+        if self.kv_pressure is not None:
+            try:
+                check_pressure_mode(self.kv_pressure, self.instances, get_model(self.model).num_layers
+                                    if self.model in MODELS else None, self.mode == "disaggregate")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
 
     @property
@@ -133,6 +144,25 @@ def resolve(spec: ClusterSpec) -> tuple[ModelArch, HardwareSpec, int, int]:
 def handoff_config(spec: ClusterSpec, arch: ModelArch, hw: HardwareSpec) -> HandoffConfig:
     link: LinkSpec = get_link(spec.link, hw)
     return HandoffConfig.for_model(arch, spec.dtype_bytes, link, spec.tp, spec.layers_per_chunk, spec.tokens_per_chunk)
+
+
+def pressure_link(spec: ClusterSpec, hw: HardwareSpec) -> LinkSpec:
+    """The link between instances that KV migrations, exchanges, activations and restored weights
+    take: ``--link``, else InfiniBand HDR 200 Gb/s on a GPU (KunServe's cluster A: one A800 per
+    server, 200 Gbps RDMA, Table 2), shared memory on the CPU."""
+    return get_link(spec.link or ("ib-hdr" if hw.kind == "gpu" else "shm"), hw)
+
+
+def pressure_config(spec: ClusterSpec, arch: ModelArch, hw: HardwareSpec, cost_model: CostModel) -> PressureConfig:
+    from tidal.sim.pipeline import fit_eq1
+
+    assert spec.kv_pressure is not None
+    model = ModelMemory(arch.num_layers, arch.params_per_layer() * spec.dtype_bytes,
+                        arch.kv_bytes_per_token(spec.dtype_bytes))
+    return PressureConfig(spec.kv_pressure, pressure_link(spec, hw), model, arch.hidden_size * spec.dtype_bytes,
+                          fit_eq1(cost_model, spec.scheduler.max_num_batched_tokens), tp=spec.tp,
+                          layers_per_chunk=spec.layers_per_chunk, lookahead=spec.lookahead,
+                          restore_threshold=spec.restore_threshold, overhead_s=hw.step_overhead_s)
 
 
 def check_policy_args(spec: ClusterSpec) -> None:
@@ -200,5 +230,9 @@ def build_simulator(spec: ClusterSpec, requests: Sequence[RequestSpec],
         assert grid is not None
         return _split_simulator(spec, instances, requests, grid, handoff_config(spec, arch, hw), max_len)
     handoff = handoff_config(spec, arch, hw) if layout.disaggregated else None
+    pressure: PressureHandler | None = None
+    if spec.kv_pressure is not None:
+        pressure = build_pressure(pressure_config(spec, arch, hw, cost_model))
     return ClusterSimulator(instances, build_router(spec.router), requests, max_model_len=max_len, layout=layout,
-                            handoff=handoff, recorder=recorder, timeline_interval=spec.timeline_interval_s)
+                            handoff=handoff, recorder=recorder, timeline_interval=spec.timeline_interval_s,
+                            pressure=pressure)

@@ -7,6 +7,10 @@ PCIe bandwidth (KV swap to host memory). Sources:
 - A100 SXM4: NVIDIA A100 Tensor Core GPU datasheet (2021): 312 TFLOPS bf16 dense, 1,555 GB/s
   (40GB) / 2,039 GB/s (80GB) HBM2(e), NVLink 3 600 GB/s bidirectional = 300 GB/s per direction,
   PCIe 4.0 x16 (32 GB/s raw per direction, ~25 GB/s seen by cudaMemcpy of pinned memory).
+- A800 SXM4 80GB: the export variant of the A100-80GB (NVIDIA A800 Tensor Core GPU datasheet,
+  2022): the A100's 312 TFLOPS bf16 dense and 2,039 GB/s HBM2e, NVLink cut to 400 GB/s
+  bidirectional = 200 GB/s per direction, PCIe 4.0. KunServe's cluster A (Table 2) is 8 servers
+  of one A800 each, 200 Gbps RDMA between them (the ``ib-hdr`` link of :mod:`tidal.sim.links`).
 - H100 SXM5: NVIDIA H100 Tensor Core GPU datasheet: 989 TFLOPS bf16 dense (1,979 is with
   sparsity), 3.35 TB/s HBM3, NVLink 4 900 GB/s bidirectional = 450 GB/s per direction,
   PCIe 5.0 x16 (64 GB/s raw, ~50 GB/s effective).
@@ -98,6 +102,11 @@ HARDWARE: dict[str, HardwareSpec] = {
         name="a100-80g", memory_bytes=81920 * MiB, peak_flops=312e12, mem_bandwidth=2.039e12,
         interconnect_bandwidth=300e9, host_bandwidth=25e9, compute_efficiency=0.65,
         note="NVIDIA A100-SXM4-80GB, HBM2e, NVLink 3, PCIe 4.0", **_GPU_COMMON),
+    "a800-80g": HardwareSpec(
+        name="a800-80g", memory_bytes=81920 * MiB, peak_flops=312e12, mem_bandwidth=2.039e12,
+        interconnect_bandwidth=200e9, host_bandwidth=25e9, compute_efficiency=0.65,
+        note="NVIDIA A800-SXM4-80GB: A100-80GB compute and HBM2e, NVLink 400 GB/s bidirectional, PCIe 4.0",
+        **_GPU_COMMON),
     "h100-80g": HardwareSpec(
         name="h100-80g", memory_bytes=81559 * MiB, peak_flops=989e12, mem_bandwidth=3.35e12,
         interconnect_bandwidth=450e9, host_bandwidth=50e9, compute_efficiency=0.6,

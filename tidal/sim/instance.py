@@ -36,20 +36,23 @@ class Timeline:
     waiting: list[int] = field(default_factory=list)
     running: list[int] = field(default_factory=list)
     batch_size: list[int] = field(default_factory=list)
+    kv_demand: list[float] = field(default_factory=list)  # (used + the queue's need) / pool: Llumnix's count
 
     def due(self, now: float) -> bool:
         return not self.t or now - self.t[-1] >= self.interval
 
-    def sample(self, now: float, kv_usage: float, waiting: int, running: int, batch: int) -> None:
+    def sample(self, now: float, kv_usage: float, waiting: int, running: int, batch: int,
+               kv_demand: float | None = None) -> None:
         self.t.append(now)
         self.kv_usage.append(kv_usage)
         self.waiting.append(waiting)
         self.running.append(running)
         self.batch_size.append(batch)
+        self.kv_demand.append(kv_usage if kv_demand is None else kv_demand)
 
     def to_dict(self) -> dict:
         return {"t": self.t, "kv_usage": self.kv_usage, "waiting": self.waiting, "running": self.running,
-                "batch_size": self.batch_size}
+                "batch_size": self.batch_size, "kv_demand": self.kv_demand}
 
 
 class SimInstance:
@@ -95,6 +98,14 @@ class SimInstance:
         return sum(-(-(r.num_tokens + 1) // bs) for r in self.scheduler.waiting)
 
     @property
+    def hol_block_demand(self) -> int:
+        """Blocks the head of the queue needs: the first swapped request (it comes back first), else the first waiting."""
+        s = self.scheduler
+        if s.swapped:
+            return self.kv.num_host_blocks_of(s.swapped[0].request_id)
+        return -(-(s.waiting[0].num_tokens + 1) // self.kv.block_size) if s.waiting else 0
+
+    @property
     def num_running(self) -> int:
         return self.scheduler.num_running
 
@@ -121,9 +132,10 @@ class SimInstance:
         plan = self.scheduler.schedule(now)
         tl = self.timeline
         if tl.due(now):  # checked before gathering the values: this runs every step
-            sched = self.scheduler
-            tl.sample(now, self.kv.usage, len(sched.waiting) + len(sched.swapped), len(sched.running),
-                      len(plan.chunks))
+            sched, kv = self.scheduler, self.kv
+            demand = (kv.pool.num_used + self.queued_block_demand) / kv.num_blocks if kv.num_blocks else 0.0
+            tl.sample(now, kv.usage, len(sched.waiting) + len(sched.swapped), len(sched.running), len(plan.chunks),
+                      demand)
         if not plan.chunks:
             return None, self.scheduler.update(plan, StepResult(plan.step_id), now)
         dt = self.cost_model.step_time(plan)

@@ -1,7 +1,8 @@
 """PNG plots of a ``tidal sim`` result: latency CDFs and attainment vs rate (the bench's own
 plots), per-instance timelines of KV use, queue length and batch size (labelled by role);
 disaggregated, the hand-offs: pending and in flight over time, and the CDF of their times; split,
-each request's split ratio over time and the planner's predicted load per instance."""
+each request's split ratio over time and the planner's predicted load per instance; with
+``--kv-pressure``, its events (throttles, migrations, drops, exchanges, restores) on the timelines."""
 
 from __future__ import annotations
 
@@ -13,7 +14,32 @@ from tidal.common import plots as BP
 MAX_LINES = 8  # instances drawn one by one; beyond that the mean and the max are drawn
 
 
-def plot_instance_timelines(timelines: list[dict[str, Any]], path: str, title: str = "") -> str:
+# --kv-pressure events: a line on every panel, or a tick at the top of the KV panel (frequent kinds)
+EVENT_LINES = {"drop": ("tab:red", "--"), "exchange-done": ("tab:red", ":"), "restore": ("tab:green", "--"),
+               "restore-done": ("tab:green", ":"), "autoscale": ("black", "-.")}
+EVENT_TICKS = {"throttle": ("tab:orange", 1.0), "migrate": ("tab:purple", 0.95)}
+
+
+def mark_events(axes: Any, events: list[dict[str, Any]]) -> None:
+    """Drop / exchange / restore / autoscale as vertical lines; throttles and migrations as ticks."""
+    seen: set[str] = set()
+    for e in events:
+        kind, t = e["kind"], e["time"]
+        if kind in EVENT_LINES:
+            color, style = EVENT_LINES[kind]
+            for ax in axes:
+                ax.axvline(t, color=color, linestyle=style, linewidth=0.9, alpha=0.8,
+                           label=None if kind in seen or ax is not axes[0] else kind)
+            seen.add(kind)
+        elif kind in EVENT_TICKS:
+            color, y = EVENT_TICKS[kind]
+            axes[0].plot([t], [y], marker="|", color=color, markersize=9, transform=axes[0].get_xaxis_transform(),
+                         linestyle="none", label=None if kind in seen else kind)
+            seen.add(kind)
+
+
+def plot_instance_timelines(timelines: list[dict[str, Any]], path: str, title: str = "",
+                            events: list[dict[str, Any]] | None = None) -> str:
     plt = BP.pyplot()
     fig, axes = plt.subplots(3, 1, figsize=(11, 8), sharex=True)
     panels = (("kv_usage", "KV cache used (%)", 100.0), ("waiting", "queue length (requests)", 1.0),
@@ -35,6 +61,8 @@ def plot_instance_timelines(timelines: list[dict[str, Any]], path: str, title: s
             ax.plot(grid, vals.max(axis=0), linewidth=0.7, label="max")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
+    if events:
+        mark_events(axes, events)
     axes[0].legend(loc="upper right", fontsize=7, ncol=2)
     axes[-1].set_xlabel("simulated time (s)")
     if title:
@@ -126,10 +154,13 @@ def write_sim_plots(result: dict[str, Any], json_path: str) -> list[str]:
     if result.get("mode") == "disaggregate":
         setup = (f"{result['prefill_instances']}P ({result.get('prefill_batching')}) + "
                  f"{result['instances'] - result['prefill_instances']}D ({result['batching']})")
+    if result.get("kv_pressure"):
+        setup += f", --kv-pressure {result['kv_pressure']['mode']}"
     title = f"{result['model']} on {result['instances']} x {result['hardware']}, {setup} (simulated)"
     records, slo = BP.records_of(result), BP.slo_of(result)
     out = [BP.plot_cdfs(records, slo, f"{stem}_cdf.png", title),
-           plot_instance_timelines(result["timelines"], f"{stem}_instances.png", title)]
+           plot_instance_timelines(result["timelines"], f"{stem}_instances.png", title,
+                                   (result.get("kv_pressure") or {}).get("events"))]
     if result.get("handoffs"):
         out.append(plot_handoffs(result, f"{stem}_handoffs.png", title))
     if result.get("splits"):

@@ -31,6 +31,7 @@ from tidal.sim.build import (
     build_simulator,
     check_policy_args,
     handoff_config,
+    pressure_link,
     resolve,
     split_params,
 )
@@ -44,6 +45,7 @@ DEFAULT_OUTPUT = "results/sim.json"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from tidal.cluster.dispatch import MODES
     from tidal.cluster.handoff import DEFAULT_LAYERS_PER_CHUNK, DEFAULT_TOKENS_PER_CHUNK
+    from tidal.cluster.pressure import PRESSURE_MODES
     from tidal.sim.hardware import HARDWARE
     from tidal.sim.links import LINK_NAMES
     from tidal.sim.models import MODELS
@@ -59,8 +61,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV blocks per instance (overrides memory)")
     g.add_argument("--timeline-points", type=F.positive_int, default=2000, help="samples per instance timeline")
     g.add_argument("--link", default=None, choices=list(LINK_NAMES),
-                   help="link KV hand-offs travel on (--mode disaggregate); default: nvlink on a GPU (BucketServe's "
-                        "one-node testbed), shm on the cpu")
+                   help="link KV hand-offs travel on (--mode disaggregate; default: nvlink on a GPU, BucketServe's "
+                        "one-node testbed), or KV migrations, exchanges, activations and restored layers "
+                        "(--kv-pressure migrate/drop; default ib-hdr, KunServe's 200 Gbps); shm on the cpu")
+    g.add_argument("--kv-pressure", default=None, choices=list(PRESSURE_MODES),
+                   help="what a throttled instance (its queue's KV does not fit) does: preempt (the scheduler's "
+                        "--preemption-mode alone), migrate (Llumnix-like: requests move with their KV to spare "
+                        "instances), drop (KunServe: groups drop replicated layers and run as pipelines)")
+    g.add_argument("--no-lookahead", action="store_true",
+                   help="--kv-pressure drop: token-count microbatches instead of KunServe's cost-balanced lookahead")
     g.add_argument("--kv-layers-per-chunk", type=int, default=DEFAULT_LAYERS_PER_CHUNK,
                    help="layers per KV chunk of a hand-off (0: all; the runtime's default)")
     g.add_argument("--kv-tokens-per-chunk", type=int, default=DEFAULT_TOKENS_PER_CHUNK,
@@ -138,13 +147,15 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         raise ConfigError("--kv-layers-per-chunk and --kv-tokens-per-chunk must be >= 0 (0: all in one chunk)")
     if args.prefill_batching and not layout.disaggregated:
         raise ConfigError("--prefill-batching needs --mode disaggregate")
-    if args.link and layout.mode == "colocate":
-        raise ConfigError("--link needs --mode disaggregate or split")
+    if args.link and layout.mode == "colocate" and args.kv_pressure not in ("migrate", "drop"):
+        raise ConfigError("--link needs --mode disaggregate or split, or --kv-pressure migrate/drop")
     split_flags = {"max_probes": args.split_probes, "margin": args.split_margin,
                    "epsilon_s": None if args.split_epsilon_ms is None else args.split_epsilon_ms / 1000.0}
     split_flags = {k: v for k, v in split_flags.items() if v is not None}
     if not layout.split and (split_flags or args.split_length or args.kv_stream_lead is not None):
         raise ConfigError("--split-* flags need --mode split")
+    if args.no_lookahead and args.kv_pressure != "drop":
+        raise ConfigError("--no-lookahead needs --kv-pressure drop")
     return ClusterSpec(
         model=args.model, hardware=args.hardware, instances=layout.instances, tp=args.tp,
         dtype_bytes=4 if sim_dtype(args) == "float32" else 2, block_size=cache.block_size, router=args.router,
@@ -154,7 +165,8 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         mode=layout.mode, prefill_instances=layout.prefill_instances, prefill_batching=args.prefill_batching,
         link=args.link, layers_per_chunk=args.kv_layers_per_chunk, tokens_per_chunk=args.kv_tokens_per_chunk,
         split=SplitParams(**split_flags) if layout.split else None, split_length=args.split_length or "max-tokens",
-        kv_stream_tokens=args.kv_stream_tokens, kv_stream_lead=args.kv_stream_lead, seed_profile=args.seed_profile)
+        kv_stream_tokens=args.kv_stream_tokens, kv_stream_lead=args.kv_stream_lead, seed_profile=args.seed_profile,
+        kv_pressure=args.kv_pressure, lookahead=not args.no_lookahead)
 
 
 def check_roles(spec: ClusterSpec) -> None:
@@ -215,6 +227,8 @@ def simulate(spec: ClusterSpec, specs: list[W.RequestSpec], slo: M.SLO, desc: st
     if res.mode == "split":
         summary["splits"] = summarize_splits(res.splits)
         summary["split_load"] = res.split_load
+    if res.pressure is not None:
+        summary["kv_pressure"] = res.pressure
     if res.mode == "disaggregate":
         summary["handoffs"] = summarize_handoffs(res.handoffs, res.max_pending_handoffs)
         summary["handoff_timeline"] = res.handoff_timeline
@@ -266,6 +280,8 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
         info.update({"pairs": layout.pairs(), "split_params": asdict(split_params(spec)),
                      "split_length": spec.split_length, "link": hc.link.to_dict(),
                      "kv_layers_per_chunk": hc.layers_per_chunk, "kv_stream_tokens": spec.kv_stream_tokens})
+    if spec.kv_pressure in ("migrate", "drop"):
+        info["pressure_link"] = pressure_link(spec, hw).to_dict()
     search_report = None
     if args.capacity_search:
         search = F.capacity_search(args)
@@ -313,6 +329,13 @@ def format_summary(r: dict[str, Any]) -> str:
              f"  goodput {f(r['goodput']['request_throughput'], '.2f')} req/s",
              f"simulated {r['simulated_time_s']:.1f} s in {r['wall_time_s']:.2f} s wall: "
              f"{f(r['speedup'], '.0f')}x faster than real time ({r['num_events']} events)"]
+    kp = r.get("kv_pressure")
+    if kp:
+        counts = ", ".join(f"{v} {k}" for k, v in sorted(kp["counts"].items())) or "no throttle"
+        lines.append(f"kv pressure ({kp['mode']}): {counts}"
+                     + (f"; {kp['migrated']} migrated" if "migrated" in kp else "")
+                     + (f"; {len(kp['groups'])} pipeline groups, {kp['exchange_bytes'] / 1e9:.1f} GB exchanged"
+                        if "groups" in kp else ""))
     h = r.get("handoffs")
     if h:
         lines.append(f"hand-offs: {h['landed']} landed of {h['count']} ({h['pending_at_end']} pending and "

@@ -43,6 +43,7 @@ from tidal.metrics import RequestRecord
 from tidal.sim.instance import SimInstance
 from tidal.sim.loop import Event, EventLoop
 from tidal.sim.pd import Handoff, HandoffConfig
+from tidal.sim.pressure import PressureHandler
 from tidal.workload import RequestSpec
 
 
@@ -60,6 +61,7 @@ class SimResult:
     handoff_timeline: dict[str, list] = field(default_factory=dict)  # t, pending, in_flight
     splits: list[Any] = field(default_factory=list)  # --mode split: tidal.sim.split.SplitTransfer per request
     split_load: dict[str, list] = field(default_factory=dict)  # --mode split: the planner's predicted loads
+    pressure: dict[str, Any] | None = None  # --kv-pressure: its decisions and their summary
 
 
 class _Arrival(Event):
@@ -120,7 +122,8 @@ class ClusterSimulator:
     def __init__(self, instances: Sequence[SimInstance], router: Router, specs: Sequence[RequestSpec],
                  max_model_len: int | None = None, request_ids: Sequence[str] | None = None,
                  layout: ClusterLayout | None = None, handoff: HandoffConfig | None = None,
-                 recorder: Callable[[Decision], None] | None = None, timeline_interval: float = 0.0):
+                 recorder: Callable[[Decision], None] | None = None, timeline_interval: float = 0.0,
+                 pressure: PressureHandler | None = None):
         if not instances:
             raise ValueError("the simulator needs at least one instance")
         self.instances = list(instances)
@@ -150,6 +153,11 @@ class ClusterSimulator:
         self._last_token: dict[int, float] = {}
         self.routed = [-1] * len(self.specs)
         self.loop = EventLoop()
+        self.pressure = pressure  # what a throttled instance does beyond preempting (tidal.sim.pressure)
+        if pressure is not None:
+            if self.layout.disaggregated:
+                raise ValueError("--kv-pressure needs colocated instances")
+            pressure.attach(self)
 
     # ---------------------------------------------------------------- events
     def _arrive(self, i: int, now: float) -> Event | None:
@@ -184,6 +192,8 @@ class ClusterSimulator:
         return None
 
     def _begin(self, inst: SimInstance, now: float) -> Event | None:
+        if self.pressure is not None and not self.pressure.can_step(inst):
+            return None  # draining before its layers change, or parked in a pipeline group
         dt, updates = inst.begin_step(now)
         if updates:
             self._apply(inst, updates, now)
@@ -200,7 +210,10 @@ class ClusterSimulator:
         updates = inst.end_step(now)
         self._apply(inst, updates, now)
         if inst.role == "colocated":
-            return self._begin(inst, now)
+            if self.pressure is None:
+                return self._begin(inst, now)
+            after = self.pressure.after_step(inst, now)  # may drain or retire inst, or start moves
+            return [e for e in (*after, self._begin(inst, now)) if e is not None]
         out: list[Event | None] = []
         if inst.role == "prefill":  # as the prefill worker does after a step: pause, hand off
             for upd in updates:
@@ -329,6 +342,8 @@ class ClusterSimulator:
         for i, spec in enumerate(self.specs):
             self.loop.push(_Arrival(spec.arrival_s, self, i))
         self.loop.run(until=until, progress=progress)
+        if self.pressure is not None:
+            self.pressure.finish(self.loop.now)
         for rec in self.records:
             if rec.end_s is None:
                 rec.error = rec.error or "unfinished"
@@ -337,4 +352,4 @@ class ClusterSimulator:
             timelines=[{**inst.timeline.to_dict(), "role": inst.role} for inst in self.instances],
             simulated_time_s=self.loop.now, num_events=self.loop.num_fired, routed=self.routed,
             mode=self.layout.mode, handoffs=self.handoffs, max_pending_handoffs=self._max_pending,
-            handoff_timeline=self._htl)
+            handoff_timeline=self._htl, pressure=self.pressure.summary() if self.pressure is not None else None)

@@ -1,0 +1,55 @@
+"""Handling KV memory pressure across instances (pure): throttle detection, KunServe's drop plan,
+lookahead microbatches, restore and autoscale, and the Llumnix-like migration baseline.
+
+The paper is ``../shared/papers/kunserve.md``; each module cites the section it follows.
+"""
+
+from tidal.cluster.pressure.controller import KunServeController, Plan
+from tidal.cluster.pressure.drop_plan import (
+    DropPlan,
+    DropPlanner,
+    KVMove,
+    Layers,
+    Merge,
+    ModelMemory,
+    kv_moves,
+    merge_layout,
+    stage_layers,
+)
+from tidal.cluster.pressure.events import (
+    KINDS,
+    PRESSURE_MODES,
+    PressureDecision,
+    Recorder,
+    check_pressure_mode,
+)
+from tidal.cluster.pressure.lookahead import (
+    ChunkCost,
+    Microbatch,
+    Span,
+    bubble_ratio,
+    eq4_cost,
+    lookahead_microbatches,
+    pipeline_makespan,
+    pipeline_period,
+    token_microbatches,
+)
+from tidal.cluster.pressure.migrate import Migration, MigrationController, plan_migrations
+from tidal.cluster.pressure.restore import (
+    RESTORE_THRESHOLD,
+    AutoscaleSignal,
+    RestorePlan,
+    RestorePolicy,
+    assign_homes,
+    restore_plan,
+)
+from tidal.cluster.pressure.throttle import ADMISSION_WATERMARK, Throttle, ThrottleDetector, demand_bytes
+
+__all__ = [
+    "ADMISSION_WATERMARK", "KINDS", "PRESSURE_MODES", "RESTORE_THRESHOLD", "AutoscaleSignal", "ChunkCost",
+    "DropPlan", "DropPlanner", "KVMove", "KunServeController", "Layers", "Merge", "Microbatch", "Migration",
+    "MigrationController", "ModelMemory", "Plan", "PressureDecision", "Recorder", "RestorePlan", "RestorePolicy",
+    "Span", "Throttle", "ThrottleDetector", "assign_homes", "bubble_ratio", "check_pressure_mode", "demand_bytes",
+    "eq4_cost", "kv_moves", "lookahead_microbatches", "merge_layout", "pipeline_makespan", "pipeline_period",
+    "plan_migrations", "restore_plan", "stage_layers", "token_microbatches",
+]
