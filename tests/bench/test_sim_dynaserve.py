@@ -20,6 +20,7 @@ def test_a_request_attains_when_its_own_p99_gap_meets_the_tbt_slo():
     assert B.attains(_rec([0.03] * 199 + [0.5]), 0.1)  # one stall in 200 gaps: the p99 is still ~30 ms
     assert not B.attains(_rec([0.03] * 20 + [0.5]), 0.1)  # one in 21: the p99 is the stall
     assert B.attains(_rec([]), 0.1)  # a single token has no gaps
+    assert not B.attains(_rec([0.03] * 999 + [1.5]), 0.1)  # a stall fails it, though the p99 hides it
     assert not B.attains(_rec([0.01], success=False), 0.1)
 
 
@@ -48,5 +49,5 @@ def test_bench_runs_end_to_end(tmp_path, capsys):
     assert any("splits" in p for p in rows["dynaserve"]["probes"])
     assert r["plots"] and r["plots"][0].endswith(".png")
     text = capsys.readouterr().out
-    assert "DynaServe capacity:" in text and "rate" in text
+    assert "dynaserve capacity:" in text and "rate" in text
     assert cli_main(["bench", "sim-dynaserve", "--workloads", "nope", "--output", str(out)]) == 2

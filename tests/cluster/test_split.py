@@ -96,9 +96,10 @@ def test_length_predictor_buckets_by_prompt_length_and_falls_back_to_the_global_
 
 
 # ============================================================================ execution predictor
-def naive_total(queue, f, budget, max_seqs):
+def naive_total(queue, f, budget, max_seqs, kv_cap=float("inf")):
     """The virtual passes one by one (tidal.cluster.split_predict's docstring), per request."""
     live = [m for m in queue if not m.empty]
+    held = lambda: sum(live[i].end for i in running)  # noqa: E731  (KV reserved by the running ones)
     pre = [m.prefill_tokens for m in live]
     kv = [m.context for m in live]
     steps = [m.decode_steps for m in live]
@@ -115,7 +116,8 @@ def naive_total(queue, f, budget, max_seqs):
                 sched.append((i, 1, False))
                 ctxs.append(kv[i] + 1)
             left -= c
-        while waiting and len(running) < max_seqs and left > 0:  # then FCFS admissions
+        while (waiting and len(running) < max_seqs and left > 0  # then FCFS admissions, while their KV fits
+               and (held() + live[waiting[0]].end <= kv_cap or not running)):
             i = waiting.pop(0)
             running.append(i)
             if pre[i] > 0:
@@ -156,13 +158,24 @@ def test_execution_predictor_equals_the_naive_passes(seed):
     rng = random.Random(seed)
     for _ in range(60):
         budget, seqs = rng.choice([8, 16, 64, 2048]), rng.choice([1, 2, 4, 8, 256])
+        kv = rng.choice([None, None, 150, 400])  # a KV pool of that many tokens, or none
         queue = [random_part(rng, str(j)) for j in range(rng.randint(0, 12))]
-        ep = ExecutionPredictor(linear, budget, seqs)
-        assert ep.total_time(queue) == pytest.approx(naive_total(queue, linear, budget, seqs), rel=1e-9)
+        ep = ExecutionPredictor(linear, budget, seqs, kv_capacity=kv)
+        cap = float("inf") if kv is None else kv
+        assert ep.total_time(queue) == pytest.approx(naive_total(queue, linear, budget, seqs, cap), rel=1e-9)
         # the delta of one more part (the planner's PREDICT) equals predicting the longer queue
         new = random_part(rng, "new")
         with_new = ep.total_time_with(ep.timeline(queue), new)
-        assert with_new == pytest.approx(naive_total([*queue, new], linear, budget, seqs), rel=1e-9)
+        assert with_new == pytest.approx(naive_total([*queue, new], linear, budget, seqs, cap), rel=1e-9)
+
+
+def test_a_kv_pool_serializes_what_does_not_fit_together():
+    # two decode-only parts of 10 passes whose ends (110 tokens each) fit a 250-token pool together
+    # but not a 150-token one: 10 passes side by side, or 20 one after the other
+    queue = [MicroRequest("a", 0, 100, 10), MicroRequest("b", 0, 100, 10)]
+    assert ExecutionPredictor(one_per_pass, kv_capacity=250).total_time(queue) == 10
+    assert ExecutionPredictor(one_per_pass, kv_capacity=150).total_time(queue) == 20
+    assert ExecutionPredictor(one_per_pass, kv_capacity=50).total_time(queue) == 20  # alone it always runs
 
 
 def test_execution_predictor_with_a_profile_table_stays_close_to_the_naive_passes():

@@ -5,7 +5,11 @@ The paper's setup (Sec. 6.1): Qwen-2.5-14B with one A100-80G per instance, Qwen-
 prefill; the paper tunes the chunk between 256 and 2048, here 512 and 2048 and the better one
 counts), **PD Disagg.** (1 prefill + 1 decode instance) and **DynaServe** (one alpha/beta pair,
 ``--mode split``, SLO-aware local batching ``slo-compose``, Alg. 2). ``coloc-slo`` (colocated with
-``slo-compose``) separates DynaServe's local scheduler from its splits. ``slo-compose`` runs as
+``slo-compose``) separates DynaServe's local scheduler from its splits. ``dynaserve`` streams each request's KV from its
+first chunk (Sec. 4.3), so beta holds a copy of what alpha still attends to for all of alpha's
+decoding; ``dynaserve-lead`` starts 64 tokens before the split point (on NVLink the whole KV of a
+split moves in about a millisecond); ``dynaserve-kv`` (not run by default) adds our KV-aware
+execution predictor (``--split-kv-aware``). ``slo-compose`` runs as
 DynaServe describes it: its table starts from an offline profile (the cost model on a grid) and is
 refined with every step; it aims at 80 % of the SLO (the table predicts means), and less by what
 its decodes have already waited (``catch_up``: a hand-off that landed mid-step). Poisson arrivals (Sec. 6.1);
@@ -14,7 +18,8 @@ BurstGPT and Azure Code half and half (Table 2).
 
 **Serving capacity** (Sec. 6.3, "following the definition used in Sarathi Serve"): the highest
 rate at which at most 1 % of the requests violate the 100 ms TBT SLO ("allowing only 1% of
-requests to violate the TBT SLO") while the system keeps up. Each probe offers ``--window`` seconds
+requests to violate the TBT SLO") while the system keeps up; a gap over 10 x the SLO (a stall the
+percentile of a long output would hide) also fails a request. Each probe offers ``--window`` seconds
 of Poisson arrivals (at most ``--num-requests``), long enough for queues to form once the
 instances' seats are full (a short burst fits in them and never queues). A request meets the SLO when the
 99th percentile of its own gaps between tokens is at most ``--tbt-slo-ms`` (and it succeeded); the
@@ -58,6 +63,8 @@ class System:
     mode: str
     batching: str
     chunk: int  # max_num_batched_tokens
+    kv_aware: bool = False  # split: the planner's predictor obeys the KV pool (our addition)
+    stream_lead: int | None = None  # split: push KV only from this many tokens before s (None: Sec. 4.3)
 
 
 SYSTEMS = {
@@ -66,8 +73,12 @@ SYSTEMS = {
     "coloc-slo": System("colocate", "slo-compose", 2048),
     "disagg": System("disaggregate", "continuous", 2048),
     "dynaserve": System("split", "slo-compose", 2048),
+    "dynaserve-lead": System("split", "slo-compose", 2048, stream_lead=64),
+    "dynaserve-kv": System("split", "slo-compose", 2048, kv_aware=True, stream_lead=64),
 }
+DEFAULT_SYSTEMS = ("coloc-512", "coloc-2048", "coloc-slo", "disagg", "dynaserve", "dynaserve-lead")
 COLOC = ("coloc-512", "coloc-2048")  # PD Coloc. is the better of its tuned chunks
+DYNA = ("dynaserve", "dynaserve-lead", "dynaserve-kv")
 PAPER = {
     "capacity": "DynaServe 1.15-3.07x PD Coloc., 1.09-1.67x PD Disagg. (Sec. 1, Fig. 9; 14B: on average 2.37x "
                 "and 1.37x, Sec. 6.3)",
@@ -77,11 +88,18 @@ PAPER = {
 }
 
 
+STALL_FACTOR = 10.0  # a gap longer than 10 x the TBT SLO fails a request whatever its percentile
+
+
 def attains(rec: RequestRecord, tbt_s: float) -> bool:
-    """Succeeded, and the 99th percentile of its gaps between tokens is within ``tbt_s``."""
+    """Succeeded, the 99th percentile of its gaps between tokens is within ``tbt_s``, and no gap is a
+    stall (over ``STALL_FACTOR`` x ``tbt_s``: a preemption's recompute, a hand-off waiting for KV),
+    which the percentile of a long output would hide."""
     if not rec.success:
         return False
-    return not rec.itl_s or float(np.percentile(rec.itl_s, 99)) <= tbt_s
+    if not rec.itl_s:
+        return True
+    return float(np.percentile(rec.itl_s, 99)) <= tbt_s and max(rec.itl_s) <= STALL_FACTOR * tbt_s
 
 
 def run_probe(model: str, system: System, specs: list[W.RequestSpec], tbt_s: float, ttft_p50_s: float,
@@ -97,7 +115,9 @@ def run_probe(model: str, system: System, specs: list[W.RequestSpec], tbt_s: flo
                             tbt_slo_ms=tbt_s * 1000.0, policy_args=args)
     spec = ClusterSpec(model=model, hardware="a100-80g", instances=2, tp=MODELS[model], mode=system.mode,
                        prefill_instances=1 if system.mode == "disaggregate" else 0, scheduler=sched,
-                       kv_stream_lead=stream_lead if system.mode == "split" else None, seed_profile=slo and seed_profile)
+                       kv_stream_lead=(stream_lead if stream_lead is not None else system.stream_lead)
+                       if system.mode == "split" else None, seed_profile=slo and seed_profile,
+                       split_kv_aware=system.kv_aware)
     res = build_simulator(spec, specs).run()
     s = summarize(res.records)
     good = [r for r in res.records if attains(r, tbt_s)]
@@ -154,11 +174,11 @@ def _best(rows: dict[str, dict[str, Any]], names: tuple[str, ...], key: str) -> 
     return n, v
 
 
-def ratios(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """DynaServe over PD Coloc. (its better chunk) and PD Disagg., on capacity and goodput."""
+def ratios(rows: dict[str, dict[str, Any]], dyna_name: str = "dynaserve") -> dict[str, Any]:
+    """DynaServe (``dyna_name``) over PD Coloc. (its better chunk) and PD Disagg., on capacity and goodput."""
     out: dict[str, Any] = {}
     for key in ("capacity_rps", "max_goodput"):
-        dyna = rows.get("dynaserve", {}).get(key)
+        dyna = rows.get(dyna_name, {}).get(key)
         coloc_name, coloc = _best(rows, COLOC, key)
         disagg = rows.get("disagg", {}).get(key)
         out[key] = {"coloc": coloc_name, "vs_coloc": dyna / coloc if dyna and coloc else None,
@@ -171,7 +191,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="qwen-2.5-14b", help=f"of {', '.join(MODELS)}")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"of {', '.join(WORKLOADS)}")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"of {', '.join(SYSTEMS)}")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"of {', '.join(SYSTEMS)}")
     p.add_argument("--tbt-slo-ms", type=float, default=100.0, help="the TBT SLO (Sec. 6.1: 100 ms)")
     p.add_argument("--ttft-p50-ms", type=float, default=2000.0,
                    help="a rate is sustained only while the median TTFT stays within this (Sarathi-Serve: 2 s)")
@@ -191,8 +211,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-seed-profile", action="store_true",
                    help="slo-compose's table starts empty instead of from an offline profile of the cost model")
     p.add_argument("--kv-stream-lead", type=int, default=None,
-                   help="DynaServe: alpha starts pushing a request's KV this many tokens before its split point "
-                        "(default: from its first chunk, Sec. 4.3)")
+                   help="every DynaServe system: alpha starts pushing a request's KV this many tokens before its "
+                        "split point (default: dynaserve from its first chunk, Sec. 4.3; dynaserve-lead 64 before)")
     F.add_workload_flags(p, only=("num_requests", "seed"), defaults={"num_requests": 2000})
     F.add_output_flags(p, "results/sim_dynaserve.json")
     p.set_defaults(func=run)
@@ -247,12 +267,13 @@ def run(args: argparse.Namespace) -> int:
                 rows[name] = capacity(model, SYSTEMS[name], base, args, f"{model} {wl} {name}")
                 print(f"  -> {name}: capacity {rows[name]['capacity_rps']} req/s", flush=True)
             report["results"][model][wl] = {"workload": stats, "systems": rows}
-            report["ratios"][model][wl] = ratios(rows)
+            report["ratios"][model][wl] = {d: ratios(rows, d) for d in DYNA if d in rows}
             _table(rows)
-            rc = report["ratios"][model][wl]["capacity_rps"]
             f = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
-            print(f"  DynaServe capacity: {f(rc['vs_coloc'])} PD Coloc. ({rc['coloc']}), {f(rc['vs_disagg'])} "
-                  f"PD Disagg.", flush=True)
+            for d, r in report["ratios"][model][wl].items():
+                rc, rg = r["capacity_rps"], r["max_goodput"]
+                print(f"  {d} capacity: {f(rc['vs_coloc'])} PD Coloc. ({rc['coloc']}), {f(rc['vs_disagg'])} "
+                      f"PD Disagg.; goodput {f(rg['vs_coloc'])} / {f(rg['vs_disagg'])}", flush=True)
     report["wall_time_s"] = time.perf_counter() - t0
     for k, v in PAPER.items():
         print(f"paper ({k}): {v}")
@@ -273,7 +294,8 @@ def _plots(report: dict[str, Any], json_path: str) -> list[str]:
         names = list(rows)
         ax = axes[0][col]
         ax.bar(range(len(names)), [rows[n]["capacity_rps"] or 0 for n in names],
-               color=["tab:red" if n == "dynaserve" else "tab:gray" if n == "disagg" else "tab:blue" for n in names])
+               color=["tab:red" if n.startswith("dynaserve") else "tab:gray" if n == "disagg" else "tab:blue"
+                      for n in names])
         ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
         ax.set_ylabel("capacity (req/s)")
         ax.set_title(f"{m.replace('qwen-2.5-', '')}: {w}", fontsize=9)
@@ -283,7 +305,7 @@ def _plots(report: dict[str, Any], json_path: str) -> list[str]:
             ps = rows[n]["probes"]
             ps = [p for p in ps if p["kept_up"]]
             ax.plot([p["rate"] for p in ps], [p["goodput_tok_s"] for p in ps], marker=".", label=n,
-                    linewidth=1.6 if n == "dynaserve" else 0.9)
+                    linewidth=1.6 if n.startswith("dynaserve") else 0.9)
         ax.set_xscale("log")
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel("goodput (tok/s)")

@@ -108,13 +108,15 @@ class LengthPredictor:
 class SplitParams:
     """Alg. 1's knobs. ``max_probes`` is K (Sec. 4.1: "typically set to 6"); ``epsilon_s`` the
     tolerance on |T_alpha - T_beta| (line 7); ``margin`` the length predictor's (Sec. 5: 20);
-    ``token_budget`` / ``max_num_seqs`` the instances' limits the predictor's passes obey."""
+    ``token_budget`` / ``max_num_seqs`` the instances' limits the predictor's passes obey;
+    ``kv_capacity_tokens`` (None: the paper's predictor) also makes them obey an instance's KV pool."""
 
     max_probes: int = 6
     epsilon_s: float = 0.02
     margin: int = 20
     token_budget: int = 2048
     max_num_seqs: int = 256
+    kv_capacity_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name, lo, hi in (("max_probes", 1, 64), ("margin", 0, 1 << 20), ("token_budget", 1, 1 << 24),
@@ -124,6 +126,8 @@ class SplitParams:
                 raise ConfigError(f"split.{name} must be in [{lo}, {hi}], got {v}")
         if not 0 <= self.epsilon_s < math.inf:
             raise ConfigError(f"split.epsilon_s must be >= 0 and finite, got {self.epsilon_s}")
+        if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < 1:
+            raise ConfigError(f"split.kv_capacity_tokens must be >= 1 (or None), got {self.kv_capacity_tokens}")
 
 
 # ============================================================================ decisions
@@ -211,7 +215,8 @@ class SplitPlanner:
                  recorder: Callable[[SplitRecord], None] | None = None,
                  lengths: LengthPredictor | None = None):
         self.params = params
-        self.predictor = ExecutionPredictor(step_time, params.token_budget, params.max_num_seqs)
+        self.predictor = ExecutionPredictor(step_time, params.token_budget, params.max_num_seqs,
+                                            kv_capacity=params.kv_capacity_tokens)
         self.lengths = lengths or LengthPredictor(margin=params.margin)
         self.recorder = recorder
         self._ledgers: dict[int, _Ledger] = {}

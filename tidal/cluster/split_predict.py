@@ -14,6 +14,11 @@ describes it and returns the total time.
 - then waiting requests are admitted in FCFS order while ``max_num_seqs`` and the budget allow
   ("admits requests until the token budget or request limit is reached"); one admitted with a
   prompt left takes ``min(remaining prompt, budget left)``, one with only decoding left takes 1;
+- optionally (``kv_capacity``, tokens; our addition, None in the paper's predictor) the KV pool is
+  one more of "the same hardware constraints as the runtime": a request is admitted only when the
+  KV it will hold at its end fits beside what the running requests will hold at theirs (or when
+  nothing runs). An instance whose work is long contexts (a beta holding the tails of its
+  requests) then takes longer, as it does on the engine, where it preempts;
 - a pass lasts ``step_time(prefill tokens, mean context of its decodes after the pass, decode
   count)``, the signature of :meth:`tidal.policies.profile_table.ProfileTable.predict`, which is
   what the runtime passes. When it returns ``None`` (an empty table) the pass costs a **token
@@ -107,6 +112,7 @@ class Run:
     open: bool
     t0: float
     dt: float
+    kv_free: float = float("inf")  # KV tokens a later request could reserve
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,19 +123,24 @@ class Timeline:
 
 
 class _Pre:
-    __slots__ = ("seq", "rem", "kv_end", "steps", "ahead")
+    __slots__ = ("seq", "rem", "kv_end", "steps", "ahead", "held")
 
-    def __init__(self, seq: int, rem: int, kv_end: int, steps: int, ahead: int):
+    def __init__(self, seq: int, rem: int, kv_end: int, steps: int, ahead: int, held: int):
         self.seq, self.rem, self.kv_end, self.steps, self.ahead = seq, rem, kv_end, steps, ahead
+        self.held = held  # KV tokens reserved for it (its end)
 
 
 class ExecutionPredictor:
     def __init__(self, step_time: StepTimeModel, token_budget: int = 2048, max_num_seqs: int = 256,
                  proxy_s_per_token: float = DEFAULT_PROXY_S_PER_TOKEN,
-                 proxy_min_tokens: int = DEFAULT_PROXY_MIN_TOKENS, max_run: int = DEFAULT_MAX_RUN):
+                 proxy_min_tokens: int = DEFAULT_PROXY_MIN_TOKENS, max_run: int = DEFAULT_MAX_RUN,
+                 kv_capacity: int | None = None):
         if token_budget < 1 or max_num_seqs < 1 or max_run < 1 or proxy_s_per_token <= 0:
             raise ValueError("execution predictor: token_budget, max_num_seqs and max_run must be >= 1, "
                              "proxy_s_per_token > 0")
+        if kv_capacity is not None and kv_capacity < 1:
+            raise ValueError(f"execution predictor: kv_capacity must be >= 1 token, got {kv_capacity}")
+        self.kv_cap: float = float("inf") if kv_capacity is None else kv_capacity
         self.step_time, self.budget, self.max_seqs = step_time, token_budget, max_num_seqs
         self.proxy_s, self.proxy_min, self.max_run = proxy_s_per_token, proxy_min_tokens, max_run
 
@@ -164,8 +175,9 @@ class ExecutionPredictor:
         waiting = [m for m in queue if not m.empty]
         wi = 0
         pre: list[_Pre] = []  # running prefills, admission order
-        dec: list[tuple[int, int, int]] = []  # heap of (end pass, context offset, admission seq)
+        dec: list[tuple[int, int, int, int]] = []  # heap of (end pass, context offset, admission seq, KV held)
         d = s_off = 0  # running decodes; sum of their context offsets (context after pass q = off + q)
+        cap, held = self.kv_cap, 0  # KV reserved by the running requests (each for its end)
         q, t, seq = 0, 0.0, 0
         runs: list[Run] = []
         while wi < len(waiting) or pre or d:
@@ -179,20 +191,22 @@ class ExecutionPredictor:
                 taken += c
             left = B - d - taken
             admitted = False
-            while wi < len(waiting) and d + len(pre) < S and left > 0:
+            while wi < len(waiting) and d + len(pre) < S and left > 0 and (
+                    held + waiting[wi].end <= cap or not (d or pre)):
                 m = waiting[wi]
                 wi += 1
                 seq += 1
                 admitted = True
+                held += m.end
                 if m.prefill_tokens:
                     c = min(m.prefill_tokens, left)
-                    pre.append(_Pre(seq, m.prefill_tokens, m.context + m.prefill_tokens, m.decode_steps, d))
+                    pre.append(_Pre(seq, m.prefill_tokens, m.context + m.prefill_tokens, m.decode_steps, d, m.end))
                     chunks.append(c)
                     taken += c
                     left -= c
                 else:  # decode only: one token this pass, context after = context + 1
                     off = m.context + 1 - q
-                    heapq.heappush(dec, (q + m.decode_steps, off, seq))
+                    heapq.heappush(dec, (q + m.decode_steps, off, seq, m.end))
                     d += 1
                     s_off += off
                     left -= 1
@@ -207,7 +221,7 @@ class ExecutionPredictor:
                     k = min(k, dec[0][0] - q)
                 k = max(k, 1)
             dt = self.run_time(p, d, s_off, q, k)
-            runs.append(Run(q, k, p, d, s_off, left, S - d - len(pre), wi == len(waiting), t, dt))
+            runs.append(Run(q, k, p, d, s_off, left, S - d - len(pre), wi == len(waiting), t, dt, cap - held))
             t += dt
             q += k
             # apply: prefills advance; completed ones decode from the next pass or leave
@@ -220,16 +234,19 @@ class ExecutionPredictor:
                 pre.remove(x)
                 if x.steps:
                     off = x.kv_end - (q - 1)
-                    heapq.heappush(dec, (q + x.steps, off, x.seq))
+                    heapq.heappush(dec, (q + x.steps, off, x.seq, x.held))
                     d += 1
                     s_off += off
                     for y in pre:  # a decode now runs ahead of the later prefills
                         if y.seq > x.seq:
                             y.ahead += 1
+                else:
+                    held -= x.held
             while dec and dec[0][0] <= q:
-                _, off, sq = heapq.heappop(dec)
+                _, off, sq, kv = heapq.heappop(dec)
                 d -= 1
                 s_off -= off
+                held -= kv
                 for y in pre:
                     if y.seq > sq:
                         y.ahead -= 1
@@ -252,7 +269,7 @@ class ExecutionPredictor:
         while i < n:
             r = runs[i]
             if not admitted:
-                if not (r.open and r.seats >= 1 and r.left >= 1):
+                if not (r.open and r.seats >= 1 and r.left >= 1 and (r.kv_free >= part.end or not (r.d or r.p))):
                     total += r.dt
                     i += 1
                     continue

@@ -72,6 +72,7 @@ class ClusterSpec:
     kv_pressure: str | None = None  # preempt | migrate | drop (tidal.sim.pressure); None: no handler
     lookahead: bool = True  # drop: Fig. 11's cost-balanced microbatches (False: token counts)
     restore_threshold: float = 0.5  # drop: Sec. 4.4's restore rule
+    split_kv_aware: bool = False  # mode split: the planner's predictor obeys each instance's KV pool
 
     def __post_init__(self) -> None:
         if self.instances < 1:
@@ -83,7 +84,7 @@ class ClusterSpec:
             raise ConfigError(f"tp must be >= 1, got {self.tp}")
         if self.cost_model not in COST_MODELS:
             raise ConfigError(f"cost model must be one of {', '.join(COST_MODELS)}; got {self.cost_model!r}")
-        if self.mode != "split" and (self.split is not None or self.split_length != "max-tokens"):
+        if self.mode != "split" and (self.split is not None or self.split_length != "max-tokens" or self.split_kv_aware):
             raise ConfigError("the split planner's settings need --mode split")
         if self.kv_stream_tokens < 1:
             raise ConfigError(f"kv_stream_tokens must be >= 1, got {self.kv_stream_tokens}")
@@ -189,17 +190,20 @@ def seed_profile_tables(instances: Sequence[SimInstance], records: Sequence[tupl
     return n
 
 
-def split_params(spec: ClusterSpec) -> SplitParams:
-    """Alg. 1's knobs, with the predictor's passes on the instances' own limits."""
+def split_params(spec: ClusterSpec, kv_pool_tokens: int | None = None) -> SplitParams:
+    """Alg. 1's knobs, with the predictor's passes on the instances' own limits (and, with
+    ``split_kv_aware``, their KV pool of ``kv_pool_tokens``)."""
     base = spec.split or SplitParams()
-    return replace(base, token_budget=spec.scheduler.max_num_batched_tokens, max_num_seqs=spec.scheduler.max_num_seqs)
+    kv = kv_pool_tokens if spec.split_kv_aware else base.kv_capacity_tokens
+    return replace(base, token_budget=spec.scheduler.max_num_batched_tokens, max_num_seqs=spec.scheduler.max_num_seqs,
+                   kv_capacity_tokens=kv)
 
 
 def _split_simulator(spec: ClusterSpec, instances: list[SimInstance], requests: Sequence[RequestSpec],
                      grid: ProfileGrid, handoff: HandoffConfig, max_len: int) -> ClusterSimulator:
     from tidal.sim.split import SplitSimulator
 
-    planner = SplitPlanner(split_params(spec), grid)
+    planner = SplitPlanner(split_params(spec, instances[0].num_blocks * spec.block_size), grid)
     return SplitSimulator(instances, planner, requests, handoff, max_model_len=max_len, length_mode=spec.split_length,
                           stream_tokens=spec.kv_stream_tokens, stream_lead=spec.kv_stream_lead,
                           timeline_interval=spec.timeline_interval_s)

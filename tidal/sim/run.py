@@ -85,6 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--split-length", default=None, choices=list(LENGTH_MODES),
                    help="what the planner knows of each output: max-tokens (the request's max_tokens caps the "
                         "history's prediction, as in the runtime; default), predict (no cap), oracle (the true length)")
+    s.add_argument("--split-kv-aware", action="store_true",
+                   help="the planner's execution predictor also obeys each instance's KV pool (our addition: a "
+                        "beta that holds the long tails of its requests runs out of KV long before it runs out of time)")
     s.add_argument("--kv-stream-lead", type=int, default=None,
                    help="alpha starts pushing a request's KV only this many tokens before its split point (default: "
                         "from its first chunk, Sec. 4.3); beta then holds the KV for less time")
@@ -152,7 +155,8 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     split_flags = {"max_probes": args.split_probes, "margin": args.split_margin,
                    "epsilon_s": None if args.split_epsilon_ms is None else args.split_epsilon_ms / 1000.0}
     split_flags = {k: v for k, v in split_flags.items() if v is not None}
-    if not layout.split and (split_flags or args.split_length or args.kv_stream_lead is not None):
+    if not layout.split and (split_flags or args.split_length or args.kv_stream_lead is not None
+                             or args.split_kv_aware):
         raise ConfigError("--split-* flags need --mode split")
     if args.no_lookahead and args.kv_pressure != "drop":
         raise ConfigError("--no-lookahead needs --kv-pressure drop")
@@ -166,7 +170,7 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         link=args.link, layers_per_chunk=args.kv_layers_per_chunk, tokens_per_chunk=args.kv_tokens_per_chunk,
         split=SplitParams(**split_flags) if layout.split else None, split_length=args.split_length or "max-tokens",
         kv_stream_tokens=args.kv_stream_tokens, kv_stream_lead=args.kv_stream_lead, seed_profile=args.seed_profile,
-        kv_pressure=args.kv_pressure, lookahead=not args.no_lookahead)
+        kv_pressure=args.kv_pressure, lookahead=not args.no_lookahead, split_kv_aware=args.split_kv_aware)
 
 
 def check_roles(spec: ClusterSpec) -> None:
@@ -277,7 +281,7 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
                      "kv_layers_per_chunk": hc.layers_per_chunk, "kv_tokens_per_chunk": hc.tokens_per_chunk})
     if layout.split:
         hc = handoff_config(spec, arch, hw)
-        info.update({"pairs": layout.pairs(), "split_params": asdict(split_params(spec)),
+        info.update({"pairs": layout.pairs(), "split_params": asdict(split_params(spec, blocks * spec.block_size)),
                      "split_length": spec.split_length, "link": hc.link.to_dict(),
                      "kv_layers_per_chunk": hc.layers_per_chunk, "kv_stream_tokens": spec.kv_stream_tokens})
     if spec.kv_pressure in ("migrate", "drop"):
