@@ -116,11 +116,6 @@ def simulate(system: dict[str, Any], specs: list[Any], timeline_interval: float)
     out["events"] = [e for e in p.get("events", []) if e["kind"] != "migrate"][:400]
     groups = p.get("groups") or []
     busy = sum(g["busy_time_s"] for g in groups)
-    # the share of the run the GPUs compute (a group's step keeps its k stages busy): near 1, queues
-    # come from compute, which no memory technique removes
-    out["busy_fraction"] = ((sum(i["busy_time_s"] for i in res.instances) + sum(g["busy_time_s"] * len(g["group"])
-                                                                                for g in groups))
-                            / (INSTANCES * res.simulated_time_s)) if res.simulated_time_s else None
     out["bubble_ratio"] = sum(g["bubble_ratio"] * g["busy_time_s"] for g in groups) / busy if busy else None
     out["timelines"] = res.timelines
     out["ttft_series"] = sorted((r.send_s, r.ttft_s) for r in res.records if r.ttft_s is not None)
@@ -218,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
             bubble = f", bubbles {out['bubble_ratio']:.1%}" if out["bubble_ratio"] is not None else ""
             log(f"{ds}: {label}: TTFT p50/p99 {_ms(out['ttft_ms']['p50'])} / {_ms(out['ttft_ms']['p99'])} ms, "
                 f"TPOT p50/p99 {_ms(out['tpot_ms']['p50'])} / {_ms(out['tpot_ms']['p99'])} ms, "
-                f"{out['num_preemptions']} preemptions, busy {out['busy_fraction']:.0%}, {counts}{bubble} "
+                f"{out['num_preemptions']} preemptions, {counts}{bubble} "
                 f"({out['wall_s']:.0f} s wall)")
         drop_p99 = rows["KunServe (drop)"]["ttft_ms"]["p99"]
         gains = {b: rows[b]["ttft_ms"]["p99"] / drop_p99 for b in BASELINES if drop_p99 and rows[b]["ttft_ms"]["p99"]}
