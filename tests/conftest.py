@@ -78,6 +78,33 @@ def hf_smol(smol_ckpt):
     return model.eval()
 
 
+@pytest.fixture
+def reuse_hf_smol(monkeypatch, smol_ckpt, hf_smol):
+    """``AutoModelForCausalLM.from_pretrained`` of the default GGUF in float32 (as ``hf_smol`` is
+    built) returns a shallow copy of the session's model: the same construction, which takes
+    transformers ~10 s each (it parses and dequantizes the GGUF again). The copy shares the
+    weights and modules but has its own attributes and generation config, so what the caller
+    sets on it (``eval()``, the generation config's EOS) stays off ``hf_smol``. Any other model,
+    dtype or argument is loaded as usual."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    load = AutoModelForCausalLM.from_pretrained.__func__
+
+    def from_pretrained(cls, path, *args, **kwargs):
+        gguf = kwargs.get("gguf_file")
+        if (not args and set(kwargs) == {"gguf_file", "dtype"} and kwargs["dtype"] is torch.float32 and gguf
+                and os.path.samefile(os.path.join(path, gguf), smol_ckpt.path)):
+            model = copy.copy(hf_smol)
+            model.generation_config = copy.deepcopy(hf_smol.generation_config)
+            return model
+        return load(cls, path, *args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(from_pretrained))
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     import torch
 

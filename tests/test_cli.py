@@ -5,14 +5,35 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import tempfile
 import warnings
 
 import pytest
 
+from tests.processes import POPEN_KW
 
-def tidal(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tidal.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+
+class Tidal:
+    """``python -m tidal.cli ARGS`` in a real interpreter, started now; ``result()`` waits for it."""
+
+    def __init__(self, *args: str):
+        self.out = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed in result()
+        self.err = tempfile.TemporaryFile("w+")  # noqa: SIM115
+        self.proc = subprocess.Popen([sys.executable, "-m", "tidal.cli", *args], stdout=self.out, stderr=self.err,
+                                     text=True, **POPEN_KW)
+
+    def result(self, timeout: int = 300) -> subprocess.CompletedProcess:
+        try:
+            rc = self.proc.wait(timeout)
+        finally:
+            self.proc.kill()  # (a no-op once it exited)
+            self.proc.wait()
+        streams = []
+        for f in (self.out, self.err):
+            f.seek(0)
+            streams.append(f.read())
+            f.close()
+        return subprocess.CompletedProcess(self.proc.args, rc, *streams)
 
 
 def _print_warning(message, category, filename, lineno, file=None, line=None):
@@ -64,17 +85,54 @@ def test_bad_arguments_give_one_line(args, needle, tmp_path, capsys, reuse_smol_
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
-def test_garbage_model_file(tmp_path):
-    bad = tmp_path / "bad.gguf"
-    bad.write_text("this is not a gguf file")
-    r = tidal("generate", "hi", "--model", str(bad))
+GENERATE = ("generate", "The capital of France is", "--max-tokens", "8", "--dtype", "float32")
+BAD_SHARED_FLAGS = [
+    (["bench", "policies", "--max-num-seqs", "0"], "max_num_seqs"),
+    (["bench", "policies", "--kv-cache-memory", "lots"], "kv_cache_memory"),
+    (["sim", "--block-size", "12", "--workload", "fixed:8:8", "--num-requests", "2"], "block_size"),
+    (["sim", "--max-num-seqs", "0", "--workload", "fixed:8:8", "--num-requests", "2"], "max_num_seqs"),
+    (["profile", "--repeats", "0"], "--repeats"),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def real_processes(request, tmp_path_factory):
+    """The commands this module runs in a real interpreter (its start-up, exit code and stderr as a
+    user sees them), all started together when the module begins: each is an independent
+    interpreter start-up, mostly on one core, so they overlap each other and the in-process tests.
+    Only those of the selected tests are started; each test waits for its own."""
+    selected = [item for item in request.session.items if item.module is request.module]
+    d = tmp_path_factory.mktemp("cli")
+    runs: dict = {}  # key: (a path the test checks, the command)
+    for item in selected:
+        if item.originalname == "test_garbage_model_file":
+            bad = d / "bad.gguf"
+            bad.write_text("this is not a gguf file")
+            runs["garbage"] = (bad, Tidal("generate", "hi", "--model", str(bad)))
+        elif item.originalname == "test_generate_prints_greedy_completion":
+            runs["generate"] = (None, Tidal(*GENERATE))
+        elif item.originalname == "test_bad_shared_flags_give_one_line":
+            args = item.callspec.params["args"]
+            out = d / item.callspec.id / "x.json"
+            out.parent.mkdir()
+            runs[tuple(args)] = (out, Tidal(*args, "--output", str(out)))
+    yield runs
+    for _, run in runs.values():
+        if run.proc.poll() is None:  # its test did not run to the end
+            run.proc.kill()
+            run.proc.wait()
+
+
+def test_garbage_model_file(real_processes):
+    bad, run = real_processes["garbage"]
+    r = run.result()
     assert r.returncode == 2 and str(bad) in r.stderr and "Traceback" not in r.stderr
 
 
-def test_generate_prints_greedy_completion(make_engine):
+def test_generate_prints_greedy_completion(make_engine, real_processes):
     from tidal import LLM, SamplingParams
 
-    r = tidal("generate", "The capital of France is", "--max-tokens", "8", "--dtype", "float32")
+    r = real_processes["generate"][1].result()
     assert r.returncode == 0, r.stderr
     ref = LLM.from_engine(make_engine()).generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
     assert r.stdout.rstrip("\n") == ref[0].outputs[0].text.rstrip("\n")
@@ -153,16 +211,11 @@ def test_dtype_defaults_to_auto_everywhere(cmd):
     assert parse(*cmd).dtype == "auto"
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["bench", "policies", "--max-num-seqs", "0"], "max_num_seqs"),
-    (["bench", "policies", "--kv-cache-memory", "lots"], "kv_cache_memory"),
-    (["sim", "--block-size", "12", "--workload", "fixed:8:8", "--num-requests", "2"], "block_size"),
-    (["sim", "--max-num-seqs", "0", "--workload", "fixed:8:8", "--num-requests", "2"], "max_num_seqs"),
-    (["profile", "--repeats", "0"], "--repeats"),
-])
-def test_bad_shared_flags_give_one_line(args, needle, tmp_path):
-    r = tidal(*args, "--output", str(tmp_path / "x.json"))
+@pytest.mark.parametrize("args, needle", BAD_SHARED_FLAGS)
+def test_bad_shared_flags_give_one_line(args, needle, real_processes):
+    out, run = real_processes[tuple(args)]  # tidal ARGS --output OUT
+    r = run.result()
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert not (tmp_path / "x.json").exists()
+    assert not out.exists()

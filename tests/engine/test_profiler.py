@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 
@@ -9,8 +10,18 @@ import pytest
 
 from tidal.core.plan import BatchComposition, ScheduledChunk, StepPlan
 from tidal.core.sampling import SamplingParams
+from tidal.engine import profiler
 from tidal.engine.profiler import FORMAT, default_grid, profile_engine, time_chunks
 from tidal.sim.profiled import ProfiledCostModel
+
+
+def small_runs(mp: pytest.MonkeyPatch, prompt: tuple[int, int], output: tuple[int, int],
+               batch_sizes: tuple[int, ...]) -> None:
+    """Shorter requests in the live serving runs (default prompts of 16-768 tokens and outputs of
+    8-160: most of the profile's time on one thread) and fewer batch sizes in the overhead fit
+    (default up to 32): the same code, the same kinds of samples, a fraction of the work."""
+    mp.setattr(profiler, "measure_live", functools.partial(profiler.measure_live, prompt=prompt, output=output))
+    mp.setattr(profiler, "measure_overhead", functools.partial(profiler.measure_overhead, batch_sizes=batch_sizes))
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +32,10 @@ def profiled(make_engine):
     # one thread: two wait on each other at every barrier, so a busy neighbour makes their timings noise
     engine = make_engine(num_threads=1, kv_cache_memory="256MiB")
     seen = []
-    data = profile_engine(engine, default_grid(quick=True), repeats=2, warmup=1,
-                          progress=lambda done, total, s: seen.append((done, total)), live_runs=((6, 4.0),))
+    with pytest.MonkeyPatch.context() as mp:
+        small_runs(mp, prompt=(16, 128), output=(8, 48), batch_sizes=(1, 4, 8))
+        data = profile_engine(engine, default_grid(quick=True), repeats=2, warmup=1,
+                              progress=lambda done, total, s: seen.append((done, total)), live_runs=((6, 4.0),))
     yield engine, data, seen
     torch.set_num_threads(before)
 
@@ -112,13 +125,14 @@ def test_cli_writes_the_profile(tmp_path, monkeypatch, capsys, smol_ckpt, smol_t
     import argparse
 
     from tidal.bench import profile as profile_cmd
-    from tidal.engine import llm_engine, profiler
+    from tidal.engine import llm_engine
 
     real = llm_engine.LLMEngine  # reuse the session's checkpoint instead of loading it again
     monkeypatch.setattr(llm_engine, "LLMEngine", lambda cfg: real(cfg, checkpoint=smol_ckpt, tokenizer=smol_tokenizer))
 
     tiny = [[(0, n, True)] for n in (4, 8, 16, 24)] + [[(32, 1, True)] * d for d in (1, 2, 3, 4)]
     monkeypatch.setattr(profiler, "default_grid", lambda quick=False: tiny)
+    small_runs(monkeypatch, prompt=(8, 32), output=(2, 8), batch_sizes=(1, 4))
     parser = argparse.ArgumentParser()
     profile_cmd.add_parser(parser.add_subparsers())
     out = tmp_path / "sub" / "profile.json"

@@ -9,11 +9,20 @@ every thread of theirs back under the normal policy; each fixture then waits for
 "serving <name> on http://host:port" line and a 200 from /health. Where the normal policy cannot be
 restored (not root and RLIMIT_NICE < 20) they are launched when first needed, as before; their loads
 then overlap with the in-process reference engine.
+
+The multi-instance servers of ``test_cluster_api.py`` (a front end and two worker processes each,
+~1 GiB a worker) are launched the same way when the first server test starts (not earlier: the
+runtime tests' own workers are gone by then, so the session holds no more memory than before),
+except the Ray one: Ray's start-up has its own time limits, which a server starved under
+``SCHED_IDLE`` could overrun, so it starts at the normal policy when the module needs it. Each
+cluster server is stopped when its module ends and checked (exit code 0, no traceback) with the
+session's servers, so the module does not wait for its nine processes to exit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import re
 import resource
@@ -42,6 +51,19 @@ def _idle_and_die_with_parent() -> None:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
 
+def _process_tree(pid: int) -> list[int]:
+    """``pid`` and every live process under it."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{p}/task"):
+                with contextlib.suppress(OSError), open(f"/proc/{p}/task/{tid}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+    return out
+
+
 class ServerProcess:
     def __init__(self, *flags: str, background: bool = False):
         self.log = tempfile.NamedTemporaryFile("w+", prefix="tidal-serve-", suffix=".log", delete=False)  # noqa: SIM115
@@ -50,6 +72,7 @@ class ServerProcess:
         env.pop("TIDAL_WEIGHT_CACHE_MB", None)  # a server as users run it (it loads the weights once anyway)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      preexec_fn=_idle_and_die_with_parent if background else die_with_parent)
+        self.background = background
         self.url = ""
         self.model = ""
         self.final_output = ""
@@ -64,6 +87,8 @@ class ServerProcess:
             return self
         deadline = time.monotonic() + STARTUP_TIMEOUT
         while time.monotonic() < deadline:
+            if self.background:  # workers it starts meanwhile inherit SCHED_IDLE from a thread not yet restored
+                self.normal_policy()
             if self.proc.poll() is not None:
                 pytest.fail(f"the server exited with {self.proc.returncode}:\n{self.output()[-3000:]}")
             m = READY_RE.search(self.output())
@@ -72,6 +97,8 @@ class ServerProcess:
                 try:
                     if httpx.get(f"{url}/health", timeout=5).status_code == 200:
                         self.url, self.model = url, m.group(1)
+                        if self.background:
+                            self.normal_policy()
                         return self
                 except httpx.HTTPError:
                     pass
@@ -79,19 +106,21 @@ class ServerProcess:
         pytest.fail(f"the server did not come up in {STARTUP_TIMEOUT:.0f} s:\n{self.output()[-3000:]}")
 
     def normal_policy(self) -> None:
-        """SCHED_OTHER for every thread of the server (on Linux each thread has its own policy,
-        inherited from the thread that started it): repeated until no thread is left behind."""
+        """SCHED_OTHER for every thread of the server and of the processes it started (its workers:
+        on Linux each thread has its own policy, inherited from the thread that started it, process
+        or thread): repeated until no thread is left behind."""
         for _ in range(10):
-            try:
-                tids = [int(t) for t in os.listdir(f"/proc/{self.proc.pid}/task")]
-            except OSError:  # it has exited: wait_ready reports that
-                return
             changed = 0
-            for tid in tids:
-                with contextlib.suppress(ProcessLookupError):  # a thread that just ended
-                    if os.sched_getscheduler(tid) != os.SCHED_OTHER:
-                        os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
-                        changed += 1
+            for pid in _process_tree(self.proc.pid):
+                try:
+                    tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+                except OSError:  # it has exited: wait_ready reports that of the server
+                    continue
+                for tid in tids:
+                    with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+                        if os.sched_getscheduler(tid) != os.SCHED_OTHER:
+                            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+                            changed += 1
             if not changed:
                 return
 
@@ -117,6 +146,17 @@ class ServerProcess:
 
 _procs: dict[str, ServerProcess] = {}
 
+# test_cluster_api.py's multi-instance servers: the flags they share, and each layout's own
+CLUSTER_COMMON = ("--instances", "2", "--threads-per-instance", "1", "--kv-cache-memory", "64MiB")
+CLUSTER_LAYOUTS = {
+    "colocate": (),
+    "disaggregate": ("--mode", "disaggregate", "--prefill-instances", "1"),
+    "ray": ("--backend", "ray"),
+}
+CLUSTER_FOREGROUND = ("ray",)  # never launched under SCHED_IDLE (see the module docstring)
+_cluster: dict[str, ServerProcess] = {}
+_cluster_stopped: dict[str, ServerProcess] = {}  # terminated when their module ended, checked at the end
+
 
 def _launch(background: bool = False) -> dict[str, ServerProcess]:
     if not _procs:
@@ -126,20 +166,44 @@ def _launch(background: bool = False) -> dict[str, ServerProcess]:
     return _procs
 
 
+def cluster_layouts() -> list[str]:
+    """The layouts that can run here (Ray is optional)."""
+    return [n for n in CLUSTER_LAYOUTS if n != "ray" or importlib.util.find_spec("ray") is not None]
+
+
+def launch_cluster(background: bool = False) -> dict[str, ServerProcess]:
+    """The multi-instance servers, each launched once (in the background: all but the Ray one)."""
+    for n in cluster_layouts():
+        if n not in _cluster and (not background or n not in CLUSTER_FOREGROUND):
+            _cluster[n] = ServerProcess(*CLUSTER_COMMON, *CLUSTER_LAYOUTS[n], background=background)
+    return _cluster
+
+
+def stop_cluster_later() -> None:
+    """SIGTERM every multi-instance server now; ``server_procs`` waits for them and checks them."""
+    for n, p in _cluster.items():
+        p.terminate()
+        _cluster_stopped[n] = p
+    _cluster.clear()
+
+
 def _can_restore_policy() -> bool:
     return os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20
 
 
 class _EarlyLaunch:
     """A plugin (so that it sees every test, not only this directory's) that launches the servers in
-    the background when the test ``nodeid`` starts."""
+    the background when the test ``nodeid`` starts, and the multi-instance servers when the test
+    ``cluster_nodeid`` starts (None: not in this session)."""
 
-    def __init__(self, nodeid: str):
-        self.nodeid = nodeid
+    def __init__(self, nodeid: str, cluster_nodeid: str | None):
+        self.nodeid, self.cluster_nodeid = nodeid, cluster_nodeid
 
     def pytest_runtest_logstart(self, nodeid, location):
         if nodeid == self.nodeid:
             _launch(background=True)
+        if nodeid == self.cluster_nodeid:
+            launch_cluster(background=True)
 
 
 def pytest_collection_finish(session):
@@ -149,12 +213,14 @@ def pytest_collection_finish(session):
         return
     quiet = [i for i, item in enumerate(items[:first]) if item.nodeid.startswith(QUIET_MODULES)]
     start = items[quiet[-1] + 1 if quiet else 0]
-    session.config.pluginmanager.register(_EarlyLaunch(start.nodeid), "tidal-early-servers")
+    cluster = any("cluster_servers" in getattr(item, "fixturenames", ()) for item in items[first:])
+    session.config.pluginmanager.register(_EarlyLaunch(start.nodeid, items[first].nodeid if cluster else None),
+                                          "tidal-early-servers")
 
 
 def pytest_sessionfinish(session):
     """Stop servers launched early but never used (the run ended before the server tests)."""
-    for p in _procs.values():
+    for p in [*_procs.values(), *_cluster.values(), *_cluster_stopped.values()]:
         if os.path.exists(p.log.name):  # server_procs' teardown (stop) removes it
             p.terminate()
             try:
@@ -177,6 +243,13 @@ def server_procs():
     assert codes == {"main": 0, "small": 0}, f"servers exited with {codes}"
     for name, p in procs.items():  # nothing blew up inside the servers while the tests ran
         assert "Traceback" not in p.final_output, f"{name} server logged an exception:\n{p.final_output[-3000:]}"
+    # the multi-instance servers, terminated when test_cluster_api.py ended
+    cluster = dict(_cluster_stopped)
+    _cluster_stopped.clear()
+    codes = {n: p.stop() for n, p in cluster.items()}
+    assert codes == dict.fromkeys(cluster, 0), f"cluster servers exited with {codes}"
+    for n, p in cluster.items():
+        assert "Traceback" not in p.final_output, f"{n} server logged an exception:\n{p.final_output[-3000:]}"
 
 
 @pytest.fixture(scope="session")

@@ -4,36 +4,35 @@ per-instance series in /metrics and the cluster in /admin/state."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import httpx
 import pytest
 
-from tests.server.conftest import CHAT_MESSAGES, COMPLETION_PROMPT, REF_MAX_TOKENS, ServerProcess
-
-COMMON = ("--instances", "2", "--threads-per-instance", "1", "--kv-cache-memory", "64MiB")
-LAYOUTS = {
-    "colocate": (),
-    "disaggregate": ("--mode", "disaggregate", "--prefill-instances", "1"),
-    "ray": ("--backend", "ray"),
-}
+from tests.server.conftest import (
+    CHAT_MESSAGES,
+    CLUSTER_LAYOUTS,
+    COMPLETION_PROMPT,
+    REF_MAX_TOKENS,
+    ServerProcess,
+    launch_cluster,
+    stop_cluster_later,
+)
 
 
 @pytest.fixture(scope="module")
 def cluster_servers(server_procs):
-    """All cluster servers start together so their workers' model loads overlap."""
-    names = [n for n in LAYOUTS if n != "ray" or importlib.util.find_spec("ray") is not None]
-    procs = {n: ServerProcess(*COMMON, *LAYOUTS[n]) for n in names}
-    yield procs
+    """Every layout's server (``--instances 2 --threads-per-instance 1 --kv-cache-memory 64MiB``
+    plus the layout's flags; conftest's CLUSTER_*), all started together so their workers' model
+    loads overlap; most were launched in the background when the server tests began. When the
+    module ends they are terminated, and ``server_procs`` checks at the end of the session that
+    each exited with 0 and logged no exception."""
+    procs = launch_cluster()
     for p in procs.values():
-        p.terminate()
-    codes = {n: p.stop() for n, p in procs.items()}
-    assert codes == dict.fromkeys(procs, 0), f"cluster servers exited with {codes}"
-    for n, p in procs.items():
-        assert "Traceback" not in p.final_output, f"{n} server logged an exception:\n{p.final_output[-3000:]}"
+        p.normal_policy()
+    yield procs
+    stop_cluster_later()
 
 
-@pytest.fixture(params=list(LAYOUTS))
+@pytest.fixture(params=list(CLUSTER_LAYOUTS))
 def cluster_server(request, cluster_servers) -> ServerProcess:
     if request.param not in cluster_servers:
         pytest.skip("Ray is not installed (pip install -e '.[ray]')")
