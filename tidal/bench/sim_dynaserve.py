@@ -2,8 +2,8 @@
 
 The paper's setup (Sec. 6.1): Qwen-2.5-14B with one A100-80G per instance, Qwen-2.5-32B with two
 (tensor parallel); two instances in all three systems: **PD Coloc.** (both colocated, chunked
-prefill; the paper tunes the chunk between 256 and 2048, here 512 and 2048 and the better one
-counts), **PD Disagg.** (1 prefill + 1 decode instance) and **DynaServe** (one alpha/beta pair,
+prefill; the paper tunes the chunk between 256 and 2048, here 256, 512 and 2048 and the best
+one counts), **PD Disagg.** (1 prefill + 1 decode instance) and **DynaServe** (one alpha/beta pair,
 ``--mode split``, SLO-aware local batching ``slo-compose``, Alg. 2). ``coloc-slo`` (colocated with
 ``slo-compose``) separates DynaServe's local scheduler from its splits. ``dynaserve`` streams each request's KV from its
 first chunk (Sec. 4.3), so beta holds a copy of what alpha still attends to for all of alpha's
@@ -68,6 +68,7 @@ class System:
 
 
 SYSTEMS = {
+    "coloc-256": System("colocate", "continuous", 256),
     "coloc-512": System("colocate", "continuous", 512),
     "coloc-2048": System("colocate", "continuous", 2048),
     "coloc-slo": System("colocate", "slo-compose", 2048),
@@ -76,8 +77,8 @@ SYSTEMS = {
     "dynaserve-lead": System("split", "slo-compose", 2048, stream_lead=64),
     "dynaserve-kv": System("split", "slo-compose", 2048, kv_aware=True, stream_lead=64),
 }
-DEFAULT_SYSTEMS = ("coloc-512", "coloc-2048", "coloc-slo", "disagg", "dynaserve", "dynaserve-lead")
-COLOC = ("coloc-512", "coloc-2048")  # PD Coloc. is the better of its tuned chunks
+DEFAULT_SYSTEMS = ("coloc-256", "coloc-512", "coloc-2048", "coloc-slo", "disagg", "dynaserve", "dynaserve-lead")
+COLOC = ("coloc-256", "coloc-512", "coloc-2048")  # PD Coloc. is the better of its tuned chunks
 DYNA = ("dynaserve", "dynaserve-lead", "dynaserve-kv")
 PAPER = {
     "capacity": "DynaServe 1.15-3.07x PD Coloc., 1.09-1.67x PD Disagg. (Sec. 1, Fig. 9; 14B: on average 2.37x "
@@ -283,6 +284,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _plots(report: dict[str, Any], json_path: str) -> list[str]:
+    from matplotlib.ticker import NullFormatter
+
     from tidal.common.plots import pyplot
 
     plt = pyplot()
@@ -307,6 +310,7 @@ def _plots(report: dict[str, Any], json_path: str) -> list[str]:
             ax.plot([p["rate"] for p in ps], [p["goodput_tok_s"] for p in ps], marker=".", label=n,
                     linewidth=1.6 if n.startswith("dynaserve") else 0.9)
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel("goodput (tok/s)")
         ax.grid(alpha=0.3)
