@@ -27,6 +27,16 @@ def pyplot():
     return plt
 
 
+def save_figure(plt: Any, fig: Any, path: str, title: str = "") -> str:
+    """Give ``fig`` its title (if any), lay it out, write it to ``path`` at 100 dpi, close it."""
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def records_of(result: dict[str, Any]) -> list[M.RequestRecord]:
     return [M.RequestRecord.from_dict(d) for d in result.get("requests", [])]
 
@@ -54,12 +64,7 @@ def plot_cdfs(records: list[M.RequestRecord], slo: M.SLO, path: str, title: str 
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
         ax.set_title(f"{name} CDF ({xs.size} requests)")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, path, title)
 
 
 def plot_timeline(records: list[M.RequestRecord], slo: M.SLO, path: str, title: str = "") -> str:
@@ -91,10 +96,7 @@ def plot_timeline(records: list[M.RequestRecord], slo: M.SLO, path: str, title: 
     ax2.grid(alpha=0.3)
     if title:
         ax1.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, path)
 
 
 def plot_capacity(search: dict[str, Any], path: str, title: str = "") -> str:
@@ -119,10 +121,7 @@ def plot_capacity(search: dict[str, Any], path: str, title: str = "") -> str:
     ax.grid(alpha=0.3, which="both")
     ax.legend(loc="lower left")
     ax.set_title(title or "SLO attainment vs request rate")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, path)
 
 
 def write_plots(result: dict[str, Any], json_path: str) -> list[str]:
@@ -137,4 +136,4 @@ def write_plots(result: dict[str, Any], json_path: str) -> list[str]:
     return out
 
 
-__all__ = ["plot_capacity", "plot_cdfs", "plot_timeline", "pyplot", "records_of", "slo_of", "write_plots"]
+__all__ = ["plot_capacity", "plot_cdfs", "plot_timeline", "pyplot", "records_of", "save_figure", "slo_of", "write_plots"]

@@ -67,10 +67,7 @@ def plot_instance_timelines(timelines: list[dict[str, Any]], path: str, title: s
     axes[-1].set_xlabel("simulated time (s)")
     if title:
         axes[0].set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return BP.save_figure(plt, fig, path)
 
 
 def plot_handoffs(result: dict[str, Any], path: str, title: str = "") -> str:
@@ -102,12 +99,7 @@ def plot_handoffs(result: dict[str, Any], path: str, title: str = "") -> str:
     h = result.get("handoffs") or {}
     a1.set_title(f"{h.get('landed', 0)} hand-offs, transfer p50 "
                  f"{(h.get('transfer_ms') or {}).get('p50') or 0:.2f} ms on {result.get('link', {}).get('name', '?')}")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return BP.save_figure(plt, fig, path, title)
 
 
 def plot_splits(result: dict[str, Any], path: str, title: str = "") -> str:
@@ -138,12 +130,7 @@ def plot_splits(result: dict[str, Any], path: str, title: str = "") -> str:
     a1.set_xlabel("simulated time (s)")
     a1.grid(alpha=0.3)
     a1.legend(loc="upper right", fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return BP.save_figure(plt, fig, path, title)
 
 
 def write_sim_plots(result: dict[str, Any], json_path: str) -> list[str]:
