@@ -74,11 +74,12 @@ class _Export:
 
 
 def instance_status(engine: Any, index: int, step_time_s: float | None = None) -> Any:
+    from tidal.cluster.handoff import handoff_blocks
     from tidal.cluster.monitor import InstanceStatus
 
     sched, kv = engine.scheduler, engine.kv_manager
     bs = kv.block_size
-    queued = sum(-(-(r.num_tokens + 1) // bs) for r in sched.waiting)
+    queued = sum(handoff_blocks(r.num_tokens, bs) for r in sched.waiting)
     p = d = 0
     ctx = 0.0
     plan = getattr(engine, "last_plan", None)
@@ -87,7 +88,7 @@ def instance_status(engine: Any, index: int, step_time_s: float | None = None) -
         p, d = plan.composition.num_prefill_tokens, len(dec)
         ctx = sum(dec) / d if d else 0.0
     head = sched.swapped[0] if sched.swapped else sched.waiting[0] if sched.waiting else None
-    hol = -(-(head.num_tokens + 1) // bs) if head is not None else 0
+    hol = handoff_blocks(head.num_tokens, bs) if head is not None else 0
     return InstanceStatus(index, kv.num_blocks, kv.num_free_blocks, bs, sched.num_running, sched.num_waiting,
                           queued, step_time_s, sched.num_preemptions, hol, step_prefill_tokens=p,
                           step_decode_count=d, step_decode_context=ctx)
@@ -209,6 +210,7 @@ class Worker:
 
     # ---------------------------------------------------------------- hand-offs (prefill role)
     def start_handoffs(self, outs: list) -> None:
+        from tidal.cluster.handoff import handoff_blocks
         from tidal.runtime.kv_transfer import plan_chunks
 
         e = self.engine
@@ -221,7 +223,7 @@ class Worker:
             self.handing_off.add(rid)
             chunks = plan_chunks(e.model.layer_ids, 0, meta.num_computed_tokens, self.cfg.layers_per_chunk,
                                  self.cfg.tokens_per_chunk or None)
-            blocks = -(-(meta.num_computed_tokens + 1) // e.kv_manager.block_size)
+            blocks = handoff_blocks(meta.num_computed_tokens, e.kv_manager.block_size)
             self.send("handoff", rid, meta, blocks, len(chunks))
             self.exports.append(_Export(rid, deque(chunks)))
 
