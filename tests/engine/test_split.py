@@ -37,8 +37,9 @@ def _split_run(make_engine, prompt, s: int, layers_per_chunk: int):
     beta = make_engine(max_num_batched_tokens=8, block_size=8)
     shm = SharedMemoryTransport()
     alpha.add_request("r", None, PARAMS, prompt_token_ids=prompt, pause_at=s)
-    beta.reserve_import("r", prompt, PARAMS, s)
+    beta.reserve_import("r", prompt, PARAMS, s, hold_tokens=0)  # as the runtime does: blocks as KV lands
     assert not beta.has_runnable_requests()  # paused: waits for its KV
+    assert beta.kv_manager.num_blocks_of("r") == 0
     text, sent, specs, early = "", 0, [], 0
     reached = []
     while not reached:
@@ -48,6 +49,8 @@ def _split_run(make_engine, prompt, s: int, layers_per_chunk: int):
         done = alpha.scheduler.requests["r"].num_computed_tokens
         for spec in plan_chunks(alpha.model.layer_ids, sent, done, layers_per_chunk):
             h = shm.put(alpha.export_kv("r", list(spec.layers), spec.start, spec.end), spec)
+            assert beta.grow_import("r", spec.end)
+            assert beta.kv_manager.num_blocks_of("r") == -(-spec.end // 8)  # only what has landed
             beta.import_kv("r", shm.get(h), spec.start)
             shm.release(h)
             specs.append(spec)
@@ -59,7 +62,8 @@ def _split_run(make_engine, prompt, s: int, layers_per_chunk: int):
     assert len(outs) == max(0, s - len(prompt) + 1)
     alpha.abort_request("r")  # its KV now lives on beta
     assert alpha.kv_manager.num_free_blocks == alpha.kv_manager.num_blocks
-    beta.finish_import("r", outs, len(text))
+    beta.finish_import("r", outs, len(text), req.last_token_time)
+    assert beta.scheduler.requests["r"].last_token_time == req.last_token_time  # the TBT clock goes on
     out = None
     while beta.has_unfinished_requests():
         for o in beta.step():
@@ -91,6 +95,28 @@ def test_finish_import_refuses_outputs_that_do_not_cover_the_kv(make_engine, pro
     beta.reserve_import("r", prompt, PARAMS, len(prompt) + 3)
     with pytest.raises(ValueError, match="cannot cover"):
         beta.finish_import("r", [5], 0)
+    beta.abort_request("r")
+    assert beta.kv_manager.num_free_blocks == beta.kv_manager.num_blocks
+
+
+def test_an_import_grows_only_into_free_blocks_and_resumes_only_with_all_its_kv(make_engine, prompt):
+    beta = make_engine(block_size=8)
+    s = len(prompt) + 3
+    beta.reserve_import("r", prompt, PARAMS, s, hold_tokens=8)
+    assert beta.kv_manager.num_blocks_of("r") == 1
+    with pytest.raises(ValueError, match="not all arrived"):  # the KV of [8, s) never came
+        beta.finish_import("r", [5, 6, 7, 8], 0)
+    with pytest.raises(ValueError, match="past its"):
+        beta.grow_import("r", s + 1)
+    # another request takes every free block: the import cannot grow until it lets go
+    hog = beta.kv_manager.num_free_blocks
+    assert beta.kv_manager.allocate("hog", hog * 8) is not None
+    assert not beta.grow_import("r", s)
+    assert beta.kv_manager.num_blocks_of("r") == 1  # a failed grow takes nothing
+    beta.kv_manager.free("hog")
+    assert beta.grow_import("r", s)
+    beta.finish_import("r", [5, 6, 7, 8], 0)
+    assert "r" not in beta.scheduler.paused
     beta.abort_request("r")
     assert beta.kv_manager.num_free_blocks == beta.kv_manager.num_blocks
 

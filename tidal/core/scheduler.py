@@ -70,11 +70,13 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
-    def add_running(self, req: Request) -> bool:
+    def add_running(self, req: Request, hold_tokens: int | None = None) -> bool:
         """Admit a request whose first ``num_computed_tokens`` of KV arrive from elsewhere (a
-        migration, a prefill-to-decode hand-off). Its blocks are allocated now; False if no room."""
+        migration, a prefill-to-decode hand-off). Blocks for ``hold_tokens`` of them (default:
+        all) are allocated now, the rest as the KV arrives (``kv.allocate``); False if no room."""
         self.add_request(req)
-        if self.kv.allocate(req.request_id, req.num_computed_tokens) is None:
+        hold = req.num_computed_tokens if hold_tokens is None else min(hold_tokens, req.num_computed_tokens)
+        if self.kv.allocate(req.request_id, hold) is None:
             self.requests.pop(req.request_id)
             self.waiting.remove(req)
             return False

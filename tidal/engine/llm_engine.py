@@ -249,7 +249,7 @@ class LLMEngine:
     def has_runnable_requests(self) -> bool:
         return self.scheduler.has_runnable()
 
-    def import_request(self, snap: RequestSnapshot, paused: bool = False) -> None:
+    def import_request(self, snap: RequestSnapshot, paused: bool = False, hold_tokens: int | None = None) -> None:
         """Continue a request exported by another engine.
 
         With KV (``num_computed_tokens > 0``) its blocks are allocated at once and ``snap.kv`` is
@@ -257,6 +257,8 @@ class LLMEngine:
         arrive in chunks (:meth:`import_kv`) until :meth:`resume_request`. Without KV
         (``num_computed_tokens == 0``) it queues like a new request and recomputes prompt and
         outputs (fail-over). Either way it continues its text where the client's stream stopped.
+        ``hold_tokens`` (paused imports): blocks for only that many tokens now, the rest grown by
+        :meth:`grow_import` as chunks arrive.
         """
         if snap.request_id in self._groups:
             raise RequestRejected(f"request id {snap.request_id!r} is already in use")
@@ -267,7 +269,7 @@ class LLMEngine:
         req.num_computed_tokens = snap.num_computed_tokens
         if snap.num_computed_tokens == 0:
             self.scheduler.add_request(req)
-        elif not self.scheduler.add_running(req):
+        elif not self.scheduler.add_running(req, hold_tokens if paused else None):
             raise RequestRejected("no room in the KV cache for the imported request")
         if paused and snap.num_computed_tokens:
             self.scheduler.pause(req.request_id)
@@ -285,23 +287,44 @@ class LLMEngine:
         self._child_parent[snap.request_id] = (snap.request_id, 0)
 
     def reserve_import(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       num_kv_tokens: int, priority: int = 0, request_class: str = "online") -> None:
-        """DynaServe Sec. 4.3: hold the blocks of a beta micro-request whose first ``num_kv_tokens``
-        of KV arrive in chunks (:meth:`import_kv`) while its alpha part still computes; the output
-        tokens alpha sampled come last, with :meth:`finish_import`, which also resumes it."""
+                       num_kv_tokens: int, priority: int = 0, request_class: str = "online",
+                       hold_tokens: int | None = None) -> None:
+        """DynaServe Sec. 4.3: take in a beta micro-request whose first ``num_kv_tokens`` of KV
+        arrive in chunks (:meth:`import_kv`) while its alpha part still computes; the output tokens
+        alpha sampled come last, with :meth:`finish_import`, which also resumes it. It holds blocks
+        for ``hold_tokens`` of that KV now (default: all of it); :meth:`grow_import` adds the rest
+        chunk by chunk, so a long split does not fill the pool before its KV exists."""
         self.import_request(RequestSnapshot(request_id, None, list(prompt_token_ids), [], params, num_kv_tokens, {},
-                                            priority, request_class, text_sent=0), paused=True)
+                                            priority, request_class, text_sent=0), paused=True,
+                            hold_tokens=hold_tokens)
 
-    def finish_import(self, request_id: str, output_token_ids: list[int], text_sent: int | None) -> None:
+    def grow_import(self, request_id: str, num_tokens: int) -> bool:
+        """Blocks so a paused import holds its first ``num_tokens`` tokens of KV; False: no room now."""
+        req = self.scheduler.paused.get(request_id)
+        if req is None:
+            raise ValueError(f"{request_id!r} is not a paused import")
+        if num_tokens > req.num_computed_tokens:
+            raise ValueError(f"{request_id}: KV up to token {num_tokens} is past its {req.num_computed_tokens}")
+        return self.kv_manager.allocate(request_id, num_tokens) is not None
+
+    def finish_import(self, request_id: str, output_token_ids: list[int], text_sent: int | None,
+                      last_token_time: float | None = None) -> None:
         """Complete a :meth:`reserve_import`: set the tokens alpha sampled (the client already has
-        ``text_sent`` characters of their text) and resume the request."""
+        ``text_sent`` characters of their text; alpha sampled the last one at ``last_token_time``,
+        on this engine's clock: a TBT-aware policy counts the hand-off gap) and resume it."""
         group = self._groups[request_id]
         ch = group.children[0]
         req = ch.request
         if len(req.prompt_token_ids) + len(output_token_ids) < req.num_computed_tokens:
             raise ValueError(f"{request_id}: {len(output_token_ids)} output tokens cannot cover "
                              f"{req.num_computed_tokens} tokens of KV")
+        if self.kv_manager.num_blocks_of(request_id) * self.kv_manager.block_size < req.num_computed_tokens:
+            raise ValueError(f"{request_id}: its KV has not all arrived (blocks for "
+                             f"{self.kv_manager.num_blocks_of(request_id) * self.kv_manager.block_size} of "
+                             f"{req.num_computed_tokens} tokens)")
         req.output_token_ids = list(output_token_ids)
+        if last_token_time is not None:
+            req.last_token_time = last_token_time
         if output_token_ids:
             ch.text = ch.detok.add_tokens(req.output_token_ids)
             ch.tok_sent = len(req.output_token_ids)

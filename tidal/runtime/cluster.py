@@ -479,7 +479,7 @@ class ClusterLLM:
             if t.handoff.dst is not None:
                 self._send(t.handoff.dst, ("kv", rid, handle, last))
         elif kind == "split_done":
-            rid, tokens = rest
+            rid, tokens, last_token_time = rest  # (a monotonic time: one clock for this host's processes)
             t = self.by_wid.get(rid)
             if t is None:
                 return
@@ -490,7 +490,7 @@ class ClusterLLM:
                 return
             h.alpha_done = True
             self.splitter.on_handoff(rid)
-            self._send(h.dst, ("finish", rid, list(tokens), t.text_sent))
+            self._send(h.dst, ("finish", rid, list(tokens), t.text_sent, last_token_time))
         elif kind == "landed":
             t = self.by_wid.get(rest[0])
             if t is not None and t.handoff is not None:

@@ -6,10 +6,11 @@ travels on this path, only :class:`tidal.runtime.kv_transfer.KVHandle`s naming t
 
 Commands (front end -> worker): ``add`` (with a split point for DynaServe's alpha part),
 ``abort``, ``import`` (a snapshot without KV; paused when its KV follows in chunks, recomputed
-otherwise), ``reserve`` (DynaServe's beta part: hold blocks for KV that streams in while alpha
-computes), ``kv`` (one chunk of a paused import; the last one resumes it), ``finish`` (alpha's
-sampled tokens: resumes a reserved beta part), ``unsplit`` (alpha keeps the whole request),
-``shutdown``.
+otherwise), ``reserve`` (DynaServe's beta part: a paused request for KV that streams in while
+alpha computes; it takes blocks chunk by chunk as the KV lands), ``kv`` (one chunk of a paused
+import; the last one resumes it), ``finish`` (alpha's sampled tokens and the time of its last
+one: resumes a reserved beta part once all its KV is here), ``unsplit`` (alpha keeps the whole
+request), ``shutdown``.
 
 Messages (worker -> front end): ``ready``, ``out`` (RequestOutputs of a step plus the instance's
 status), ``rejected``, ``handoff`` (a prefill instance finished a request's prefill: its
@@ -130,6 +131,9 @@ class Worker:
         self.exports: deque[_Export] = deque()
         self.handing_off: set[str] = set()
         self.importing: set[str] = set()  # paused imports whose KV chunks are still arriving
+        # per import, the chunks (and a beta part's ``finish``) that arrived but wait for blocks,
+        # in arrival order: an import holds blocks only for the KV that has landed
+        self.waiting_kv: dict[str, deque] = {}
         self.running = True
 
     # ---------------------------------------------------------------- messages
@@ -157,17 +161,16 @@ class Worker:
         elif kind == "reserve":
             _, rid, prompt_ids, params, priority, rclass, num_kv = msg
             try:
-                e.reserve_import(rid, prompt_ids, params, num_kv, priority, rclass)
+                e.reserve_import(rid, prompt_ids, params, num_kv, priority, rclass, hold_tokens=0)
             except (RequestRejected, ValueError) as err:
                 self.send("refused", rid, str(err))
                 return
             self.importing.add(rid)
         elif kind == "finish":
-            _, rid, tokens, text_sent = msg
+            rid = msg[1]
             if rid in self.importing:
-                self.importing.discard(rid)
-                e.finish_import(rid, tokens, text_sent)
-                self.send("landed", rid)
+                self.waiting_kv.setdefault(rid, deque()).append(msg)
+                self.land_arrived()
         elif kind == "unsplit":
             rid = msg[1]
             for ex in list(self.exports):
@@ -183,6 +186,7 @@ class Worker:
             e.abort_request(rid)
             self.handing_off.discard(rid)
             self.importing.discard(rid)
+            self.waiting_kv.pop(rid, None)  # their handles are the front end's to release
             for ex in list(self.exports):
                 if ex.request_id == rid:
                     self.exports.remove(ex)
@@ -196,17 +200,52 @@ class Worker:
             if paused:
                 self.importing.add(snap.request_id)
         elif kind == "kv":
-            _, rid, handle, last = msg
+            rid = msg[1]
             if rid not in self.importing:
                 return  # not ours (refused or aborted): the front end still owns the handle
-            e.import_kv(rid, self.transport.get(handle), handle.spec.start)
-            self.transport.release(handle)
-            if last:
-                self.importing.discard(rid)
-                e.resume_request(rid)
-                self.send("landed", rid)
+            self.waiting_kv.setdefault(rid, deque()).append(msg)
+            self.land_arrived()
         elif kind == "shutdown":
             self.running = False
+
+    # ---------------------------------------------------------------- imports
+    def land_arrived(self) -> None:
+        """Write the chunks that arrived for paused imports, oldest import first, growing each
+        one's blocks chunk by chunk (DynaServe Sec. 4.3's chunked transfer: beta holds only the KV
+        that has landed); a chunk with no room waits (retried after each step) and so does what
+        came after it for that request. The last chunk of a hand-off, or a beta part's
+        ``finish``, resumes the request."""
+        e = self.engine
+        for rid, q in list(self.waiting_kv.items()):
+            while q:
+                msg = q[0]
+                if msg[0] == "kv":
+                    handle, last = msg[2], msg[3]
+                    if not e.grow_import(rid, handle.spec.end):
+                        break
+                    e.import_kv(rid, self.transport.get(handle), handle.spec.start)
+                    self.transport.release(handle)
+                    q.popleft()
+                    if not last:
+                        continue
+                    e.resume_request(rid)
+                else:  # ("finish", rid, alpha's tokens, text sent, alpha's last token time)
+                    e.finish_import(rid, msg[2], msg[3], msg[4])
+                    q.popleft()
+                self.importing.discard(rid)
+                self.send("landed", rid)
+            if not q:
+                self.waiting_kv.pop(rid, None)
+
+    def refuse_stuck_import(self) -> None:
+        """Nothing here can free blocks (no request runs or waits, no export drains) and arrived
+        KV still has no room: partly grown imports would wait on each other forever. Give the
+        youngest one back (``refused``: its alpha keeps the request, or it is recomputed)."""
+        rid = next(reversed(self.waiting_kv))
+        del self.waiting_kv[rid]  # the front end releases its chunks' handles
+        self.importing.discard(rid)
+        self.engine.abort_request(rid)
+        self.send("refused", rid, "no room in the KV cache for the rest of its KV")
 
     # ---------------------------------------------------------------- hand-offs (prefill role)
     def start_handoffs(self, outs: list) -> None:
@@ -267,7 +306,7 @@ class Worker:
             req = e.scheduler.requests.get(ex.request_id)
             if req is None:
                 return True  # it finished here: its outputs said so
-            self.send("split_done", ex.request_id, list(req.output_token_ids))
+            self.send("split_done", ex.request_id, list(req.output_token_ids), req.last_token_time)
         e.abort_request(ex.request_id)  # its KV now lives in the chunks
         return True
 
@@ -302,7 +341,13 @@ class Worker:
                     self.start_handoffs(outs)
                 if any(x.stream for x in self.exports):
                     self.stream_splits()
+                if self.waiting_kv:
+                    self.land_arrived()  # the step may have freed blocks
                 self.send("out", outs, self.status(dt))
+            elif self.waiting_kv and not self.exports:
+                self.land_arrived()
+                if self.waiting_kv and not e.has_runnable_requests():
+                    self.refuse_stuck_import()
             elif not busy:
                 self.send("idle", self.status())
 
