@@ -49,8 +49,11 @@ def main() -> int:
     p.add_argument("--kv-cache-memory", default="256MiB")
     p.add_argument("--output", default="results/dynaserve_serve.json")
     args = p.parse_args()
+    slo = dict(kv.split("=") for kv in args.slo.split(","))
     engine = ["--dtype", "auto", "--kv-cache-memory", args.kv_cache_memory, "--max-num-batched-tokens", "256",
               "--batching", args.batching]
+    if "tbt" in slo:  # slo-compose (Alg. 2) composes each step to the same TBT bound the SLO counts
+        engine += ["--tbt-slo-ms", slo["tbt"]]
     stem = os.path.splitext(args.output)[0]
     rows = []
     for wl in args.workloads.split(","):

@@ -61,7 +61,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from tidal.runtime.cluster import ClusterConfig, ClusterLLM
 
         transport = args.kv_transport or ("ray" if args.backend == "ray" else "shm")
-        llm = ClusterLLM(cfg, ClusterConfig(layout=layout, router=args.router, backend=args.backend,
+        llm = ClusterLLM(cfg, ClusterConfig(layout=layout, prefill_batching=args.prefill_batching,
+                                            router=args.router, backend=args.backend,
                                             ray_address=args.ray_address,
                                             threads_per_instance=args.threads_per_instance, transport=transport),
                          engine_kwargs(args))

@@ -103,3 +103,23 @@ def test_arrival_rate_and_step_time_ema():
     mon.on_status(status(0, step=0.10), 12.0)
     mon.on_status(status(0, step=0.20), 12.1)
     assert mon.instances[0].step_time_ema_s == pytest.approx(0.8 * 0.10 + 0.2 * 0.20)
+
+
+def test_each_role_runs_its_own_policy_with_only_its_arguments():
+    from tidal.cluster.dispatch import check_role_policies, role_scheduler
+    from tidal.config import SchedulerConfig
+    from tidal.policies import check_policy
+
+    sched = SchedulerConfig(batching="sla", tbt_slo_ms=50, policy_args=["bucket.theta=0.4", "sla.alpha=4"])
+    pd = ClusterLayout(3, "disaggregate", 1)
+    pre, dec = (role_scheduler(sched, r, "bucket") for r in ("prefill", "decode"))
+    assert (pre.batching, pre.policy_args) == ("bucket", {"bucket.theta": "0.4"})
+    assert (dec.batching, dec.policy_args) == ("sla", {"sla.alpha": "4"})
+    assert role_scheduler(sched, "decode", None) is sched
+    check_role_policies(sched, pd, "bucket", check_policy)
+    with pytest.raises(ConfigError, match="needs --mode disaggregate"):
+        check_role_policies(sched, ClusterLayout(2), "bucket", check_policy)
+    with pytest.raises(ConfigError, match="'sla.alpha' names a policy no instance runs"):
+        check_role_policies(SchedulerConfig(policy_args=["sla.alpha=4"]), pd, "bucket", check_policy)
+    with pytest.raises(ConfigError, match="nope"):
+        check_role_policies(sched, pd, "nope", check_policy)

@@ -34,12 +34,13 @@ def shm_segments() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("tidal-kv")} if os.path.isdir("/dev/shm") else set()
 
 
-def start(mode: str, prefill: int = 0):
+def start(mode: str, prefill: int = 0, prefill_batching: str | None = None, engine: dict | None = None):
     from tidal.runtime.cluster import ClusterConfig, ClusterLLM
 
-    llm = ClusterLLM(EngineConfig.from_kwargs(**ENGINE),
-                     ClusterConfig(layout=ClusterLayout(2, mode, prefill), threads_per_instance=1,
-                                   layers_per_chunk=10, tokens_per_chunk=16), ENGINE)
+    engine = engine or ENGINE
+    llm = ClusterLLM(EngineConfig.from_kwargs(**engine),
+                     ClusterConfig(layout=ClusterLayout(2, mode, prefill), prefill_batching=prefill_batching,
+                                   threads_per_instance=1, layers_per_chunk=10, tokens_per_chunk=16), engine)
     llm.start()
     return llm
 
@@ -149,8 +150,11 @@ def test_sigkill_of_a_worker_under_16_streams(colocated, reference):
 
 
 def test_disaggregated_greedy_equals_one_engine_and_hands_off_everything(reference):
+    """BucketServe's setup (Sec. III): length buckets on the prefill instance (with its own
+    --policy-arg), continuous batching on the decode instance."""
     before = shm_segments()
-    llm = start("disaggregate", prefill=1)
+    llm = start("disaggregate", prefill=1, prefill_batching="bucket",
+                engine={**ENGINE, "policy_args": ["bucket.theta=0.4"]})
     try:
         async def run():
             return await asyncio.gather(*[stream(llm, i) for i in range(len(PROMPTS))])
@@ -158,7 +162,8 @@ def test_disaggregated_greedy_equals_one_engine_and_hands_off_everything(referen
         assert asyncio.run(run()) == reference
         snap = llm.stats["cluster"]
         assert snap["num_handoffs"] == len(PROMPTS) and snap["pending_handoffs"] == 0
-        assert [r["role"] for r in snap["instances"]] == ["prefill", "decode"]
+        assert [(r["role"], r["batching"]) for r in snap["instances"]] == [("prefill", "bucket"),
+                                                                            ("decode", "continuous")]
         settle(llm)
         no_leak(llm)
     finally:

@@ -21,14 +21,14 @@ An optional ``recorder`` receives every decision with the monitor's view it was 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 
 from tidal.cluster.decisions import Decision, views_of
 from tidal.cluster.monitor import GlobalMonitor
 from tidal.cluster.router import Router, RouteRequest
 from tidal.cluster.split import pairs
-from tidal.config import ConfigError
+from tidal.config import ConfigError, SchedulerConfig
 
 MODES = ("colocate", "disaggregate", "split")
 
@@ -112,4 +112,33 @@ class Dispatcher:
         return best
 
 
-__all__ = ["MODES", "ClusterLayout", "Dispatcher"]
+def role_scheduler(scheduler: SchedulerConfig, role: str, prefill_batching: str | None) -> SchedulerConfig:
+    """The scheduler config of an instance of ``role``. BucketServe Sec. III: the prefill instances
+    may batch by their own policy (``prefill_batching``, e.g. its length buckets) while the decode
+    instances run ``scheduler.batching``; each keeps only the ``--policy-arg``s naming its policy."""
+    if not prefill_batching:
+        return scheduler
+    batching = prefill_batching if role == "prefill" else scheduler.batching
+    names = {n.strip() for n in batching.split("+")}
+    return replace(scheduler, batching=batching,
+                   policy_args={k: v for k, v in scheduler.policy_args.items() if k.split(".")[0] in names})
+
+
+def check_role_policies(scheduler: SchedulerConfig, layout: ClusterLayout, prefill_batching: str | None,
+                        check: Callable[[SchedulerConfig], None]) -> None:
+    """``--prefill-batching`` only with disaggregation; each role's policy passes ``check``; every
+    ``--policy-arg`` names a policy some role runs (else it would be dropped silently)."""
+    if prefill_batching and not layout.disaggregated:
+        raise ConfigError("--prefill-batching needs --mode disaggregate")
+    roles: Iterable[str] = sorted(set(layout.roles()))
+    configs = [role_scheduler(scheduler, r, prefill_batching) for r in roles]
+    for c in configs:
+        check(c)
+    names = {n.strip() for c in configs for n in c.batching.split("+")}
+    for key in scheduler.policy_args:
+        if key.split(".")[0] not in names:
+            raise ConfigError(f"policy argument {key!r} names a policy no instance runs "
+                              f"(--batching / --prefill-batching: {', '.join(sorted(names))})")
+
+
+__all__ = ["MODES", "ClusterLayout", "Dispatcher", "check_role_policies", "role_scheduler"]

@@ -40,6 +40,7 @@ class InstanceStatus:
     step_prefill_tokens: int = 0
     step_decode_count: int = 0
     step_decode_context: float = 0.0
+    batching: str = ""  # the batching policy it runs (with --prefill-batching the roles differ)
 
 
 _STATUS_FIELDS = tuple(f.name for f in fields(InstanceStatus))

@@ -148,6 +148,9 @@ CLUSTER_FLAGS: tuple[Flag, ...] = (
                "request's KV to a decode instance (BucketServe); split: pairs of instances share each "
                "request, split at the token the planner picks (DynaServe)"),
     _flag("--prefill-instances", type=int, default=0, help="prefill instances with --mode disaggregate"),
+    _flag("--prefill-batching", default=None,
+          help="batching policy of the prefill instances with --mode disaggregate (default: --batching, which the "
+               "decode instances run), e.g. bucket (BucketServe Sec. III)"),
     _flag("--router", default="least-outstanding", choices=["round-robin", "least-outstanding", "kv-aware"],
           help="how the dispatcher picks an instance for a new request"),
     _flag("--backend", default="process", choices=["process", "ray"],
@@ -272,7 +275,7 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
     """The engine's config from its flags (validated: a bad value, policy name or policy argument
     is a :class:`ConfigError`, found here before any weights load)."""
     cfg = EngineConfig.from_kwargs(**{**engine_kwargs(args), **overrides})
-    check_policy(cfg.scheduler)
+    _check_policies(args, cfg.scheduler)
     return cfg
 
 
@@ -280,8 +283,19 @@ def scheduler_config(args: argparse.Namespace, **overrides: Any) -> SchedulerCon
     """``SchedulerConfig`` from the scheduler flags: the same for the engine and the simulator
     (policy names and parameters checked)."""
     cfg = SchedulerConfig(**{**_values(args, SCHEDULER_FLAGS), **overrides})
-    check_policy(cfg)
+    _check_policies(args, cfg)
     return cfg
+
+
+def _check_policies(args: argparse.Namespace, cfg: SchedulerConfig) -> None:
+    """The policy and its arguments; with ``--prefill-batching`` each role's (a ``--policy-arg``
+    may then name a policy only the prefill instances run)."""
+    if getattr(args, "prefill_batching", None):
+        from tidal.cluster.dispatch import check_role_policies
+
+        check_role_policies(cfg, cluster_layout(args), args.prefill_batching, check_policy)
+    else:
+        check_policy(cfg)
 
 
 def cache_config(args: argparse.Namespace) -> CacheConfig:

@@ -36,7 +36,7 @@ from typing import Any
 
 import zmq
 
-from tidal.cluster.dispatch import Dispatcher
+from tidal.cluster.dispatch import Dispatcher, check_role_policies, role_scheduler
 from tidal.cluster.monitor import GlobalMonitor, InstanceStatus
 from tidal.cluster.router import RouteRequest, build_router
 from tidal.config import EngineConfig, default_cpu_threads
@@ -57,7 +57,9 @@ class ClusterLLM:
                  splitter: Any = None):
         from tidal.policies import check_policy
 
-        check_policy(engine_config.scheduler)  # before any worker starts
+        # before any worker starts: each role's policy (BucketServe Sec. III: the prefill instances
+        # may batch by their own, e.g. length buckets)
+        check_role_policies(engine_config.scheduler, cluster.layout, cluster.prefill_batching, check_policy)
         self.config, self.cluster = engine_config, cluster
         self.engine = FrontEngine(engine_config)
         self.layout = cluster.layout
@@ -122,8 +124,14 @@ class ClusterLLM:
             return RayBackend(self.cluster.ray_address)
         return ProcessBackend()
 
+    def role_kwargs(self, role: str) -> dict[str, Any]:
+        """The engine arguments of an instance of ``role``: its own policy and policy arguments."""
+        sched = role_scheduler(self.config.scheduler, role, self.cluster.prefill_batching)
+        return {**self.engine_kwargs, "batching": sched.batching, "policy_args": dict(sched.policy_args)}
+
     def _worker_config(self, i: int) -> WorkerConfig:
-        return WorkerConfig(i, self.layout.roles()[i], self.engine_kwargs, self.threads, self.cmd_addresses[i],
+        role = self.layout.roles()[i]
+        return WorkerConfig(i, role, self.role_kwargs(role), self.threads, self.cmd_addresses[i],
                             self.out_address, self.cluster.transport, self.cluster.layers_per_chunk,
                             self.cluster.tokens_per_chunk, self.generation[i])
 

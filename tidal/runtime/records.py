@@ -17,6 +17,7 @@ from tidal.runtime.kv_transfer import KVHandle
 @dataclass(frozen=True)
 class ClusterConfig:
     layout: ClusterLayout = field(default_factory=ClusterLayout)
+    prefill_batching: str | None = None  # the prefill instances' policy (default: the engine's batching)
     router: str = "least-outstanding"
     backend: str = "process"  # process | ray
     ray_address: str | None = None

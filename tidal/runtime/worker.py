@@ -92,7 +92,7 @@ def instance_status(engine: Any, index: int, step_time_s: float | None = None) -
     hol = handoff_blocks(head.num_tokens, bs) if head is not None else 0
     return InstanceStatus(index, kv.num_blocks, kv.num_free_blocks, bs, sched.num_running, sched.num_waiting,
                           queued, step_time_s, sched.num_preemptions, hol, step_prefill_tokens=p,
-                          step_decode_count=d, step_decode_context=ctx)
+                          step_decode_count=d, step_decode_context=ctx, batching=engine.config.scheduler.batching)
 
 
 def _die_with_parent() -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from tidal.cluster.decisions import Decision
-from tidal.cluster.dispatch import ClusterLayout
+from tidal.cluster.dispatch import ClusterLayout, check_role_policies, role_scheduler
 from tidal.cluster.handoff import DEFAULT_LAYERS_PER_CHUNK, DEFAULT_TOKENS_PER_CHUNK
 from tidal.cluster.pressure import ModelMemory, check_pressure_mode
 from tidal.cluster.router import build_router
@@ -105,17 +105,9 @@ class ClusterSpec:
         return ClusterLayout(self.instances, self.mode, self.prefill_instances)
 
     def role_scheduler(self, role: str) -> SchedulerConfig:
-        """The scheduler config of an instance of ``role``: the prefill instances' policy may differ.
-        ``--policy-arg``s go to the roles whose policy they name."""
-        if not self.prefill_batching:
-            return self.scheduler
-        batching = self.prefill_batching if role == "prefill" else self.scheduler.batching
-        return _only_args_of(replace(self.scheduler, batching=batching), batching)
-
-
-def _only_args_of(config: SchedulerConfig, batching: str) -> SchedulerConfig:
-    names = {n.strip() for n in batching.split("+")}
-    return replace(config, policy_args={k: v for k, v in config.policy_args.items() if k.split(".")[0] in names})
+        """The scheduler config of an instance of ``role`` (the runtime's rule: the prefill
+        instances may run ``prefill_batching``)."""
+        return role_scheduler(self.scheduler, role, self.prefill_batching)
 
 
 def make_cost_model(spec: ClusterSpec, arch: ModelArch, hw: HardwareSpec) -> CostModel:
@@ -167,12 +159,10 @@ def pressure_config(spec: ClusterSpec, arch: ModelArch, hw: HardwareSpec, cost_m
 
 
 def check_policy_args(spec: ClusterSpec) -> None:
-    """Every ``--policy-arg`` must name a policy some role runs (else it would be dropped silently)."""
-    names = {n.strip() for r in set(spec.layout.roles()) for n in spec.role_scheduler(r).batching.split("+")}
-    for key in spec.scheduler.policy_args:
-        if key.split(".")[0] not in names:
-            raise ConfigError(f"policy argument {key!r} names a policy no instance runs "
-                              f"(--batching / --prefill-batching: {', '.join(sorted(names))})")
+    """Each role's policy and every ``--policy-arg`` (one naming no role's policy is an error)."""
+    from tidal.policies import check_policy
+
+    check_role_policies(spec.scheduler, spec.layout, spec.prefill_batching, check_policy)
 
 
 def seed_profile_tables(instances: Sequence[SimInstance], records: Sequence[tuple[int, int, int, float]]) -> int:

@@ -24,7 +24,7 @@ from tidal.common import flags as F
 from tidal.common.machine import machine_info
 from tidal.common.progress import progress_bar
 from tidal.common.results import command_line, write_result
-from tidal.config import ConfigError, SchedulerConfig
+from tidal.config import ConfigError
 from tidal.sim.build import (
     COST_MODELS,
     ClusterSpec,
@@ -74,9 +74,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="layers per KV chunk of a hand-off (0: all; the runtime's default)")
     g.add_argument("--kv-tokens-per-chunk", type=int, default=DEFAULT_TOKENS_PER_CHUNK,
                    help="tokens per KV chunk of a hand-off (0: all the request's)")
-    g.add_argument("--prefill-batching", default=None,
-                   help="batching policy of the prefill instances with --mode disaggregate (default: --batching, "
-                        "which the decode instances run), e.g. bucket")
     s = p.add_argument_group("split (--mode split: DynaServe micro-requests, instances 2k alpha / 2k+1 beta)")
     s.add_argument("--split-probes", type=F.positive_int, default=None, help="Alg. 1's K, probes per request (6)")
     s.add_argument("--split-epsilon-ms", type=float, default=None,
@@ -95,7 +92,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="slo-compose's profile table starts from the cost model on a grid (an offline profile)")
     s.add_argument("--kv-stream-tokens", type=F.positive_int, default=16,
                    help="alpha pushes a request's KV to beta each time this many tokens are computed (Sec. 4.3)")
-    F.add_cluster_flags(p, only=("instances", "mode", "prefill_instances", "router"), choices={"mode": MODES},
+    F.add_cluster_flags(p, only=("instances", "mode", "prefill_instances", "prefill_batching", "router"),
+                        choices={"mode": MODES},
                         helps={"mode": "colocate; disaggregate (BucketServe P/D); split (DynaServe: every request split "
                                        "at a token on a pair of instances)"})
     F.add_engine_flags(
@@ -148,8 +146,6 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     layout = F.cluster_layout(args)
     if args.kv_layers_per_chunk < 0 or args.kv_tokens_per_chunk < 0:
         raise ConfigError("--kv-layers-per-chunk and --kv-tokens-per-chunk must be >= 0 (0: all in one chunk)")
-    if args.prefill_batching and not layout.disaggregated:
-        raise ConfigError("--prefill-batching needs --mode disaggregate")
     if args.link and layout.mode == "colocate" and args.kv_pressure not in ("migrate", "drop"):
         raise ConfigError("--link needs --mode disaggregate or split, or --kv-pressure migrate/drop")
     split_flags = {"max_probes": args.split_probes, "margin": args.split_margin,
@@ -163,7 +159,7 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     return ClusterSpec(
         model=args.model, hardware=args.hardware, instances=layout.instances, tp=args.tp,
         dtype_bytes=4 if sim_dtype(args) == "float32" else 2, block_size=cache.block_size, router=args.router,
-        cost_model=cost, profile=args.profile, scheduler=_scheduler(args),
+        cost_model=cost, profile=args.profile, scheduler=F.scheduler_config(args),
         gpu_memory_utilization=cache.gpu_memory_utilization, kv_cache_memory=cache.kv_cache_memory,
         num_blocks=args.num_blocks, swap_space=int(cache.swap_space), max_model_len=args.max_model_len,
         mode=layout.mode, prefill_instances=layout.prefill_instances, prefill_batching=args.prefill_batching,
@@ -175,23 +171,10 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
 
 def check_roles(spec: ClusterSpec) -> None:
     """Each role's policy and the policy arguments, and the link, before any simulation runs."""
-    from tidal.policies import check_policy
-
-    for role in sorted(set(spec.layout.roles())):
-        check_policy(spec.role_scheduler(role))
     check_policy_args(spec)
     if spec.layout.disaggregated or spec.layout.split:
         arch, hw, _, _ = resolve(spec)
         handoff_config(spec, arch, hw)
-
-
-def _scheduler(args: argparse.Namespace) -> SchedulerConfig:
-    """The scheduler flags' config. With ``--prefill-batching`` a ``--policy-arg`` may name a policy
-    only the prefill instances run: each role's config is checked in :func:`check_roles` instead."""
-    if not args.prefill_batching:
-        return F.scheduler_config(args)
-    cfg = F.scheduler_config(args, policy_args={})
-    return replace(cfg, policy_args=list(args.policy_args or []))
 
 
 def workload(args: argparse.Namespace, rate: float | None) -> list[W.RequestSpec]:
