@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tidal.cluster.dispatch import ClusterLayout
-from tidal.config import EngineConfig
+from tidal.config import ConfigError, EngineConfig
 from tidal.core.sampling import SamplingParams
 
 ENGINE = dict(dtype="float32", kv_cache_memory="64MiB", max_num_batched_tokens=64)
@@ -190,3 +190,38 @@ def test_ray_backend_greedy_equals_one_engine(reference):
     finally:
         llm.shutdown()
     assert not ray.is_initialized()  # the local Ray tidal started is stopped with it
+
+
+class _FakeRay:
+    """What RayBackend asks a joined Ray cluster: its node address and its live nodes."""
+
+    def __init__(self, nodes):
+        self._nodes = nodes
+        self.util = type("util", (), {"get_node_ip_address": staticmethod(lambda: "10.1.2.3")})
+
+    def nodes(self):
+        return [{"NodeManagerAddress": a, "Alive": True} for a in self._nodes]
+
+
+def test_a_joined_ray_cluster_listens_on_the_node_address_and_needs_ray_kv_across_machines(monkeypatch):
+    from tidal.runtime.backend import RayBackend
+    from tidal.runtime.cluster import ClusterConfig, ClusterLLM
+
+    backend = object.__new__(RayBackend)
+    backend.ray, backend.started_here = _FakeRay(["10.1.2.3", "10.1.2.4"]), False
+    assert backend.control_host == "10.1.2.3" and not backend.single_machine  # actors elsewhere can reach it
+    backend.started_here = True
+    assert backend.control_host == "127.0.0.1" and backend.single_machine
+    backend.started_here = False
+    backend.ray = _FakeRay(["10.1.2.3"])
+    assert backend.single_machine
+
+    shut = []
+    multi = object.__new__(RayBackend)
+    multi.ray, multi.started_here = _FakeRay(["10.1.2.3", "10.1.2.4"]), False
+    monkeypatch.setattr(RayBackend, "shutdown", lambda self: shut.append(self))
+    monkeypatch.setattr(ClusterLLM, "_make_backend", lambda self: multi)
+    with pytest.raises(ConfigError, match="use --kv-transport ray"):
+        ClusterLLM(EngineConfig.from_kwargs(**ENGINE), ClusterConfig(layout=ClusterLayout(2), backend="ray",
+                                                                     transport="shm"), ENGINE)
+    assert shut == [multi]

@@ -58,6 +58,9 @@ class ProcessHandle(WorkerHandle):
 
 
 class ProcessBackend:
+    control_host = "127.0.0.1"  # (unused: local workers talk over ipc:// sockets)
+    single_machine = True
+
     name = "process"
 
     def __init__(self) -> None:
@@ -127,6 +130,17 @@ class RayBackend:
                 worker_main(cfg)
 
         self._actor_cls = _Actor
+
+    @property
+    def control_host(self) -> str:
+        """Where the front end's ZeroMQ sockets listen: loopback when every actor runs on this
+        machine (a Ray started here), else this node's address in the Ray cluster, which actors
+        on other machines can reach."""
+        return "127.0.0.1" if self.started_here else self.ray.util.get_node_ip_address()
+
+    @property
+    def single_machine(self) -> bool:
+        return self.started_here or len({n["NodeManagerAddress"] for n in self.ray.nodes() if n.get("Alive")}) <= 1
 
     def start(self, cfg: WorkerConfig) -> RayHandle:
         actor = self._actor_cls.remote()

@@ -39,7 +39,7 @@ import zmq
 from tidal.cluster.dispatch import Dispatcher, check_role_policies, role_scheduler
 from tidal.cluster.monitor import GlobalMonitor, InstanceStatus
 from tidal.cluster.router import RouteRequest, build_router
-from tidal.config import EngineConfig, default_cpu_threads
+from tidal.config import ConfigError, EngineConfig, default_cpu_threads
 from tidal.core.sampling import SamplingParams
 from tidal.engine.async_engine import EngineDeadError, QueueFullError
 from tidal.engine.llm_engine import RequestSnapshot
@@ -68,6 +68,11 @@ class ClusterLLM:
         self.engine_kwargs = dict(engine_kwargs)
         self.engine_kwargs.pop("num_threads", None)
         self.transport = build_transport(cluster.transport)
+        self.backend = self._make_backend()
+        if cluster.transport == "shm" and not self.backend.single_machine:
+            self.backend.shutdown()
+            raise ConfigError("--kv-transport shm moves KV only between processes of one machine, and the Ray "
+                              "cluster has several: use --kv-transport ray")
         self.ctx = zmq.Context()
         tag = uuid.uuid4().hex[:10]
         self._ipc_dir = tempfile.mkdtemp(prefix=f"tidal-{tag}-")
@@ -79,7 +84,6 @@ class ClusterLLM:
             s.setsockopt(zmq.LINGER, 0)
             self.cmd_socks.append(s)
             self.cmd_addresses.append(self._bind(s, f"cmd{i}"))
-        self.backend = self._make_backend()
         self.handles: list[Any] = [None] * n
         self.generation = [0] * n
         empty = [InstanceStatus(i, 1, 1, 16) for i in range(n)]
@@ -110,9 +114,10 @@ class ClusterLLM:
 
     # ---------------------------------------------------------------- setup
     def _bind(self, sock: Any, name: str) -> str:
-        if self.cluster.backend == "ray":
-            port = sock.bind_to_random_port("tcp://127.0.0.1")
-            return f"tcp://127.0.0.1:{port}"
+        if self.cluster.backend == "ray":  # actors may run on other machines of the Ray cluster
+            host = self.backend.control_host
+            port = sock.bind_to_random_port(f"tcp://{host}")
+            return f"tcp://{host}:{port}"
         addr = f"ipc://{os.path.join(self._ipc_dir, name)}"
         sock.bind(addr)
         return addr
