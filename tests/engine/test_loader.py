@@ -473,3 +473,26 @@ def test_not_a_model_file(tmp_path):
     f.write_bytes(b"\0" * 10)
     with pytest.raises(ModelLoadError, match="weights.bin"):
         load_checkpoint(str(f))
+
+
+def test_a_missing_weight_or_part_of_a_fused_matrix_is_named(smol_ckpt):
+    """q/k/v and gate/up are fused on load: a checkpoint lacking one part must not load with
+    uninitialised rows, nor one lacking a whole tensor."""
+    import torch
+
+    from tidal.config import ConfigError
+    from tidal.engine.model import LlamaModel
+
+    def load(skip: str):
+        model = LlamaModel(smol_ckpt.arch, torch.float32, torch.device("cpu"), layer_range=(0, 1))
+        model.load_weights((n, t) for n, t in smol_ckpt.weights() if n != skip)
+        return model
+
+    with pytest.raises(ConfigError, match=r"layers\.0\.qkv_proj\.weight was only partly loaded"):
+        load("model.layers.0.self_attn.v_proj.weight")
+    with pytest.raises(ConfigError, match=r"gate_up_proj\.weight was only partly loaded"):
+        load("model.layers.0.mlp.up_proj.weight")
+    with pytest.raises(ConfigError, match=r"missing from the checkpoint: layers\.0\.o_proj"):
+        load("model.layers.0.self_attn.o_proj.weight")
+    whole = load("")
+    assert all(not torch.isnan(p).any() for p in whole.parameters())

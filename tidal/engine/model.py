@@ -223,7 +223,10 @@ class LlamaModel(nn.Module):
         self.start, self.end = start, end
         self.is_first, self.is_last = start == 0, end == arch.num_layers
         with torch.device("meta"):  # build without memory; weights are materialised by load_weights
-            self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size) if self.is_first else None
+            # _weight: no random init (on meta, nn.init.normal_ imports torch._dynamo: ~2 s per process)
+            self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size,
+                                             _weight=torch.empty(arch.vocab_size, arch.hidden_size)) \
+                if self.is_first else None
             self.layers = nn.ModuleDict({str(i): DecoderLayer(arch) for i in range(start, end)})
             self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if self.is_last else None
             self.lm_head = (nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
@@ -270,6 +273,7 @@ class LlamaModel(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Materialise parameters from HF-named fp32 tensors (fusing q/k/v and gate/up)."""
         staged: dict[tuple[int, str], torch.Tensor] = {}
+        unfilled: dict[tuple[int, str], set[int]] = {}  # rows of a fused matrix no weight has written yet
         for name, tensor in weights:
             t = self._target(name)
             if t is None:
@@ -279,21 +283,24 @@ class LlamaModel(nn.Module):
             cur = getattr(mod, pname)
             if key not in staged:
                 staged[key] = torch.empty(cur.shape, dtype=self.dtype, device=self.device)
-                if cur.is_meta:
-                    staged[key].fill_(float("nan"))  # makes a missing part of a fused matrix visible
-                else:
+                if not cur.is_meta:
                     staged[key].copy_(cur)
+                elif rows is not None:
+                    unfilled[key] = set(range(cur.shape[0]))
             dst = staged[key] if rows is None else staged[key][rows]
             if dst.shape != tensor.shape:
                 raise ConfigError(f"weight {name}: shape {tuple(tensor.shape)} != expected {tuple(dst.shape)}")
             dst.copy_(tensor)
+            if rows is not None and key in unfilled:
+                unfilled[key].difference_update(range(*rows.indices(cur.shape[0])))
             setattr(mod, pname, nn.Parameter(staged[key], requires_grad=False))
         missing = [n for n, p in self.named_parameters() if p.is_meta]
         if missing:
             raise ConfigError(f"weights missing from the checkpoint: {', '.join(missing[:5])}")
         for n, p in self.named_parameters():
-            if torch.isnan(p).any():
-                raise ConfigError(f"weight {n} was only partly loaded")
+            key = next((k for k in unfilled if unfilled[k] and staged[k].data_ptr() == p.data_ptr()), None)
+            if key is not None:
+                raise ConfigError(f"weight {n} was only partly loaded (rows {min(unfilled[key])}.. missing)")
 
     # ----------------------------------------------------------------- drop / restore
     @property
