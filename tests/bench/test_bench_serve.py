@@ -44,6 +44,7 @@ class Stub:
         self.slow_ttft, self.serial_s = slow_ttft, serial_s
         self.lock: asyncio.Lock | None = None
         self.bodies: list[dict] = []
+        self.placements: list[dict] = []  # what a tidal split cluster's /admin/splits would list
 
 
 def build_stub(stub: Stub) -> FastAPI:
@@ -62,6 +63,11 @@ def build_stub(stub: Stub) -> FastAPI:
             prompt = body["prompt"]
             text = prompt if isinstance(prompt, str) else ""
             prompt_tokens = len(prompt) if isinstance(prompt, list) else len(prompt.split())
+        rid = f"cmpl-{len(stub.placements)}"
+        k = len(stub.placements)
+        stub.placements.append({"request_id": rid, "pair": [0, 1], "prompt_len": prompt_tokens,
+                                "split": prompt_tokens + k % 3 - 1, "whole_on": 0 if k % 3 == 2 else None,
+                                "kv_bytes": 1000 * k})
         start = asyncio.get_running_loop().time()
         wait = stub.slow_ttft if (stub.slow_ttft is not None and "SLOW" in text) else stub.ttft
         if chat:  # the role chunk carries no token
@@ -87,9 +93,9 @@ def build_stub(stub: Stub) -> FastAPI:
                 choice = {"index": 0, "text": " tok" * k, "finish_reason": fin}
             if stub.per_chunk > 1:
                 choice["token_ids"] = list(range(k))
-            yield "data: " + json.dumps({"id": "x", "choices": [choice]}) + "\n\n"
+            yield "data: " + json.dumps({"id": rid, "choices": [choice]}) + "\n\n"
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
-        yield "data: " + json.dumps({"id": "x", "choices": [], "usage": usage}) + "\n\n"
+        yield "data: " + json.dumps({"id": rid, "choices": [], "usage": usage}) + "\n\n"
         yield "data: [DONE]\n\n"
 
     async def handle(request: Request, chat: bool):
@@ -115,6 +121,10 @@ def build_stub(stub: Stub) -> FastAPI:
     @app.get("/_bodies")
     async def bodies():
         return stub.bodies
+
+    @app.get("/admin/splits")
+    async def splits():
+        return {"splits": stub.placements}
 
     return app
 
@@ -382,3 +392,23 @@ def test_bad_workload_and_wrong_model(stub_server, tmp_path: Path, capsys):
 
 if __name__ == "__main__":
     serve_stub()
+
+
+def test_placements_join_on_the_response_id_and_are_drawn(stub_server, tmp_path: Path, capsys):
+    """A cluster that logs placements (tidal --mode split's /admin/splits): each record carries its
+    own, joined on the response id, and the placement plot is written."""
+    stub, url = stub_server
+    stub.reset(ttft=0.01, itl=0.005)
+    out = tmp_path / "r.json"
+    code, _, err = bench(["--base-url", url, "--workload", "fixed:16:3", "--num-requests", "6", "--rate", "inf",
+                          "--output", str(out)], capsys)
+    assert code == 0, err
+    result = json.loads(out.read_text())
+    recs = result["requests"]
+    assert len({r["response_id"] for r in recs}) == 6
+    for r in recs:
+        p = r["placement"]
+        assert p["request_id"] == r["response_id"]
+        k = int(r["response_id"].split("-")[1])
+        assert p["split"] == p["prompt_len"] + k % 3 - 1 and p["kv_bytes"] == 1000 * k
+    assert (tmp_path / "r_placement.png").stat().st_size > 0

@@ -4,7 +4,9 @@
 * ``<stem>_timeline.png``: TTFT of every request at its send time (attaining / missing / failed)
   above the number of requests in flight over time;
 * ``<stem>_capacity.png`` (capacity search only): SLO attainment of every probe against its rate,
-  with the target and the capacity found.
+  with the target and the capacity found;
+* ``<stem>_placement.png`` (a tidal cluster that logs placements, e.g. ``--mode split``): where each
+  request was split against its prompt length, and each instance's share of the work.
 """
 
 from __future__ import annotations
@@ -124,6 +126,42 @@ def plot_capacity(search: dict[str, Any], path: str, title: str = "") -> str:
     return save_figure(plt, fig, path)
 
 
+def plot_placements(records: list[M.RequestRecord], instances: list[dict[str, Any]] | None, path: str,
+                    title: str = "") -> str:
+    """DynaServe's placements: each request's split point ``s`` against its prompt length (split
+    requests by pair; ``s = P`` is pure disaggregation, above it alpha also decoded), the requests
+    that ran whole, and per instance the requests dispatched to it and the hand-offs it received."""
+    plt = pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    placed = [(r, r.placement) for r in records if r.placement]
+    pairs = sorted({tuple(p["pair"]) for _, p in placed if p.get("whole_on") is None})
+    for pair in pairs:
+        pts = [(p["prompt_len"], p["split"]) for _, p in placed if p.get("whole_on") is None and tuple(p["pair"]) == pair]
+        ax1.scatter(*zip(*pts, strict=True), s=12, label=f"split on pair {pair[0]}-{pair[1]} ({len(pts)})")
+    whole = [(p["prompt_len"], p["split"]) for _, p in placed if p.get("whole_on") is not None]
+    if whole:
+        ax1.scatter(*zip(*whole, strict=True), s=12, marker="x", color="grey", label=f"ran whole ({len(whole)})")
+    if placed:
+        top = max(p["prompt_len"] for _, p in placed)
+        ax1.plot([0, top], [0, top], color="black", linewidth=0.8, linestyle=":", label="s = prompt length")
+    ax1.set_xlabel("prompt length P (tokens)")
+    ax1.set_ylabel("split point s (tokens of KV alpha computes)")
+    ax1.grid(alpha=0.3)
+    ax1.legend(loc="upper left", fontsize=8)
+    ax1.set_title("where requests split")
+    inst = sorted(instances or [], key=lambda i: i["index"])
+    xs = np.arange(len(inst))
+    ax2.bar(xs - 0.2, [i.get("dispatched", 0) for i in inst], 0.4, label="requests dispatched (alpha or whole)")
+    ax2.bar(xs + 0.2, [i.get("handoffs_in", 0) for i in inst], 0.4, label="hand-offs received (beta)")
+    ax2.set_xticks(xs, [f"{i['index']} ({i.get('role') or '?'})" for i in inst])
+    ax2.set_xlabel("instance")
+    ax2.set_ylabel("requests")
+    ax2.grid(alpha=0.3, axis="y")
+    ax2.legend(fontsize=8)
+    ax2.set_title("per-instance load")
+    return save_figure(plt, fig, path, title)
+
+
 def write_plots(result: dict[str, Any], json_path: str) -> list[str]:
     """All plots of a result, next to ``json_path``; returns the paths written."""
     stem = os.path.splitext(json_path)[0]
@@ -133,7 +171,9 @@ def write_plots(result: dict[str, Any], json_path: str) -> list[str]:
            plot_timeline(records, slo, f"{stem}_timeline.png", title)]
     if result.get("capacity_search"):
         out.append(plot_capacity(result["capacity_search"], f"{stem}_capacity.png"))
+    if any(r.placement for r in records):
+        out.append(plot_placements(records, result.get("instances"), f"{stem}_placement.png", title))
     return out
 
 
-__all__ = ["plot_capacity", "plot_cdfs", "plot_timeline", "pyplot", "records_of", "save_figure", "slo_of", "write_plots"]
+__all__ = ["plot_capacity", "plot_cdfs", "plot_placements", "plot_timeline", "pyplot", "records_of", "save_figure", "slo_of", "write_plots"]
