@@ -42,6 +42,7 @@ from tidal.server.streaming import (
 MAX_N = 16
 MAX_PROMPTS = 1024  # prompts in one /v1/completions request
 MAX_LOGPROBS = 20
+MAX_STOP = 16  # stop strings per request (OpenAI allows 4; vLLM any number): more is a 400 naming the limit
 MIN_LOGPROB = -9999.0
 _SEED_RANGE = (-(2**63), 2**63 - 1 - MAX_N)  # torch generators take 64-bit seeds; n > 1 uses seed + i
 
@@ -124,6 +125,9 @@ class OpenAIServing:
         if req.stream_options is not None and not req.stream:
             raise APIError("stream_options is only allowed when stream is true", 400, param="stream_options")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stop) > MAX_STOP:
+            raise APIError(f"stop: at most {MAX_STOP} stop strings per request, got {len(stop)}", 400,
+                           param="stop", code="invalid_value")
         try:
             return SamplingParams(
                 n=n, temperature=1.0 if req.temperature is None else req.temperature,
