@@ -3,6 +3,15 @@ handler must keep, the stop-list limit, aborts of requests abandoned before thei
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import re
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
 from fastapi.testclient import TestClient
 
 from tests.server.test_app_unit import BODY, FakeAsyncLLM, client_for
@@ -43,3 +52,72 @@ def test_stop_list_limit():
             err = r.json()["error"]
             assert err["param"] == "stop" and str(MAX_STOP) in err["message"]
         assert c.post("/v1/completions", json=BODY).status_code == 200  # still serving
+
+
+class HangingLLM(FakeAsyncLLM):
+    """Accepts every request and never produces its first output (a long prefill, a busy engine)."""
+
+    def __init__(self):
+        super().__init__("ok")
+        self.started = 0
+
+    async def generate(self, prompt, params, request_id=None, *, prompt_token_ids=None, priority=0,
+                       request_class="online"):
+        self.started += 1
+        try:
+            await asyncio.Event().wait()
+            yield  # never reached
+        finally:
+            self.aborted += 1
+
+
+@contextlib.contextmanager
+def live_server(app):
+    """The app under uvicorn on a thread, on a real socket (so that clients can hang up)."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    try:
+        while not server.started:
+            assert t.is_alive(), "uvicorn did not start"
+            time.sleep(0.02)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        t.join(30)
+        assert not t.is_alive()
+
+
+def _aborts(url: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    m = re.search(r'tidal:request_success_total\{finished_reason="abort",model_name="[^"]*"\} (\S+)', text)
+    assert m, text
+    return float(m.group(1))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_clients_gone_before_first_output_are_counted_as_aborts(stream):
+    llm = HangingLLM()
+    n = 6
+
+    async def impatient(url: str, i: int) -> None:
+        body = {"prompt": f"hi {i}", "max_tokens": 4, "stream": stream, "n": 1 + i % 2}
+        async with httpx.AsyncClient(base_url=url) as c:
+            with contextlib.suppress(httpx.TimeoutException):
+                await c.post("/v1/completions", json=body, timeout=0.3)
+                pytest.fail("the request should not have been answered")
+
+    async def main(url: str) -> None:
+        await asyncio.gather(*(impatient(url, i) for i in range(n)))
+
+    with live_server(build_app(llm)) as url:
+        before = _aborts(url)
+        asyncio.run(main(url))
+        deadline = time.monotonic() + 10
+        while llm.aborted < n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert llm.started == n and llm.aborted == n  # every engine request was aborted
+        # one abort per choice that was asked for (n = 1 or 2)
+        assert _aborts(url) - before == sum(1 + i % 2 for i in range(n))
+        assert httpx.get(f"{url}/health").status_code == 200

@@ -113,6 +113,11 @@ class EngineStreams:
             self.trackers.append(self.metrics.tracker(self.start_time))
         try:
             results = await asyncio.gather(*(g.__anext__() for g in self.gens), return_exceptions=True)
+        except asyncio.CancelledError:  # the client went away before the first output: an abort
+            for tr in self.trackers:
+                tr.num_choices = params.n
+            await self.aclose(count=True)  # closing the engine streams aborts their requests
+            raise
         except BaseException:
             await self.aclose(count=False)
             raise
@@ -174,7 +179,7 @@ class EngineStreams:
         self._closed = True
         for t in self._tasks:
             t.cancel()
-        if count and self.firsts:
+        if count:
             for tr in self.trackers:
                 tr.close()
         if self._tasks:
