@@ -53,6 +53,7 @@ def build_app(async_llm: Any, served_model_name: str | None = None) -> FastAPI:
         try:
             yield
         finally:
+            serving.close()
             await asyncio.to_thread(async_llm.shutdown)
 
     app = FastAPI(title="tidal", version=tidal.__version__, lifespan=lifespan)
@@ -99,9 +100,9 @@ def build_app(async_llm: Any, served_model_name: str | None = None) -> FastAPI:
         if (req.prompt is None) == (req.messages is None):
             raise APIError("send exactly one of prompt or messages", 400, param="prompt")
         if req.prompt is not None:
-            tokens = serving.encode(req.prompt, "prompt", add_special_tokens=req.add_special_tokens is not False)
+            tokens = await serving.encode(req.prompt, "prompt", add_special_tokens=req.add_special_tokens is not False)
         else:
-            tokens = serving.chat_prompt(req.messages or [], req.add_generation_prompt is not False).token_ids
+            tokens = (await serving.chat_prompt(req.messages or [], req.add_generation_prompt is not False)).token_ids
         return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len})
 
     @app.post("/detokenize")
@@ -112,7 +113,7 @@ def build_app(async_llm: Any, served_model_name: str | None = None) -> FastAPI:
         if bad is not None:
             raise APIError(f"tokens: token id {bad} is out of range [0, {len(engine.tokenizer)})", 400,
                            param="tokens")
-        return JSONResponse({"prompt": engine.tokenizer.decode(req.tokens)})
+        return JSONResponse({"prompt": await serving.decode(req.tokens)})
 
     @app.get("/metrics")
     async def prometheus() -> Response:
