@@ -53,6 +53,7 @@ def build_app(async_llm: Any, served_model_name: str | None = None) -> FastAPI:
         try:
             yield
         finally:
+            serving.drain.begin()  # what is still streaming ends now, cleanly
             serving.close()
             await asyncio.to_thread(async_llm.shutdown)
 
@@ -60,6 +61,8 @@ def build_app(async_llm: Any, served_model_name: str | None = None) -> FastAPI:
     app.state.llm = async_llm
     app.state.serving = serving
     app.state.metrics = metrics
+    # the server calls this as it stops accepting connections, before it waits for the open ones
+    app.state.begin_shutdown = serving.drain.begin
     install_handlers(app)
 
     @app.post("/v1/completions")

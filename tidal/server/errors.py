@@ -30,6 +30,11 @@ _TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "inva
 RETRY_AFTER_S = 1  # what a 503 (queue full, engine down) or a 429 tells the client to wait, in seconds
 
 
+class ServerShuttingDown(Exception):
+    """The server is stopping: a live stream ends with an error event and ``[DONE]``, a request
+    waiting for its answer gets 503."""
+
+
 class APIError(Exception):
     """An error answered to the client; ``param`` names the offending request field."""
 
@@ -58,6 +63,8 @@ def from_exception(e: BaseException, prompt_param: str = "prompt") -> APIError:
         return e
     if isinstance(e, QueueFullError):
         return APIError(str(e), 503, code="queue_full")
+    if isinstance(e, ServerShuttingDown):
+        return APIError(str(e), 503, code="server_shutdown")
     if isinstance(e, RequestRejected):
         param = prompt_param if e.param == "prompt" else e.param
         return APIError(str(e), 400, param=param, code="context_length_exceeded" if "context" in str(e) else None)

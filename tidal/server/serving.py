@@ -38,6 +38,7 @@ from tidal.server.protocol import (
 )
 from tidal.server.streaming import (
     ClientDisconnected,
+    Drain,
     EngineStreams,
     EventStreamResponse,
     PromptInput,
@@ -84,6 +85,7 @@ class OpenAIServing:
         self.max_prompt_chars = self.max_model_len * MAX_CHARS_PER_TOKEN
         self.vocab_size: int = llm.engine.arch.vocab_size
         self._token_strs: dict[int, str] = {}
+        self.drain = Drain()
 
     def close(self) -> None:
         """Stop the encoder pool (the app's shutdown)."""
@@ -179,7 +181,7 @@ class OpenAIServing:
     # ------------------------------------------------------------------ running
     async def start_streams(self, request: Request, prompts: list[PromptInput], params: SamplingParams,
                             req: SamplingRequest, base_id: str, start: float, prompt_param: str) -> EngineStreams:
-        streams = EngineStreams(self.llm, self.metrics, start)
+        streams = EngineStreams(self.llm, self.metrics, start, self.drain)
         try:
             await run_watched(request, streams.start(prompts, params, base_id, req.priority or 0,
                                                      req.request_class or "online"))

@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from tidal.core.sampling import SamplingParams
 from tidal.engine.outputs import RequestOutput
+from tidal.server.errors import ServerShuttingDown
 from tidal.server.metrics import RequestTracker, ServerMetrics
 
 T = TypeVar("T")
@@ -83,6 +84,21 @@ class EventStreamResponse(StreamingResponse):
                 await aclose()
 
 
+class Drain:
+    """The requests being answered, so that a shutdown can end them cleanly: :meth:`begin` (called
+    when the server stops accepting connections, before it waits for the open ones) makes every live
+    stream end with an error event and ``[DONE]``, and refuses new requests with 503."""
+
+    def __init__(self) -> None:
+        self.stopping = False
+        self.live: set[EngineStreams] = set()
+
+    def begin(self) -> None:
+        self.stopping = True
+        for s in list(self.live):
+            s.interrupt(ServerShuttingDown("the server is shutting down; retry the request"))
+
+
 @dataclass
 class PromptInput:
     text: str | None  # None when the prompt came as token ids
@@ -92,10 +108,13 @@ class PromptInput:
 class EngineStreams:
     """One AsyncLLM stream per prompt of a request, started together and iterated as one."""
 
-    def __init__(self, llm: Any, metrics: ServerMetrics, start_time: float):
+    def __init__(self, llm: Any, metrics: ServerMetrics, start_time: float, drain: Drain | None = None):
         self.llm = llm
         self.metrics = metrics
         self.start_time = start_time
+        self.drain = drain
+        self._q: asyncio.Queue | None = None  # outputs of every live stream, while iterating
+        self._interrupt: BaseException | None = None
         self.gens: list[AsyncIterator[RequestOutput]] = []
         self.trackers: list[RequestTracker] = []
         self.firsts: list[RequestOutput] = []
@@ -106,6 +125,10 @@ class EngineStreams:
                     priority: int, request_class: str) -> None:
         """Submit every prompt and wait for each one's first output: a full queue, a rejected
         prompt or a dead engine raise here, before any response has been started."""
+        if self.drain is not None:
+            if self.drain.stopping:
+                raise ServerShuttingDown("the server is shutting down; retry the request")
+            self.drain.live.add(self)
         for i, p in enumerate(prompts):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
             self.gens.append(self.llm.generate(p.text, params, rid, prompt_token_ids=p.token_ids,
@@ -133,20 +156,24 @@ class EngineStreams:
             tr.accepted(len(p.token_ids), params.n)
             tr.observe(out)
 
+    def interrupt(self, exc: BaseException) -> None:
+        """End the iteration with ``exc`` (from the event loop's thread)."""
+        self._interrupt = exc
+        if self._q is not None:
+            self._q.put_nowait((-1, exc))
+
     async def iterate(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, output) pairs, the first outputs included, until every stream finished."""
+        """(prompt index, output) pairs, the first outputs included, until every stream finished
+        (or :meth:`interrupt` ends it: the exception is raised here)."""
         for i, out in enumerate(self.firsts):
             yield i, out
         live = [i for i, out in enumerate(self.firsts) if not out.finished]
-        if len(live) == 1:
-            i = live[0]
-            async for out in self.gens[i]:
-                self.trackers[i].observe(out)
-                yield i, out
-            return
         if not live:
             return
         q: asyncio.Queue = asyncio.Queue()
+        self._q = q
+        if self._interrupt is not None:
+            raise self._interrupt
 
         async def pump(i: int) -> None:
             try:
@@ -177,6 +204,8 @@ class EngineStreams:
         if self._closed:
             return
         self._closed = True
+        if self.drain is not None:
+            self.drain.live.discard(self)
         for t in self._tasks:
             t.cancel()
         if count:
