@@ -183,10 +183,12 @@ class AsyncLLM:
                 for rid in list(self._streams):
                     self._deliver(EngineDeadError(f"engine step failed: {e}"), rid)
                 return
-            for out in outs:
-                self._deliver(out, out.request_id)
+            # the snapshot first: a client that sees its request finish must not then find the
+            # engine's load as it was before this step (the queue bound reads it)
             with self._lock:  # every request added so far has been through a step's admission
                 self._stats = self.engine.stats()
                 self._declined, self._fresh = self._stats["num_requests_waiting"], 0
+            for out in outs:
+                self._deliver(out, out.request_id)
             for hook in self.step_hooks:
                 hook(self.engine, outs)
