@@ -121,3 +121,32 @@ def test_clients_gone_before_first_output_are_counted_as_aborts(stream):
         # one abort per choice that was asked for (n = 1 or 2)
         assert _aborts(url) - before == sum(1 + i % 2 for i in range(n))
         assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_a_stream_whose_body_never_started_still_closes_its_engine_streams():
+    """The client leaves before the first byte is sent: the body generator never ran (so its
+    ``finally`` cannot close the engine streams); the response closes them itself."""
+    from tidal.server.streaming import EventStreamResponse
+
+    closed: list[str] = []
+
+    async def body():
+        try:
+            yield "data: x\n\n"
+        finally:
+            closed.append("body")
+
+    async def close_streams():
+        closed.append("engine streams")
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def send(message):  # the peer is gone: the first send never completes
+        await asyncio.sleep(30)
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "method": "POST",
+             "path": "/v1/completions", "headers": []}
+    resp = EventStreamResponse(body(), on_close=close_streams)
+    asyncio.run(asyncio.wait_for(resp(scope, receive, send), 10))
+    assert closed == ["engine streams"]

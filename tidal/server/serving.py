@@ -257,7 +257,7 @@ class OpenAIServing:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return EventStreamResponse(self._completion_events(streams, rid, params.n, include_usage,
-                                                               req.logprobs is not None))
+                                                               req.logprobs is not None), on_close=streams.aclose)
         try:
             finals = await run_watched(request, self._collect(streams))
         finally:

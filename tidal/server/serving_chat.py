@@ -104,7 +104,8 @@ class OpenAIServingChat(OpenAIServing):
         streams = await self.start_streams(request, [prompt], params, req, rid, start, "messages")
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return EventStreamResponse(self._chat_events(streams, rid, params.n, include_usage, want_lp, top_n or 0))
+            return EventStreamResponse(self._chat_events(streams, rid, params.n, include_usage, want_lp, top_n or 0),
+                                       on_close=streams.aclose)
         try:
             finals = await run_watched(request, self._collect(streams))
         finally:

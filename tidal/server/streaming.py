@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -63,9 +64,13 @@ class EventStreamResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str], **kw: Any):
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[Any]] | None = None,
+                 **kw: Any):
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(kw.pop("headers", None) or {})}
         super().__init__(content, headers=headers, **kw)
+        # also run when the body never started (the client left first): closing a generator that
+        # never ran does not run its ``finally``
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -82,6 +87,8 @@ class EventStreamResponse(StreamingResponse):
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 await aclose()
+            if self.on_close is not None:
+                await self.on_close()
 
 
 class Drain:
@@ -91,7 +98,7 @@ class Drain:
 
     def __init__(self) -> None:
         self.stopping = False
-        self.live: set[EngineStreams] = set()
+        self.live: weakref.WeakSet[EngineStreams] = weakref.WeakSet()  # never what keeps one alive
 
     def begin(self) -> None:
         self.stopping = True
