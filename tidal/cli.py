@@ -79,6 +79,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                         port = sock.getsockname()[1]
                 print(f"serving {name} on http://{args.host}:{port}", file=sys.stderr, flush=True)
 
+        async def shutdown(self, sockets=None) -> None:
+            app.state.begin_shutdown()  # live streams end with an error event and [DONE], not cut
+            await super().shutdown(sockets)
+
     level = str(args.log_level).lower()
     if level not in uvicorn.config.LOG_LEVELS:
         level = "warning"

@@ -52,3 +52,39 @@ def test_burst_beyond_queue_gets_503(small_server):
     # once the burst is over the server accepts work again
     ok = httpx.post(f"{small_server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200
+
+
+def test_burst_within_the_batch_is_not_a_backlog(make_engine):
+    """A cap of 64 running and a bound of 8 queued: a burst of 16 short requests on an idle engine
+    all start at the next step, so all are answered (requests on their way to admission are not
+    waiting); a burst far beyond the batch is still bounded."""
+    from tidal import SamplingParams
+    from tidal.engine.async_engine import AsyncLLM, QueueFullError
+
+    llm = AsyncLLM(make_engine(max_num_seqs=64, max_queued_requests=8, kv_cache_memory="64MiB"))
+    # 8 tokens: no request can finish (and free its slot) while a burst is being submitted
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    async def one(i: int) -> str:
+        try:
+            async for out in llm.generate(f"Burst {i}:", params):
+                if out.finished:
+                    return "ok"
+        except QueueFullError:
+            return "full"
+        return "cut"
+
+    async def burst(n: int) -> list[str]:
+        return await asyncio.gather(*(one(i) for i in range(n)))
+
+    llm.start()
+    try:
+        assert asyncio.run(burst(16)) == ["ok"] * 16
+        for _ in range(2):  # the second burst comes right after the first one's last answer
+            big = asyncio.run(burst(100))
+            assert set(big) <= {"ok", "full"}
+            # 64 start at once, at most 8 more wait; the rest are refused at once
+            assert 64 <= big.count("ok") <= 64 + 8 and big.count("full") == 100 - big.count("ok")
+    finally:
+        llm.shutdown()
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.kv_manager.num_blocks

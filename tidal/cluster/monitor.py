@@ -19,6 +19,8 @@ from collections import deque
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from tidal.core.admission import InstanceLoad as AdmissionLoad
+
 ROLES = ("colocated", "prefill", "decode")
 
 
@@ -76,6 +78,13 @@ class InstanceRecord:
     @property
     def num_outstanding(self) -> int:
         return len(self.outstanding)
+
+    def admission_load(self, cap: int) -> AdmissionLoad:
+        """Its load for the queue bound: what its last report left waiting, and what the front end
+        sent it since (dispatched, not finished, not in the report) as not yet tried."""
+        st = self.status
+        untried = max(0, len(self.outstanding) - st.num_running - st.num_waiting)
+        return AdmissionLoad(cap, st.num_running, st.num_waiting, untried)
 
     @property
     def num_free_blocks(self) -> int:

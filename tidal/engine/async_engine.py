@@ -16,6 +16,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from tidal.core.admission import InstanceLoad, admit
 from tidal.core.sampling import SamplingParams
 from tidal.engine.llm_engine import LLMEngine
 from tidal.engine.outputs import RequestOutput
@@ -42,7 +43,9 @@ class AsyncLLM:
         self._stop = threading.Event()
         self.dead: BaseException | None = None
         self._stats: dict[str, Any] = engine.stats()
-        self._pending_adds = 0
+        self._pending_adds = 0  # submitted, not yet handled by the engine thread
+        self._fresh = 0  # added to the engine since its last step (waiting, but not refused a slot yet)
+        self._declined = 0  # left waiting by the last step
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ lifecycle
@@ -78,7 +81,7 @@ class AsyncLLM:
         q: asyncio.Queue = asyncio.Queue()
         max_q = self.engine.config.scheduler.max_queued_requests
         with self._lock:
-            if max_q is not None and self._stats["num_requests_waiting"] + self._pending_adds >= max_q:
+            if not admit([self._load()], max_q):
                 raise QueueFullError(f"the server's waiting queue is full ({max_q} requests); retry later")
             self._pending_adds += 1
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -103,6 +106,16 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         self._cmds.put(("abort", request_id, None))
 
+    def _load(self) -> InstanceLoad:
+        """The engine's load as the queue bound sees it (under ``_lock``): requests on their way and
+        those added since the last step have not been refused a slot yet, so they are not a backlog."""
+        s = self._stats
+        cap = s.get("batch_size_cap")
+        cap = cap if isinstance(cap, int) else self.engine.config.scheduler.max_num_seqs
+        return InstanceLoad(cap=cap, running=s["num_requests_running"],
+                            declined=self._declined,
+                            untried=self._fresh + self._pending_adds)
+
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run ``fn(engine)`` on the engine thread between steps (admin actions)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -121,12 +134,15 @@ class AsyncLLM:
             try:
                 self.engine.add_request(rid, prompt, params, prompt_token_ids=toks, priority=priority,
                                         request_class=rclass)
-                fut.set_result(None)
+                added = True
             except BaseException as e:  # rejected: the caller gets the exception
+                added = False
                 fut.set_exception(e)
-            finally:
-                with self._lock:
-                    self._pending_adds -= 1
+            with self._lock:
+                self._pending_adds -= 1
+                self._fresh += added
+            if added:
+                fut.set_result(None)
         elif kind == "abort":
             self.engine.abort_request(arg)
         elif kind == "call":
@@ -153,7 +169,10 @@ class AsyncLLM:
                     self._handle(self._cmds.get_nowait())
             except queue.Empty:
                 pass
-            self._stats = self.engine.stats()
+            with self._lock:
+                self._stats = self.engine.stats()
+                if not self.engine.has_unfinished_requests():
+                    self._declined = self._fresh = 0
             if not self.engine.has_unfinished_requests():
                 continue
             try:
@@ -164,8 +183,12 @@ class AsyncLLM:
                 for rid in list(self._streams):
                     self._deliver(EngineDeadError(f"engine step failed: {e}"), rid)
                 return
+            # the snapshot first: a client that sees its request finish must not then find the
+            # engine's load as it was before this step (the queue bound reads it)
+            with self._lock:  # every request added so far has been through a step's admission
+                self._stats = self.engine.stats()
+                self._declined, self._fresh = self._stats["num_requests_waiting"], 0
             for out in outs:
                 self._deliver(out, out.request_id)
-            self._stats = self.engine.stats()
             for hook in self.step_hooks:
                 hook(self.engine, outs)

@@ -23,6 +23,8 @@ tokens, independent of the output length.
 from __future__ import annotations
 
 import contextlib
+import copy
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,11 +37,19 @@ _FORCE_TAIL = 4  # a forced commit keeps at least this many tokens pending (a UT
 
 
 class Tokenizer:
-    """A thin, typed facade over a transformers tokenizer."""
+    """A thin, typed facade over a transformers tokenizer.
+
+    Thread-safe by construction: every call into the Hugging Face tokenizer (a Rust object that
+    raises "Already borrowed" when one thread mutates it, e.g. its truncation settings, while
+    another uses it; vllm#40949) holds this instance's lock. Threads with different roles (the
+    engine thread detokenizing, the server's encoder pool) each get their own :meth:`clone` so
+    that they never wait on one another.
+    """
 
     def __init__(self, hf: Any, name: str = "", eos_token_ids: Sequence[int] = (),
                  bos_token_id: int | None = None) -> None:
         self.hf = hf
+        self._lock = threading.RLock()
         self.name = name
         eos = hf.eos_token_id if hf.eos_token_id is not None else (eos_token_ids[0] if eos_token_ids else None)
         self.eos_token_id: int | None = eos
@@ -74,21 +84,40 @@ class Tokenizer:
         return cls(hf, name=ckpt.arch.name, eos_token_ids=ckpt.arch.eos_token_ids,
                    bos_token_id=ckpt.arch.bos_token_id)
 
+    def clone(self) -> Tokenizer:
+        """An independent copy (its own Rust tokenizer and lock) for another thread's role."""
+        with self._lock:
+            hf = copy.deepcopy(self.hf)
+        twin = copy.copy(self)
+        twin.hf, twin._lock = hf, threading.RLock()
+        return twin
+
+    def __getstate__(self) -> dict[str, Any]:  # a lock does not pickle: the copy gets its own
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
+
     # ------------------------------------------------------------------ text <-> ids
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+        with self._lock:
+            return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        with self._lock:
+            return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids: int | Sequence[int], skip_special_tokens: bool = False) -> Any:
-        if isinstance(ids, int):
-            return self.hf.convert_ids_to_tokens(ids)
-        return self.hf.convert_ids_to_tokens(list(ids), skip_special_tokens=skip_special_tokens)
+        with self._lock:
+            if isinstance(ids, int):
+                return self.hf.convert_ids_to_tokens(ids)
+            return self.hf.convert_ids_to_tokens(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_str(self, token_id: int) -> str:
         """The text of one token on its own (for logprobs); a partial UTF-8 character shows as U+FFFD."""
-        return self.hf.decode([int(token_id)], skip_special_tokens=False)
+        with self._lock:
+            return self.hf.decode([int(token_id)], skip_special_tokens=False)
 
     # ------------------------------------------------------------------ chat
     @property
@@ -102,8 +131,9 @@ class Tokenizer:
                 f"model {self.name or '(unnamed)'} has no chat template; send a plain text prompt "
                 "(the completions API) instead of chat messages")
         try:
-            text = self.hf.apply_chat_template(messages, tokenize=False,
-                                               add_generation_prompt=add_generation_prompt, **template_kwargs)
+            with self._lock:
+                text = self.hf.apply_chat_template(messages, tokenize=False,
+                                                   add_generation_prompt=add_generation_prompt, **template_kwargs)
         except Exception as e:  # jinja2 errors (raise_exception in templates), bad message shapes
             msg = " ".join(str(e).split()) or type(e).__name__
             raise ValueError(f"chat template failed: {msg}") from e

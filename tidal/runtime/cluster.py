@@ -40,6 +40,7 @@ from tidal.cluster.dispatch import Dispatcher, check_role_policies, role_schedul
 from tidal.cluster.monitor import GlobalMonitor, InstanceStatus
 from tidal.cluster.router import RouteRequest, build_router
 from tidal.config import ConfigError, EngineConfig, default_cpu_threads
+from tidal.core.admission import admit
 from tidal.core.sampling import SamplingParams
 from tidal.engine.async_engine import EngineDeadError, QueueFullError
 from tidal.engine.llm_engine import RequestSnapshot
@@ -208,7 +209,7 @@ class ClusterLLM:
         t = Tracked(rid, list(prompt_token_ids), params, priority, request_class, asyncio.get_running_loop(), q)
         max_q = self.config.scheduler.max_queued_requests
         with self._lock:
-            if max_q is not None and self.stats["num_requests_waiting"] >= max_q:
+            if not self._admit(max_q):
                 raise QueueFullError(f"the server's waiting queue is full ({max_q} requests); retry later")
             if rid in self.requests or rid in self.by_wid:
                 raise RequestRejected(f"request id {rid!r} is already in use")
@@ -230,6 +231,14 @@ class ClusterLLM:
         finally:
             if not finished:
                 self.abort(rid)
+
+    def _admit(self, max_q: int | None) -> bool:
+        """The queue bound over the instances (under the lock): their backlog, plus the hand-offs
+        waiting for a decode instance, must stay within ``max_q`` counting the new request."""
+        cap = self.config.scheduler.max_num_seqs
+        live = [r for r in self.monitor.instances if r.alive]
+        entry = [r.admission_load(cap) for r in live if r.routable and r.role != "decode"]
+        return admit([r.admission_load(cap) for r in live], max_q, len(self.monitor.pending_handoffs), entry)
 
     def abort(self, request_id: str) -> None:
         with self._lock:

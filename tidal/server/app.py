@@ -14,13 +14,34 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 import tidal
 from tidal.core.policy import PolicyState
 from tidal.server.errors import APIError, install_handlers
 from tidal.server.metrics import ServerMetrics, batch_size_cap
-from tidal.server.protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest, parse_body
+from tidal.server.openapi import (
+    DetokenizeResponse,
+    TokenizeResponse,
+    VersionResponse,
+    errors,
+    install_openapi,
+    json_object,
+    ok,
+    request_body,
+    text,
+)
+from tidal.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    parse_body,
+)
 from tidal.server.serving_chat import OpenAIServingChat
 
 
@@ -53,58 +74,71 @@ def build_app(async_llm: Any, served_model_name: str | None = None) -> FastAPI:
         try:
             yield
         finally:
+            serving.drain.begin()  # what is still streaming ends now, cleanly
+            serving.close()
             await asyncio.to_thread(async_llm.shutdown)
 
     app = FastAPI(title="tidal", version=tidal.__version__, lifespan=lifespan)
     app.state.llm = async_llm
     app.state.serving = serving
     app.state.metrics = metrics
+    # the server calls this as it stops accepting connections, before it waits for the open ones
+    app.state.begin_shutdown = serving.drain.begin
     install_handlers(app)
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
+    body_errors = errors(400, 404, 413, 415)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest),
+              responses={**ok(CompletionResponse, "The completion (or its chunks, with stream)", stream=True),
+                         **body_errors, **errors(503)})
     async def completions(request: Request) -> Response:
         return await serving.run(request, serving.create_completion(request))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest),
+              responses={**ok(ChatCompletionResponse, "The chat completion (or its chunks, with stream)",
+                              stream=True), **body_errors, **errors(503)})
     async def chat_completions(request: Request) -> Response:
         return await serving.run(request, serving.create_chat_completion(request))
 
     def model_card() -> ModelCard:
         return ModelCard(id=name, root=str(engine.checkpoint.path), max_model_len=engine.max_model_len)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=ok(ModelList, "The served model"))
     async def models() -> JSONResponse:
         return JSONResponse(ModelList(data=[model_card()]).model_dump())
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses={**ok(ModelCard, "The model"), **errors(404)})
     async def model(model_id: str) -> JSONResponse:
         serving.check_model(model_id)
         return JSONResponse(model_card().model_dump())
 
-    @app.get("/health")
+    @app.get("/health", response_class=PlainTextResponse,
+             responses={**text("The engine is running (empty body)"), **errors(503)})
     async def health() -> Response:
         if engine_alive(async_llm):
-            return Response(status_code=200)
+            return PlainTextResponse("")
         reason = f"the engine loop is not running: {async_llm.dead}" if async_llm.dead else "engine not running"
         return APIError(reason, 503, code="engine_dead").response()
 
-    @app.get("/version")
+    @app.get("/version", responses=ok(VersionResponse, "tidal's version"))
     async def version() -> JSONResponse:
         return JSONResponse({"version": tidal.__version__})
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=request_body(TokenizeRequest),
+              responses={**ok(TokenizeResponse, "The prompt's token ids"), **body_errors})
     async def tokenize(request: Request) -> JSONResponse:
         req: TokenizeRequest = await parse_body(request, TokenizeRequest)
         serving.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError("send exactly one of prompt or messages", 400, param="prompt")
         if req.prompt is not None:
-            tokens = serving.encode(req.prompt, "prompt", add_special_tokens=req.add_special_tokens is not False)
+            tokens = await serving.encode(req.prompt, "prompt", add_special_tokens=req.add_special_tokens is not False)
         else:
-            tokens = serving.chat_prompt(req.messages or [], req.add_generation_prompt is not False).token_ids
+            tokens = (await serving.chat_prompt(req.messages or [], req.add_generation_prompt is not False)).token_ids
         return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len})
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=request_body(DetokenizeRequest),
+              responses={**ok(DetokenizeResponse, "The text of the token ids"), **body_errors})
     async def detokenize(request: Request) -> JSONResponse:
         req: DetokenizeRequest = await parse_body(request, DetokenizeRequest)
         serving.check_model(req.model)
@@ -112,14 +146,15 @@ def build_app(async_llm: Any, served_model_name: str | None = None) -> FastAPI:
         if bad is not None:
             raise APIError(f"tokens: token id {bad} is out of range [0, {len(engine.tokenizer)})", 400,
                            param="tokens")
-        return JSONResponse({"prompt": engine.tokenizer.decode(req.tokens)})
+        return JSONResponse({"prompt": await serving.decode(req.tokens)})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses=text("Prometheus text exposition format (metrics named tidal:...)"))
     async def prometheus() -> Response:
         body, ctype = metrics.render()
         return Response(body, media_type=ctype)
 
-    @app.get("/admin/state")
+    @app.get("/admin/state", responses=json_object("Engine, policy and cluster state"))
     async def admin_state() -> JSONResponse:
         stats = async_llm.stats
         policy = stats.pop("policy", None)  # a typed PolicyState
@@ -134,7 +169,7 @@ def build_app(async_llm: Any, served_model_name: str | None = None) -> FastAPI:
             **({"cluster": cluster} if cluster is not None else {}),
         }))
 
-    @app.get("/admin/splits")
+    @app.get("/admin/splits", responses={**json_object("The latest split decisions"), **errors(404)})
     async def admin_splits() -> JSONResponse:
         """DynaServe: the latest split decisions, one per request (pair, split point, KV moved)."""
         log = getattr(async_llm, "splits", None)

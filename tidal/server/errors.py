@@ -26,26 +26,35 @@ log = logging.getLogger("tidal.server")
 
 _TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
           413: "invalid_request_error", 415: "invalid_request_error", 422: "invalid_request_error",
-          500: "server_error", 503: "server_error"}
+          429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+RETRY_AFTER_S = 1  # what a 503 (queue full, engine down) or a 429 tells the client to wait, in seconds
+
+
+class ServerShuttingDown(Exception):
+    """The server is stopping: a live stream ends with an error event and ``[DONE]``, a request
+    waiting for its answer gets 503."""
 
 
 class APIError(Exception):
     """An error answered to the client; ``param`` names the offending request field."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+                 type: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
         self.code = code
         self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+        self.headers = dict(headers or {})
+        if status in (429, 503):  # a refusal that will pass: say when to come back
+            self.headers.setdefault("Retry-After", str(RETRY_AFTER_S))
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers or None)
 
 
 def from_exception(e: BaseException, prompt_param: str = "prompt") -> APIError:
@@ -54,6 +63,8 @@ def from_exception(e: BaseException, prompt_param: str = "prompt") -> APIError:
         return e
     if isinstance(e, QueueFullError):
         return APIError(str(e), 503, code="queue_full")
+    if isinstance(e, ServerShuttingDown):
+        return APIError(str(e), 503, code="server_shutdown")
     if isinstance(e, RequestRejected):
         param = prompt_param if e.param == "prompt" else e.param
         return APIError(str(e), 400, param=param, code="context_length_exceeded" if "context" in str(e) else None)
@@ -117,7 +128,8 @@ def install_handlers(app: FastAPI) -> None:
         if exc.status_code == 404:
             msg = f"no route for {request.method} {request.url.path}"
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return APIError(msg, exc.status_code, code=code).response()
+        # keep what the exception carries: a 405's Allow header lists the methods the route takes
+        return APIError(msg, exc.status_code, code=code, headers=getattr(exc, "headers", None)).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

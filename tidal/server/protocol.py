@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator
 
 from tidal.server.errors import APIError, from_validation_errors
 
@@ -61,7 +61,12 @@ def _is_token_list(v: Any) -> bool:
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: Any  # str | list[int] | list[str] | list[list[int]]: checked below for a clear message
+    # str | list[int] | list[str] | list[list[int]]: checked below for a clear message
+    prompt: Annotated[Any, WithJsonSchema({"anyOf": [
+        {"type": "string"}, {"type": "array", "items": {"type": "integer"}, "minItems": 1},
+        {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        {"type": "array", "items": {"type": "array", "items": {"type": "integer"}, "minItems": 1}, "minItems": 1}],
+        "description": "a prompt, token ids, or a batch of either"})]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool | None = False

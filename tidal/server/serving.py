@@ -1,7 +1,9 @@
 """Request handling shared by the endpoints, and /v1/completions.
 
-A handler validates the body (protocol.py), tokenizes on the event loop (fast tokenizers, short
-calls) so that length errors are answered at once, translates the OpenAI fields to
+A handler validates the body (protocol.py), refuses a prompt too long to fit by its size in
+characters (before any tokenizing), tokenizes on a pool thread with a tokenizer of its own (so a
+long prompt never blocks the event loop, and the engine thread's tokenizer is never shared),
+translates the OpenAI fields to
 :class:`SamplingParams`, submits one engine request per prompt and pulls each one's first output
 before answering, so a full queue (503) or a rejected prompt (400) is an ordinary error response
 and never a broken stream.
@@ -9,10 +11,13 @@ and never a broken stream.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import Request, Response
@@ -33,6 +38,7 @@ from tidal.server.protocol import (
 )
 from tidal.server.streaming import (
     ClientDisconnected,
+    Drain,
     EngineStreams,
     EventStreamResponse,
     PromptInput,
@@ -42,6 +48,10 @@ from tidal.server.streaming import (
 MAX_N = 16
 MAX_PROMPTS = 1024  # prompts in one /v1/completions request
 MAX_LOGPROBS = 20
+# a prompt longer than max_model_len x this many characters cannot fit (no real tokenizer packs 32
+# characters into each of thousands of tokens): refused by its size, before it is tokenized
+MAX_CHARS_PER_TOKEN = 32
+MAX_STOP = 16  # stop strings per request (OpenAI allows 4; vLLM any number): more is a 400 naming the limit
 MIN_LOGPROB = -9999.0
 _SEED_RANGE = (-(2**63), 2**63 - 1 - MAX_N)  # torch generators take 64-bit seeds; n > 1 uses seed + i
 
@@ -55,16 +65,35 @@ def sse(payload: str) -> str:
     return f"data: {payload}\n\n"
 
 
+def _own_copy(tokenizer: Any) -> Any:
+    clone = getattr(tokenizer, "clone", None)
+    return clone() if callable(clone) else tokenizer
+
+
 class OpenAIServing:
     def __init__(self, llm: Any, model_name: str, metrics: ServerMetrics):
         self.llm = llm
         self.engine = llm.engine
-        self.tokenizer = llm.engine.tokenizer
+        # tokenizers of the server's own, never the engine thread's: one for short calls on the event
+        # loop (token strings of logprobs), one for the encoder pool (prompts, chat templates, /detokenize)
+        self.tokenizer = _own_copy(llm.engine.tokenizer)
+        self.encoder = _own_copy(llm.engine.tokenizer)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tidal-tokenize")
         self.model_name = model_name
         self.metrics = metrics
         self.max_model_len: int = llm.engine.max_model_len
+        self.max_prompt_chars = self.max_model_len * MAX_CHARS_PER_TOKEN
         self.vocab_size: int = llm.engine.arch.vocab_size
         self._token_strs: dict[int, str] = {}
+        self.drain = Drain()
+
+    def close(self) -> None:
+        """Stop the encoder pool (the app's shutdown)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def off_loop(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn`` on the encoder pool thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
     # ------------------------------------------------------------------ validation helpers
     def check_model(self, model: str | None) -> None:
@@ -78,11 +107,22 @@ class OpenAIServing:
             s = self._token_strs[token_id] = self.tokenizer.token_str(token_id)
         return s
 
-    def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    def check_text_size(self, n_chars: int, param: str) -> None:
+        if n_chars > self.max_prompt_chars:
+            raise APIError(f"{param}: the prompt has {n_chars} characters; this server takes at most "
+                           f"{self.max_prompt_chars} (its maximum context length, {self.max_model_len} tokens, "
+                           f"x {MAX_CHARS_PER_TOKEN} characters per token)", 400, param=param,
+                           code="context_length_exceeded")
+
+    async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        self.check_text_size(len(text), param)
         try:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            return await self.off_loop(self.encoder.encode, text, add_special_tokens=add_special_tokens)
         except Exception as e:  # e.g. lone surrogates the Rust tokenizer cannot take
             raise APIError(f"{param}: cannot tokenize the text ({type(e).__name__}: {e})", 400, param=param) from e
+
+    async def decode(self, ids: list[int]) -> str:
+        return await self.off_loop(self.encoder.decode, ids)
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
@@ -124,6 +164,9 @@ class OpenAIServing:
         if req.stream_options is not None and not req.stream:
             raise APIError("stream_options is only allowed when stream is true", 400, param="stream_options")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stop) > MAX_STOP:
+            raise APIError(f"stop: at most {MAX_STOP} stop strings per request, got {len(stop)}", 400,
+                           param="stop", code="invalid_value")
         try:
             return SamplingParams(
                 n=n, temperature=1.0 if req.temperature is None else req.temperature,
@@ -138,7 +181,7 @@ class OpenAIServing:
     # ------------------------------------------------------------------ running
     async def start_streams(self, request: Request, prompts: list[PromptInput], params: SamplingParams,
                             req: SamplingRequest, base_id: str, start: float, prompt_param: str) -> EngineStreams:
-        streams = EngineStreams(self.llm, self.metrics, start)
+        streams = EngineStreams(self.llm, self.metrics, start, self.drain)
         try:
             await run_watched(request, streams.start(prompts, params, base_id, req.priority or 0,
                                                      req.request_class or "online"))
@@ -173,19 +216,22 @@ class OpenAIServing:
             offset += len(s)
         return lp, offset
 
-    def completion_prompts(self, req: CompletionRequest) -> list[PromptInput]:
+    async def completion_prompts(self, req: CompletionRequest) -> list[PromptInput]:
         p = req.prompt
         items: list[Any] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
         if len(items) > MAX_PROMPTS:
             raise APIError(f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(items)}", 400,
                            param="prompt")
+        params = ["prompt" if len(items) == 1 else f"prompt.{i}" for i in range(len(items))]
+        for item, param in zip(items, params, strict=True):  # every size before any tokenizing
+            if isinstance(item, str):
+                self.check_text_size(len(item), param)
         out = []
-        for i, item in enumerate(items):
-            param = "prompt" if len(items) == 1 else f"prompt.{i}"
+        for item, param in zip(items, params, strict=True):
             if isinstance(item, str):
                 if not item:
                     raise APIError(f"{param}: the prompt is empty", 400, param=param)
-                out.append(PromptInput(item, self.encode(item, param)))
+                out.append(PromptInput(item, await self.encode(item, param)))
             else:
                 self.check_token_ids(item, param)
                 out.append(PromptInput(None, list(item)))
@@ -202,7 +248,7 @@ class OpenAIServing:
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
             raise APIError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", 400, param="logprobs")
         params = self.sampling_params(req, req.max_tokens, "max_tokens", req.logprobs)
-        prompts = self.completion_prompts(req)
+        prompts = await self.completion_prompts(req)
         for i, p in enumerate(prompts):
             self.check_length(p.token_ids, params.max_tokens, "prompt" if len(prompts) == 1 else f"prompt.{i}",
                               "max_tokens")
@@ -211,7 +257,7 @@ class OpenAIServing:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return EventStreamResponse(self._completion_events(streams, rid, params.n, include_usage,
-                                                               req.logprobs is not None))
+                                                               req.logprobs is not None), on_close=streams.aclose)
         try:
             finals = await run_watched(request, self._collect(streams))
         finally:

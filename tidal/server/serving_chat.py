@@ -58,14 +58,15 @@ class OpenAIServingChat(OpenAIServing):
             conv.append({"role": role, "content": text})
         return conv
 
-    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                    param: str = "messages") -> PromptInput:
+    async def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                          param: str = "messages") -> PromptInput:
         conv = self.conversation(messages, param)
+        self.check_text_size(sum(len(m["content"]) for m in conv), param)  # before the template runs
         try:
-            text = self.tokenizer.render_chat(conv, add_generation_prompt=add_generation_prompt)
+            text = await self.off_loop(self.encoder.render_chat, conv, add_generation_prompt=add_generation_prompt)
         except ValueError as e:  # no chat template, or the template refused the conversation
             raise APIError(str(e), 400, param=param) from e
-        return PromptInput(text, self.encode(text, param, add_special_tokens=False))
+        return PromptInput(text, await self.encode(text, param, add_special_tokens=False))
 
     def chat_logprobs(self, entries: list[TokenLogprobs], top_n: int) -> ChatChoiceLogprobs:
         content = []
@@ -97,13 +98,14 @@ class OpenAIServingChat(OpenAIServing):
         else:
             max_tokens, max_param = req.max_tokens, "max_tokens"
         params = self.sampling_params(req, max_tokens, max_param, (top_n or 0) if want_lp else None)
-        prompt = self.chat_prompt(req.messages, req.add_generation_prompt is not False)
+        prompt = await self.chat_prompt(req.messages, req.add_generation_prompt is not False)
         self.check_length(prompt.token_ids, params.max_tokens, "messages", max_param)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self.start_streams(request, [prompt], params, req, rid, start, "messages")
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return EventStreamResponse(self._chat_events(streams, rid, params.n, include_usage, want_lp, top_n or 0))
+            return EventStreamResponse(self._chat_events(streams, rid, params.n, include_usage, want_lp, top_n or 0),
+                                       on_close=streams.aclose)
         try:
             finals = await run_watched(request, self._collect(streams))
         finally:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -20,6 +21,7 @@ from starlette.types import Receive, Scope, Send
 
 from tidal.core.sampling import SamplingParams
 from tidal.engine.outputs import RequestOutput
+from tidal.server.errors import ServerShuttingDown
 from tidal.server.metrics import RequestTracker, ServerMetrics
 
 T = TypeVar("T")
@@ -62,9 +64,13 @@ class EventStreamResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str], **kw: Any):
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[Any]] | None = None,
+                 **kw: Any):
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(kw.pop("headers", None) or {})}
         super().__init__(content, headers=headers, **kw)
+        # also run when the body never started (the client left first): closing a generator that
+        # never ran does not run its ``finally``
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -81,6 +87,23 @@ class EventStreamResponse(StreamingResponse):
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 await aclose()
+            if self.on_close is not None:
+                await self.on_close()
+
+
+class Drain:
+    """The requests being answered, so that a shutdown can end them cleanly: :meth:`begin` (called
+    when the server stops accepting connections, before it waits for the open ones) makes every live
+    stream end with an error event and ``[DONE]``, and refuses new requests with 503."""
+
+    def __init__(self) -> None:
+        self.stopping = False
+        self.live: weakref.WeakSet[EngineStreams] = weakref.WeakSet()  # never what keeps one alive
+
+    def begin(self) -> None:
+        self.stopping = True
+        for s in list(self.live):
+            s.interrupt(ServerShuttingDown("the server is shutting down; retry the request"))
 
 
 @dataclass
@@ -92,10 +115,13 @@ class PromptInput:
 class EngineStreams:
     """One AsyncLLM stream per prompt of a request, started together and iterated as one."""
 
-    def __init__(self, llm: Any, metrics: ServerMetrics, start_time: float):
+    def __init__(self, llm: Any, metrics: ServerMetrics, start_time: float, drain: Drain | None = None):
         self.llm = llm
         self.metrics = metrics
         self.start_time = start_time
+        self.drain = drain
+        self._q: asyncio.Queue | None = None  # outputs of every live stream, while iterating
+        self._interrupt: BaseException | None = None
         self.gens: list[AsyncIterator[RequestOutput]] = []
         self.trackers: list[RequestTracker] = []
         self.firsts: list[RequestOutput] = []
@@ -106,6 +132,10 @@ class EngineStreams:
                     priority: int, request_class: str) -> None:
         """Submit every prompt and wait for each one's first output: a full queue, a rejected
         prompt or a dead engine raise here, before any response has been started."""
+        if self.drain is not None:
+            if self.drain.stopping:
+                raise ServerShuttingDown("the server is shutting down; retry the request")
+            self.drain.live.add(self)
         for i, p in enumerate(prompts):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
             self.gens.append(self.llm.generate(p.text, params, rid, prompt_token_ids=p.token_ids,
@@ -113,6 +143,11 @@ class EngineStreams:
             self.trackers.append(self.metrics.tracker(self.start_time))
         try:
             results = await asyncio.gather(*(g.__anext__() for g in self.gens), return_exceptions=True)
+        except asyncio.CancelledError:  # the client went away before the first output: an abort
+            for tr in self.trackers:
+                tr.num_choices = params.n
+            await self.aclose(count=True)  # closing the engine streams aborts their requests
+            raise
         except BaseException:
             await self.aclose(count=False)
             raise
@@ -128,20 +163,24 @@ class EngineStreams:
             tr.accepted(len(p.token_ids), params.n)
             tr.observe(out)
 
+    def interrupt(self, exc: BaseException) -> None:
+        """End the iteration with ``exc`` (from the event loop's thread)."""
+        self._interrupt = exc
+        if self._q is not None:
+            self._q.put_nowait((-1, exc))
+
     async def iterate(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, output) pairs, the first outputs included, until every stream finished."""
+        """(prompt index, output) pairs, the first outputs included, until every stream finished
+        (or :meth:`interrupt` ends it: the exception is raised here)."""
         for i, out in enumerate(self.firsts):
             yield i, out
         live = [i for i, out in enumerate(self.firsts) if not out.finished]
-        if len(live) == 1:
-            i = live[0]
-            async for out in self.gens[i]:
-                self.trackers[i].observe(out)
-                yield i, out
-            return
         if not live:
             return
         q: asyncio.Queue = asyncio.Queue()
+        self._q = q
+        if self._interrupt is not None:
+            raise self._interrupt
 
         async def pump(i: int) -> None:
             try:
@@ -172,9 +211,11 @@ class EngineStreams:
         if self._closed:
             return
         self._closed = True
+        if self.drain is not None:
+            self.drain.live.discard(self)
         for t in self._tasks:
             t.cancel()
-        if count and self.firsts:
+        if count:
             for tr in self.trackers:
                 tr.close()
         if self._tasks:
