@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 
 import tidal
 from tidal.core.policy import PolicyState
+from tidal.server import dashboard
 from tidal.server.errors import APIError, install_handlers
 from tidal.server.metrics import ServerMetrics, batch_size_cap
 from tidal.server.protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest, parse_body
@@ -60,6 +61,7 @@ def build_app(async_llm: Any, served_model_name: str | None = None) -> FastAPI:
     app.state.serving = serving
     app.state.metrics = metrics
     install_handlers(app)
+    dashboard.install(app, metrics)  # /dashboard and /admin/latency
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
