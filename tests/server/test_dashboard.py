@@ -11,7 +11,7 @@ import pytest
 
 from tests.server.browser import headless_chromium, screenshot, table, text, wait_for
 from tests.server.conftest import ServerProcess
-from tidal.server.dashboard import RecentLatency
+from tidal.server.dashboard import STATIC, RecentLatency
 
 FLAGS = ("--batching", "bucket+memory+sla", "--tbt-slo-ms", "200", "--max-num-seqs", "8",
          "--kv-cache-memory", "64MiB", "--num-threads", "1")
@@ -55,6 +55,22 @@ def test_recent_latency_buckets_by_wall_clock():
     assert s["totals"] == {"requests": 1, "first_tokens": 2, "tokens": 2}
     now[0] = 1100.0  # the window moved past both buckets
     assert r.series(30)["buckets"] == []
+
+
+def test_page_files_are_package_data():
+    """Every file of the page is in the wheel (pyproject's package-data) and read by the server."""
+    import fnmatch
+    import os
+
+    tomllib = pytest.importorskip("tomllib")
+    import tidal.server
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        globs = tomllib.load(f)["tool"]["setuptools"]["package-data"]["tidal.server"]
+    shipped = sorted(os.listdir(os.path.join(os.path.dirname(tidal.server.__file__), "static")))
+    assert shipped == sorted(STATIC)
+    assert all(any(fnmatch.fnmatch(f"static/{n}", g) for g in globs) for n in shipped)
 
 
 def test_dashboard_files_are_served(policy_server):

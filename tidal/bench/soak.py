@@ -355,6 +355,9 @@ class Soak:
             "rss_start_bytes": rss_start, "rss_end_bytes": rss_end,
             "health_samples": len(self.health), "health_statuses": dict(statuses),
             "health_always_200": bool(self.health) and set(statuses) == {"200"},
+            # a gap far above --health-interval: this client (or the whole machine) stalled, not only the server
+            "health_max_gap_s": max((b[0] - a[0] for a, b in zip(self.health, self.health[1:], strict=False)),
+                                    default=None),
             "health": self.health,
         }
 
@@ -379,6 +382,10 @@ def format_summary(r: dict[str, Any]) -> str:
     lines.append(f"{'server RSS start -> end':<34}{mib(r['rss_start_bytes']):>12} -> {mib(r['rss_end_bytes'])}")
     lines.append(f"{'/health samples':<34}{r['health_samples']:>12}  "
                  + ", ".join(f"{k}: {v}" for k, v in r["health_statuses"].items()))
+    gap = r.get("health_max_gap_s")
+    if gap is not None:
+        lines.append(f"{'longest gap between /health samples':<34}{gap:>10.1f} s  (interval "
+                     f"{r['config']['health_interval']:g} s; far more: the client or machine stalled)")
     for msg, n in r["errors"].items():
         lines.append(f"  {n} x {msg}")
     if not r["idle"]:

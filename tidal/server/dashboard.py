@@ -22,6 +22,8 @@ from typing import Any
 from fastapi import FastAPI, Query, Response
 from fastapi.responses import HTMLResponse, JSONResponse
 
+from tidal.server.errors import APIError
+
 BUCKET_S = 5.0
 WINDOW_S = 900.0  # the longest history kept (15 minutes)
 STATIC = ("dashboard.html", "dashboard.js", "chart.js")
@@ -125,7 +127,7 @@ def install(app: FastAPI, metrics: Any) -> RecentLatency:
     @app.get("/dashboard/{name}", include_in_schema=False)
     async def dashboard_file(name: str) -> Response:
         if name not in files or not name.endswith(".js"):
-            return JSONResponse({"error": {"message": f"no such file: {name}", "type": "not_found"}}, 404)
+            return APIError(f"no such file: /dashboard/{name}", 404, code="not_found").response()
         return Response(files[name], media_type="text/javascript", headers={"Cache-Control": "no-cache"})
 
     @app.get("/admin/latency")
