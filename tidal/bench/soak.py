@@ -100,6 +100,7 @@ class Soak:
         self.in_flight = 0
         self.t0 = time.monotonic()
         self.session: aiohttp.ClientSession | None = None
+        self.probe: dict[str, int] = {}  # outcomes of the capacity probe's requests
 
     # ---------------------------------------------------------------- one request of each kind
     def _body(self, stream: bool) -> dict[str, Any]:
@@ -257,21 +258,28 @@ class Soak:
         ``concurrency`` at a time, after a warm-up round (not counted)."""
         # warm-up, one round at that concurrency: a fresh server's first steps of each batch shape are slower
         await asyncio.gather(*(self.normal(stream=False) for _ in range(concurrency)))
-        queue = list(range(self.a.measure_requests))
-        ok = 0
+        left = self.a.measure_requests
+        outcomes: Counter[str] = Counter()
 
         async def worker() -> None:
-            nonlocal ok
-            while queue:
-                queue.pop()
-                ok += await self.normal(stream=False) == "completed"
+            nonlocal left
+            while left > 0:
+                left -= 1
+                out = await self.normal(stream=False)
+                outcomes[out if out in ("completed", "refused") else "failed"] += 1
+                if out == "refused":  # a full queue is not the service rate: try that one again shortly
+                    left += 1
+                    await asyncio.sleep(0.2)
+                if outcomes["refused"] + outcomes["failed"] > 4 * self.a.measure_requests:
+                    return
 
         t = time.monotonic()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.monotonic() - t
-        if ok == 0:
-            raise BenchError(f"no request of the capacity probe completed at {self.url}")
-        return ok / elapsed
+        self.probe = dict(outcomes)
+        if outcomes["completed"] == 0:
+            raise BenchError(f"no request of the capacity probe completed at {self.url}: {dict(outcomes)}")
+        return outcomes["completed"] / elapsed
 
     async def wait_idle(self) -> dict[str, Any] | None:
         deadline = time.monotonic() + self.a.idle_timeout
@@ -298,12 +306,10 @@ class Soak:
             health_task = asyncio.create_task(self.health_loop(stop_health))
             capacity, measured = self.a.capacity, self.a.capacity is None
             if capacity is None:
-                conc = int(start_state.get("scheduler", {}).get("max_num_seqs") or 8)
-                capacity = await self.measure_capacity(min(conc, self.a.measure_requests))
+                conc = min(int(start_state.get("scheduler", {}).get("max_num_seqs") or 8), self.a.measure_requests)
+                capacity = await self.measure_capacity(conc)
                 print(f"{PROG}: measured capacity {capacity:.3g} req/s ({self.a.measure_requests} requests, "
-                      f"max_tokens {self.a.max_tokens})", file=self.log, flush=True)
-            probe_counts = dict(self.counts)
-            self.counts.clear()
+                      f"{conc} at a time, max_tokens {self.a.max_tokens}; {self.probe})", file=self.log, flush=True)
             rate = self.a.multiple * capacity
             print(f"{PROG}: {self.a.duration:g} s at {rate:.3g} req/s ({self.a.multiple:g} x capacity) against "
                   f"{self.url}, {self.a.disconnect_fraction:.0%} disconnects, {self.a.malformed_fraction:.0%} malformed",
@@ -345,7 +351,7 @@ class Soak:
         c = self.counts
         return {
             "base_url": self.url, "model": self.model,
-            "capacity_rps": capacity, "capacity_measured": measured, "capacity_probe": probe_counts,
+            "capacity_rps": capacity, "capacity_measured": measured, "capacity_probe": self.probe,
             "multiple": self.a.multiple, "rate_rps": rate, "duration_s": arrivals_s,
             "sent": c["sent"], "completed": c["completed"], "refused": c["refused"], "failed": c["failed"],
             "disconnected": c["disconnected"], "disconnects_sent": c["disconnect_sent"],

@@ -3,7 +3,7 @@
 "use strict";
 
 (function () {
-  const PAD = { left: 52, right: 12, top: 22, bottom: 24 };
+  const PAD = { left: 52, right: 30, top: 22, bottom: 24 };
 
   function niceStep(max, ticks) {
     const raw = max / ticks;
