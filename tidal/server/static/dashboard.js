@@ -214,7 +214,7 @@
         const sp = await getJSON("/admin/splits");
         $("splits-section").hidden = false;
         fill("splits", sp.splits.slice(-15).reverse().map((e) => row([
-          e.request_id, e.pair.join(" -> "), e.split, e.prompt_len, e.whole_on, e.kv_bytes])));
+          e.request_id, e.pair.join(" -> "), e.split, e.prompt_len, e.predicted_output, e.whole_on, e.kv_bytes])));
       }
     } catch (e) {
       text("error", "cannot reach the server: " + e.message);
