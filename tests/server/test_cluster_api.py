@@ -104,3 +104,39 @@ def test_instance_breakdown_is_the_difference_of_the_counters():
     got = instance_breakdown(before, after)
     assert [(g["dispatched"], g["failures"], g["restarts"]) for g in got] == [(7, 1, 1), (3, 0, 0)]
     assert instance_breakdown(before, None) is None
+
+
+def test_grafana_queries_exist_in_single_and_cluster_servers(server, cluster_servers):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.server.grafana import exposed, load_dashboard, metric_names, queries
+
+    cluster = cluster_servers["colocate"].wait_ready()
+    names = set().union(*map(metric_names, queries(load_dashboard())))
+    assert not names - (exposed(server.url) | exposed(cluster.url))
+    fams = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{cluster.url}/metrics").text)}
+    caps = {s.labels["instance"]: s.value for s in fams["tidal:instance_batch_size_cap"].samples}
+    state = httpx.get(f"{cluster.url}/admin/state").json()["cluster"]["instances"]
+    assert caps == {str(i["index"]): i["batch_size_cap"] for i in state} and set(caps) == {"0", "1"}
+
+
+def test_dashboard_shows_every_instance(cluster_servers, tmp_path):
+    from tests.server.browser import headless_chromium, screenshot, table, text, wait_for
+
+    cluster = cluster_servers["colocate"].wait_ready()
+    with headless_chromium() as d:
+        d.get(f"{cluster.url}/dashboard")
+        wait_for(lambda: d.execute_script("return window.tidalDashboard && window.tidalDashboard.polls >= 2"), 60,
+                 "the page's first polls")
+        state = httpx.get(f"{cluster.url}/admin/state").json()
+        insts = state["cluster"]["instances"]
+        rows = table(d, "instances")
+        assert [r[0] for r in rows] == [str(i["index"]) for i in insts] == ["0", "1"]
+        for r, i in zip(rows, insts, strict=True):
+            assert r[1] == i["role"] and r[2] == "alive"
+            assert r[5] == f"{i['num_blocks'] - i['num_free_blocks']} / {i['num_blocks']}"
+            assert r[8] == str(i["batch_size_cap"]) and r[9] == str(i["token_budget"])
+        assert text(d, "v-kv-total") == str(state["stats"]["num_kv_blocks"])
+        assert text(d, "layout").startswith("colocate, 2 instances")
+        assert len(table(d, "policy")) == 0 or {r[0] for r in table(d, "policy")} <= {"0", "1"}
+        screenshot(d, tmp_path / "dashboard-cluster.png")

@@ -43,6 +43,10 @@ class InstanceStatus:
     step_decode_count: int = 0
     step_decode_context: float = 0.0
     batching: str = ""  # the batching policy it runs (with --prefill-batching the roles differ)
+    # the caps its policy set for that step, and the policy's state (PolicyState.to_dict()), for /admin/state
+    batch_size_cap: int | None = None
+    token_budget: int | None = None
+    policy: dict[str, Any] | None = None
 
 
 _STATUS_FIELDS = tuple(f.name for f in fields(InstanceStatus))

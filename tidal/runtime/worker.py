@@ -92,7 +92,9 @@ def instance_status(engine: Any, index: int, step_time_s: float | None = None) -
     hol = handoff_blocks(head.num_tokens, bs) if head is not None else 0
     return InstanceStatus(index, kv.num_blocks, kv.num_free_blocks, bs, sched.num_running, sched.num_waiting,
                           queued, step_time_s, sched.num_preemptions, hol, step_prefill_tokens=p,
-                          step_decode_count=d, step_decode_context=ctx, batching=engine.config.scheduler.batching)
+                          step_decode_count=d, step_decode_context=ctx, batching=engine.config.scheduler.batching,
+                          batch_size_cap=sched.last_caps.max_num_seqs, token_budget=sched.last_caps.token_budget,
+                          policy=engine.policy.state().to_dict())
 
 
 def _die_with_parent() -> None:

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 import tidal
 from tidal.core.policy import PolicyState
+from tidal.server import dashboard
 from tidal.server.errors import APIError, install_handlers
 from tidal.server.metrics import ServerMetrics, batch_size_cap
 from tidal.server.openapi import (
@@ -87,6 +88,7 @@ def build_app(async_llm: Any, served_model_name: str | None = None) -> FastAPI:
     install_handlers(app)
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
     body_errors = errors(400, 404, 413, 415)
+    dashboard.install(app, metrics)  # /dashboard and /admin/latency
 
     @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest),
               responses={**ok(CompletionResponse, "The completion (or its chunks, with stream)", stream=True),

@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -86,7 +86,9 @@ class _EngineCollector:
                   ("outstanding_requests", "outstanding", "Requests dispatched to the instance and unfinished."),
                   ("arrival_rate", "arrival_rate", "Requests dispatched to the instance per second (10 s window)."),
                   ("step_time_seconds", "step_time_ema_s", "Moving average of the instance's step time."),
-                  ("alive", "alive", "1 while the instance's worker is serving."))
+                  ("alive", "alive", "1 while the instance's worker is serving."),
+                  ("batch_size_cap", "batch_size_cap", "Cap on running requests the instance's policy set last step."),
+                  ("token_budget", "token_budget", "Token budget the instance's scheduler used for its last step."))
         for name, key, doc in series:
             g = GaugeMetricFamily(f"tidal:instance_{name}", doc, labels=["model_name", "instance", "role"])
             for inst in c["instances"]:
@@ -139,6 +141,7 @@ class ServerMetrics:
                                 "Requests refused at submission (queue full, rejected prompt, dead engine).",
                                 ["model_name", "status"], registry=r)
         r.register(_EngineCollector(llm, model_name))
+        ProcessCollector(registry=r)  # process_resident_memory_bytes and friends (the front end's process)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
