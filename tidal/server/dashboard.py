@@ -23,6 +23,7 @@ from fastapi import FastAPI, Query, Response
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from tidal.server.errors import APIError
+from tidal.server.openapi import errors, json_object
 
 BUCKET_S = 5.0
 WINDOW_S = 900.0  # the longest history kept (15 minutes)
@@ -130,7 +131,8 @@ def install(app: FastAPI, metrics: Any) -> RecentLatency:
             return APIError(f"no such file: /dashboard/{name}", 404, code="not_found").response()
         return Response(files[name], media_type="text/javascript", headers={"Cache-Control": "no-cache"})
 
-    @app.get("/admin/latency")
+    @app.get("/admin/latency", responses={**json_object("Recent TTFT, inter-token latency and finished requests"),
+                                          **errors(400)})
     async def admin_latency(window: float = Query(600.0, gt=0, le=WINDOW_S)) -> JSONResponse:
         """TTFT, inter-token latency and finished requests per ``bucket_s`` over the last ``window`` s."""
         return JSONResponse(recent.series(window))
