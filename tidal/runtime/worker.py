@@ -9,13 +9,15 @@ Commands (front end -> worker): ``add`` (with a split point for DynaServe's alph
 otherwise), ``reserve`` (DynaServe's beta part: hold blocks for KV that streams in while alpha
 computes), ``kv`` (one chunk of a paused import; the last one resumes it), ``finish`` (alpha's
 sampled tokens: resumes a reserved beta part), ``unsplit`` (alpha keeps the whole request),
+``drop`` (KunServe: become the head or the tail of a pipeline group, :mod:`tidal.runtime.group`),
 ``shutdown``.
 
 Messages (worker -> front end): ``ready``, ``out`` (RequestOutputs of a step plus the instance's
 status), ``rejected``, ``handoff`` (a prefill instance finished a request's prefill: its
 snapshot; chunks follow), ``kv`` (a chunk written), ``split_done`` (an alpha part reached its
 split point; all its chunks were sent), ``landed`` / ``refused`` (a hand-off's import or a
-reservation), ``fatal``.
+reservation), ``grouped`` (a drop took effect: the requests that moved here, the pool, the
+layers held), ``exchange_done`` (every request's KV is where the group needs it), ``fatal``.
 
 A prefill worker (BucketServe's disaggregation) pauses each request after its first token,
 then writes one KV chunk per loop turn between its steps, so it keeps computing while the
@@ -54,6 +56,7 @@ class WorkerConfig:
     layers_per_chunk: int = 8
     tokens_per_chunk: int = 0  # 0: a chunk spans all the request's tokens
     generation: int = 0  # restarts of this instance so far (tags its messages)
+    mb_min_tokens: int = 16  # KunServe Fig. 11's MIN: a step of this many tokens or fewer is one microbatch
 
 
 @dataclass
@@ -130,6 +133,8 @@ class Worker:
         self.exports: deque[_Export] = deque()
         self.handing_off: set[str] = set()
         self.importing: set[str] = set()  # paused imports whose KV chunks are still arriving
+        self.head: Any = None  # KunServe: this worker heads a pipeline group (tidal.runtime.group)
+        self.tail: Any = None  # or is the tail stage of one
         self.running = True
 
     # ---------------------------------------------------------------- messages
@@ -186,6 +191,8 @@ class Worker:
             for ex in list(self.exports):
                 if ex.request_id == rid:
                     self.exports.remove(ex)
+            if self.head is not None:
+                self.head.forget(rid)
         elif kind == "import":
             _, snap, paused = msg
             try:
@@ -205,6 +212,17 @@ class Worker:
                 self.importing.discard(rid)
                 e.resume_request(rid)
                 self.send("landed", rid)
+        elif kind == "drop":  # KunServe Sec. 4.1-4.2: become the head or the tail of a group
+            _, role, peer, address, drop = msg
+            from tidal.runtime.group import GroupHead, GroupTail
+
+            if role == "head":
+                self.head = GroupHead(self, peer, address, drop)
+                self.send("grouped", role, peer, self.head.moved, e.kv_manager.num_blocks, e.model.layer_ids)
+            else:
+                self.tail = GroupTail(self, peer, address, drop)
+                self.send("grouped", role, peer, self.tail.lost, e.kv_manager.num_blocks, e.model.layer_ids)
+            self.send("idle", self.status())
         elif kind == "shutdown":
             self.running = False
 
@@ -280,8 +298,14 @@ class Worker:
         poller = zmq.Poller()
         poller.register(self.cmd, zmq.POLLIN)
         while self.running:
-            busy = e.has_runnable_requests() or any(x.ready for x in self.exports)
-            if poller.poll(0 if busy else 100):
+            if self.tail is not None:  # a tail stage: the head's activations and KV, and our commands
+                self.tail.serve(0.02)
+                if poller.poll(0):
+                    self.handle(pickle.loads(self.cmd.recv()))
+                continue
+            busy = (e.has_runnable_requests() or any(x.ready for x in self.exports)
+                    or (self.head is not None and self.head.busy))
+            if poller.poll(0 if busy else 100 if self.head is None else 5):
                 while True:
                     try:
                         raw = self.cmd.recv(zmq.NOBLOCK)
@@ -294,6 +318,8 @@ class Worker:
                 break
             if self.exports:
                 self.write_one_chunk()
+            if self.head is not None:
+                self.head.pump()
             if e.has_runnable_requests():
                 t0 = time.perf_counter()
                 outs = e.step()
@@ -307,6 +333,9 @@ class Worker:
                 self.send("idle", self.status())
 
     def close(self) -> None:
+        for g in (self.head, self.tail):
+            if g is not None:
+                g.peer.close()
         # chunks of unfinished hand-offs that were already put are the front end's to release (it holds
         # their handles); the ones not yet put never existed
         self.cmd.close(0)

@@ -1,0 +1,108 @@
+"""``--kv-pressure drop`` on real worker processes: a 2-instance cluster with tiny KV pools throttles,
+the pure controller plans a drop, the two workers become a head (layers [0, 15)) and a tail
+([15, 30)) talking over their own socket, the requests in flight move / exchange KV (Sec. 4.2)
+and continue without recompute, the group serves the rest as one instance -- with the same greedy
+tokens as one engine with a large pool, and no KV block or shared-memory segment left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+
+from tidal.cluster.dispatch import ClusterLayout
+from tidal.config import ConfigError, EngineConfig
+from tidal.core.sampling import SamplingParams
+
+# 10 blocks of 16 tokens per instance: 160 tokens, for 8 requests of ~70-130 tokens each
+ENGINE = dict(dtype="float32", num_blocks_override=10, max_num_batched_tokens=64)
+PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+FILLER = "The harbour master counted the boats that came in with the morning tide. "
+
+
+def prompts(tokenizer) -> list[list[int]]:
+    out = []
+    for i in range(8):
+        ids = tokenizer.encode(f"Story {i}: " + FILLER * (4 + i % 4))
+        out.append(ids[: 60 + 8 * i])
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(make_engine, smol_tokenizer):
+    from tidal import LLM
+
+    outs = LLM.from_engine(make_engine(max_num_batched_tokens=64)).generate(
+        [{"prompt_token_ids": p} for p in prompts(smol_tokenizer)], PARAMS)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def shm_segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("tidal-kv")} if os.path.isdir("/dev/shm") else set()
+
+
+def _cluster(instances: int = 2, **engine):
+    from tidal.runtime.cluster import ClusterConfig, ClusterLLM
+
+    kw = dict(ENGINE, **engine)
+    return ClusterLLM(EngineConfig.from_kwargs(**kw),
+                      ClusterConfig(layout=ClusterLayout(instances, "colocate", 0), threads_per_instance=1,
+                                    layers_per_chunk=4, kv_pressure="drop"), kw)
+
+
+def test_drop_mode_needs_two_instances():
+    with pytest.raises(ConfigError, match="at least 2 instances"):
+        _cluster(1)
+
+
+def test_a_throttled_pair_drops_layers_and_serves_identically(smol_tokenizer, reference):
+    before = shm_segments()
+    llm = _cluster()
+    llm.start()
+    pids = [h.pid for h in llm.handles]
+    try:
+        ps = prompts(smol_tokenizer)
+
+        async def one(i: int) -> list[int]:
+            toks: list[int] = []
+            async for o in llm.generate(None, PARAMS, f"r{i}", prompt_token_ids=ps[i]):
+                toks += o.outputs[0].delta_token_ids
+            return toks
+
+        async def run():
+            return await asyncio.gather(*[one(i) for i in range(len(ps))])
+
+        assert asyncio.run(run()) == reference
+        kp = llm.stats["cluster"]["kv_pressure"]
+        assert kp["events_total"].get("throttle", 0) >= 1 and kp["events_total"]["drop"] == 1
+        assert sorted(kp["groups"][0]) == [0, 1]
+        assert kp["dropped_layers"] == {"0": 15, "1": 15}
+        done = [e for e in kp["events"] if e["kind"] == "exchange-done"]
+        assert done and done[0]["requests_exchanged"] + done[0]["requests_moved"] > 0, \
+            "no request lived through the drop"
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the head's idle report after its last step
+            st = llm.stats
+            if st["num_free_kv_blocks"] == st["num_kv_blocks"] and not st["num_requests_running"]:
+                break
+            time.sleep(0.1)
+        st = llm.stats
+        # one group: its head's pool, grown by the dropped layers (10 blocks of 30 layers before)
+        assert st["num_free_kv_blocks"] == st["num_kv_blocks"] > 100
+        head = kp["groups"][0][0]
+        assert st["cluster"]["instances"][head]["num_blocks"] == st["num_kv_blocks"]
+    finally:
+        llm.shutdown()
+    for pid in pids:  # every worker stopped, each by its own id
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"worker {pid} still running")
+    assert shm_segments() <= before

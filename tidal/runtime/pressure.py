@@ -1,0 +1,119 @@
+"""``--kv-pressure drop`` in the real cluster: the front end's side of KunServe.
+
+After each instance report the pure :class:`~tidal.cluster.pressure.KunServeController` reads
+the global monitor (throttle detection, Sec. 3; the Fig. 6 drop plan); a plan that merges two
+single instances is executed here: the first stage becomes the group's head, the second its tail
+(``drop`` commands; the workers then talk directly, :mod:`tidal.runtime.group`). The dispatcher
+stops routing to the tail at once (the group is seen through its head, whose pool is the
+group's); when the head reports ``grouped`` the tail's requests are the head's, and the plan is
+applied. Restore (Sec. 4.4) and groups of more than two are not executed in the runtime yet: no
+restore is decided, and a plan that needs more than a pair stays unexecuted (logged).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from tidal.cluster.pressure import (
+    DropPlan,
+    KunServeController,
+    ModelMemory,
+    PressureDecision,
+    RestorePolicy,
+)
+
+log = logging.getLogger("tidal.cluster")
+EVENT_LOG = 256  # pressure events kept for /admin/state
+
+
+@dataclass(frozen=True)
+class _NoRestore(RestorePolicy):
+    """Sec. 4.4's restore is not executed by the runtime yet: never decide one."""
+
+    def should_restore(self, used_blocks: int, queued_blocks: int, undropped_blocks: int) -> bool:
+        return False
+
+
+def model_memory(arch: Any, dtype_bytes: int) -> ModelMemory:
+    return ModelMemory(arch.num_layers, arch.params_per_layer() * dtype_bytes, arch.kv_bytes_per_token(dtype_bytes))
+
+
+class DropCoordinator:
+    def __init__(self, llm: Any, model: ModelMemory):
+        self.llm, self.model = llm, model
+        self.ctl: KunServeController | None = None
+        self.events: list[dict[str, Any]] = []
+        self.counts: Counter[str] = Counter()
+        self.executing: DropPlan | None = None
+        self.waiting_heads: set[int] = set()
+        self.dropped: dict[int, int] = {}  # instance -> decoder layers it dropped
+        self.layers: dict[int, list[int]] = {}  # instance -> [start, end) it holds, once grouped
+
+    def _record(self, d: PressureDecision) -> None:
+        self.counts[d.kind] += 1
+        self.events.append(d.to_dict())
+        del self.events[:-EVENT_LOG]
+
+    def tick(self, now: float) -> None:
+        """After a report (under the front end's lock): decide, and execute a new plan."""
+        llm = self.llm
+        if not llm._ready.is_set() or not all(r.alive for r in llm.monitor.instances):
+            return
+        if self.ctl is None:  # the undropped pools are the first real reports
+            self.ctl = KunServeController(llm.monitor, self.model, restore=_NoRestore(), recorder=self._record)
+        plan = self.ctl.decide(now)
+        if plan is None or not isinstance(plan, DropPlan):
+            return
+        pairs = plan.changed
+        if any(len(g) != 2 or any(len(self.ctl.group_of(i)) > 1 for i in g) for g in pairs):
+            log.warning("drop plan %s needs groups of more than two; not executed (not built yet)", plan.to_dict())
+            return
+        self.executing = plan
+        llm.monitor.on_groups(plan.groups)  # from now on the group takes requests through its head
+        for head, tail in pairs:
+            address = f"ipc://{os.path.join(llm._ipc_dir, f'group-{head}-{tail}')}"
+            hl, tl = plan.layers[head], plan.layers[tail]
+            llm._send(tail, ("drop", "tail", head, address, list(range(*hl))))
+            llm._send(head, ("drop", "head", tail, address, list(range(*tl))))
+            self.waiting_heads.add(head)
+            self.ctl.note("exchange", now, (head, tail), head_layers=list(hl), tail_layers=list(tl))
+
+    def on_grouped(self, i: int, role: str, peer: int, request_ids: list[str], num_blocks: int,
+                   layer_ids: list[int], now: float) -> None:
+        llm = self.llm
+        self.dropped[i] = self.model.num_layers - len(layer_ids)
+        self.layers[i] = [min(layer_ids), max(layer_ids) + 1]
+        if role == "tail":  # n > 1 requests the tail could not move: re-run them (recompute)
+            for rid in request_ids:
+                t = llm.by_wid.get(rid)
+                if t is not None:
+                    llm.monitor.on_finish(i, t.rid)
+                    llm._failover(t)
+            return
+        for rid in request_ids:  # the tail's requests now run on the head
+            t = llm.by_wid.get(rid)
+            if t is not None and t.instance == peer:
+                llm.monitor.on_finish(peer, t.rid)
+                llm.monitor.on_dispatch(i, t.rid, now)
+                t.instance = i
+        self.waiting_heads.discard(i)
+        if not self.waiting_heads and self.executing is not None and self.ctl is not None:
+            self.ctl.applied(self.executing, now)
+            self.executing = None
+
+    def on_exchange_done(self, i: int, peer: int, exchanged: int, moved: int, now: float) -> None:
+        if self.ctl is not None:
+            self.ctl.note("exchange-done", now, (i, peer), requests_exchanged=exchanged, requests_moved=moved)
+
+    def snapshot(self) -> dict[str, Any]:
+        groups = [list(g) for g in self.ctl.groups if len(g) > 1] if self.ctl is not None else []
+        return {"mode": "drop", "groups": groups, "dropped_layers": {str(k): v for k, v in self.dropped.items()},
+                "layers": {str(k): v for k, v in self.layers.items()}, "events_total": dict(self.counts),
+                "events": list(self.events[-32:]), "executing": self.executing is not None}
+
+
+__all__ = ["DropCoordinator", "model_memory"]
