@@ -57,6 +57,39 @@ def test_drop_mode_needs_two_instances():
         _cluster(1)
 
 
+def _serve_error(capsys, *args) -> str:
+    from tidal.cli import main
+
+    capsys.readouterr()  # what came before (a progress bar of save_pretrained)
+    assert main(["serve", "--port", "0", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err
+    return err
+
+
+def test_serve_drop_bad_input_is_one_line(capsys, tmp_path):
+    import transformers
+
+    err = _serve_error(capsys, "--kv-pressure", "drop")
+    assert "--kv-pressure drop needs at least 2 instances (got 1)" in err
+    cfg = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=32, num_attention_heads=2,
+                                   num_key_value_heads=1, vocab_size=64)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(tmp_path), safe_serialization=True)
+    err = _serve_error(capsys, "--model", str(tmp_path), "--instances", "2", "--kv-pressure", "drop")
+    assert "layers can be split into pipeline stages; this one has 1 layer" in err
+
+
+def _metrics(llm) -> dict[tuple[str, str], float]:
+    from tidal.server.metrics import _EngineCollector
+
+    out = {}
+    for fam in _EngineCollector(llm, "m").collect():
+        for smp in fam.samples:
+            label = smp.labels.get("kind", smp.labels.get("instance", ""))
+            out[(smp.name, label)] = smp.value
+    return out
+
+
 def test_a_throttled_pair_drops_layers_and_serves_identically(smol_tokenizer, reference):
     before = shm_segments()
     llm = _cluster()
@@ -93,6 +126,11 @@ def test_a_throttled_pair_drops_layers_and_serves_identically(smol_tokenizer, re
         assert st["num_free_kv_blocks"] == st["num_kv_blocks"] > 100
         head = kp["groups"][0][0]
         assert st["cluster"]["instances"][head]["num_blocks"] == st["num_kv_blocks"]
+        metrics = _metrics(llm)
+        assert metrics[("tidal:kv_pressure_events_total", "drop")] == 1
+        assert metrics[("tidal:kv_pressure_events_total", "exchange-done")] == 1
+        assert metrics[("tidal:instance_dropped_layers", "0")] == metrics[("tidal:instance_dropped_layers", "1")] == 15
+        assert metrics[("tidal:instance_num_kv_blocks_total", str(head))] == st["num_kv_blocks"]
     finally:
         llm.shutdown()
     for pid in pids:  # every worker stopped, each by its own id
