@@ -478,6 +478,8 @@ class ClusterLLM:
             self.pressure.on_grouped(i, *rest, now)
         elif kind == "exchange_done" and self.pressure is not None:
             self.pressure.on_exchange_done(i, *rest, now)
+        elif kind == "ungrouped" and self.pressure is not None:
+            self.pressure.on_ungrouped(i, *rest, now)
         elif kind == "rejected":
             rid, message, param = rest
             t = self.by_wid.pop(rid, None)
@@ -567,6 +569,8 @@ class ClusterLLM:
             return
         log.warning("instance %d died (%s); re-running its requests elsewhere", i, why)
         self.num_failures += 1
+        if self.pressure is not None:  # KunServe Sec. 4.4: its pipeline group dissolves
+            self.pressure.on_failure(i, self.now())
         lost = self.monitor.on_failure(i)
         if self.splitter is not None:
             self.splitter.on_failure(i)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import pickle
 import time
 from collections import deque
@@ -36,21 +37,37 @@ from tidal.engine.stage import TailStage, chunk_meta, eq1_flops
 
 log = logging.getLogger("tidal.worker")
 PEER_TIMEOUT_S = 120.0  # a peer that says nothing this long is gone (the front end sees its death)
+WATCH_S = 0.5  # how often a member waiting on its peer checks that the peer's process lives
+
+
+class PeerLost(RuntimeError):
+    """The other member of the group died (Sec. 4.4: the survivor restores its layers)."""
 
 
 class PeerLink:
     """One PAIR socket between the two members of a group."""
 
-    def __init__(self, ctx: Any, address: str, bind: bool):
+    def __init__(self, ctx: Any, address: str, bind: bool, peer_pid: int | None = None):
         import zmq
 
-        self.zmq = zmq
+        self.zmq, self.peer_pid = zmq, peer_pid
+        self._checked = time.monotonic()
         self.sock = ctx.socket(zmq.PAIR)
         self.sock.setsockopt(zmq.LINGER, 0)
         (self.sock.bind if bind else self.sock.connect)(address)
         self.backlog: deque[tuple[tuple, torch.Tensor | None]] = deque()  # read while waiting for something else
 
+    def _writable(self) -> None:
+        """A PAIR socket blocks a send while no peer is connected: wait in slices, watching the
+        peer's process (a dead peer raises :class:`PeerLost` instead of hanging the worker)."""
+        deadline = time.monotonic() + PEER_TIMEOUT_S
+        while not self.sock.poll(int(1000 * WATCH_S), self.zmq.POLLOUT):
+            self.check_peer()
+            if time.monotonic() > deadline:
+                raise PeerLost(f"the group's peer took no message for {PEER_TIMEOUT_S:.0f} s")
+
     def send(self, msg: tuple, tensor: torch.Tensor | None = None) -> None:
+        self._writable()
         if tensor is None:
             self.sock.send(pickle.dumps((msg, None), protocol=pickle.HIGHEST_PROTOCOL))
             return
@@ -58,11 +75,31 @@ class PeerLink:
         meta = pickle.dumps((msg, (tuple(t.shape), str(t.dtype).removeprefix("torch."))))
         self.sock.send_multipart([meta, memoryview(t.view(torch.uint8).numpy())], copy=False)
 
+    def check_peer(self, now: float | None = None) -> None:
+        """Raise :class:`PeerLost` when the peer's process is gone (a local worker; checked at most
+        every ``WATCH_S``)."""
+        now = time.monotonic() if now is None else now
+        if self.peer_pid is None or now - self._checked < WATCH_S:
+            return
+        self._checked = now
+        try:
+            os.kill(self.peer_pid, 0)
+        except ProcessLookupError:
+            raise PeerLost(f"the group's peer (pid {self.peer_pid}) is gone") from None
+        except PermissionError:
+            pass
+
     def recv(self, timeout_s: float | None) -> tuple[tuple, torch.Tensor | None] | None:
         if self.backlog:
             return self.backlog.popleft()
-        if timeout_s is not None and not self.sock.poll(int(timeout_s * 1000)):
-            return None
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:  # in slices, watching the peer's process meanwhile
+            wait = WATCH_S if deadline is None else min(WATCH_S, max(0.0, deadline - time.monotonic()))
+            if self.sock.poll(int(1000 * wait)):
+                break
+            self.check_peer()
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
         frames = self.sock.recv_multipart()
         msg, spec = pickle.loads(frames[0])
         if spec is None:
@@ -117,10 +154,10 @@ def _requests(engine: Any) -> list[tuple[str, Any]]:
 class GroupHead:
     """The head's side: built by the ``drop`` command, pumped once per worker loop turn."""
 
-    def __init__(self, worker: Any, tail_index: int, address: str, drop: Sequence[int]):
+    def __init__(self, worker: Any, tail_index: int, address: str, drop: Sequence[int], peer_pid: int | None):
         e = worker.engine
         self.worker, self.engine, self.tail_index = worker, e, tail_index
-        self.peer = PeerLink(worker.ctx, address, bind=True)
+        self.peer = PeerLink(worker.ctx, address, bind=True, peer_pid=peer_pid)
         self.queue: deque[tuple] = deque()  # ("kv", rid, block_table, handle, last) to send, one per turn
         self.exchanging: set[str] = set()  # paused until the tail says ok
         keep_tail = sorted(drop)
@@ -210,10 +247,10 @@ class GroupHead:
 class GroupTail:
     """The tail's side: hands its requests to the head, then serves activations and KV."""
 
-    def __init__(self, worker: Any, head_index: int, address: str, drop: Sequence[int]):
+    def __init__(self, worker: Any, head_index: int, address: str, drop: Sequence[int], peer_pid: int | None):
         e = worker.engine
         self.worker, self.engine, self.head_index = worker, e, head_index
-        self.peer = PeerLink(worker.ctx, address, bind=False)
+        self.peer = PeerLink(worker.ctx, address, bind=False, peer_pid=peer_pid)
         keep = [i for i in e.model.layer_ids if i not in set(drop)]
         from tidal.runtime.kv_transfer import iter_chunks
 
@@ -246,6 +283,7 @@ class GroupTail:
         """Handle the head's messages for up to ``timeout_s``; False when none came."""
         got = self.peer.recv(timeout_s)
         if got is None:
+            self.peer.check_peer()
             return False
         while got is not None:
             self._handle(*got)
@@ -274,4 +312,4 @@ class GroupTail:
             self.local.pop(msg[1], None)
 
 
-__all__ = ["GroupHead", "GroupTail", "PeerLink", "ZmqStageLink"]
+__all__ = ["GroupHead", "GroupTail", "PeerLink", "PeerLost", "ZmqStageLink"]

@@ -77,8 +77,9 @@ class DropCoordinator:
         for head, tail in pairs:
             address = f"ipc://{os.path.join(llm._ipc_dir, f'group-{head}-{tail}')}"
             hl, tl = plan.layers[head], plan.layers[tail]
-            llm._send(tail, ("drop", "tail", head, address, list(range(*hl))))
-            llm._send(head, ("drop", "head", tail, address, list(range(*tl))))
+            # each member watches the other's process (a local worker's pid; None: only a timeout)
+            llm._send(tail, ("drop", "tail", head, address, list(range(*hl)), llm.handles[head].pid))
+            llm._send(head, ("drop", "head", tail, address, list(range(*tl)), llm.handles[tail].pid))
             self.waiting_heads.add(head)
             self.ctl.note("exchange", now, (head, tail), head_layers=list(hl), tail_layers=list(tl))
 
@@ -108,6 +109,35 @@ class DropCoordinator:
     def on_exchange_done(self, i: int, peer: int, exchanged: int, moved: int, now: float) -> None:
         if self.ctl is not None:
             self.ctl.note("exchange-done", now, (i, peer), requests_exchanged=exchanged, requests_moved=moved)
+
+    def on_failure(self, i: int, now: float) -> None:
+        """Worker ``i`` died (Sec. 4.4): its group dissolves; each survivor is told to restore its
+        layers (it may have noticed first: then the command is a no-op there)."""
+        if self.ctl is None:
+            return
+        if self.executing is not None and any(i in g for g in self.executing.changed):
+            self.executing = None
+            self.waiting_heads.clear()
+        g = self.ctl.on_failure(i, now)
+        self.dropped.pop(i, None)
+        self.layers.pop(i, None)
+        for s in g:
+            if s != i:
+                self.llm._send(s, ("ungroup",))
+
+    def on_ungrouped(self, i: int, lost: list[str], num_blocks: int, now: float) -> None:
+        """A survivor restored its layers; the requests it held lost their KV of the peer's layers
+        and are re-run from their streamed tokens (recompute)."""
+        llm = self.llm
+        self.dropped.pop(i, None)
+        self.layers.pop(i, None)
+        if self.ctl is not None and len(self.ctl.group_of(i)) > 1:  # it noticed before the front end did
+            self.ctl.on_failure(i, now)
+        for rid in lost:
+            t = llm.by_wid.get(rid)
+            if t is not None and t.instance == i:
+                llm.monitor.on_finish(i, t.rid)
+                llm._failover(t)
 
     def snapshot(self) -> dict[str, Any]:
         groups = [list(g) for g in self.ctl.groups if len(g) > 1] if self.ctl is not None else []

@@ -30,6 +30,7 @@ pauses, its last chunks go, then ``split_done``, and its blocks are freed.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import os
 import pickle
@@ -213,18 +214,46 @@ class Worker:
                 e.resume_request(rid)
                 self.send("landed", rid)
         elif kind == "drop":  # KunServe Sec. 4.1-4.2: become the head or the tail of a group
-            _, role, peer, address, drop = msg
-            from tidal.runtime.group import GroupHead, GroupTail
+            _, role, peer, address, drop, peer_pid = msg
+            from tidal.runtime.group import GroupHead, GroupTail, PeerLost
 
-            if role == "head":
-                self.head = GroupHead(self, peer, address, drop)
-                self.send("grouped", role, peer, self.head.moved, e.kv_manager.num_blocks, e.model.layer_ids)
-            else:
-                self.tail = GroupTail(self, peer, address, drop)
-                self.send("grouped", role, peer, self.tail.lost, e.kv_manager.num_blocks, e.model.layer_ids)
+            try:
+                if role == "head":
+                    self.head = GroupHead(self, peer, address, drop, peer_pid)
+                    self.send("grouped", role, peer, self.head.moved, e.kv_manager.num_blocks, e.model.layer_ids)
+                else:
+                    self.tail = GroupTail(self, peer, address, drop, peer_pid)
+                    self.send("grouped", role, peer, self.tail.lost, e.kv_manager.num_blocks, e.model.layer_ids)
+            except PeerLost:
+                self.ungroup()
+                return
             self.send("idle", self.status())
+        elif kind == "ungroup":  # the peer failed (the front end saw it)
+            self.ungroup()
         elif kind == "shutdown":
             self.running = False
+
+    def ungroup(self) -> None:
+        """KunServe Sec. 4.4's fault tolerance: the group's other member is gone. Every request
+        here lost its KV of the peer's layers: abort them (``ungrouped`` names them; the front end
+        re-runs them from their streamed tokens); restore the dropped layers from the host copy
+        and serve alone. A no-op when this worker is not (or no longer) in a group."""
+        e = self.engine
+        g = self.head or self.tail
+        if g is None and not e.dropped_weight_bytes:
+            return
+        lost = list(e._groups)
+        e.abort_request(lost)
+        if self.head is not None:
+            for rid in {q[1] for q in self.head.queue}:
+                self.head.forget(rid)
+        e.set_stage_link(None)
+        if g is not None:
+            g.peer.close()
+        self.head = self.tail = None
+        e.restore_layers(sorted(e.dropped_weight_bytes))
+        self.send("ungrouped", lost, e.kv_manager.num_blocks)
+        self.send("idle", self.status())
 
     # ---------------------------------------------------------------- hand-offs (prefill role)
     def start_handoffs(self, outs: list) -> None:
@@ -293,44 +322,54 @@ class Worker:
     def run(self) -> None:
         import zmq
 
-        e = self.engine
+        from tidal.runtime.group import PeerLost
+
         self.send("ready", self.status())
         poller = zmq.Poller()
         poller.register(self.cmd, zmq.POLLIN)
         while self.running:
-            if self.tail is not None:  # a tail stage: the head's activations and KV, and our commands
-                self.tail.serve(0.02)
-                if poller.poll(0):
-                    self.handle(pickle.loads(self.cmd.recv()))
-                continue
-            busy = (e.has_runnable_requests() or any(x.ready for x in self.exports)
-                    or (self.head is not None and self.head.busy))
-            if poller.poll(0 if busy else 100 if self.head is None else 5):
-                while True:
-                    try:
-                        raw = self.cmd.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self.handle(pickle.loads(raw))
-                    if not self.running:
-                        break
-            if not self.running:
-                break
-            if self.exports:
-                self.write_one_chunk()
-            if self.head is not None:
-                self.head.pump()
-            if e.has_runnable_requests():
-                t0 = time.perf_counter()
-                outs = e.step()
-                dt = time.perf_counter() - t0
-                if self.cfg.role == "prefill":
-                    self.start_handoffs(outs)
-                if any(x.stream for x in self.exports):
-                    self.stream_splits()
-                self.send("out", outs, self.status(dt))
-            elif not busy:
-                self.send("idle", self.status())
+            try:
+                self._turn(poller)
+            except PeerLost as err:
+                log.warning("%s: restoring the dropped layers and serving alone", err)
+                self.ungroup()
+
+    def _turn(self, poller: Any) -> None:
+        """One turn of the loop: commands, one KV chunk, one step (or, on a tail, the head's work)."""
+        import zmq
+
+        e = self.engine
+        if self.tail is not None:  # a tail stage: the head's activations and KV, and our commands
+            self.tail.serve(0.02)
+            if poller.poll(0):
+                self.handle(pickle.loads(self.cmd.recv()))
+            return
+        busy = (e.has_runnable_requests() or any(x.ready for x in self.exports)
+                or (self.head is not None and self.head.busy))
+        if poller.poll(0 if busy else 100 if self.head is None else 5):
+            while True:
+                try:
+                    raw = self.cmd.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self.handle(pickle.loads(raw))
+                if not self.running:
+                    return
+        if self.exports:
+            self.write_one_chunk()
+        if self.head is not None:
+            self.head.pump()
+        if e.has_runnable_requests():
+            t0 = time.perf_counter()
+            outs = e.step()
+            dt = time.perf_counter() - t0
+            if self.cfg.role == "prefill":
+                self.start_handoffs(outs)
+            if any(x.stream for x in self.exports):
+                self.stream_splits()
+            self.send("out", outs, self.status(dt))
+        elif not busy:
+            self.send("idle", self.status())
 
     def close(self) -> None:
         for g in (self.head, self.tail):
@@ -346,6 +385,7 @@ class Worker:
 def worker_main(cfg: WorkerConfig) -> None:
     """Entry point of a worker process."""
     _die_with_parent()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every stack to stderr
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when workers stop
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s worker {cfg.index} %(levelname)s: %(message)s")
     worker = None
