@@ -12,7 +12,7 @@ import pytest
 
 from tests.engine.test_parity import mixed_prompts
 from tidal import LLM, SamplingParams
-from tidal.engine.stage import InProcessLink, TailStage, eq1_flops, split_microbatches
+from tidal.engine.stage import InProcessLink, TailStage, eq1_flops, restore_head, split_microbatches
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -93,7 +93,8 @@ def _outputs(engine, done):
     return done
 
 
-def test_head_tail_pair_after_a_drop_matches_one_engine(make_engine, prompts, reference):
+@pytest.mark.parametrize("restore", [False, True])
+def test_head_tail_pair_after_a_drop_matches_one_engine(make_engine, prompts, reference, restore):
     head = make_engine(max_num_batched_tokens=64, num_blocks_override=60)
     tail = make_engine(max_num_batched_tokens=64, num_blocks_override=60)
     L = head.arch.num_layers
@@ -132,8 +133,20 @@ def test_head_tail_pair_after_a_drop_matches_one_engine(make_engine, prompts, re
     # new requests arrive after the drop
     for i in (5, 6, 7):
         head.add_request(f"r{i}", None, GREEDY, prompt_token_ids=prompts[i])
+    if restore:  # Sec. 4.4: some steps as a pair, then the group dissolves with requests in flight
+        for _ in range(6):
+            for o in head.step():
+                if o.finished:
+                    done[o.request_id] = o.outputs[0].token_ids
+        live = [r for r in head.scheduler.requests.values() if r.num_computed_tokens]
+        assert live and any(r.output_token_ids for r in live)
+        back = {r.request_id: stage.export_kv(head.kv_manager.block_table(r.request_id), r.num_computed_tokens)
+                for r in live}
+        assert restore_head(head, back) == 60  # the pool of a whole instance again
+        assert head.model.layer_ids == list(range(L)) and head.runner.link is None
+        assert tail.restore_layers(tail.dropped_weight_bytes) == 60 and tail.model.layer_ids == list(range(L))
     _outputs(head, done)
     assert done == {f"r{i}": reference[i] for i in range(8)}
     assert any(k == 1 for _, k in link.sent), "no step was split into two microbatches"
-    assert head.kv_manager.num_free_blocks == n
+    assert head.kv_manager.num_free_blocks == head.kv_manager.num_blocks == (60 if restore else n)
     head.kv_manager.check_invariants()

@@ -104,6 +104,24 @@ class TailStage:
         """Sec. 4.2's exchange, landing side: KV of the tail's layers at the head's block ids."""
         self.engine.kv_cache.import_(block_table, kv, start=start)
 
+    def export_kv(self, block_table: Sequence[int], num_tokens: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Sec. 4.4's exchange back: KV of the tail's layers for tokens ``[0, num_tokens)`` at the
+        head's block ids."""
+        return self.engine.kv_cache.export(block_table, None, 0, num_tokens)
+
+
+def restore_head(head: Any, tail_kv: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]]) -> int:
+    """KunServe Sec. 4.4 on the head: reload the tail's layers (pool shrunk back, live blocks
+    relocated), write each request's KV of those layers (``tail_kv``, by request, exported by the
+    tail before the shrink: the copy is by token, so relocation does not matter), and run alone.
+    Raises ValueError, changing nothing, when the blocks in use would not fit the smaller pool."""
+    dropped = sorted(head.dropped_weight_bytes)
+    n = head.restore_layers(dropped)
+    for rid, kv in tail_kv.items():
+        head.import_kv(rid, kv, 0)
+    head.set_stage_link(None)
+    return n
+
 
 class InProcessLink:
     """A :class:`StageLink` to a :class:`TailStage` in this process (tests; no overlap)."""
@@ -120,4 +138,4 @@ class InProcessLink:
 
 
 __all__ = ["ChunkMeta", "InProcessLink", "StageLink", "TailStage", "chunk_meta", "chunks_from_meta", "eq1_flops",
-           "split_microbatches"]
+           "restore_head", "split_microbatches"]
