@@ -1,8 +1,10 @@
 """``--kv-pressure drop`` on real worker processes: a 2-instance cluster with tiny KV pools throttles,
 the pure controller plans a drop, the two workers become a head (layers [0, 15)) and a tail
 ([15, 30)) talking over their own socket, the requests in flight move / exchange KV (Sec. 4.2)
-and continue without recompute, the group serves the rest as one instance -- with the same greedy
-tokens as one engine with a large pool, and no KV block or shared-memory segment left behind."""
+and continue without recompute, the group serves the rest as one instance, and restores (Sec.
+4.4) once the KV in use falls below half of the undropped pools -- with the same greedy tokens
+as one engine with a large pool, and no KV block or shared-memory segment left behind. A worker
+killed inside the group: the survivor restores its layers, its requests re-run, tokens identical."""
 
 from __future__ import annotations
 
@@ -119,36 +121,52 @@ def _stopped(pids) -> None:
             raise AssertionError(f"worker {pid} still running")
 
 
-def test_a_throttled_pair_drops_layers_and_serves_identically(smol_tokenizer, reference):
+def test_a_throttled_pair_drops_layers_serves_identically_and_restores(smol_tokenizer, reference):
     before = shm_segments()
     llm = _cluster()
     llm.start()
     pids = [h.pid for h in llm.handles]
-    try:
-        assert _serve(llm, prompts(smol_tokenizer)) == reference[:8]
-        kp = llm.stats["cluster"]["kv_pressure"]
-        assert kp["events_total"].get("throttle", 0) >= 1 and kp["events_total"]["drop"] == 1
-        assert sorted(kp["groups"][0]) == [0, 1]
-        assert kp["dropped_layers"] == {"0": 15, "1": 15}
-        done = [e for e in kp["events"] if e["kind"] == "exchange-done"]
-        assert done and done[0]["requests_exchanged"] + done[0]["requests_moved"] > 0, \
-            "no request lived through the drop"
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:  # the head's idle report after its last step
+    grouped: list[dict] = []  # what /admin/state and /metrics showed while the group served
+
+    def watch() -> None:
+        kp = llm.pressure.snapshot()
+        if not grouped and kp["groups"] and kp["events_total"].get("exchange-done"):
             st = llm.stats
-            if st["num_free_kv_blocks"] == st["num_kv_blocks"] and not st["num_requests_running"]:
+            grouped.append({"kp": kp, "blocks": [r["num_blocks"] for r in st["cluster"]["instances"]],
+                            "total": st["num_kv_blocks"], "metrics": _metrics(llm)})
+
+    try:
+        assert _serve(llm, prompts(smol_tokenizer), watch) == reference[:8]
+        assert grouped, "the pair never served as a group"
+        g = grouped[0]
+        assert sorted(g["kp"]["groups"][0]) == [0, 1] and g["kp"]["dropped_layers"] == {"0": 15, "1": 15}
+        head = g["kp"]["groups"][0][0]
+        # the group's KV is its head's pool, grown by the dropped layers (10 blocks of 30 layers before)
+        assert g["total"] == g["blocks"][head] > 100
+        m = g["metrics"]
+        assert m[("tidal:kv_pressure_events_total", "drop")] == 1
+        assert m[("tidal:instance_dropped_layers", "0")] == m[("tidal:instance_dropped_layers", "1")] == 15
+        assert m[("tidal:instance_num_kv_blocks_total", str(head))] == g["total"]
+        # Sec. 4.4: once the KV in use falls below half of the undropped pools, the group restores
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            st = llm.stats
+            kp = st["cluster"]["kv_pressure"]
+            if (kp["events_total"].get("restore-done") and not kp["dropped_layers"]  # the tail's reload too
+                    and st["num_free_kv_blocks"] == st["num_kv_blocks"] == 20):
                 break
-            time.sleep(0.1)
-        st = llm.stats
-        # one group: its head's pool, grown by the dropped layers (10 blocks of 30 layers before)
-        assert st["num_free_kv_blocks"] == st["num_kv_blocks"] > 100
-        head = kp["groups"][0][0]
-        assert st["cluster"]["instances"][head]["num_blocks"] == st["num_kv_blocks"]
-        metrics = _metrics(llm)
-        assert metrics[("tidal:kv_pressure_events_total", "drop")] == 1
-        assert metrics[("tidal:kv_pressure_events_total", "exchange-done")] == 1
-        assert metrics[("tidal:instance_dropped_layers", "0")] == metrics[("tidal:instance_dropped_layers", "1")] == 15
-        assert metrics[("tidal:instance_num_kv_blocks_total", str(head))] == st["num_kv_blocks"]
+            time.sleep(0.2)
+        kinds = [e["kind"] for e in kp["events"]]
+        assert kinds[:2] == ["throttle", "drop"] and "restore-done" in kinds
+        done = [e for e in kp["events"] if e["kind"] == "exchange-done"]
+        assert done[0]["requests_exchanged"] + done[0]["requests_moved"] > 0, "no request lived through the drop"
+        assert kp["groups"] == [] and kp["dropped_layers"] == {}
+        # both whole again, each with exactly its own pool; every block free
+        assert [r["num_blocks"] for r in st["cluster"]["instances"]] == [10, 10]
+        assert st["num_free_kv_blocks"] == st["num_kv_blocks"] == 20
+        m = _metrics(llm)
+        assert m[("tidal:kv_pressure_events_total", "restore-done")] == 1
+        assert m[("tidal:instance_dropped_layers", "0")] == m[("tidal:instance_dropped_layers", "1")] == 0
     finally:
         llm.shutdown()
     _stopped(pids)

@@ -480,6 +480,8 @@ class ClusterLLM:
             self.pressure.on_exchange_done(i, *rest, now)
         elif kind == "ungrouped" and self.pressure is not None:
             self.pressure.on_ungrouped(i, *rest, now)
+        elif kind == "restored" and self.pressure is not None:
+            self.pressure.on_restored(i, *rest, now)
         elif kind == "rejected":
             rid, message, param = rest
             t = self.by_wid.pop(rid, None)

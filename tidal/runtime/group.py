@@ -123,8 +123,8 @@ class PeerLink:
         finally:
             self.backlog.extendleft(reversed(held))
 
-    def close(self) -> None:
-        self.sock.close(0)
+    def close(self, linger_ms: int = 0) -> None:
+        self.sock.close(linger_ms)
 
 
 class ZmqStageLink:
@@ -243,6 +243,43 @@ class GroupHead:
     def busy(self) -> bool:
         return bool(self.queue) or bool(self.exchanging)
 
+    def restore(self) -> bool:
+        """Sec. 4.4: the group dissolves. Requests with KV pause; the tail sends its layers' KV of
+        them back (chunks), the head reloads its dropped layers from the checkpoint, writes that
+        KV, resumes them and runs alone; the tail is told to restore too. False (nothing changed
+        but a pause and resume) when the blocks in use would not fit the head's whole pool."""
+        e, tr = self.engine, self.worker.transport
+        if self.busy:
+            return False
+        live = [(rid, r.num_computed_tokens) for rid, r in _requests(e)
+                if r.num_computed_tokens and rid not in e.scheduler.paused]
+        for rid, _ in live:
+            e.pause_request(rid)
+        self.num_back = len(live)  # requests that live through the restore (their KV comes back)
+        self.peer.send(("export_back", [(rid, list(e.kv_manager.block_table(rid)), n) for rid, n in live]))
+        (msg, _) = self.peer.wait_for("back")
+        handles: dict[str, list] = msg[1]
+        try:
+            e.restore_layers(sorted(e.dropped_weight_bytes))
+        except ValueError as err:
+            log.warning("restore refused: %s", err)
+            for hs in handles.values():
+                for h in hs:
+                    tr.release(h)
+            for rid, _ in live:
+                e.resume_request(rid)
+            return False
+        for rid, hs in handles.items():  # by token: the shrink's relocations do not matter
+            for h in hs:
+                e.import_kv(rid, tr.get(h), h.spec.start)
+                tr.release(h)
+        e.set_stage_link(None)
+        for rid, _ in live:
+            e.resume_request(rid)
+        self.peer.send(("dissolve",))
+        self.peer.close(linger_ms=5000)  # "dissolve" must still reach the tail
+        return True
+
 
 class GroupTail:
     """The tail's side: hands its requests to the head, then serves activations and KV."""
@@ -278,6 +315,7 @@ class GroupTail:
         e.resize_pool(msg[1])
         self.stage = TailStage(e)
         self.lost = lost
+        self.dissolved = False
 
     def serve(self, timeout_s: float) -> bool:
         """Handle the head's messages for up to ``timeout_s``; False when none came."""
@@ -287,7 +325,7 @@ class GroupTail:
             return False
         while got is not None:
             self._handle(*got)
-            got = self.peer.recv(0)
+            got = None if self.dissolved else self.peer.recv(0)
         return True
 
     def _handle(self, msg: tuple, t: torch.Tensor | None) -> None:
@@ -310,6 +348,17 @@ class GroupTail:
             self.peer.send(("ok", rid))
         elif kind == "forget":
             self.local.pop(msg[1], None)
+        elif kind == "export_back":  # Sec. 4.4: our layers' KV of the head's requests goes back
+            from tidal.runtime.kv_transfer import iter_chunks
+
+            out = {}
+            for rid, block_table, n in msg[1]:
+                kv = self.stage.export_kv(block_table, n)
+                out[rid] = [self.worker.transport.put(part, spec)
+                            for spec, part in iter_chunks(kv, 0, n, self.worker.cfg.layers_per_chunk)]
+            self.peer.send(("back", out))
+        elif kind == "dissolve":
+            self.dissolved = True
 
 
 __all__ = ["GroupHead", "GroupTail", "PeerLink", "PeerLost", "ZmqStageLink"]

@@ -6,8 +6,11 @@ single instances is executed here: the first stage becomes the group's head, the
 (``drop`` commands; the workers then talk directly, :mod:`tidal.runtime.group`). The dispatcher
 stops routing to the tail at once (the group is seen through its head, whose pool is the
 group's); when the head reports ``grouped`` the tail's requests are the head's, and the plan is
-applied. Restore (Sec. 4.4) and groups of more than two are not executed in the runtime yet: no
-restore is decided, and a plan that needs more than a pair stays unexecuted (logged).
+applied. When the controller decides a restore (Sec. 4.4: KV use below half of the undropped
+pools; only once the group's exchange is done), the head gets ``restore``: the tail's layers' KV
+comes back, both reload their dropped layers from the checkpoint and the group dissolves. A
+worker failure in a group restores the survivor. Groups of more than two are not executed yet: a
+plan that needs one stays unexecuted (logged).
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
 from tidal.cluster.pressure import (
@@ -23,19 +25,14 @@ from tidal.cluster.pressure import (
     KunServeController,
     ModelMemory,
     PressureDecision,
-    RestorePolicy,
+    RestorePlan,
 )
 
 log = logging.getLogger("tidal.cluster")
 EVENT_LOG = 256  # pressure events kept for /admin/state
 
 
-@dataclass(frozen=True)
-class _NoRestore(RestorePolicy):
-    """Sec. 4.4's restore is not executed by the runtime yet: never decide one."""
-
-    def should_restore(self, used_blocks: int, queued_blocks: int, undropped_blocks: int) -> bool:
-        return False
+RETRY_RESTORE_S = 2.0  # after a refused restore (the blocks in use did not fit), wait this long
 
 
 def model_memory(arch: Any, dtype_bytes: int) -> ModelMemory:
@@ -50,6 +47,9 @@ class DropCoordinator:
         self.counts: Counter[str] = Counter()
         self.executing: DropPlan | None = None
         self.waiting_heads: set[int] = set()
+        self.exchanging: set[int] = set()  # heads whose KV exchange is not done yet
+        self.restoring: RestorePlan | None = None
+        self.no_restore_until = 0.0
         self.dropped: dict[int, int] = {}  # instance -> decoder layers it dropped
         self.layers: dict[int, list[int]] = {}  # instance -> [start, end) it holds, once grouped
 
@@ -64,9 +64,16 @@ class DropCoordinator:
         if not llm._ready.is_set() or not all(r.alive for r in llm.monitor.instances):
             return
         if self.ctl is None:  # the undropped pools are the first real reports
-            self.ctl = KunServeController(llm.monitor, self.model, restore=_NoRestore(), recorder=self._record)
+            self.ctl = KunServeController(llm.monitor, self.model, recorder=self._record)
+        if self.executing is not None or self.exchanging or self.restoring is not None or now < self.no_restore_until:
+            self.ctl.observe(now)  # one change at a time: throttles and autoscale are still logged
+            return
         plan = self.ctl.decide(now)
-        if plan is None or not isinstance(plan, DropPlan):
+        if isinstance(plan, RestorePlan):
+            self.restoring = plan
+            llm._send(plan.group[0], ("restore",))  # the head drives it (tidal.runtime.group)
+            return
+        if plan is None:
             return
         pairs = plan.changed
         if any(len(g) != 2 or any(len(self.ctl.group_of(i)) > 1 for i in g) for g in pairs):
@@ -81,6 +88,7 @@ class DropCoordinator:
             llm._send(tail, ("drop", "tail", head, address, list(range(*hl)), llm.handles[head].pid))
             llm._send(head, ("drop", "head", tail, address, list(range(*tl)), llm.handles[tail].pid))
             self.waiting_heads.add(head)
+            self.exchanging.add(head)
             self.ctl.note("exchange", now, (head, tail), head_layers=list(hl), tail_layers=list(tl))
 
     def on_grouped(self, i: int, role: str, peer: int, request_ids: list[str], num_blocks: int,
@@ -107,8 +115,26 @@ class DropCoordinator:
             self.executing = None
 
     def on_exchange_done(self, i: int, peer: int, exchanged: int, moved: int, now: float) -> None:
+        self.exchanging.discard(i)
         if self.ctl is not None:
             self.ctl.note("exchange-done", now, (i, peer), requests_exchanged=exchanged, requests_moved=moved)
+
+    def on_restored(self, i: int, role: str, num_blocks: int, layer_ids: list[int], num_back: int,
+                    now: float) -> None:
+        """A member reloaded its layers (``role`` head / tail) or the head refused (the blocks in use
+        would not fit its whole pool: the group stays and the restore is decided again later)."""
+        plan, ctl = self.restoring, self.ctl
+        if role == "refused":
+            if ctl is not None and ctl.pending is plan:
+                ctl.pending = None  # the controller has no withdraw: clearing its pending plan is one
+            self.restoring, self.no_restore_until = None, now + RETRY_RESTORE_S
+            return
+        self.dropped.pop(i, None)
+        self.layers.pop(i, None)
+        if role == "head" and plan is not None and ctl is not None and ctl.pending is plan:
+            ctl.applied(plan, now)
+            ctl.note("restore-done", now, plan.group, num_blocks=num_blocks, requests_exchanged_back=num_back)
+            self.restoring = None
 
     def on_failure(self, i: int, now: float) -> None:
         """Worker ``i`` died (Sec. 4.4): its group dissolves; each survivor is told to restore its
@@ -118,6 +144,9 @@ class DropCoordinator:
         if self.executing is not None and any(i in g for g in self.executing.changed):
             self.executing = None
             self.waiting_heads.clear()
+        if self.restoring is not None and i in self.restoring.group:
+            self.restoring = None
+        self.exchanging.clear()
         g = self.ctl.on_failure(i, now)
         self.dropped.pop(i, None)
         self.layers.pop(i, None)
@@ -143,7 +172,8 @@ class DropCoordinator:
         groups = [list(g) for g in self.ctl.groups if len(g) > 1] if self.ctl is not None else []
         return {"mode": "drop", "groups": groups, "dropped_layers": {str(k): v for k, v in self.dropped.items()},
                 "layers": {str(k): v for k, v in self.layers.items()}, "events_total": dict(self.counts),
-                "events": list(self.events[-32:]), "executing": self.executing is not None}
+                "events": list(self.events[-32:]), "executing": self.executing is not None,
+                "restoring": self.restoring is not None}
 
 
 __all__ = ["DropCoordinator", "model_memory"]

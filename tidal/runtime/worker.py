@@ -230,6 +230,12 @@ class Worker:
             self.send("idle", self.status())
         elif kind == "ungroup":  # the peer failed (the front end saw it)
             self.ungroup()
+        elif kind == "restore":  # KunServe Sec. 4.4: the pressure is gone, the group dissolves
+            if self.head is not None and self.head.restore():
+                self.send("restored", "head", e.kv_manager.num_blocks, e.model.layer_ids, self.head.num_back)
+                self.head = None
+            else:
+                self.send("restored", "refused", e.kv_manager.num_blocks, e.model.layer_ids, 0)
         elif kind == "shutdown":
             self.running = False
 
@@ -341,6 +347,13 @@ class Worker:
         e = self.engine
         if self.tail is not None:  # a tail stage: the head's activations and KV, and our commands
             self.tail.serve(0.02)
+            if self.tail.dissolved:  # Sec. 4.4: reload the head's layers from the checkpoint, serve alone
+                self.tail.peer.close()
+                self.tail = None
+                e.restore_layers(sorted(e.dropped_weight_bytes))
+                self.send("restored", "tail", e.kv_manager.num_blocks, e.model.layer_ids, 0)
+                self.send("idle", self.status())
+                return
             if poller.poll(0):
                 self.handle(pickle.loads(self.cmd.recv()))
             return
