@@ -164,7 +164,7 @@ class GroupHead:
         # Sec. 4.2: every running request pauses; its KV of the tail's layers leaves before the drop
         exports = {}
         for rid, req in _requests(e):
-            if req.num_computed_tokens and rid not in e.scheduler.paused:
+            if req.num_computed_tokens and req in e.scheduler.running:
                 e.pause_request(rid)
                 exports[rid] = (req.num_computed_tokens, e.export_kv(rid, keep_tail, 0, req.num_computed_tokens))
         n_head = e.drop_layers(keep_tail)
@@ -241,7 +241,8 @@ class GroupHead:
 
     @property
     def busy(self) -> bool:
-        return bool(self.queue) or bool(self.exchanging)
+        """Chunks to write now (requests waiting for the tail's ``ok`` are only polled for)."""
+        return bool(self.queue)
 
     def restore(self) -> bool:
         """Sec. 4.4: the group dissolves. Requests with KV pause; the tail sends its layers' KV of
@@ -249,10 +250,10 @@ class GroupHead:
         KV, resumes them and runs alone; the tail is told to restore too. False (nothing changed
         but a pause and resume) when the blocks in use would not fit the head's whole pool."""
         e, tr = self.engine, self.worker.transport
-        if self.busy:
+        if self.queue or self.exchanging:  # the front end waits for exchange_done; be sure
             return False
         live = [(rid, r.num_computed_tokens) for rid, r in _requests(e)
-                if r.num_computed_tokens and rid not in e.scheduler.paused]
+                if r.num_computed_tokens and r in e.scheduler.running]
         for rid, _ in live:
             e.pause_request(rid)
         self.num_back = len(live)  # requests that live through the restore (their KV comes back)
@@ -298,7 +299,7 @@ class GroupTail:
                 lost.append(rid)  # n > 1: a snapshot moves one sequence; the front end re-runs it
                 continue
             req = group.children[0].request
-            if req.num_computed_tokens and rid not in e.scheduler.paused:
+            if req.num_computed_tokens and req in e.scheduler.running:
                 e.pause_request(rid)
             snap = e.export_request(rid)
             head_kv = {i: kv for i, kv in snap.kv.items() if i not in keep}

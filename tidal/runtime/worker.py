@@ -359,7 +359,7 @@ class Worker:
             return
         busy = (e.has_runnable_requests() or any(x.ready for x in self.exports)
                 or (self.head is not None and self.head.busy))
-        if poller.poll(0 if busy else 100 if self.head is None else 5):
+        if poller.poll(0 if busy else 100 if self.head is None else 20):  # a head also polls its tail's answers
             while True:
                 try:
                     raw = self.cmd.recv(zmq.NOBLOCK)
