@@ -44,6 +44,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     cfg = engine_config(args)  # policy names and parameters checked before anything loads
     layout = cluster_layout(args)
+    if args.kv_pressure != "preempt":  # one line naming why, before any worker starts
+        from tidal.cluster.pressure import check_pressure_mode
+        from tidal.engine.loader import load_checkpoint
+
+        try:
+            check_pressure_mode(args.kv_pressure, layout.instances, load_checkpoint(cfg.model.model).arch.num_layers,
+                                layout.mode != "colocate")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if args.backend == "ray":
         from tidal.runtime.backend import check_ray_available, check_reachable
 
@@ -64,7 +73,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         llm = ClusterLLM(cfg, ClusterConfig(layout=layout, prefill_batching=args.prefill_batching,
                                             router=args.router, backend=args.backend,
                                             ray_address=args.ray_address,
-                                            threads_per_instance=args.threads_per_instance, transport=transport),
+                                            threads_per_instance=args.threads_per_instance, transport=transport,
+                                            kv_pressure=args.kv_pressure),
                          engine_kwargs(args))
     app = build_app(llm, args.served_model_name)
     name = app.state.serving.model_name
@@ -125,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(s)
     add_scheduler_flags(s)
     add_cluster_flags(s)
+    s.add_argument("--kv-pressure", default="preempt", choices=["preempt", "drop"],
+                   help="what throttled instances (their queue's KV does not fit) do: preempt (the scheduler's "
+                        "--preemption-mode alone) or drop (KunServe: a pair drops half its layers each, grows "
+                        "its KV pools and serves as one pipeline; needs --instances >= 2)")
     s.set_defaults(func=_cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks")

@@ -257,6 +257,24 @@ def test_the_controller_drops_on_throttle_and_restores_when_calm():
     assert log[1].instances == (0, 1) and log[1].details["freed_bytes"] == 8 * LB
 
 
+def test_a_failure_in_a_group_dissolves_it_and_the_survivor_runs_whole():
+    log: list[PressureDecision] = []
+    mon = _monitor([(100, 5, 16, 9, 4, 60, None, 0, 30), (100, 70, 16, 2, 0, 0, None, 0, 0),
+                    (100, 70, 16, 2, 0, 0, None, 0, 0)])
+    ctl = KunServeController(mon, M8, recorder=log.append)
+    plan = ctl.decide(1.0)
+    ctl.applied(plan, 1.2)
+    (g,) = plan.changed
+    assert len(g) >= 2 and len(mon.routable()) == 3 - len(g) + 1
+    alone = [i for i in range(3) if i not in g]
+    for i in alone:
+        assert ctl.on_failure(i, 1.5) == (i,) and ctl.groups == plan.groups  # alone: nothing to restore
+    assert ctl.on_failure(g[1], 2.0) == g
+    assert ctl.groups == ((0,), (1,), (2,)) and all(ctl.layers[i] == (0, 8) for i in range(3))
+    assert [r.index for r in mon.routable()] == [0, 1, 2]
+    assert log[-1].kind == "restore" and log[-1].details == {"reason": "failure", "failed": g[1]}
+
+
 def test_the_controller_signals_autoscale_when_nothing_is_left_to_drop():
     log: list[PressureDecision] = []
     mon = _monitor([(100, 5, 16, 9, 4, 60, None, 0, 30), (100, 5, 16, 9, 4, 60, None, 0, 30)])

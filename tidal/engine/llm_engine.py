@@ -132,6 +132,8 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(num_blocks, cc.block_size, num_host)
         self.scheduler = Scheduler(sc, self.kv_manager, self.policy, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv_cache, seed=mc.seed)
+        self.pool_spare_bytes = 0  # KV memory too small for one more block (after a drop / restore)
+        self.dropped_weight_bytes: dict[int, int] = {}  # dropped layer -> its weights' bytes
         self.eos_token_ids = tuple(arch.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
         self._groups: dict[str, _Group] = {}
@@ -425,6 +427,88 @@ class LLMEngine:
                                  first.finish_time, sum(c.request.num_preemptions for c in group.children))
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs,
                              finished=all(ch.finish_reason is not None for ch in group.children), metrics=metrics)
+
+    # ------------------------------------------------------------------ KunServe drop / restore
+    @property
+    def pool_bytes(self) -> int:
+        """The memory the KV pool may use: its blocks plus what is left over below one block."""
+        return self.kv_cache.nbytes + self.pool_spare_bytes
+
+    def _set_pool(self, num_blocks: int, mem: int) -> None:
+        """Resize the pool to ``num_blocks`` within ``mem`` bytes (live blocks relocated on a
+        shrink); the rest of ``mem`` stays as spare bytes."""
+        bpb = self.kv_cache.bytes_per_block
+        if num_blocks * bpb > mem:
+            raise ValueError(f"{num_blocks} blocks of {bpb} bytes do not fit in {mem} bytes")
+        delta = num_blocks - self.kv_manager.num_blocks
+        if delta >= 0:
+            self.kv_manager.grow(delta)
+            self.kv_cache.grow(delta)
+        else:
+            moves = self.kv_manager.shrink(-delta)
+            if moves is None:
+                raise ValueError(f"cannot shrink the KV pool to {num_blocks} blocks: "
+                                 f"{self.kv_manager.num_blocks - self.kv_manager.num_free_blocks} are in use")
+            self.kv_cache.shrink(-delta, moves)
+        self.pool_spare_bytes = mem - num_blocks * bpb
+
+    def drop_layers(self, layer_ids: list[int] | range) -> int:
+        """KunServe Sec. 4.1's local memory manager: drop these decoder layers' weights and KV and
+        grow the pool by the freed bytes; the pool then holds exactly ``(its KV bytes + the freed
+        weight bytes) // bytes per block of the layers still here`` blocks. Block ids do not
+        change (the new blocks come on top). Returns the new number of blocks."""
+        ids = sorted(set(layer_ids))
+        present = set(self.model.layer_ids)
+        if not ids or not set(ids) <= present:
+            raise ValueError(f"layers {ids} are not all present here (present: {sorted(present)})")
+        if len(ids) == len(present):
+            raise ValueError("an instance keeps at least one decoder layer")
+        if self.kv_cache.num_host_blocks:
+            raise ValueError("layers cannot be dropped with swap preemption (the host pool is per layer)")
+        mem = self.pool_bytes  # before the drop: it includes the dropped layers' KV
+        for i in ids:
+            self.dropped_weight_bytes[i] = self.model.drop_layers([i])
+            mem += self.dropped_weight_bytes[i]
+        self.kv_cache.drop_layers(ids)
+        self._set_pool(mem // self.kv_cache.bytes_per_block, mem)
+        return self.kv_manager.num_blocks
+
+    def restore_layers(self, layer_ids: list[int] | range) -> int:
+        """Sec. 4.4: bring dropped layers back and shrink the pool by their weights and KV (live
+        blocks relocated). Refused, changing nothing, when the blocks in use would not fit. Their
+        KV starts empty: the requests in flight get theirs from the exchange back. Returns the
+        new number of blocks."""
+        ids = sorted(set(layer_ids))
+        if not ids or not set(ids) <= set(self.dropped_weight_bytes):
+            raise ValueError(f"layers {ids} were not dropped here")
+        mem = self.pool_bytes - sum(self.dropped_weight_bytes[i] for i in ids)
+        bpb = kv_block_bytes(self.arch, self.kv_cache.block_size, self.dtype, len(self.kv_cache.layers) + len(ids))
+        n = max(0, mem) // bpb
+        used = self.kv_manager.num_blocks - self.kv_manager.num_free_blocks
+        if n < used:
+            raise ValueError(f"cannot restore layers {ids}: {used} KV blocks are in use and only {n} would fit")
+        # shrink at the current layers' block size (relocating live blocks), then add the layers
+        self._set_pool(n, n * self.kv_cache.bytes_per_block)
+        self.kv_cache.add_layers(ids)
+        self.pool_spare_bytes = mem - n * bpb
+        # on CPU host memory is device memory: the "host copy" of every layer (Sec. 4.4, also
+        # for fault tolerance) is the checkpoint file itself, read (mmapped) again here
+        self.model.restore_layers(ids, self.checkpoint.weights())
+        for i in ids:
+            del self.dropped_weight_bytes[i]
+        return self.kv_manager.num_blocks
+
+    def resize_pool(self, num_blocks: int) -> None:
+        """Set the pool to ``num_blocks`` within its current bytes (a group's members agree on
+        one block count: the tail's pool mirrors the head's)."""
+        self._set_pool(num_blocks, self.pool_bytes)
+
+    def set_stage_link(self, link: Any, cost: Any = None, min_tokens: int = 1) -> None:
+        """Become the head of a group (``link`` to the tail; None: run alone again). ``cost``: Eq. 1
+        coefficients for the lookahead microbatches (Sec. 4.3); None runs one microbatch."""
+        if link is not None and self.kv_cache.num_host_blocks:
+            raise ValueError("a pipeline group does not swap (the host pool holds only this stage's layers)")
+        self.runner.link, self.runner.mb_cost, self.runner.mb_min_tokens = link, cost, min_tokens
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, Any]:

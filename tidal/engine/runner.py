@@ -11,10 +11,12 @@ import time
 
 import torch
 
+from tidal.cluster.pressure.lookahead import ChunkCost
 from tidal.core.plan import ScheduledChunk, StepPlan, StepResult
 from tidal.engine.kv_cache import PagedKVCache
 from tidal.engine.model import AttentionBatch, DecodeGroup, LlamaModel, PrefillSeq
 from tidal.engine.sampler import Sampler
+from tidal.engine.stage import StageLink, split_microbatches
 
 
 class ModelRunner:
@@ -26,6 +28,10 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.keep_logits = False  # tests: keep the last step's logits per request
         self.last_logits: dict[str, torch.Tensor] = {}
+        # KunServe: the head of a pipeline group hands its hidden states to the tail's layers
+        self.link: StageLink | None = None
+        self.mb_cost: ChunkCost | None = None  # Eq. 1 coefficients for the microbatch split
+        self.mb_min_tokens = 1  # Fig. 11's MIN: a step of this many tokens or fewer stays whole
 
     # ------------------------------------------------------------------ batch layout
     def _build_batch(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, AttentionBatch]:
@@ -89,6 +95,36 @@ class ModelRunner:
         return DecodeGroup(offset, len(decodes), torch.tensor(rows, dtype=torch.long, device=dev), mask)
 
     # ------------------------------------------------------------------ step
+    @staticmethod
+    def _sample_rows(chunks: list[ScheduledChunk]) -> tuple[list[int], list[ScheduledChunk]]:
+        """Logits only where a token is sampled: the last token of each finishing chunk."""
+        rows, sampling = [], []
+        offset = 0
+        for c in chunks:
+            offset += c.num_tokens
+            if c.sample:
+                rows.append(offset - 1)
+                sampling.append(c)
+        return rows, sampling
+
+    def _execute_pipelined(self, step_id: int, ordered: list[ScheduledChunk]
+                           ) -> tuple[torch.Tensor, list[ScheduledChunk]]:
+        """Head of a group: each microbatch runs the head's layers and goes to the tail (Sec. 4.3's
+        lookahead microbatches, Fig. 11: the head computes the second while the tail computes the
+        first); then the rows to sample come back, in microbatch order."""
+        mbs = split_microbatches(ordered, self.mb_cost, self.mb_min_tokens) if self.mb_cost else [ordered]
+        for k, mb in enumerate(mbs):
+            input_ids, batch = self._build_batch(mb)
+            self.link.send(step_id, k, self.model(self.model.embed(input_ids), batch, self.kv.layers), mb)
+        hs, sampling = [], []
+        for k, mb in enumerate(mbs):
+            h = self.link.recv(step_id, k)
+            rows, s = self._sample_rows(mb)
+            if rows:
+                hs.append(h[torch.tensor(rows, device=self.device)])
+                sampling += s
+        return (torch.cat(hs) if hs else torch.empty(0)), sampling
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
@@ -102,19 +138,15 @@ class ModelRunner:
         # decodes first, longest context first (groups of similar length pad little), then prefills
         ordered = (sorted((c for c in plan.chunks if c.is_decode), key=lambda c: -c.context_len)
                    + [c for c in plan.chunks if not c.is_decode])
-        input_ids, batch = self._build_batch(ordered)
-        h = self.model.embed(input_ids)
-        h = self.model(h, batch, self.kv.layers)
-        # logits only where a token is sampled: the last token of each finishing chunk
-        rows, sampling = [], []
-        offset = 0
-        for c in ordered:
-            offset += c.num_tokens
-            if c.sample:
-                rows.append(offset - 1)
-                sampling.append(c)
+        if self.link is None:
+            input_ids, batch = self._build_batch(ordered)
+            h = self.model(self.model.embed(input_ids), batch, self.kv.layers)
+            rows, sampling = self._sample_rows(ordered)
+            h = h[torch.tensor(rows, device=self.device)] if rows else h
+        else:
+            h, sampling = self._execute_pipelined(plan.step_id, ordered)
         if sampling:
-            logits = self.model.compute_logits(h[torch.tensor(rows, device=self.device)])
+            logits = self.model.compute_logits(h)
             if self.keep_logits:
                 self.last_logits = {c.request_id: logits[i].cpu() for i, c in enumerate(sampling)}
             tokens, lps = self.sampler.sample(

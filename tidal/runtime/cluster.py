@@ -43,7 +43,7 @@ from tidal.config import ConfigError, EngineConfig, default_cpu_threads
 from tidal.core.admission import admit
 from tidal.core.sampling import SamplingParams
 from tidal.engine.async_engine import EngineDeadError, QueueFullError
-from tidal.engine.llm_engine import RequestSnapshot
+from tidal.engine.llm_engine import RequestSnapshot, dtype_name
 from tidal.engine.outputs import RequestOutput
 from tidal.runtime.kv_transfer import build_transport
 from tidal.runtime.records import ClusterConfig, FrontEngine, Handoff, Tracked
@@ -64,6 +64,7 @@ class ClusterLLM:
         self.config, self.cluster = engine_config, cluster
         self.engine = FrontEngine(engine_config)
         self.layout = cluster.layout
+        self.pressure = self._pressure()  # --kv-pressure drop: KunServe's coordinator (else None)
         n = self.layout.instances
         self.threads = cluster.threads_per_instance or max(1, default_cpu_threads() // n)
         self.engine_kwargs = dict(engine_kwargs)
@@ -122,6 +123,25 @@ class ClusterLLM:
         addr = f"ipc://{os.path.join(self._ipc_dir, name)}"
         sock.bind(addr)
         return addr
+
+    def _pressure(self) -> Any:
+        from tidal.cluster.pressure import check_pressure_mode
+        from tidal.config import ConfigError
+
+        mode = self.cluster.kv_pressure
+        try:
+            check_pressure_mode(mode, self.layout.instances, self.engine.arch.num_layers, self.layout.mode != "colocate")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if mode == "migrate":
+            raise ConfigError("--kv-pressure migrate is not built in the runtime yet (tidal sim has it)")
+        if mode != "drop":
+            return None
+        from tidal.runtime.pressure import DropCoordinator, model_memory
+
+        mc = self.config.model
+        dtype_bytes = {"float32": 4}.get(dtype_name(mc.dtype, mc.device), 2)
+        return DropCoordinator(self, model_memory(self.engine.arch, dtype_bytes))
 
     def _make_backend(self) -> Any:
         from tidal.runtime.backend import ProcessBackend, RayBackend
@@ -258,8 +278,9 @@ class ClusterLLM:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             inst = self.monitor.instances
-            total = sum(r.num_blocks for r in inst if r.alive)
-            free = sum(r.num_free_blocks for r in inst if r.alive)
+            # a group's KV is its head's pool (a tail's pool mirrors it): count routable instances
+            total = sum(r.num_blocks for r in inst if r.routable)
+            free = sum(r.num_free_blocks for r in inst if r.routable)
             return {
                 "num_requests_running": sum(r.status.num_running for r in inst if r.alive),
                 "num_requests_waiting": sum(r.status.num_waiting for r in inst if r.alive)
@@ -271,7 +292,8 @@ class ClusterLLM:
                 "failovers": self.num_failovers,
                 "splits": self.num_splits, "kv_bytes_moved": self.kv_bytes_moved,
                 "cluster": {"mode": self.layout.mode, "router": self.cluster.router, "backend": self.cluster.backend,
-                            "threads_per_instance": self.threads, **self.monitor.snapshot(self.now())},
+                            "threads_per_instance": self.threads, **self.monitor.snapshot(self.now()),
+                            **({"kv_pressure": self.pressure.snapshot()} if self.pressure is not None else {})},
             }
 
     # ---------------------------------------------------------------- placing requests (under the lock)
@@ -472,6 +494,16 @@ class ClusterLLM:
             for t in list(self.requests.values()):
                 if t.handoff is not None and t.handoff.dst is None:
                     self._try_handoff(t)
+            if self.pressure is not None:
+                self.pressure.tick(now)
+        elif kind == "grouped" and self.pressure is not None:  # KunServe: a drop took effect on worker i
+            self.pressure.on_grouped(i, *rest, now)
+        elif kind == "exchange_done" and self.pressure is not None:
+            self.pressure.on_exchange_done(i, *rest, now)
+        elif kind == "ungrouped" and self.pressure is not None:
+            self.pressure.on_ungrouped(i, *rest, now)
+        elif kind == "restored" and self.pressure is not None:
+            self.pressure.on_restored(i, *rest, now)
         elif kind == "rejected":
             rid, message, param = rest
             t = self.by_wid.pop(rid, None)
@@ -561,6 +593,8 @@ class ClusterLLM:
             return
         log.warning("instance %d died (%s); re-running its requests elsewhere", i, why)
         self.num_failures += 1
+        if self.pressure is not None:  # KunServe Sec. 4.4: its pipeline group dissolves
+            self.pressure.on_failure(i, self.now())
         lost = self.monitor.on_failure(i)
         if self.splitter is not None:
             self.splitter.on_failure(i)

@@ -27,6 +27,7 @@ class ClusterConfig:
     tokens_per_chunk: int = 0
     restart: bool = True
     start_timeout_s: float = 600.0
+    kv_pressure: str = "preempt"  # preempt | drop (KunServe: tidal.runtime.pressure)
 
 
 @dataclass

@@ -10,13 +10,15 @@ otherwise), ``reserve`` (DynaServe's beta part: a paused request for KV that str
 alpha computes; it takes blocks chunk by chunk as the KV lands), ``kv`` (one chunk of a paused
 import; the last one resumes it), ``finish`` (alpha's sampled tokens and the time of its last
 one: resumes a reserved beta part once all its KV is here), ``unsplit`` (alpha keeps the whole
-request), ``shutdown``.
+request), ``drop`` (KunServe: become the head or the tail of a pipeline group,
+:mod:`tidal.runtime.group`), ``shutdown``.
 
 Messages (worker -> front end): ``ready``, ``out`` (RequestOutputs of a step plus the instance's
 status), ``rejected``, ``handoff`` (a prefill instance finished a request's prefill: its
 snapshot; chunks follow), ``kv`` (a chunk written), ``split_done`` (an alpha part reached its
 split point; all its chunks were sent), ``landed`` / ``refused`` (a hand-off's import or a
-reservation), ``fatal``.
+reservation), ``grouped`` (a drop took effect: the requests that moved here, the pool, the
+layers held), ``exchange_done`` (every request's KV is where the group needs it), ``fatal``.
 
 A prefill worker (BucketServe's disaggregation) pauses each request after its first token,
 then writes one KV chunk per loop turn between its steps, so it keeps computing while the
@@ -29,6 +31,7 @@ pauses, its last chunks go, then ``split_done``, and its blocks are freed.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import os
 import pickle
@@ -55,6 +58,7 @@ class WorkerConfig:
     layers_per_chunk: int = 8
     tokens_per_chunk: int = 0  # 0: a chunk spans all the request's tokens
     generation: int = 0  # restarts of this instance so far (tags its messages)
+    mb_min_tokens: int = 16  # KunServe Fig. 11's MIN: a step of this many tokens or fewer is one microbatch
 
 
 @dataclass
@@ -136,6 +140,8 @@ class Worker:
         # per import, the chunks (and a beta part's ``finish``) that arrived but wait for blocks,
         # in arrival order: an import holds blocks only for the KV that has landed
         self.waiting_kv: dict[str, deque] = {}
+        self.head: Any = None  # KunServe: this worker heads a pipeline group (tidal.runtime.group)
+        self.tail: Any = None  # or is the tail stage of one
         self.running = True
 
     # ---------------------------------------------------------------- messages
@@ -192,6 +198,8 @@ class Worker:
             for ex in list(self.exports):
                 if ex.request_id == rid:
                     self.exports.remove(ex)
+            if self.head is not None:
+                self.head.forget(rid)
         elif kind == "import":
             _, snap, paused = msg
             try:
@@ -207,8 +215,55 @@ class Worker:
                 return  # not ours (refused or aborted): the front end still owns the handle
             self.waiting_kv.setdefault(rid, deque()).append(msg)
             self.land_arrived()
+        elif kind == "drop":  # KunServe Sec. 4.1-4.2: become the head or the tail of a group
+            _, role, peer, address, drop, peer_pid = msg
+            from tidal.runtime.group import GroupHead, GroupTail, PeerLost
+
+            try:
+                if role == "head":
+                    self.head = GroupHead(self, peer, address, drop, peer_pid)
+                    self.send("grouped", role, peer, self.head.moved, e.kv_manager.num_blocks, e.model.layer_ids)
+                else:
+                    self.tail = GroupTail(self, peer, address, drop, peer_pid)
+                    self.send("grouped", role, peer, self.tail.lost, e.kv_manager.num_blocks, e.model.layer_ids)
+            except PeerLost:
+                self.ungroup()
+                return
+            self.send("idle", self.status())
+        elif kind == "ungroup":  # the peer failed (the front end saw it)
+            self.ungroup()
+        elif kind == "restore":  # KunServe Sec. 4.4: the pressure is gone, the group dissolves
+            if self.head is not None and self.head.restore():
+                self.send("restored", "head", e.kv_manager.num_blocks, e.model.layer_ids, self.head.num_back)
+                self.head = None
+            else:
+                self.send("restored", "refused", e.kv_manager.num_blocks, e.model.layer_ids, 0)
         elif kind == "shutdown":
             self.running = False
+
+    def ungroup(self) -> None:
+        """KunServe Sec. 4.4's fault tolerance: the group's other member is gone. Every request
+        here lost its KV of the peer's layers: abort them (``ungrouped`` names them; the front end
+        re-runs them from their streamed tokens); restore the dropped layers from the host copy
+        and serve alone. A no-op when this worker is not (or no longer) in a group."""
+        e = self.engine
+        g = self.head or self.tail
+        if g is None and not e.dropped_weight_bytes:
+            return
+        lost = list(e._groups)
+        e.abort_request(lost)
+        self.waiting_kv.clear()  # their chunks' handles are the front end's to release
+        self.importing.clear()
+        if self.head is not None:
+            for rid in {q[1] for q in self.head.queue}:
+                self.head.forget(rid)
+        e.set_stage_link(None)
+        if g is not None:
+            g.peer.close()
+        self.head = self.tail = None
+        e.restore_layers(sorted(e.dropped_weight_bytes))
+        self.send("ungrouped", lost, e.kv_manager.num_blocks)
+        self.send("idle", self.status())
 
     # ---------------------------------------------------------------- imports
     def land_arrived(self) -> None:
@@ -316,44 +371,72 @@ class Worker:
     def run(self) -> None:
         import zmq
 
-        e = self.engine
+        from tidal.runtime.group import PeerLost
+
         self.send("ready", self.status())
         poller = zmq.Poller()
         poller.register(self.cmd, zmq.POLLIN)
         while self.running:
-            busy = e.has_runnable_requests() or any(x.ready for x in self.exports)
-            if poller.poll(0 if busy else 100):
-                while True:
-                    try:
-                        raw = self.cmd.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self.handle(pickle.loads(raw))
-                    if not self.running:
-                        break
-            if not self.running:
-                break
-            if self.exports:
-                self.write_one_chunk()
-            if e.has_runnable_requests():
-                t0 = time.perf_counter()
-                outs = e.step()
-                dt = time.perf_counter() - t0
-                if self.cfg.role == "prefill":
-                    self.start_handoffs(outs)
-                if any(x.stream for x in self.exports):
-                    self.stream_splits()
-                if self.waiting_kv:
-                    self.land_arrived()  # the step may have freed blocks
-                self.send("out", outs, self.status(dt))
-            elif self.waiting_kv and not self.exports:
-                self.land_arrived()
-                if self.waiting_kv and not e.has_runnable_requests():
-                    self.refuse_stuck_import()
-            elif not busy:
+            try:
+                self._turn(poller)
+            except PeerLost as err:
+                log.warning("%s: restoring the dropped layers and serving alone", err)
+                self.ungroup()
+
+    def _turn(self, poller: Any) -> None:
+        """One turn of the loop: commands, one KV chunk, one step (or, on a tail, the head's work)."""
+        import zmq
+
+        e = self.engine
+        if self.tail is not None:  # a tail stage: the head's activations and KV, and our commands
+            self.tail.serve(0.02)
+            if self.tail.dissolved:  # Sec. 4.4: reload the head's layers from the checkpoint, serve alone
+                self.tail.peer.close()
+                self.tail = None
+                e.restore_layers(sorted(e.dropped_weight_bytes))
+                self.send("restored", "tail", e.kv_manager.num_blocks, e.model.layer_ids, 0)
                 self.send("idle", self.status())
+                return
+            if poller.poll(0):
+                self.handle(pickle.loads(self.cmd.recv()))
+            return
+        busy = (e.has_runnable_requests() or any(x.ready for x in self.exports)
+                or (self.head is not None and self.head.busy))
+        if poller.poll(0 if busy else 100 if self.head is None else 20):  # a head also polls its tail's answers
+            while True:
+                try:
+                    raw = self.cmd.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self.handle(pickle.loads(raw))
+                if not self.running:
+                    return
+        if self.exports:
+            self.write_one_chunk()
+        if self.head is not None:
+            self.head.pump()
+        if e.has_runnable_requests():
+            t0 = time.perf_counter()
+            outs = e.step()
+            dt = time.perf_counter() - t0
+            if self.cfg.role == "prefill":
+                self.start_handoffs(outs)
+            if any(x.stream for x in self.exports):
+                self.stream_splits()
+            if self.waiting_kv:
+                self.land_arrived()  # the step may have freed blocks
+            self.send("out", outs, self.status(dt))
+        elif self.waiting_kv and not self.exports:
+            self.land_arrived()
+            if self.waiting_kv and not e.has_runnable_requests():
+                self.refuse_stuck_import()
+        elif not busy:
+            self.send("idle", self.status())
 
     def close(self) -> None:
+        for g in (self.head, self.tail):
+            if g is not None:
+                g.peer.close()
         # chunks of unfinished hand-offs that were already put are the front end's to release (it holds
         # their handles); the ones not yet put never existed
         self.cmd.close(0)
@@ -364,6 +447,7 @@ class Worker:
 def worker_main(cfg: WorkerConfig) -> None:
     """Entry point of a worker process."""
     _die_with_parent()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every stack to stderr
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when workers stop
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s worker {cfg.index} %(levelname)s: %(message)s")
     worker = None

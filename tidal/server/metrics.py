@@ -114,6 +114,20 @@ class _EngineCollector:
             yield cnt
         yield self._gauge("tidal:pending_handoffs", "Prefilled requests waiting for room on a decode instance.",
                           c.get("pending_handoffs", 0))
+        kp = c.get("kv_pressure")
+        if isinstance(kp, dict):  # --kv-pressure drop (KunServe); KV capacity is instance_num_kv_blocks_total
+            from tidal.cluster.pressure import KINDS
+
+            ev = CounterMetricFamily("tidal:kv_pressure_events", "KV-pressure decisions and their execution "
+                                     "(throttle, drop, exchange, exchange-done, ...).", labels=["model_name", "kind"])
+            for kind in KINDS:
+                ev.add_metric([self.model_name, kind], float(kp["events_total"].get(kind, 0)))
+            yield ev
+            g = GaugeMetricFamily("tidal:instance_dropped_layers", "Decoder layers the instance dropped (KunServe).",
+                                  labels=["model_name", "instance"])
+            for inst in c["instances"]:
+                g.add_metric([self.model_name, str(inst["index"])], float(kp["dropped_layers"].get(str(inst["index"]), 0)))
+            yield g
 
 
 class ServerMetrics:

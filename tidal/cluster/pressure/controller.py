@@ -111,6 +111,23 @@ class KunServeController:
                 self.autoscale.on_restore()
         self.monitor.on_groups(self.groups)
 
+    def on_failure(self, index: int, now: float) -> tuple[int, ...]:
+        """Sec. 4.4's fault tolerance: instance ``index`` failed. Its group dissolves; every member
+        holds all layers again (the survivors restore theirs from their host copy, the failed one
+        restarts whole). A pending plan touching the group is void. Returns the group (``(index,)``
+        when it ran alone)."""
+        g = self.group_of(index)
+        if len(g) == 1:
+            return g
+        if self.pending is not None and (any(i in g for gr in getattr(self.pending, "changed", ()) for i in gr)
+                                         or getattr(self.pending, "group", None) == g):
+            self.pending = None
+        self.groups = tuple(sorted([x for x in self.groups if x != g] + [(i,) for i in g], key=min))
+        self.layers.update({i: (0, self.model.num_layers) for i in g})
+        self.note("restore", now, g, reason="failure", failed=index)
+        self.monitor.on_groups(self.groups)
+        return g
+
     # ---------------------------------------------------------------- state
     def usage(self) -> float:
         """The cluster's KV demand (in use plus queued) over what it holds now."""

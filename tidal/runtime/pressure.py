@@ -1,0 +1,179 @@
+"""``--kv-pressure drop`` in the real cluster: the front end's side of KunServe.
+
+After each instance report the pure :class:`~tidal.cluster.pressure.KunServeController` reads
+the global monitor (throttle detection, Sec. 3; the Fig. 6 drop plan); a plan that merges two
+single instances is executed here: the first stage becomes the group's head, the second its tail
+(``drop`` commands; the workers then talk directly, :mod:`tidal.runtime.group`). The dispatcher
+stops routing to the tail at once (the group is seen through its head, whose pool is the
+group's); when the head reports ``grouped`` the tail's requests are the head's, and the plan is
+applied. When the controller decides a restore (Sec. 4.4: KV use below half of the undropped
+pools; only once the group's exchange is done), the head gets ``restore``: the tail's layers' KV
+comes back, both reload their dropped layers from the checkpoint and the group dissolves. A
+worker failure in a group restores the survivor. Groups of more than two are not executed yet: a
+plan that needs one stays unexecuted (logged).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from typing import Any
+
+from tidal.cluster.pressure import (
+    DropPlan,
+    KunServeController,
+    ModelMemory,
+    PressureDecision,
+    RestorePlan,
+)
+
+log = logging.getLogger("tidal.cluster")
+EVENT_LOG = 256  # pressure events kept for /admin/state
+
+
+RETRY_RESTORE_S = 2.0  # after a refused restore (the blocks in use did not fit), wait this long
+
+
+def model_memory(arch: Any, dtype_bytes: int) -> ModelMemory:
+    return ModelMemory(arch.num_layers, arch.params_per_layer() * dtype_bytes, arch.kv_bytes_per_token(dtype_bytes))
+
+
+class DropCoordinator:
+    def __init__(self, llm: Any, model: ModelMemory):
+        self.llm, self.model = llm, model
+        self.ctl: KunServeController | None = None
+        self.events: list[dict[str, Any]] = []
+        self.counts: Counter[str] = Counter()
+        self.executing: DropPlan | None = None
+        self.waiting_heads: set[int] = set()
+        self.exchanging: set[int] = set()  # heads whose KV exchange is not done yet
+        self.restoring: RestorePlan | None = None
+        self.no_restore_until = 0.0
+        self.dropped: dict[int, int] = {}  # instance -> decoder layers it dropped
+        self.layers: dict[int, list[int]] = {}  # instance -> [start, end) it holds, once grouped
+
+    def _record(self, d: PressureDecision) -> None:
+        self.counts[d.kind] += 1
+        self.events.append(d.to_dict())
+        del self.events[:-EVENT_LOG]
+
+    def tick(self, now: float) -> None:
+        """After a report (under the front end's lock): decide, and execute a new plan."""
+        llm = self.llm
+        if not llm._ready.is_set() or not all(r.alive for r in llm.monitor.instances):
+            return
+        if self.ctl is None:  # the undropped pools are the first real reports
+            self.ctl = KunServeController(llm.monitor, self.model, recorder=self._record)
+        if self.executing is not None or self.exchanging or self.restoring is not None or now < self.no_restore_until:
+            self.ctl.observe(now)  # one change at a time: throttles and autoscale are still logged
+            return
+        plan = self.ctl.decide(now)
+        if isinstance(plan, RestorePlan):
+            self.restoring = plan
+            llm._send(plan.group[0], ("restore",))  # the head drives it (tidal.runtime.group)
+            return
+        if plan is None:
+            return
+        pairs = plan.changed
+        if any(len(g) != 2 or any(len(self.ctl.group_of(i)) > 1 for i in g) for g in pairs):
+            log.warning("drop plan %s needs groups of more than two; not executed (not built yet)", plan.to_dict())
+            return
+        self.executing = plan
+        llm.monitor.on_groups(plan.groups)  # from now on the group takes requests through its head
+        for head, tail in pairs:
+            address = f"ipc://{os.path.join(llm._ipc_dir, f'group-{head}-{tail}')}"
+            hl, tl = plan.layers[head], plan.layers[tail]
+            # each member watches the other's process (a local worker's pid; None: only a timeout)
+            llm._send(tail, ("drop", "tail", head, address, list(range(*hl)), llm.handles[head].pid))
+            llm._send(head, ("drop", "head", tail, address, list(range(*tl)), llm.handles[tail].pid))
+            self.waiting_heads.add(head)
+            self.exchanging.add(head)
+            self.ctl.note("exchange", now, (head, tail), head_layers=list(hl), tail_layers=list(tl))
+
+    def on_grouped(self, i: int, role: str, peer: int, request_ids: list[str], num_blocks: int,
+                   layer_ids: list[int], now: float) -> None:
+        llm = self.llm
+        self.dropped[i] = self.model.num_layers - len(layer_ids)
+        self.layers[i] = [min(layer_ids), max(layer_ids) + 1]
+        if role == "tail":  # n > 1 requests the tail could not move: re-run them (recompute)
+            for rid in request_ids:
+                t = llm.by_wid.get(rid)
+                if t is not None:
+                    llm.monitor.on_finish(i, t.rid)
+                    llm._failover(t)
+            return
+        for rid in request_ids:  # the tail's requests now run on the head
+            t = llm.by_wid.get(rid)
+            if t is not None and t.instance == peer:
+                llm.monitor.on_finish(peer, t.rid)
+                llm.monitor.on_dispatch(i, t.rid, now)
+                t.instance = i
+        self.waiting_heads.discard(i)
+        if not self.waiting_heads and self.executing is not None and self.ctl is not None:
+            self.ctl.applied(self.executing, now)
+            self.executing = None
+
+    def on_exchange_done(self, i: int, peer: int, exchanged: int, moved: int, now: float) -> None:
+        self.exchanging.discard(i)
+        if self.ctl is not None:
+            self.ctl.note("exchange-done", now, (i, peer), requests_exchanged=exchanged, requests_moved=moved)
+
+    def on_restored(self, i: int, role: str, num_blocks: int, layer_ids: list[int], num_back: int,
+                    now: float) -> None:
+        """A member reloaded its layers (``role`` head / tail) or the head refused (the blocks in use
+        would not fit its whole pool: the group stays and the restore is decided again later)."""
+        plan, ctl = self.restoring, self.ctl
+        if role == "refused":
+            if ctl is not None and ctl.pending is plan:
+                ctl.pending = None  # the controller has no withdraw: clearing its pending plan is one
+            self.restoring, self.no_restore_until = None, now + RETRY_RESTORE_S
+            return
+        self.dropped.pop(i, None)
+        self.layers.pop(i, None)
+        if role == "head" and plan is not None and ctl is not None and ctl.pending is plan:
+            ctl.applied(plan, now)
+            ctl.note("restore-done", now, plan.group, num_blocks=num_blocks, requests_exchanged_back=num_back)
+            self.restoring = None
+
+    def on_failure(self, i: int, now: float) -> None:
+        """Worker ``i`` died (Sec. 4.4): its group dissolves; each survivor is told to restore its
+        layers (it may have noticed first: then the command is a no-op there)."""
+        if self.ctl is None:
+            return
+        if self.executing is not None and any(i in g for g in self.executing.changed):
+            self.executing = None
+            self.waiting_heads.clear()
+        if self.restoring is not None and i in self.restoring.group:
+            self.restoring = None
+        self.exchanging.clear()
+        g = self.ctl.on_failure(i, now)
+        self.dropped.pop(i, None)
+        self.layers.pop(i, None)
+        for s in g:
+            if s != i:
+                self.llm._send(s, ("ungroup",))
+
+    def on_ungrouped(self, i: int, lost: list[str], num_blocks: int, now: float) -> None:
+        """A survivor restored its layers; the requests it held lost their KV of the peer's layers
+        and are re-run from their streamed tokens (recompute)."""
+        llm = self.llm
+        self.dropped.pop(i, None)
+        self.layers.pop(i, None)
+        if self.ctl is not None and len(self.ctl.group_of(i)) > 1:  # it noticed before the front end did
+            self.ctl.on_failure(i, now)
+        for rid in lost:
+            t = llm.by_wid.get(rid)
+            if t is not None and t.instance == i:
+                llm.monitor.on_finish(i, t.rid)
+                llm._failover(t)
+
+    def snapshot(self) -> dict[str, Any]:
+        groups = [list(g) for g in self.ctl.groups if len(g) > 1] if self.ctl is not None else []
+        return {"mode": "drop", "groups": groups, "dropped_layers": {str(k): v for k, v in self.dropped.items()},
+                "layers": {str(k): v for k, v in self.layers.items()}, "events_total": dict(self.counts),
+                "events": list(self.events[-32:]), "executing": self.executing is not None,
+                "restoring": self.restoring is not None}
+
+
+__all__ = ["DropCoordinator", "model_memory"]
