@@ -47,10 +47,10 @@ from tidal.engine.llm_engine import RequestSnapshot, dtype_name
 from tidal.engine.outputs import RequestOutput
 from tidal.runtime.kv_transfer import build_transport
 from tidal.runtime.records import ClusterConfig, FrontEngine, Handoff, Tracked
+from tidal.runtime.split_front import SplitCoordinator
 from tidal.runtime.worker import WorkerConfig
 
 log = logging.getLogger("tidal.cluster")
-SPLIT_LOG = 4096  # split decisions kept for /admin/state
 
 
 class ClusterLLM:
@@ -93,11 +93,8 @@ class ClusterLLM:
         for rec in self.monitor.instances:
             rec.alive = False  # until its worker says ready
         self.dispatcher = Dispatcher(self.layout, self.monitor, build_router(cluster.router))
-        self.step_table: Any = None  # the split planner's step times (a ProfileTable), with --mode split
-        self.splitter = splitter if splitter is not None or self.layout.mode != "split" else \
-            self._default_splitter()
-        self.splits: deque[dict[str, Any]] = deque(maxlen=SPLIT_LOG)  # the latest split decisions
-        self.num_splits = 0
+        # --mode split (or a given planner): DynaServe's coordinator (else None)
+        self.split = SplitCoordinator(self, splitter) if splitter is not None or self.layout.split else None
         self.kv_bytes_moved = 0
         self.requests: dict[str, Tracked] = {}  # by the client's request id
         self.by_wid: dict[str, Tracked] = {}  # by the id its current run has on the workers (Tracked.wid)
@@ -113,6 +110,16 @@ class ClusterLLM:
         self.num_restarts = 0
         self.num_failovers = 0
         self._t0 = time.monotonic()
+
+    @property
+    def splitter(self) -> Any:
+        """The split planner (Alg. 1) with ``--mode split``, else None."""
+        return self.split.planner if self.split is not None else None
+
+    @property
+    def splits(self) -> deque[dict[str, Any]]:
+        """The latest split decisions (``/admin/splits``)."""
+        return self.split.log if self.split is not None else deque()
 
     # ---------------------------------------------------------------- setup
     def _bind(self, sock: Any, name: str) -> str:
@@ -290,7 +297,7 @@ class ClusterLLM:
                 "num_preemptions": sum(r.status.num_preemptions for r in inst),
                 "instance_failures": self.num_failures, "instance_restarts": self.num_restarts,
                 "failovers": self.num_failovers,
-                "splits": self.num_splits, "kv_bytes_moved": self.kv_bytes_moved,
+                "splits": self.split.num_splits if self.split is not None else 0, "kv_bytes_moved": self.kv_bytes_moved,
                 "cluster": {"mode": self.layout.mode, "router": self.cluster.router, "backend": self.cluster.backend,
                             "threads_per_instance": self.threads, **self.monitor.snapshot(self.now()),
                             **({"kv_pressure": self.pressure.snapshot()} if self.pressure is not None else {})},
@@ -300,7 +307,7 @@ class ClusterLLM:
     def _place(self, t: Tracked, fresh: bool) -> bool:
         """Dispatch ``t`` to an instance: a new request, or a re-run from its streamed tokens."""
         if fresh and self.splitter is not None:
-            placed = self._place_split(t)
+            placed = self.split.place(t)
             if placed is not None:
                 return placed
         req = RouteRequest(t.rid, len(t.prompt_ids) + len(t.tokens), t.params.max_tokens or 0)
@@ -315,59 +322,6 @@ class ClusterLLM:
                                    t.request_class, text_sent=t.text_sent)
             self._send(i, ("import", snap, False))
         return True
-
-    def _default_splitter(self) -> Any:
-        """DynaServe's planner (Alg. 1) on the instances' own limits. Its step-time model is a
-        profile table the workers' step reports fill as they run (Sec. 4.1: the predictor
-        "continuously calibrates itself"); until the first report it counts tokens."""
-        from tidal.cluster.split import SplitParams, SplitPlanner
-        from tidal.policies.profile_table import ProfileTable
-
-        sc = self.config.scheduler
-        self.step_table = ProfileTable()
-        return SplitPlanner(SplitParams(token_budget=sc.max_num_batched_tokens, max_num_seqs=sc.max_num_seqs),
-                            self.step_table.predict)
-
-    def _live_pairs(self) -> list[tuple[int, int]]:
-        alive = {r.index for r in self.monitor.instances if r.alive}
-        return [p for p in self.layout.pairs() if p[0] in alive and p[1] in alive]
-
-    def _place_split(self, t: Tracked) -> bool | None:
-        """DynaServe: the planner's pair and split point (Alg. 1); None when no pair is alive (the
-        request then runs whole wherever the router puts it)."""
-        pairs = self._live_pairs()
-        if not pairs or t.params.n > 1:  # a hand-off moves one sequence: n > 1 runs whole
-            return None
-        max_tokens = t.params.max_tokens or max(1, self.engine.max_model_len - len(t.prompt_ids))
-        d = self.splitter.plan(t.rid, len(t.prompt_ids), max_tokens, None, self.now(), candidates=pairs)
-        alpha, beta = d.pair
-        s = d.split
-        whole = beta if d.alpha is None else (alpha if d.beta is None else None)
-        self.num_splits += whole is None
-        self.splits.append({"request_id": t.rid, "pair": [alpha, beta], "split": s, "prompt_len": d.prompt_len,
-                            "predicted_output": d.predicted_output, "whole_on": whole, "kv_bytes": 0})
-        t.split_log = self.splits[-1]
-        t.instance = alpha if whole is None else whole
-        self.monitor.on_dispatch(t.instance, t.rid, self.now())
-        if whole is not None:
-            self._send(whole, ("add", t.wid, t.prompt_ids, t.params, t.priority, t.request_class, None))
-            return True
-        blocks = -(-s // self.monitor.instances[beta].block_size)
-        self.monitor.on_handoff_start(t.rid, beta, blocks)
-        t.handoff = Handoff(alpha, None, blocks, -1, dst=beta, split=s)
-        self._send(alpha, ("add", t.wid, t.prompt_ids, t.params, t.priority, t.request_class, s))
-        self._send(beta, ("reserve", t.wid, t.prompt_ids, t.params, t.priority, t.request_class, s))
-        return True
-
-    def _unsplit(self, t: Tracked) -> None:
-        """Beta cannot take its part: alpha keeps the whole request (or, if alpha already let it go,
-        the request is recomputed elsewhere)."""
-        h = t.handoff
-        self._drop_handoff(t)
-        if h.alpha_done:
-            self._failover(t)
-        else:
-            self._send(h.src, ("unsplit", t.wid))
 
     def _failover(self, t: Tracked) -> None:
         self._drop_handoff(t)
@@ -487,10 +441,8 @@ class ClusterLLM:
                 for out in rest[0]:
                     self._on_output(i, out)
             self.monitor.on_status(rest[-1], now)
-            st = rest[-1]
-            if self.step_table is not None and st.step_time_s:  # DynaServe Alg. 2 line 1 RECORD, for Alg. 1
-                self.step_table.record(st.step_prefill_tokens, st.step_decode_context, st.step_decode_count,
-                                       st.step_time_s)
+            if self.split is not None:
+                self.split.record_step(rest[-1])
             for t in list(self.requests.values()):
                 if t.handoff is not None and t.handoff.dst is None:
                     self._try_handoff(t)
@@ -533,18 +485,7 @@ class ClusterLLM:
             if t.handoff.dst is not None:
                 self._send(t.handoff.dst, ("kv", rid, handle, last))
         elif kind == "split_done":
-            rid, tokens, last_token_time = rest  # (a monotonic time: one clock for this host's processes)
-            t = self.by_wid.get(rid)
-            if t is None:
-                return
-            h = t.handoff
-            if h is None or h.split is None or h.dst is None:
-                self.monitor.on_finish(i, rid)
-                self._failover(t)  # alpha let go of a request whose beta part was refused: recompute
-                return
-            h.alpha_done = True
-            self.splitter.on_handoff(rid)
-            self._send(h.dst, ("finish", rid, list(tokens), t.text_sent, last_token_time))
+            self.split.on_split_done(i, *rest)
         elif kind == "landed":
             t = self.by_wid.get(rest[0])
             if t is not None and t.handoff is not None:
@@ -553,7 +494,7 @@ class ClusterLLM:
         elif kind == "refused":
             t = self.by_wid.get(rest[0])
             if t is not None and t.handoff is not None and t.handoff.split is not None and t.handoff.dst == i:
-                self._unsplit(t)
+                self.split.unsplit(t)
             elif t is not None and t.handoff is not None and t.handoff.dst == i:
                 self.monitor.on_handoff(t.rid, t.handoff.src, i, ok=False)
                 t.handoff.dst = None  # retried when an instance reports room

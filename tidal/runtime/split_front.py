@@ -1,0 +1,105 @@
+"""``--mode split`` in the real cluster: the front end's side of DynaServe's micro-requests.
+
+For each new request the planner (:class:`tidal.cluster.split.SplitPlanner`, Alg. 1, the object
+the simulator drives too) names a pair of live instances and a split point ``s``. Alpha gets an
+``add`` with ``pause_at = s`` and beta a ``reserve``; alpha's worker streams the KV it computes and,
+at the split point, says ``split_done`` with the tokens it sampled, which go to beta as ``finish``
+(Sec. 4.3). If beta cannot take its part, alpha keeps the whole request (``unsplit``), or, when
+alpha already let it go, the request is recomputed elsewhere. The planner's step-time model is a
+profile table every worker's step report fills (Sec. 4.1: the predictor "continuously calibrates
+itself"); until the first report it counts tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from tidal.runtime.records import Handoff, Tracked
+
+SPLIT_LOG = 4096  # split decisions kept for /admin/splits
+
+
+class SplitCoordinator:
+    def __init__(self, cluster: Any, planner: Any = None):
+        self.c = cluster
+        self.step_table: Any = None  # a ProfileTable, when the default planner is used
+        self.planner = planner if planner is not None else self._default_planner()
+        self.log: deque[dict[str, Any]] = deque(maxlen=SPLIT_LOG)  # the latest split decisions
+        self.num_splits = 0
+
+    def _default_planner(self) -> Any:
+        from tidal.cluster.split import SplitParams, SplitPlanner
+        from tidal.policies.profile_table import ProfileTable
+
+        sc = self.c.config.scheduler
+        self.step_table = ProfileTable()
+        return SplitPlanner(SplitParams(token_budget=sc.max_num_batched_tokens, max_num_seqs=sc.max_num_seqs),
+                            self.step_table.predict)
+
+    def record_step(self, status: Any) -> None:
+        """A worker's step report (DynaServe Alg. 2 line 1 RECORD), for Alg. 1's predictor."""
+        if self.step_table is not None and status.step_time_s:
+            self.step_table.record(status.step_prefill_tokens, status.step_decode_context, status.step_decode_count,
+                                   status.step_time_s)
+
+    def live_pairs(self) -> list[tuple[int, int]]:
+        alive = {r.index for r in self.c.monitor.instances if r.alive}
+        return [p for p in self.c.layout.pairs() if p[0] in alive and p[1] in alive]
+
+    def place(self, t: Tracked) -> bool | None:
+        """The planner's pair and split point (Alg. 1); None when no pair is alive (the request then
+        runs whole wherever the router puts it)."""
+        c = self.c
+        pairs = self.live_pairs()
+        if not pairs or t.params.n > 1:  # a hand-off moves one sequence: n > 1 runs whole
+            return None
+        max_tokens = t.params.max_tokens or max(1, c.engine.max_model_len - len(t.prompt_ids))
+        d = self.planner.plan(t.rid, len(t.prompt_ids), max_tokens, None, c.now(), candidates=pairs)
+        alpha, beta = d.pair
+        s = d.split
+        whole = beta if d.alpha is None else (alpha if d.beta is None else None)
+        self.num_splits += whole is None
+        self.log.append({"request_id": t.rid, "pair": [alpha, beta], "split": s, "prompt_len": d.prompt_len,
+                         "predicted_output": d.predicted_output, "whole_on": whole, "kv_bytes": 0})
+        t.split_log = self.log[-1]
+        t.instance = alpha if whole is None else whole
+        c.monitor.on_dispatch(t.instance, t.rid, c.now())
+        if whole is not None:
+            c._send(whole, ("add", t.wid, t.prompt_ids, t.params, t.priority, t.request_class, None))
+            return True
+        blocks = -(-s // c.monitor.instances[beta].block_size)
+        c.monitor.on_handoff_start(t.rid, beta, blocks)
+        t.handoff = Handoff(alpha, None, blocks, -1, dst=beta, split=s)
+        c._send(alpha, ("add", t.wid, t.prompt_ids, t.params, t.priority, t.request_class, s))
+        c._send(beta, ("reserve", t.wid, t.prompt_ids, t.params, t.priority, t.request_class, s))
+        return True
+
+    def unsplit(self, t: Tracked) -> None:
+        """Beta cannot take its part: alpha keeps the whole request (or, if alpha already let it go,
+        the request is recomputed elsewhere)."""
+        h = t.handoff
+        self.c._drop_handoff(t)
+        if h.alpha_done:
+            self.c._failover(t)
+        else:
+            self.c._send(h.src, ("unsplit", t.wid))
+
+    def on_split_done(self, i: int, rid: str, tokens: list[int], last_token_time: float | None) -> None:
+        """Alpha reached its split point (its last chunk is on its way): beta gets alpha's tokens
+        and the time of the last one (a monotonic time: one clock for this host's processes)."""
+        c = self.c
+        t = c.by_wid.get(rid)
+        if t is None:
+            return
+        h = t.handoff
+        if h is None or h.split is None or h.dst is None:
+            c.monitor.on_finish(i, rid)
+            c._failover(t)  # alpha let go of a request whose beta part was refused: recompute
+            return
+        h.alpha_done = True
+        self.planner.on_handoff(rid)
+        c._send(h.dst, ("finish", rid, list(tokens), t.text_sent, last_token_time))
+
+
+__all__ = ["SPLIT_LOG", "SplitCoordinator"]
