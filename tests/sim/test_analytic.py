@@ -120,6 +120,21 @@ def test_eq1_terms_worked_by_hand():
         == pytest.approx(3 * 10.24)
 
 
+def test_padded_step_is_charged_as_its_rectangle():
+    cm = model("llama-2-13b", "a100-40g")
+    # a padded prefill of prompts 100 and 900 costs what two 900-token prompts cost
+    chunks = (chunk(0, 100, rid="a"), chunk(0, 900, rid="b"))
+    padded = StepPlan(0, chunks, BatchComposition.of(chunks, num_padded_tokens=800))
+    assert cm.step_time(padded) == pytest.approx(cm.step_time(plan(chunk(0, 900, rid="a"), chunk(0, 900, rid="b"))))
+    assert cm.step_time(padded) > 1.5 * cm.step_time(plan(*chunks))
+    # one live decode at 1000 plus 31 dead rows costs 32 decodes at 1000
+    live = (chunk(1000, 1, rid="a"),)
+    dead = StepPlan(0, live, BatchComposition.of(live, num_padded_tokens=31))
+    assert cm.step_time(dead) == pytest.approx(cm.step_time(decodes(32, 1000)))
+    assert cm.breakdown(dead)["total"] == pytest.approx(cm.step_time(dead))
+    assert cm.step_time(dead) > cm.step_time(plan(*live))
+
+
 def test_empty_plan_costs_nothing_but_its_swaps():
     cm = model("llama-2-7b", "a100-80g")
     assert cm.step_time(plan()) == 0.0

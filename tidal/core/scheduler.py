@@ -281,7 +281,8 @@ class Scheduler:
 
         finished, self._finished_since_plan = tuple(self._finished_since_plan), []
         self._step_id += 1
-        return StepPlan(self._step_id, tuple(chunks), BatchComposition.of(chunks), tuple(swap_out), tuple(swap_in),
+        composition = BatchComposition.of(chunks, self.policy.padded_tokens(chunks) if chunks else 0)
+        return StepPlan(self._step_id, tuple(chunks), composition, tuple(swap_out), tuple(swap_in),
                         tuple(preempted), finished)
 
     # ------------------------------------------------------------------ results
