@@ -130,6 +130,11 @@ class SchedulingPolicy:
         """Who gives up its blocks when memory runs out, or None to leave it to the scheduler."""
         return None
 
+    def seq_ceiling(self, configured: int) -> int:
+        """The hard cap on running requests, given the configured ``max_num_seqs``. A policy with
+        its own batch-size bound (``memory.b_max``, Pang et al.'s B_max) may raise it."""
+        return configured
+
     def padded_tokens(self, chunks: Sequence[ScheduledChunk]) -> int:
         """Tokens this step computes only as padding (0: no padding, the default). A padding mode
         pads the step to a rectangle: every row as long as the longest chunk at the longest

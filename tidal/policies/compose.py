@@ -59,6 +59,9 @@ class CompositePolicy(SchedulingPolicy):
                 return victim
         return None
 
+    def seq_ceiling(self, configured: int) -> int:
+        return max(p.seq_ceiling(configured) for p in self.parts)
+
     def padded_tokens(self, chunks: Sequence[ScheduledChunk]) -> int:
         return max(p.padded_tokens(chunks) for p in self.parts)
 
