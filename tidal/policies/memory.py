@@ -155,7 +155,8 @@ class MemoryPolicy(SchedulingPolicy):
         self.b_min = params.b_min
         self.b_max = params.b_max or config.max_num_seqs  # Pang Alg. 1 line 6's B_max
         if self.b_min > self.b_max:
-            raise ConfigError(f"policy argument memory.b_min={self.b_min}: must be <= B_max ({self.b_max})")
+            bound = "memory.b_max" if params.b_max else "max_num_seqs"
+            raise ConfigError(f"policy argument memory.b_min={self.b_min}: must be <= {bound} ({self.b_max})")
         self.stats = Welford()  # footprints (blocks) of finished requests
         self.b = self.b_max  # b_{t-1}; Alg. 2 of the paper also starts from B_max
         self.block_size: int | None = None
