@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tidal.bench import kv_transfer
     kv_transfer.add_parser(bsub)
 
+    from tidal.bench import reproduce
+
+    reproduce.add_parser(sub)
     from tidal.sim import run as sim_run
 
     sim_run.add_parser(sub)

@@ -37,7 +37,7 @@ def model(m: str, hw: str, tp: int = 1) -> AnalyticCostModel:
 
 # ------------------------------------------------------------------ registries
 @pytest.mark.parametrize("name,published", [
-    ("llama-2-7b", 6.74e9), ("llama-2-13b", 13.0e9), ("llama-3-8b", 8.03e9), ("llama-3-70b", 70.6e9),
+    ("llama-2-7b", 6.74e9), ("llama-2-13b", 13.0e9), ("llama-65b", 65.2e9), ("llama-3-8b", 8.03e9), ("llama-3-70b", 70.6e9),
     ("opt-13b", 12.9e9), ("qwen-2.5-14b", 14.7e9), ("qwen-2.5-32b", 32.8e9), ("qwen-2.5-72b", 72.7e9),
     ("smollm2-135m", 134.5e6),
 ])
@@ -71,7 +71,7 @@ def test_smollm2_matches_the_shape_the_engine_loads_from_gguf():
 
 def test_registries_have_the_agreed_names_and_unknown_names_list_the_valid_ones():
     assert set(HARDWARE) == {"a100-40g", "a100-80g", "a800-80g", "h100-80g", "h200", "cpu"}
-    assert set(MODELS) == {"smollm2-135m", "llama-2-7b", "llama-2-13b", "llama-3-8b", "llama-3-70b", "opt-13b",
+    assert set(MODELS) == {"smollm2-135m", "llama-2-7b", "llama-2-13b", "llama-65b", "llama-3-8b", "llama-3-70b", "opt-13b",
                            "qwen-2.5-14b", "qwen-2.5-32b", "qwen-2.5-72b"}
     with pytest.raises(ValueError, match="a100-40g, a100-80g, a800-80g, h100-80g, h200, cpu"):
         get_hardware("v100")
