@@ -165,7 +165,7 @@ def claims(data: dict[str, Any]) -> list[Claim]:
             f"{_t(at['vLLM fixed cap 256'])} / {_t(at['sla'])} / {_t(at['memory+sla'])}; "
             f"b_mem {at['memory+sla'].get('b_mem')}, b_SLA {at['memory+sla'].get('b_sla')}",
             max(csla or 0, cms or 0) > (cs or 0),
-            "capacity is a bisection on the rate (5 probes in --quick); the SLA is TPOT <= 50 ms for 90 % of requests; "
+            "capacity is a bisection on the rate (5 probes in --quick, 10 in the full run); the SLA is TPOT <= 50 ms for 90 % of requests; "
             "the decode step time is the analytic model's (no CPU overhead per sequence, so b_SLA is larger "
             "than on a real GPU)"))
         same = t["same_rate"]
