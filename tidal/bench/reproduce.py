@@ -30,8 +30,8 @@ from tidal.workload import RequestSpec
 PROG = "tidal reproduce"
 
 
-REAL_NOT_RUN = ("not run: the real engine runs on this 2-core CPU, where none of the paper's models "
-                "(13B-70B) fit, and its runner does not compute static.pad's padding yet")
+REAL_NOT_RUN = ("not run: the real engine here is a shared 2-core CPU, where none of the paper's models "
+                "(13B-70B) fit and no engine timings are taken")
 
 
 @dataclass

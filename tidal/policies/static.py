@@ -18,9 +18,8 @@ run-to-completion *admission* of static batching without its padding compute (st
 static batching). On (the UELLM-like padded baseline BucketServe compares against): every step
 is a rectangle, each row as long as the step's longest chunk and every finished member still a
 row until the batch ends (:func:`tidal.core.plan.rectangle_padding`); the plan's
-``num_padded_tokens`` says how many tokens that adds and the simulator's cost model charges them
-(``--batching static --policy-arg static.pad=true``). The real engine's runner does not compute
-them yet: on the engine this mode runs like the unpadded one.
+``num_padded_tokens`` says how many tokens that adds; the simulator's cost model charges them and
+the engine's runner computes them (``--batching static --policy-arg static.pad=true``).
 """
 
 from __future__ import annotations
