@@ -8,7 +8,7 @@ import json
 import pytest
 
 from tidal.bench.repro_bucketserve import BUCKET, DIST, UELLM
-from tidal.bench.reproduce import capacity_from_sweep, write_results_md
+from tidal.bench.reproduce import beats, capacity_from_sweep, write_results_md
 from tidal.cli import main
 
 
@@ -69,6 +69,8 @@ def test_capacity_from_sweep_interpolates_the_crossing():
     assert capacity_from_sweep([(1, 1.0), (2, 0.9), (3, 0.5)], 0.8) == pytest.approx(2.25)
     assert capacity_from_sweep([(1, 0.5)], 0.8) is None
     assert capacity_from_sweep([(1, 1.0), (2, 0.95)], 0.8) == 2
+    # "beats" needs more than a 2 % margin, so a tie read off a sweep is not a win
+    assert beats(1.03, 1.0) and not beats(1.01, 1.0) and not beats(None, 1.0) and beats(0.1, None)
 
 
 def test_results_md_keeps_other_papers_sections(tmp_path):

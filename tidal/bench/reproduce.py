@@ -128,6 +128,14 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
 
 
+MARGIN = 1.02  # "A beats B" needs A above B by more than this factor (2 %, beyond rounding and noise)
+
+
+def beats(a: float | None, b: float | None) -> bool:
+    """``a`` beats ``b`` by more than :data:`MARGIN` (None counts as 0)."""
+    return (a or 0.0) > MARGIN * (b or 0.0)
+
+
 def fmt_ratio(r: float | None) -> str:
     return "n/a" if r is None else f"{r:.2f}x"
 
