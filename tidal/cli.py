@@ -162,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     soak.add_parser(bsub)
 
+    from tidal.bench import reproduce
+
+    reproduce.add_parser(sub)
     from tidal.sim import run as sim_run
 
     sim_run.add_parser(sub)

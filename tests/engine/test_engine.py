@@ -233,3 +233,27 @@ def test_kv_pool_grow_and_shrink_at_run_time(make_engine, prompts, reference):
                 done[o.request_id] = o.outputs[0].token_ids
     assert [done[str(i)] for i in range(4)] == reference[:4]
     assert torch.is_tensor(kvc.layers[0].k)
+
+
+def test_padded_static_batch_computes_the_padding_and_keeps_the_real_tokens(make_engine, prompts):
+    """static.pad=true: the padding really runs through the model (prompts padded to the longest,
+    dead rows for members that finished early), and the real tokens are those of the unpadded run."""
+    def run(**args):
+        engine = make_engine(max_num_batched_tokens=1024, max_num_seqs=4, batching="static", **args)
+        for i, p in enumerate(prompts[:4]):  # outputs of 4, 8, 12, 16 tokens: early finishers leave dead rows
+            engine.add_request(str(i), None, SamplingParams(temperature=0, max_tokens=4 * (i + 1), ignore_eos=True),
+                               prompt_token_ids=p)
+        done = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    done[o.request_id] = o.outputs[0].token_ids
+        return engine, done
+
+    plain, ref = run()
+    padded, outs = run(policy_args={"static.pad": True})
+    assert outs == ref and len(outs) == 4
+    assert plain.runner.padded_tokens_computed == 0
+    lens = [len(p) for p in prompts[:4]]
+    # the prefill alone pads every prompt to the longest; then one dead row per finished member per step
+    assert padded.runner.padded_tokens_computed >= 4 * max(lens) - sum(lens) + (4 + 2 * 4 + 3 * 4)

@@ -132,13 +132,32 @@ def test_n_max_eq6_llama2_7b():
     assert max_safe_batch_size(LLAMA2_7B, 2, 10 * GiB, 1024, m_safe_frac=1.0) == 20
 
 
-def test_n_max_block_form():
-    # ceil(100/16) = 7, ceil(200/16) = 13 -> mean 10 blocks; floor(0.9 * 1000 / 10) = 90
-    assert max_safe_batch_blocks(1000, 16, [100, 200]) == 90
-    # consistent with Eq. 6 in bytes when S is a whole number of blocks: a pool of 1000 x 16 tokens
-    # of Llama-2-7B KV (8 MiB per block) and S = 1024 (64 blocks): floor(900 / 64) = 14
-    assert max_safe_batch_blocks(1000, 16, [1024]) == 14
-    assert max_safe_batch_size(LLAMA2_7B, 2, 1000 * 16 * LLAMA2_7B.kv_bytes_per_token(2), 1024) == 14
+def test_n_max_eq6_cumulative_hand_worked():
+    # Llama-2-13B: 2LHDB = 2 * 40 * 40 * 128 * 2 B = 819200 B per token. M_remain = 1000 tokens of KV
+    # = 819.2 MB; M_safe = 0.9 * M_remain = 900 tokens (Eq. 5). S in admission order 300, 200, 250,
+    # 100, 80: running sums 300, 500, 750, 850, 930 -> the first four fit (850 <= 900), N_max = 4.
+    arch = ModelArch(architecture="llama", vocab_size=32000, hidden_size=5120, intermediate_size=13824,
+                     num_layers=40, num_heads=40, num_kv_heads=40, head_dim=128)
+    assert arch.kv_bytes_per_token(2) == 819200
+    assert max_safe_batch_size(arch, 2, 1000 * 819200, [300, 200, 250, 100, 80]) == 4
+    # a sum in order, not a mean: 500, 800, 890 fit and 910 does not, although the mean (183) would allow 4
+    assert max_safe_batch_size(arch, 2, 1000 * 819200, [500, 300, 90, 20, 5]) == 3
+
+
+def test_n_max_block_form_rounds_to_blocks_and_sums():
+    # pool 10 blocks x 16 = 160 tokens, no second reserve (the pool already is M_safe):
+    # S = 20, 10, 40, 1, 100 -> 32, 16, 48, 16, 112 tokens of whole blocks; sums 32, 48, 96, 112, 224 -> 4
+    assert max_safe_batch_blocks(10, 16, [20, 10, 40, 1, 100]) == 4
+    # all four fit (112): the next ones are taken at their mean (28), 48 left -> one more, N_max = 5
+    assert max_safe_batch_blocks(10, 16, [20, 10, 40, 1]) == 5
+    # S = 70, 70, 16 -> 80, 80, 16: 80, 160 fit, 176 does not -> 2
+    assert max_safe_batch_blocks(10, 16, [70, 70, 16]) == 2
+    # an explicit M_safe share: 0.5 * 160 = 80 -> only the first
+    assert max_safe_batch_blocks(10, 16, [70, 70, 16], m_safe_frac=0.5) == 1
+    # agrees with the byte form when S is whole blocks: 1000 blocks of 16 Llama-2-7B tokens, S = 1024 -> 15
+    assert max_safe_batch_blocks(1000, 16, [1024] * 20) == 15
+    assert max_safe_batch_size(LLAMA2_7B, 2, 1000 * 16 * LLAMA2_7B.kv_bytes_per_token(2), [1024] * 20,
+                               m_safe_frac=1.0) == 15
     assert max_safe_batch_blocks(1000, 16, []) is None
 
 
@@ -162,19 +181,21 @@ def test_split_under_load_and_batch_from_the_earliest_bucket():
     _split_workload(s, longs_first=True)
     plan = step(s)
     st = s.policy.state()
-    # 12 waiting, mean 6 blocks: N_max = floor(0.9 * 64 / 6) = 9; 8/12 below 32 and 12 > 9: split
+    # 12 waiting in arrival order, pool 256 tokens: 4 x 48 + 5 x 12 = 252 <= 256 -> N_max = 9 (Eq. 6);
+    # 8/12 below 32 and 12 > 9: split
     assert st.n_max == 9
     assert st.buckets == ((0, 32, 8), (32, 64, 4))
     assert st.num_splits == 1
-    # the long bucket holds the earliest arrival; its cap: floor(57.6 / 12) = 4 = all of it
-    assert st.n_max_batch == 4 and s.last_caps.max_num_seqs == 4
-    assert admitted(plan) == ["L0", "L1", "L2", "L3"]
-    # next step 8 short ones wait: N_max = floor(57.6 / 3) = 19 > 8: merged back into one bucket
+    # the long bucket holds the earliest arrival; its cap: 4 x 48 = 192 fit, and the 64 left hold one
+    # more of their mean (48) -> 5: the bucket goes in whole and the first short fills the step
+    assert st.n_max_batch == 5 and s.last_caps.max_num_seqs == 5
+    assert admitted(plan) == ["L0", "L1", "L2", "L3", "S0"]
+    # next step 7 short ones wait: 7 x 12 = 84 fit, + floor(172 / 12) = 14 more: N_max = 21 > 7: merged
     plan = step(s)
     st = s.policy.state()
-    assert st.buckets == ((0, 64, 8),) and st.num_merges == 1
-    # cap over running longs (12 blocks) + shorts (3): mean 6 -> 9 running, so 5 shorts join
-    assert s.last_caps.max_num_seqs == 9 and admitted(plan) == ["S0", "S1", "S2", "S3", "S4"]
+    assert st.buckets == ((0, 64, 7),) and st.num_merges == 1
+    # cap over the running (192 + 12 tokens) + shorts of 12: 4 fit (252), the 5th not -> 9, 4 shorts join
+    assert s.last_caps.max_num_seqs == 9 and admitted(plan) == ["S1", "S2", "S3", "S4"]
     run(s)
     assert not s.has_unfinished() and s.kv.num_free_blocks == 64
 
@@ -194,7 +215,7 @@ def test_admit_refuses_other_buckets_until_the_chosen_one_is_exhausted():
     waiting = tuple(longs + shorts)
     view = SchedulerView(now=0.0, running=(), waiting=waiting, num_free_blocks=64, num_total_blocks=64,
                          block_size=4, max_num_seqs=16, max_num_batched_tokens=256)
-    assert pol.plan_step(view).max_num_seqs == 4
+    assert pol.plan_step(view).max_num_seqs == 5  # 4 longs (192 tokens) + one more of their mean (48)
     order = pol.order_waiting(list(waiting), 0.0)
     assert order == longs + shorts
     assert pol.admit(longs[0], [])
@@ -251,7 +272,7 @@ def test_bucket_plus_continuous():
     assert isinstance(s.policy, CompositePolicy) and s.policy.name == "bucket+continuous"
     _split_workload(s, longs_first=True)
     plan = step(s)
-    assert admitted(plan) == ["L0", "L1", "L2", "L3"] and s.last_caps.max_num_seqs == 4
+    assert admitted(plan) == ["L0", "L1", "L2", "L3", "S0"] and s.last_caps.max_num_seqs == 5
     run(s)
     st = s.policy.state()
     assert st.policy == "bucket+continuous"

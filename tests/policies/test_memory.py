@@ -154,3 +154,39 @@ def test_memory_cap_binds_on_the_real_scheduler():
     assert binding > 0
     assert sched.policy.state().b_mem == 28  # floor(200 / 7), sigma = 0
     assert sched.num_preemptions == 0
+
+
+def _drive(sched: Scheduler, steps: int = 3000) -> int:
+    """Run to the end with fake results; the most requests that ran at once."""
+    most = 0
+    for step in range(steps):
+        if not sched.has_unfinished():
+            break
+        plan = sched.schedule(step * 0.01)
+        most = max(most, sched.num_running)
+        sched.update(plan, StepResult(plan.step_id, sampled={c.request_id: 7 for c in plan.chunks if c.sample},
+                                      step_time_s=0.01, composition=plan.composition), step * 0.01)
+    assert not sched.has_unfinished()
+    return most
+
+
+def test_b_max_above_the_static_cap_raises_it_as_far_as_memory_allows():
+    # 100 requests of 7 blocks, a 200-block pool: memory allows 28 at once; the static cap is 8
+    def make(batching: str, **args: int) -> Scheduler:
+        cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, batching=batching,
+                              policy_args={f"memory.{k}": v for k, v in args.items()})
+        sched = Scheduler(cfg, KVCacheManager(200, 16), policy=build_policy(cfg), watermark=0.0)
+        for i in range(100):
+            sched.add_request(Request(f"r{i}", [100 + i % 50] * 40, SamplingParams(max_tokens=60)))
+        return sched
+
+    assert _drive(make("continuous")) == 8  # vLLM's fixed cap
+    assert _drive(make("memory")) == 8  # B_max = max_num_seqs: memory can only lower it
+    raised = make("memory", b_max=64)
+    assert raised.policy.seq_ceiling(8) == 64
+    assert _drive(raised) == 28  # Eq. 14 (sigma = 0): floor(200 / 7), above the static cap
+    assert raised.policy.state().b_mem == 28 and raised.num_preemptions == 0
+    # B_max still bounds it from above
+    assert _drive(make("memory", b_max=20)) == 20
+    with pytest.raises(ConfigError, match="b_min"):
+        build_policy(SchedulerConfig(batching="memory", policy_args={"memory.b_min": 30, "memory.b_max": 20}))

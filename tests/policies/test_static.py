@@ -23,9 +23,9 @@ def req(rid: str, prompt_len: int, max_tokens: int = 4, arrival: float = 0.0, pr
 
 
 def make(num_blocks: int = 64, block_size: int = 4, budget: int = 256, max_seqs: int = 2,
-         mode: str = "recompute") -> Scheduler:
+         mode: str = "recompute", pad: bool = False) -> Scheduler:
     cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, batching="static",
-                          preemption_mode=mode)
+                          preemption_mode=mode, policy_args={"static.pad": pad} if pad else {})
     return Scheduler(cfg, KVCacheManager(num_blocks, block_size), policy=build_policy(cfg), watermark=0.0)
 
 
@@ -62,6 +62,25 @@ def test_no_request_joins_a_running_batch_and_the_next_forms_after_all_finished(
     # batch 1: prompts (4, 8), outputs (2, 6) -> 8/28; batch 2: (4, 4), (2, 2) -> 0
     assert st.padding_waste == 0.0
     assert st.padding_waste_mean == pytest.approx((8 / 28 + 0.0) / 2)
+
+
+def test_padded_mode_puts_the_rectangle_in_the_plan():
+    s = make(max_seqs=2, pad=True)
+    s.add_request(req("a", 4, max_tokens=2))
+    s.add_request(req("b", 8, max_tokens=6))
+    plans = []
+    while s.has_unfinished():
+        plans.append(step(s))
+    pads = [p.composition.num_padded_tokens for p in plans]
+    # prefill: 2 rows x 8 = 16 tokens for 4 + 8 real; then a decode each (2 x 1, no padding); once a
+    # finished (after its 2nd token), b decodes on with a's dead row: 1 padded token per step
+    assert pads[0] == 4 and pads[1] == 0
+    assert pads[2:] == [1] * (len(plans) - 2) and len(plans) == 6
+    # off (the default): nothing is padded
+    s = make(max_seqs=2)
+    s.add_request(req("a", 4, max_tokens=2))
+    s.add_request(req("b", 8, max_tokens=6))
+    assert step(s).composition.num_padded_tokens == 0
 
 
 def test_padding_of_the_running_batch_is_reported():

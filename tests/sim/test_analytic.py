@@ -37,7 +37,7 @@ def model(m: str, hw: str, tp: int = 1) -> AnalyticCostModel:
 
 # ------------------------------------------------------------------ registries
 @pytest.mark.parametrize("name,published", [
-    ("llama-2-7b", 6.74e9), ("llama-2-13b", 13.0e9), ("llama-3-8b", 8.03e9), ("llama-3-70b", 70.6e9),
+    ("llama-2-7b", 6.74e9), ("llama-2-13b", 13.0e9), ("llama-65b", 65.2e9), ("llama-3-8b", 8.03e9), ("llama-3-70b", 70.6e9),
     ("opt-13b", 12.9e9), ("qwen-2.5-14b", 14.7e9), ("qwen-2.5-32b", 32.8e9), ("qwen-2.5-72b", 72.7e9),
     ("smollm2-135m", 134.5e6),
 ])
@@ -71,7 +71,7 @@ def test_smollm2_matches_the_shape_the_engine_loads_from_gguf():
 
 def test_registries_have_the_agreed_names_and_unknown_names_list_the_valid_ones():
     assert set(HARDWARE) == {"a100-40g", "a100-80g", "a800-80g", "h100-80g", "h200", "cpu"}
-    assert set(MODELS) == {"smollm2-135m", "llama-2-7b", "llama-2-13b", "llama-3-8b", "llama-3-70b", "opt-13b",
+    assert set(MODELS) == {"smollm2-135m", "llama-2-7b", "llama-2-13b", "llama-65b", "llama-3-8b", "llama-3-70b", "opt-13b",
                            "qwen-2.5-14b", "qwen-2.5-32b", "qwen-2.5-72b"}
     with pytest.raises(ValueError, match="a100-40g, a100-80g, a800-80g, h100-80g, h200, cpu"):
         get_hardware("v100")
@@ -118,6 +118,21 @@ def test_eq1_terms_worked_by_hand():
     # swaps: 16-token blocks of 64 B/token = 1024 B each, at 100 B/s
     assert cm.step_time(plan(chunk(3, 4), swap_out=2, swap_in=1)) - cm.step_time(plan(chunk(3, 4))) \
         == pytest.approx(3 * 10.24)
+
+
+def test_padded_step_is_charged_as_its_rectangle():
+    cm = model("llama-2-13b", "a100-40g")
+    # a padded prefill of prompts 100 and 900 costs what two 900-token prompts cost
+    chunks = (chunk(0, 100, rid="a"), chunk(0, 900, rid="b"))
+    padded = StepPlan(0, chunks, BatchComposition.of(chunks, num_padded_tokens=800))
+    assert cm.step_time(padded) == pytest.approx(cm.step_time(plan(chunk(0, 900, rid="a"), chunk(0, 900, rid="b"))))
+    assert cm.step_time(padded) > 1.5 * cm.step_time(plan(*chunks))
+    # one live decode at 1000 plus 31 dead rows costs 32 decodes at 1000
+    live = (chunk(1000, 1, rid="a"),)
+    dead = StepPlan(0, live, BatchComposition.of(live, num_padded_tokens=31))
+    assert cm.step_time(dead) == pytest.approx(cm.step_time(decodes(32, 1000)))
+    assert cm.breakdown(dead)["total"] == pytest.approx(cm.step_time(dead))
+    assert cm.step_time(dead) > cm.step_time(plan(*live))
 
 
 def test_empty_plan_costs_nothing_but_its_swaps():

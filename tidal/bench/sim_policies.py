@@ -4,7 +4,7 @@ the papers' setups.
 Scenario ``bucketserve`` (BucketServe Sec. V): Llama-2-13B on A100-40G instances, a mix of
 Alpaca-like (83 in / 128 out) and LongBench-like (5.9K in, clipped to the 4K context, / 499 out)
 requests. Reported: offline throughput (every request at t = 0, as in BucketServe Fig. 5a) and
-the capacity at 80 % SLO attainment (Fig. 6).
+the capacity at 80 % SLO attainment (Fig. 5c-f). `tidal reproduce bucketserve` runs the paper's setup against its baselines.
 Scenario ``pang-sla`` (Pang et al., Table II): Llama-3-70B (tp 4) with prompts of 256.6 tokens and
 outputs of 61.5 or 447.5, a 50 ms decode SLA. The paper's "static batching" is vLLM with a fixed
 batch-size cap (continuous batching with ``max_num_seqs``); "dynamic" is Alg. 2 (``sla``).
@@ -69,7 +69,7 @@ SCENARIOS = {
         workloads={"alpaca": (83, 0.6, 128, 0.8), "longbench": (5900, 0.5, 499, 0.6)},
         mix=[("alpaca", 0.5), ("longbench", 0.5)], max_input_len=3500, offline=True,
         paper={"throughput": "BucketServe 3.58x UELLM, 1.31x DistServe (offline, Llama2-13B, Fig. 5a)",
-               "capacity": "1.93x DistServe and 3.47x UELLM RPS at 80% attainment on Mixed (Fig. 6)"}),
+               "capacity": "1.93x DistServe and 3.47x UELLM RPS at 80% attainment on Mixed (Fig. 5d)"}),
     "pang-sla": Scenario(
         name="pang-sla", model="llama-3-70b", hardware="a100-80g", instances=1, tp=4,
         slo=SLO(ttft_s=10.0, tpot_s=0.05), target=0.9,

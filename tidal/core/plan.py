@@ -76,6 +76,17 @@ class BatchComposition:
                                 num_padded_tokens=num_padded_tokens)
 
 
+def rectangle_padding(chunks: tuple[ScheduledChunk, ...] | list[ScheduledChunk], extra_rows: int = 0) -> int:
+    """Padded tokens of a step run as a rectangle (static batching, BucketServe Eq. 1's S_max x N):
+    ``rows = len(chunks) + extra_rows`` rows, each as long as the longest chunk, so
+    ``rows * max_n - sum(n_i)``. ``extra_rows`` are rows kept for finished members (each a dead
+    decode row)."""
+    if not chunks:
+        return 0
+    longest = max(len(c.token_ids) for c in chunks)
+    return (len(chunks) + extra_rows) * longest - sum(len(c.token_ids) for c in chunks)
+
+
 @dataclass(frozen=True, slots=True)
 class StepPlan:
     step_id: int

@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from tidal.core.plan import StepPlan, StepResult
+from tidal.core.plan import ScheduledChunk, StepPlan, StepResult
 from tidal.core.request import Request
 
 
@@ -129,6 +129,18 @@ class SchedulingPolicy:
     def preemption_victim(self, running: Sequence[Request]) -> Request | None:
         """Who gives up its blocks when memory runs out, or None to leave it to the scheduler."""
         return None
+
+    def seq_ceiling(self, configured: int) -> int:
+        """The hard cap on running requests, given the configured ``max_num_seqs``. A policy with
+        its own batch-size bound (``memory.b_max``, Pang et al.'s B_max) may raise it."""
+        return configured
+
+    def padded_tokens(self, chunks: Sequence[ScheduledChunk]) -> int:
+        """Tokens this step computes only as padding (0: no padding, the default). A padding mode
+        pads the step to a rectangle: every row as long as the longest chunk at the longest
+        prefix; the rows are the chunks plus rows kept for finished members (see
+        :func:`tidal.core.plan.rectangle_padding`)."""
+        return 0
 
     def observe(self, plan: StepPlan, result: StepResult) -> None:
         """Learn from a finished step (controllers update their state here)."""

@@ -200,7 +200,7 @@ class Scheduler:
 
     def schedule(self, now: float) -> StepPlan:
         # the policy decides once per step, first; everything it is asked afterwards is about this step
-        caps = self.policy.plan_step(self.view(now)).within(self.config.max_num_seqs,
+        caps = self.policy.plan_step(self.view(now)).within(self.policy.seq_ceiling(self.config.max_num_seqs),
                                                              self.config.max_num_batched_tokens)
         self.last_caps = caps
         budget, max_seqs = caps.token_budget, caps.max_num_seqs
@@ -281,7 +281,8 @@ class Scheduler:
 
         finished, self._finished_since_plan = tuple(self._finished_since_plan), []
         self._step_id += 1
-        return StepPlan(self._step_id, tuple(chunks), BatchComposition.of(chunks), tuple(swap_out), tuple(swap_in),
+        composition = BatchComposition.of(chunks, self.policy.padded_tokens(chunks) if chunks else 0)
+        return StepPlan(self._step_id, tuple(chunks), composition, tuple(swap_out), tuple(swap_in),
                         tuple(preempted), finished)
 
     # ------------------------------------------------------------------ results

@@ -3,6 +3,15 @@
 This is the real shell's counterpart of the simulator's cost-model executor. It applies the
 plan's block copies (swap out, swap in), lays the scheduled tokens out as one flat batch
 (decodes first, then prefill chunks), runs the model once, and samples where the plan says so.
+
+Padding (a plan with ``composition.num_padded_tokens``, from ``static.pad``): the step is a
+rectangle, every row as long as the longest chunk (:func:`tidal.core.plan.rectangle_padding`).
+The padded tokens are really computed, as a second batch through every layer and the LM head
+(the rows of finished members sample, as a static batch's rows do), and their results are
+thrown away: each real chunk's pad tail, at the positions after it, and each dead row, at the
+longest prefix. They write their K/V to a one-block scratch cache and attend only over
+themselves (causally), so the real tokens, their KV and their samples are exactly those of the
+unpadded run; what is not computed is a pad token's attention over the real context.
 """
 
 from __future__ import annotations
@@ -14,7 +23,7 @@ import torch
 from tidal.cluster.pressure.lookahead import ChunkCost
 from tidal.core.plan import ScheduledChunk, StepPlan, StepResult
 from tidal.engine.kv_cache import PagedKVCache
-from tidal.engine.model import AttentionBatch, DecodeGroup, LlamaModel, PrefillSeq
+from tidal.engine.model import AttentionBatch, DecodeGroup, KVLayer, LlamaModel, PrefillSeq
 from tidal.engine.sampler import Sampler
 from tidal.engine.stage import StageLink, split_microbatches
 
@@ -32,6 +41,8 @@ class ModelRunner:
         self.link: StageLink | None = None
         self.mb_cost: ChunkCost | None = None  # Eq. 1 coefficients for the microbatch split
         self.mb_min_tokens = 1  # Fig. 11's MIN: a step of this many tokens or fewer stays whole
+        self.padded_tokens_computed = 0  # padding run through the model so far
+        self._scratch: dict[int, KVLayer] | None = None
 
     # ------------------------------------------------------------------ batch layout
     def _build_batch(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, AttentionBatch]:
@@ -94,6 +105,36 @@ class ModelRunner:
             len(decodes), 1, 1, width * bs)
         return DecodeGroup(offset, len(decodes), torch.tensor(rows, dtype=torch.long, device=dev), mask)
 
+    # ------------------------------------------------------------------ padding
+    def _run_padding(self, chunks: list[ScheduledChunk], num_padded: int) -> None:
+        """Compute the step's padded tokens (see the module docstring) and drop the results."""
+        longest = max(c.num_tokens for c in chunks)
+        prefix = max(c.start for c in chunks)
+        dead = (sum(c.num_tokens for c in chunks) + num_padded) // longest - len(chunks)
+        segs = [(c.context_len, longest - c.num_tokens) for c in chunks if c.num_tokens < longest]
+        segs += [(prefix, longest)] * max(dead, 0)
+        if not segs:
+            return
+        dev, bs = self.device, self.block_size
+        if self._scratch is None:
+            k = self.kv.layers[next(iter(self.kv.layers))].k
+            shape = (1, *k.shape[1:])
+            self._scratch = {i: KVLayer(torch.zeros(shape, dtype=k.dtype, device=dev),
+                                        torch.zeros(shape, dtype=k.dtype, device=dev)) for i in self.kv.layers}
+        positions: list[int] = []
+        pre: list[PrefillSeq] = []
+        for start, n in segs:
+            pre.append(PrefillSeq(len(positions), n, start, torch.zeros(1, dtype=torch.long, device=dev), None))
+            positions.extend(range(start, start + n))
+        batch = AttentionBatch(positions=torch.tensor(positions, dtype=torch.long, device=dev),
+                               slot_mapping=torch.tensor([p % bs for p in positions], dtype=torch.long, device=dev),
+                               num_decodes=0, decode_groups=[], prefills=pre, block_size=bs)
+        h = self.model(self.model.embed(torch.zeros(len(positions), dtype=torch.long, device=dev)), batch,
+                       self._scratch)
+        if dead > 0:  # the dead rows sample too, as every row of a static batch does
+            self.model.compute_logits(h[torch.tensor([p.offset + p.num_tokens - 1 for p in pre[-dead:]], device=dev)])
+        self.padded_tokens_computed += len(positions)
+
     # ------------------------------------------------------------------ step
     @staticmethod
     def _sample_rows(chunks: list[ScheduledChunk]) -> tuple[list[int], list[ScheduledChunk]]:
@@ -138,6 +179,8 @@ class ModelRunner:
         # decodes first, longest context first (groups of similar length pad little), then prefills
         ordered = (sorted((c for c in plan.chunks if c.is_decode), key=lambda c: -c.context_len)
                    + [c for c in plan.chunks if not c.is_decode])
+        if plan.composition.num_padded_tokens and self.link is None:  # (a pipeline group never pads)
+            self._run_padding(ordered, plan.composition.num_padded_tokens)
         if self.link is None:
             input_ids, batch = self._build_batch(ordered)
             h = self.model(self.model.embed(input_ids), batch, self.kv.layers)

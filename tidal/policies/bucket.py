@@ -18,16 +18,15 @@ Choices made here, where the paper leaves room:
   (``min(request.expected_total_tokens, L_max)``). Eq. 6 bounds the KV a batch holds; in the
   paper's disaggregated prefill instance that is the prompt, but in tidal's colocated engine a
   request's KV grows until it finishes, so its largest footprint is the honest S.
-* **N_max in KV blocks** (what the policy sees of memory)::
-
-      N_max = max(1, floor(m_safe_frac * num_total_blocks / mean_i ceil(S_i / block_size)))
-
-  i.e. Eq. 6 with M_safe = m_safe_frac x the KV pool (Eq. 5; the pool is the memory left after
-  the weights) and every S_i replaced by the group's mean, in blocks. Alg. 1's N_max (split size
-  m and merge threshold) takes the mean over all waiting requests; the cap returned by
-  ``max_num_seqs`` takes it over the running requests plus the chosen bucket's waiting ones
-  (the set that will share the pool). :func:`max_safe_batch_size` is Eq. 6 in bytes for a
-  model shape.
+* **N_max (Eq. 5-6) on the KV pool, cumulative.** N_max is the longest prefix, in admission
+  order, whose S_i (rounded up to whole KV blocks) sum to at most M_safe / (2LHDB), which is the
+  pool in tokens: ``num_total_blocks * block_size``. The pool is already sized at 90 % of the device
+  less the weights (``gpu_memory_utilization``), so that is where Eq. 5's 0.9 is applied;
+  ``bucket.m_safe_frac`` (default 1) can reserve more. Alg. 1's N_max (split size m and merge
+  threshold) sums the waiting requests in arrival order; the cap returned by ``max_num_seqs``
+  sums the running requests first (they hold their memory), then the chosen bucket's waiting ones
+  in the order they would be admitted. :func:`max_safe_batch_size` is the same Eq. 6 in bytes
+  for a model shape.
 * **Order.** Requests are grouped by (priority, class, bucket). Groups go lower priority first,
   then online before offline, then the group holding the earliest arrival first (the paper's
   order for online buckets; also used between offline buckets so that none starves). Inside a
@@ -42,7 +41,6 @@ Choices made here, where the paper leaves room:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -76,38 +74,58 @@ def waste_ratio(lengths: Sequence[int]) -> float:
     return (s_max - sum(lengths) / len(lengths)) / s_max if s_max > 0 else 0.0
 
 
+def safe_memory(m_remain_bytes: float, m_safe_frac: float = 0.9) -> float:
+    """M_safe = 0.9 x M_remain (BucketServe Eq. 5): the share of the memory left after the model."""
+    return m_safe_frac * m_remain_bytes
+
+
+def n_max_prefix(seq_lens: Iterable[int], budget_tokens: float) -> int:
+    """max{N | sum_{i<=N} S_i <= budget} over ``seq_lens`` in admission order (BucketServe Eq. 6's
+    cumulative sum; ``budget`` = M_safe / (2LHDB), in tokens).
+
+    When every given S_i fits, the requests that would come next are not known: they are taken at
+    the given ones' mean, so N_max can exceed the count (else Alg. 1's merge test ``total < N_max``
+    could never hold)."""
+    n, used = 0, 0
+    for s in seq_lens:
+        if used + s > budget_tokens:
+            return n
+        used += s
+        n += 1
+    return n + int((budget_tokens - used) // (used / n)) if n and used > 0 else n
+
+
 def max_safe_batch_size(arch: ModelArch, dtype_bytes: int, m_remain_bytes: int,
                         seq_lens: int | Sequence[int], m_safe_frac: float = 0.9) -> int:
-    """N_max = max{N | sum_{i<=N} S_i <= M_safe / (2 L H D B)}, M_safe = 0.9 M_remain (Eq. 5-6).
+    """N_max = max{N | sum_{i<=N} S_i <= M_safe / (2 L H D B)}, M_safe = 0.9 M_remain (Eq. 5-6), in bytes.
 
     ``seq_lens`` is one S shared by every request (then N_max = floor(M_safe / (2LHDB S))) or the
     lengths in admission order (then the longest prefix that fits). 2LHDB is
     ``arch.kv_bytes_per_token(dtype_bytes)`` (H = the KV heads, which Eq. 1's H is for MHA).
     """
-    per_token = arch.kv_bytes_per_token(dtype_bytes)
-    budget_tokens = m_safe_frac * m_remain_bytes / per_token  # M_safe / (2LHDB)
+    budget_tokens = safe_memory(m_remain_bytes, m_safe_frac) / arch.kv_bytes_per_token(dtype_bytes)
     if isinstance(seq_lens, int):
         if seq_lens <= 0:
             raise ValueError("sequence length must be > 0")
         return int(budget_tokens // seq_lens)
-    n, used = 0, 0
-    for s in seq_lens:
-        used += s
-        if used > budget_tokens:
-            break
-        n += 1
-    return n
+    return n_max_prefix(seq_lens, budget_tokens)
 
 
 def max_safe_batch_blocks(num_total_blocks: int, block_size: int, seq_lens: Iterable[int],
-                          m_safe_frac: float = 0.9) -> int | None:
-    """Eq. 6 in KV blocks with every S_i set to the mean:
-    floor(m_safe_frac * num_total_blocks / mean_i ceil(S_i / block_size)); None for no lengths."""
-    blocks = [-(-max(1, s) // block_size) for s in seq_lens]
-    if not blocks:
+                          m_safe_frac: float = 1.0) -> int | None:
+    """Eq. 6 on a paged KV pool (what the policy sees of memory), None for no lengths.
+
+    The pool holds ``num_total_blocks * block_size`` tokens of KV: it is M_remain / (2LHDB) with the
+    bytes already divided out, and it is already what is left after the engine's memory reserve
+    (``kv_pool_blocks`` sizes it at ``utilization`` = 0.9 of the device less the weights), so Eq. 5's
+    0.9 is applied there and ``m_safe_frac`` defaults to 1 here (a second 0.9 would reserve twice).
+    Each S_i occupies whole blocks in a paged pool, so it is rounded up to ``block_size``; the sum
+    is cumulative in the order given (Eq. 6 as written), not a mean.
+    """
+    lens = [-(-max(1, s) // block_size) * block_size for s in seq_lens]
+    if not lens:
         return None
-    mean_blocks = sum(blocks) / len(blocks)
-    return math.floor(m_safe_frac * num_total_blocks / mean_blocks)
+    return n_max_prefix(lens, safe_memory(num_total_blocks * block_size, m_safe_frac))
 
 
 @dataclass
@@ -172,7 +190,8 @@ def expected_waste(buckets: Sequence[Bucket], key: Callable[[Any], int] = bucket
 class BucketParams(PolicyParams):
     theta: float = Field(0.5, ge=0.0, lt=1.0, description="Alg. 1 theta: share below the midpoint that splits")
     l_max: int = Field(8192, ge=2, description="L_max: the upper bound of the first bucket")
-    m_safe_frac: float = Field(0.9, gt=0.0, le=1.0, description="M_safe as a share of the KV pool (Eq. 5)")
+    m_safe_frac: float = Field(1.0, gt=0.0, le=1.0,
+                               description="M_safe as a share of the KV pool (Eq. 5; the pool already leaves 10%)")
     offline_order: Literal["sjf", "ljf", "fcfs"] = Field("sjf", description="order inside offline buckets")
 
     @field_validator("offline_order", mode="before")
@@ -241,6 +260,7 @@ class BucketPolicy(SchedulingPolicy):
         if self._geometry is None:
             return None
         total_blocks, block_size = self._geometry
+        # BucketServe Eq. 6: the cumulative sum of S_i over ``requests`` in the order given
         n = max_safe_batch_blocks(total_blocks, block_size, (self._mem(r) for r in requests), self.m_safe_frac)
         return None if n is None else max(1, n)
 
@@ -252,7 +272,7 @@ class BucketPolicy(SchedulingPolicy):
 
     def _sync(self, waiting: Sequence[Request]) -> None:
         """Re-bucket the waiting queue and run AdjustBuckets once, when it changed."""
-        n_max = self._nmax(waiting)
+        n_max = self._nmax(sorted(waiting, key=lambda r: r.arrival_time))
         sig = (tuple(r.request_id for r in waiting), n_max)
         if sig == self._sig:
             return

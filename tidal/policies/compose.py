@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tidal.core.plan import StepPlan, StepResult
+from tidal.core.plan import ScheduledChunk, StepPlan, StepResult
 from tidal.core.policy import PolicyState, SchedulerView, SchedulingPolicy, StepCaps
 from tidal.core.request import Request
 
@@ -58,6 +58,12 @@ class CompositePolicy(SchedulingPolicy):
             if victim is not None:
                 return victim
         return None
+
+    def seq_ceiling(self, configured: int) -> int:
+        return max(p.seq_ceiling(configured) for p in self.parts)
+
+    def padded_tokens(self, chunks: Sequence[ScheduledChunk]) -> int:
+        return max(p.padded_tokens(chunks) for p in self.parts)
 
     def observe(self, plan: StepPlan, result: StepResult) -> None:
         for p in self.parts:

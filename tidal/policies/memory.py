@@ -21,7 +21,16 @@ as the paper suggests for paged engines: one request's footprint is ceil((l_in +
   refreshed every ``memory.l0_every`` updates ("computed offline and updated online
   periodically") and whenever the estimate's source changes, or fixed with ``memory.l0`` (blocks).
 - b_t = floor((eta - L0) / mu) (Eq. 14, Alg. 1 line 5), clamped to [max(N_d, b_min), B_max]
-  (line 6). N_d is the number of running decodes; B_max = ``config.max_num_seqs``.
+  (line 6). N_d is the number of running decodes; B_max = ``memory.b_max``, or
+  ``config.max_num_seqs`` when it is 0. A ``b_max`` above ``max_num_seqs`` raises the hard cap
+  (the policy's :meth:`seq_ceiling`): that is how the paper's dynamic batching beats vLLM's fixed
+  cap in Table I, by running more requests than the static cap when memory allows.
+- Eq. 9's variance: the paper writes sigma_S^2 = b (Var(l_in) + Var(l_out)), which assumes the
+  input and output lengths of a request are independent. Here sigma^2 = Var(l_in + l_out), the
+  variance of the one quantity that occupies memory; it equals the paper's form when the two are
+  independent and stays right when they are correlated (long prompts with long answers, as in
+  summarisation, have Cov > 0 and the paper's form would understate the risk). Finished requests
+  give the total directly, in blocks, which is what the pool holds.
 
 Alg. 1 line 4 changes b_t only while there is prefill work: waiting requests, or running
 requests still in prefill. Otherwise b_t stays at b_{t-1}. The paper also requires N_d > 0, but
@@ -110,6 +119,7 @@ class MemoryParams(PolicyParams):
     min_samples: int = Field(8, ge=0, description="finished requests before their statistics are used alone")
     prior_len: int = Field(1024, gt=0, description="tokens per request when nothing is known")
     b_min: int = Field(1, ge=1, description="lowest batch cap")
+    b_max: int = Field(0, ge=0, description="B_max, the highest batch cap (0: max_num_seqs); may exceed it")
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,9 +153,10 @@ class MemoryPolicy(SchedulingPolicy):
         self.min_samples = params.min_samples
         self.prior_len = params.prior_len
         self.b_min = params.b_min
-        self.b_max = config.max_num_seqs
+        self.b_max = params.b_max or config.max_num_seqs  # Pang Alg. 1 line 6's B_max
         if self.b_min > self.b_max:
-            raise ConfigError(f"policy argument memory.b_min={self.b_min}: must be <= max_num_seqs ({self.b_max})")
+            bound = "memory.b_max" if params.b_max else "max_num_seqs"
+            raise ConfigError(f"policy argument memory.b_min={self.b_min}: must be <= {bound} ({self.b_max})")
         self.stats = Welford()  # footprints (blocks) of finished requests
         self.b = self.b_max  # b_{t-1}; Alg. 2 of the paper also starts from B_max
         self.block_size: int | None = None
@@ -172,6 +183,9 @@ class MemoryPolicy(SchedulingPolicy):
         return float(mu), mu / 2.0, "prior"
 
     # ------------------------------------------------------------------ policy
+    def seq_ceiling(self, configured: int) -> int:
+        return self.b_max
+
     def plan_step(self, view: SchedulerView) -> StepCaps:
         self.block_size = view.block_size
         n_decode = view.num_decodes
@@ -197,6 +211,7 @@ class MemoryPolicy(SchedulingPolicy):
     def on_finished(self, request: Request) -> None:
         # aborted requests were cut short: their footprint says nothing of the workload
         if request.finish_reason is not FinishReason.ABORT and self.block_size is not None:
+            # Eq. 9 as Var(l_in + l_out): the footprint's own variance (see the module docstring)
             self.stats.add(self._blocks(request.num_tokens))
 
     def state(self) -> MemoryState:

@@ -10,10 +10,16 @@ Padding. A true static batch pads every prompt to the batch's longest and keeps 
 row until the longest output is done, so each row occupies S_pad = max_i p_i + max_i o_i
 positions. ``state()`` reports the waste such a batch would have, BucketServe's Eq. 2 with
 S_max := S_pad: (S_pad - S_avg) / S_pad, S_avg = mean_i (p_i + o_i), and the padded token slots
-N * S_pad - sum_i (p_i + o_i). tidal's engine computes no padding (each request advances only its
-own tokens, and a finished request leaves at once), so this baseline keeps the run-to-completion
-*admission* of static batching without its padding compute: it is conservative, i.e. stronger
-than true static batching, and gains measured against it understate those against the real one.
+N * S_pad - sum_i (p_i + o_i).
+
+``static.pad`` (default off) says whether that padding is computed. Off: each request advances
+only its own tokens and a finished request leaves at once, so the baseline keeps the
+run-to-completion *admission* of static batching without its padding compute (stronger than true
+static batching). On (the UELLM-like padded baseline BucketServe compares against): every step
+is a rectangle, each row as long as the step's longest chunk and every finished member still a
+row until the batch ends (:func:`tidal.core.plan.rectangle_padding`); the plan's
+``num_padded_tokens`` says how many tokens that adds; the simulator's cost model charges them and
+the engine's runner computes them (``--batching static --policy-arg static.pad=true``).
 """
 
 from __future__ import annotations
@@ -21,11 +27,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pydantic import Field
+
 from tidal.config import SchedulerConfig
-from tidal.core.plan import StepPlan, StepResult
+from tidal.core.plan import ScheduledChunk, StepPlan, StepResult, rectangle_padding
 from tidal.core.policy import PolicyState, SchedulerView, SchedulingPolicy, StepCaps
 from tidal.core.request import Request
-from tidal.policies.params import NoParams
+from tidal.policies.params import PolicyParams
 from tidal.policies.registry import register_policy
 
 
@@ -38,6 +46,10 @@ def static_padding(prompt_lens: Sequence[int], output_lens: Sequence[int]) -> tu
     used = sum(prompt_lens) + sum(output_lens)
     total = s_pad * len(prompt_lens)
     return (total - used) / total if total else 0.0, total - used
+
+
+class StaticParams(PolicyParams):
+    pad: bool = Field(False, description="compute the padding of a static batch (UELLM-like padded baseline)")
 
 
 def _fcfs(r: Request) -> tuple:
@@ -59,7 +71,8 @@ class StaticState(PolicyState):
 class StaticPolicy(SchedulingPolicy):
     name = "static"
 
-    def __init__(self) -> None:
+    def __init__(self, params: StaticParams | None = None) -> None:
+        self.pad = (params or StaticParams()).pad
         self.members: list[Request] = []  # the current (or last) batch, in admission order
         self._ids: set[str] = set()
         self._unfinished: set[str] = set()  # members that have not finished (on_finished removes them)
@@ -98,6 +111,12 @@ class StaticPolicy(SchedulingPolicy):
     def admit(self, request: Request, admitted: Sequence[Request]) -> bool:
         return request.request_id in self._unfinished
 
+    def padded_tokens(self, chunks: Sequence[ScheduledChunk]) -> int:
+        """With ``static.pad``: the step as a rectangle, with a dead row for each finished member."""
+        if not self.pad:
+            return 0
+        return rectangle_padding(list(chunks), len(self.members) - len(self._unfinished))
+
     def observe(self, plan: StepPlan, result: StepResult) -> None:
         self._close()
 
@@ -113,6 +132,6 @@ class StaticPolicy(SchedulingPolicy):
             padding_waste_mean=self._waste_sum / completed if completed else 0.0, completed_batches=completed)
 
 
-@register_policy("static", params=NoParams)
-def _static(config: SchedulerConfig, params: NoParams) -> SchedulingPolicy:
-    return StaticPolicy()
+@register_policy("static", params=StaticParams)
+def _static(config: SchedulerConfig, params: StaticParams) -> SchedulingPolicy:
+    return StaticPolicy(params)

@@ -24,6 +24,12 @@ One engine step runs every chunk of the plan through the model once. Its time is
 - **swap**: ``(len(swap_out) + len(swap_in)) * block_bytes / tp / host_bandwidth`` (each device
   moves its shard of a block over its own PCIe link).
 
+- **padding** (static batching that pads, ``composition.num_padded_tokens`` > 0, BucketServe
+  Eq. 1's S_max x N): the step is a rectangle of ``rows = (tokens + padded) / longest`` rows, each
+  the step's longest chunk (``longest`` tokens) at its longest prefix, in place of the chunks; a
+  dead row (a finished member) is one decode at the longest context. The padded tokens cost the
+  linear layers and attention like real ones.
+
 F and B are ``peak * efficiency`` of the hardware, times ``tp``. A plan with no chunks costs
 only its swaps (0.0 when it has none): no step is launched.
 
@@ -102,6 +108,8 @@ class AnalyticCostModel:
         swaps = len(plan.swap_out) + len(plan.swap_in)
         if not chunks:
             return swaps * self._s_per_swap_block if swaps else 0.0
+        if plan.composition.num_padded_tokens:
+            return self._padded_step_time(plan, swaps)
         s_pair = self._s_per_pair
         s_kv = self._s_per_kv_token
         tokens = 0
@@ -121,6 +129,24 @@ class AnalyticCostModel:
         return ((tc if tc > tm else tm) + attn + self._s_per_token_allreduce * tokens + self._s_allreduce_fixed
                 + swaps * self._s_per_swap_block + self._overhead)
 
+    def _rectangle(self, plan: StepPlan) -> tuple[int, int, int, int]:
+        """(rows, longest chunk, longest prefix, sampled rows) of a padded step."""
+        longest = max(c.num_tokens for c in plan.chunks)
+        prefix = max(c.start for c in plan.chunks)
+        rows = -(-(plan.num_tokens + plan.composition.num_padded_tokens) // longest)
+        sampled = sum(1 for c in plan.chunks if c.sample) + rows - len(plan.chunks)
+        return rows, longest, prefix, sampled
+
+    def _padded_step_time(self, plan: StepPlan, swaps: int) -> float:
+        rows, n, p, sampled = self._rectangle(plan)
+        tokens = rows * n
+        a_c = self._s_per_pair * (p * n + (n * n + n) * 0.5)
+        a_m = self._s_per_kv_token * (p + n)
+        tc = self._s_per_token_linear * tokens + self._s_per_sample_head * sampled
+        tm = self._s_layer_weights + (self._s_head_weights if sampled else 0.0)
+        return (max(tc, tm) + rows * max(a_c, a_m) + self._s_per_token_allreduce * tokens + self._s_allreduce_fixed
+                + swaps * self._s_per_swap_block + self._overhead)
+
     def breakdown(self, plan: StepPlan) -> dict[str, float]:
         """The step's time by part (seconds), with the bound each roofline hit. Slow; for tests
         and reports. ``total`` equals :meth:`step_time`."""
@@ -129,6 +155,11 @@ class AnalyticCostModel:
         if not plan.chunks:
             return {"linear": 0.0, "attention": 0.0, "allreduce": 0.0, "swap": swap, "overhead": 0.0,
                     "total": swap, "linear_bound": "none", "attention_compute_chunks": 0}
+        if plan.composition.num_padded_tokens:
+            total = self._padded_step_time(plan, swaps)
+            return {"linear": float("nan"), "attention": float("nan"), "allreduce": float("nan"), "swap": swap,
+                    "overhead": self._overhead, "total": total, "linear_bound": "padded",
+                    "attention_compute_chunks": 0, "padded_rows": self._rectangle(plan)[0]}
         flops_all = self.hardware.peak_flops * self.hardware.compute_efficiency * self.tp
         bw_all = self.hardware.mem_bandwidth * self.hardware.memory_efficiency * self.tp
         tokens = sum(c.num_tokens for c in plan.chunks)

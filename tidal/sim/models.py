@@ -49,6 +49,7 @@ MODELS: dict[str, ModelArch] = {
     # meta-llama/Llama-2-7b-hf, Llama-2-13b-hf
     "llama-2-7b": _llama2("llama-2-7b", 4096, 11008, 32, 32),
     "llama-2-13b": _llama2("llama-2-13b", 5120, 13824, 40, 40),
+    "llama-65b": _llama2("llama-65b", 8192, 22016, 80, 64),  # LLaMA-1 65B (MHA; its context is 2048)
     # meta-llama/Meta-Llama-3-8B, Meta-Llama-3-70B
     "llama-3-8b": _llama3("llama-3-8b", 4096, 14336, 32, 32),
     "llama-3-70b": _llama3("llama-3-70b", 8192, 28672, 80, 64),
