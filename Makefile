@@ -5,6 +5,7 @@ STAMP  := $(VENV)/.tidal-installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 PYTEST_ARGS ?=
+TEST_WORKERS ?= 2
 
 .PHONY: install serve test lint bench clean
 
@@ -28,7 +29,7 @@ lint: install
 	cd $(CURDIR) && $(VENV)/bin/lint-imports
 
 test: install lint
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 bench: install
 	$(VENV)/bin/tidal bench offline
