@@ -28,9 +28,9 @@ def policy_server():
         assert "Traceback" not in p.final_output, p.final_output[-3000:]
 
 
-def _load(url: str, n: int, max_tokens: int) -> list[int]:
+def _load(url: str, n: int, max_tokens: int, repeat: int = 1) -> list[int]:
     def one(i: int) -> int:
-        body = {"prompt": f"Request {i}: " + "tell me about the sea. " * (1 + i % 6), "max_tokens": max_tokens,
+        body = {"prompt": f"Request {i}: " + "tell me about the sea. " * repeat * (1 + i % 6), "max_tokens": max_tokens,
                 "ignore_eos": True, "temperature": 0}
         return httpx.post(f"{url}/v1/completions", json=body, timeout=300).status_code
 
@@ -130,3 +130,44 @@ def test_dashboard_shows_state_and_updates_under_load(policy_server, tmp_path):
         shot = screenshot(d, tmp_path / "dashboard.png")
     with open(shot, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_dashboard_shows_kunserve_drop_exchange_and_restore(tmp_path):
+    """A 2-instance cluster with --kv-pressure drop and a tiny KV pool: a burst throttles it, the
+    pair drops layers, exchanges KV and, once idle, restores; the page lists those events (as the
+    front end logged them in /admin/state) and, while grouped, which layers each instance holds."""
+    p = ServerProcess("--instances", "2", "--kv-pressure", "drop", "--kv-cache-memory", "8MiB",
+                      "--max-num-batched-tokens", "64", "--threads-per-instance", "1")
+    try:
+        url = p.wait_ready().url
+        with headless_chromium() as d:
+            d.get(f"{url}/dashboard")
+            wait_for(lambda: d.execute_script("return window.tidalDashboard && window.tidalDashboard.polls >= 2"),
+                     60, "the page's first polls")
+            assert [r[-1] for r in table(d, "instances")] == ["all", "all"]
+            layers_seen = []
+
+            def watch() -> bool:
+                layers_seen.append(tuple(r[-1] for r in table(d, "instances")))
+                return False
+
+            with cf.ThreadPoolExecutor(1) as pool:
+                load = pool.submit(_load, url, 8, 16, 4)  # prompts of ~30-150 tokens: far more than 2 x 176 slots
+                while not load.done():
+                    watch()
+                assert load.result() == [200] * 8
+            kinds = [e["kind"] for e in httpx.get(f"{url}/admin/state").json()["cluster"]["kv_pressure"]["events"]]
+            assert "drop" in kinds, kinds
+
+            def logged() -> str:
+                return d.execute_script("return document.getElementById('events').textContent")
+
+            wait_for(lambda: "KunServe drop on instance(s) " in logged(), 30, "the drop on the page")
+            wait_for(lambda: "KunServe restore-done" in logged(), 120, "the restore on the page")
+            assert "KunServe exchange-done" in logged()
+            assert any(a != "all" and b != "all" for a, b in layers_seen), layers_seen  # e.g. [0, 15) / [15, 30)
+            wait_for(lambda: [r[-1] for r in table(d, "instances")] == ["all", "all"], 30, "all layers back")
+            screenshot(d, tmp_path / "dashboard_kunserve.png")
+    finally:
+        code = p.stop()
+    assert code == 0, p.final_output[-3000:]

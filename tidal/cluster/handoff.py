@@ -7,7 +7,8 @@ that move with the same two functions:
 - :func:`handoff_blocks`: the KV blocks the decode instance must hold for the request: its
   computed tokens plus the slot of the token it decodes next;
 - :func:`plan_chunks`: the chunks the KV travels in, layer groups outer and token ranges inner,
-  so the sender keeps computing between chunks (the runtime writes one per loop turn; the
+  so the sender keeps computing between chunks (the runtime writes them between its steps, for at
+  most ``CHUNK_BUDGET_S`` per turn; the
   simulator charges each one latency plus bytes over bandwidth).
 """
 

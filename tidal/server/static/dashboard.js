@@ -24,7 +24,9 @@
   // One shape for both servers: a single engine is instance 0.
   function instancesOf(st) {
     if (st.cluster && Array.isArray(st.cluster.instances)) {
+      const held = (st.cluster.kv_pressure && st.cluster.kv_pressure.layers) || {};  // KunServe: layers kept after a drop
       return st.cluster.instances.map((i) => ({
+        layers: held[String(i.index)] ? "[" + held[String(i.index)].join(", ") + ")" : "all",
         index: i.index, role: i.role, alive: i.alive, kv: i.kv_usage, blocks: i.num_blocks,
         used: i.num_blocks - i.num_free_blocks, running: i.num_running, waiting: i.num_waiting,
         cap: i.batch_size_cap, budget: i.token_budget, preemptions: i.num_preemptions,
@@ -38,6 +40,7 @@
       used: s.num_kv_blocks - s.num_free_kv_blocks, running: s.num_requests_running, waiting: s.num_requests_waiting,
       cap: st.batch_size_cap, budget: s.token_budget === undefined ? null : s.token_budget,
       preemptions: s.num_preemptions, stepMs: null, policy: st.policy, failures: 0, restarts: 0, handoffs: 0,
+      layers: "all",
     }];
   }
 
@@ -112,6 +115,17 @@
         if ((nb.num_merges || 0) > (ob.num_merges || 0)) event(who + "buckets merged: now " + nb.buckets.length + " buckets");
       }
     }
+    // KunServe (--kv-pressure drop): throttles, drops, KV exchanges, restores, as the front end logged them
+    const kp = (st.cluster && st.cluster.kv_pressure) || null, okp = (prev.cluster && prev.cluster.kv_pressure) || null;
+    if (kp && okp) {
+      const seen = new Set((okp.events || []).map((e) => e.kind + "@" + e.time));
+      for (const e of kp.events || []) {
+        if (seen.has(e.kind + "@" + e.time)) continue;
+        const extra = Object.entries(e).filter(([k]) => !["kind", "time", "instances"].includes(k))
+          .map(([k, v]) => k + "=" + JSON.stringify(v)).join(" ");
+        event("KunServe " + e.kind + " on instance(s) " + (e.instances || []).join(", ") + (extra ? "  " + extra.slice(0, 160) : ""));
+      }
+    }
     const s = st.stats, p = prev.stats;
     if ((s.failovers || 0) > (p.failovers || 0)) event("+" + (s.failovers - p.failovers) + " request failover(s)");
     if ((s.splits || 0) > (p.splits || 0)) event("+" + (s.splits - p.splits) + " split request(s)");
@@ -138,7 +152,7 @@
     text("v-preemptions", s.num_preemptions);
     fill("instances", insts.map((i) => row([
       i.index, i.role, i.alive ? "alive" : "down", pct(i.kv), bar(i.kv), i.used + " / " + i.blocks, i.running,
-      i.waiting, i.cap, i.budget, i.preemptions, i.stepMs === null ? "-" : i.stepMs.toFixed(1)])));
+      i.waiting, i.cap, i.budget, i.preemptions, i.stepMs === null ? "-" : i.stepMs.toFixed(1), i.layers])));
     const brows = [], prows = [];
     for (const i of insts) {
       const b = findBuckets(i.policy);
