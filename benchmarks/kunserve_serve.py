@@ -27,6 +27,7 @@ import httpx
 from cluster_serve import serve, stop
 
 from tidal.common.machine import describe, machine_info
+from tidal.common.plots import pyplot, save_figure
 from tidal.common.results import write_json
 
 SYSTEMS = {
@@ -137,11 +138,7 @@ def main() -> int:
 
 
 def _plot(rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(len(rows), 1, figsize=(10, 2.6 * len(rows)), sharex=True, squeeze=False)
     for ax, r in zip(axes[:, 0], rows, strict=True):
         tl = r["timeline"]
@@ -161,10 +158,7 @@ def _plot(rows: list[dict], path: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="upper right")
     axes[-1, 0].set_xlabel("time since the load started (s)")
-    fig.suptitle("KV capacity over time under bursts (dotted: drop red, restore green)")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=100)
+    save_figure(plt, fig, path, "KV capacity over time under bursts (dotted: drop red, restore green)")
 
 
 if __name__ == "__main__":

@@ -45,16 +45,21 @@ def start(mode: str, prefill: int = 0, prefill_batching: str | None = None, engi
     return llm
 
 
-def stop(llm) -> None:
-    pids = [h.pid for h in llm.handles if h is not None]
-    llm.shutdown()
-    for pid in pids:  # every worker stopped by its own id
+def wait_gone(pids, timeout: float = 10.0) -> None:
+    """All of these worker processes have exited within ``timeout`` seconds (they stop together)."""
+    deadline = time.monotonic() + timeout
+    for pid in pids:
         with pytest.raises(ProcessLookupError):
-            deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
                 os.kill(pid, 0)
                 time.sleep(0.1)
             raise AssertionError(f"worker {pid} still running")
+
+
+def stop(llm) -> None:
+    pids = [h.pid for h in llm.handles if h is not None]
+    llm.shutdown()
+    wait_gone(pids)  # every worker stopped by its own id
 
 
 async def stream(llm, i: int, on_token=None) -> tuple[list[int], str]:

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from tests.runtime.test_cluster import wait_gone
 from tidal.cluster.dispatch import ClusterLayout
 from tidal.config import ConfigError, EngineConfig
 from tidal.core.sampling import SamplingParams
@@ -108,19 +109,6 @@ def _serve(llm, ps, on_token=None) -> list[list[int]]:
     return asyncio.run(run())
 
 
-def _stopped(pids) -> None:
-    for pid in pids:  # every worker stopped, each by its own id
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.1)
-        else:
-            raise AssertionError(f"worker {pid} still running")
-
-
 def test_a_throttled_pair_drops_layers_serves_identically_and_restores(smol_tokenizer, reference):
     before = shm_segments()
     llm = _cluster()
@@ -169,7 +157,7 @@ def test_a_throttled_pair_drops_layers_serves_identically_and_restores(smol_toke
         assert m[("tidal:instance_dropped_layers", "0")] == m[("tidal:instance_dropped_layers", "1")] == 0
     finally:
         llm.shutdown()
-    _stopped(pids)
+    wait_gone(pids)
     assert shm_segments() <= before
 
 
@@ -209,5 +197,5 @@ def test_a_failure_in_the_group_restores_the_survivor_and_requests_finish_identi
         pids += [h.pid for h in llm.handles]
     finally:
         llm.shutdown()
-    _stopped(set(pids) - set(killed))
+    wait_gone(set(pids) - set(killed))
     assert shm_segments() <= before

@@ -26,12 +26,10 @@ anything about timing (the cost model or the link model).
 from __future__ import annotations
 
 import asyncio
-import os
-import time
 
 import numpy as np
-import pytest
 
+from tests.runtime.test_cluster import wait_gone
 from tidal.cluster.decisions import Decision, replay
 from tidal.cluster.dispatch import ClusterLayout
 from tidal.cluster.handoff import DEFAULT_LAYERS_PER_CHUNK, handoff_blocks, plan_chunks
@@ -86,16 +84,7 @@ def _run_real(work) -> tuple[list[Decision], dict, dict]:
         return log, snap, {"pools": pools, "scheduler": llm.config.scheduler}
     finally:
         llm.shutdown()
-        deadline = time.monotonic() + 10
-        for pid in pids:  # every worker stopped, by its own id
-            while time.monotonic() < deadline:
-                try:
-                    os.kill(pid, 0)
-                except ProcessLookupError:
-                    break
-                time.sleep(0.1)
-            else:
-                pytest.fail(f"worker {pid} still running")
+        wait_gone(pids)  # every worker stopped, by its own id
 
 
 def _run_sim(work, pools: dict, scheduler) -> tuple[list[Decision], object]:

@@ -144,6 +144,19 @@ class ServerProcess:
         return self.proc.returncode
 
 
+@contextlib.contextmanager
+def own_server(*flags: str):
+    """A server of a test module's own, ready; on the way out it is stopped by its pid, and must
+    have exited 0 with no exception in its log."""
+    p = ServerProcess(*flags)
+    try:
+        yield p.wait_ready()
+    finally:
+        code = p.stop()
+        assert code == 0, f"the server exited with {code}:\n{p.final_output[-3000:]}"
+        assert "Traceback" not in p.final_output, p.final_output[-3000:]
+
+
 _procs: dict[str, ServerProcess] = {}
 
 # test_cluster_api.py's multi-instance servers: the flags they share, and each layout's own

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.server.browser import headless_chromium, screenshot, table, text, wait_for
-from tests.server.conftest import ServerProcess
+from tests.server.conftest import ServerProcess, own_server
 from tidal.server.dashboard import STATIC, RecentLatency
 
 FLAGS = ("--batching", "bucket+memory+sla", "--tbt-slo-ms", "200", "--max-num-seqs", "8",
@@ -19,13 +19,8 @@ FLAGS = ("--batching", "bucket+memory+sla", "--tbt-slo-ms", "200", "--max-num-se
 
 @pytest.fixture(scope="module")
 def policy_server():
-    p = ServerProcess(*FLAGS)
-    try:
-        yield p.wait_ready()
-    finally:
-        code = p.stop()
-        assert code == 0, f"the server exited with {code}:\n{p.final_output[-3000:]}"
-        assert "Traceback" not in p.final_output, p.final_output[-3000:]
+    with own_server(*FLAGS) as p:
+        yield p
 
 
 def _load(url: str, n: int, max_tokens: int, repeat: int = 1) -> list[int]:

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.server.conftest import ServerProcess
+from tests.server.conftest import own_server
 from tidal.bench import soak
 from tidal.cli import main
 
@@ -18,13 +18,8 @@ FLAGS = ("--max-num-seqs", "4", "--max-queued-requests", "4", "--kv-cache-memory
 
 @pytest.fixture(scope="module")
 def soak_server():
-    p = ServerProcess(*FLAGS)
-    try:
-        yield p.wait_ready()
-    finally:
-        code = p.stop()
-        assert code == 0, f"the server exited with {code}:\n{p.final_output[-3000:]}"
-        assert "Traceback" not in p.final_output, p.final_output[-3000:]
+    with own_server(*FLAGS) as p:
+        yield p
 
 
 def test_short_soak_is_clean(soak_server, tmp_path, capsys):

@@ -35,6 +35,7 @@ from tidal.bench.reproduce import (
     Report,
     beats,
     capacity_from_sweep,
+    fmt_rate,
     fmt_ratio,
     ratio,
     run_sim,
@@ -146,17 +147,13 @@ def claims(data: dict[str, Any], batch: int) -> list[Claim]:
         cb, cd, cu = (systems_[n]["capacity_server_rps"] for n in (BUCKET, DIST, UELLM))
         out.append(Claim(f"capacity at 80 % SLO attainment, {ds} ({paper_cap[ds][1]})", paper_cap[ds][0],
                          f"{fmt_ratio(ratio(cb, cd))} DistServe, {fmt_ratio(ratio(cb, cu))} UELLM "
-                         f"({_r(cb)} / {_r(cd)} / {_r(cu)} req/s)",
+                         f"({fmt_rate(cb)} / {fmt_rate(cd)} / {fmt_rate(cu)} req/s)",
                          beats(cb, cd) and beats(cb, cu),
                          "the SLO values are ours (the paper names none); capacity read off a sweep of a few rates; "
                          "P/D layout fixed at 2 + 2 instances for both disaggregated systems; BucketServe's prefill "
                          "order differs from FCFS little when the bucket with the earliest arrival goes first, and "
                          "tidal's kernels do not pad, so bucketing has no padding to save against DistServe-like"))
     return out
-
-
-def _r(x: float | None) -> str:
-    return "none" if x is None else f"{x:.2f}"
 
 
 def plot(data: dict[str, Any], out_dir: str) -> list[str]:

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from tidal.bench.reproduce import Claim, Progress, Report, beats, run_sim
+from tidal.bench.reproduce import Claim, Progress, Report, beats, fmt_rate, run_sim
 from tidal.config import SchedulerConfig
 from tidal.metrics import SLO, CapacitySearch
 from tidal.workload import RequestSpec, gamma_arrivals, lognormal_lengths
@@ -161,7 +161,7 @@ def claims(data: dict[str, Any]) -> list[Claim]:
         out.append(Claim(
             f"Table II, {row['model']} ({row['prompt']:g} / {row['output']:g}, 50 ms): capacity, dynamic over static",
             f"{pq[0]:g} -> {pq[1]:g} qps; {row['paper_static']:g} -> {row['paper_dynamic']:g} tok/s",
-            f"static {_q(cs)}, sla {_q(csla)}, memory+sla {_q(cms)} qps; tok/s at capacity "
+            f"static {fmt_rate(cs)}, sla {fmt_rate(csla)}, memory+sla {fmt_rate(cms)} qps; tok/s at capacity "
             f"{_t(at['vLLM fixed cap 256'])} / {_t(at['sla'])} / {_t(at['memory+sla'])}; "
             f"b_mem {at['memory+sla'].get('b_mem')}, b_SLA {at['memory+sla'].get('b_sla')}",
             beats(max(csla or 0, cms or 0), cs),
@@ -183,10 +183,6 @@ def claims(data: dict[str, Any]) -> list[Claim]:
             "does not, so there memory+sla is sla. Eq. 12 binding on the caps changes nothing when fewer "
             "requests than b_mem run at once at that rate (the queue, not the cap, limits them)"))
     return out
-
-
-def _q(x: float | None) -> str:
-    return "none" if x is None else f"{x:.2f}"
 
 
 def _t(at: dict[str, Any]) -> str:

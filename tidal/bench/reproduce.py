@@ -140,6 +140,11 @@ def fmt_ratio(r: float | None) -> str:
     return "n/a" if r is None else f"{r:.2f}x"
 
 
+def fmt_rate(x: float | None) -> str:
+    """A capacity (req/s) in a claim; "none" when no rate met the SLO."""
+    return "none" if x is None else f"{x:.2f}"
+
+
 PAPERS: dict[str, Callable[[argparse.Namespace, Progress], Report]] = {}
 
 

@@ -30,7 +30,7 @@ from tidal.bench.client import run as run_client
 from tidal.common import flags as F
 from tidal.common.machine import machine_info
 from tidal.common.progress import progress_bar
-from tidal.common.results import command_line, write_result
+from tidal.common.results import command_line, run_command, write_result
 
 DEFAULT_OUTPUT = os.path.join("results", "serve.json")
 DEFAULT_NUM_REQUESTS = 100
@@ -363,21 +363,18 @@ def format_summary(r: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
+    def work() -> tuple[dict[str, Any], list[str]]:
         result = run_benchmark(args)
-        plots = write_result(result, args.output, not args.no_plots, prog=PROG)
-    except (BenchError, ValueError) as e:  # WorkloadError, SLOError and bad values of the pure modules
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"{PROG}: error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
-    print(format_summary(result))
-    print(f"wrote {args.output}" + (f" and {', '.join(plots)}" if plots else ""))
-    return 0
+        return result, write_result(result, args.output, not args.no_plots, prog=PROG)
+
+    def done(out: tuple[dict[str, Any], list[str]]) -> int:
+        result, plots = out
+        print(format_summary(result))
+        print(f"wrote {args.output}" + (f" and {', '.join(plots)}" if plots else ""))
+        return 0
+
+    # BenchError; WorkloadError, SLOError and bad values of the pure modules are ValueErrors
+    return run_command(PROG, work, done, (BenchError, ValueError))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,7 +30,7 @@ import aiohttp
 from tidal.bench.client import BenchError, normalize_base_url
 from tidal.common import flags as F
 from tidal.common.machine import machine_info
-from tidal.common.results import command_line, write_json
+from tidal.common.results import command_line, run_command, write_json
 
 PROG = "tidal bench soak"
 DEFAULT_OUTPUT = os.path.join("results", "soak.json")
@@ -436,21 +436,17 @@ def run_soak(args: argparse.Namespace, log: Any = None) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
+    def work() -> dict[str, Any]:
         result = run_soak(args)
         write_json(result, args.output)
-    except BenchError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"{PROG}: error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
-    print(format_summary(result))
-    print(f"wrote {args.output}")
-    return 0 if result["clean"] else 1
+        return result
+
+    def done(result: dict[str, Any]) -> int:
+        print(format_summary(result))
+        print(f"wrote {args.output}")
+        return 0 if result["clean"] else 1
+
+    return run_command(PROG, work, done, (BenchError,))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,9 +9,10 @@ import os
 import shlex
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 Plotter = Callable[[dict[str, Any], str], list[str]]
+T = TypeVar("T")
 
 
 def jsonable(x: Any) -> Any:
@@ -51,6 +52,24 @@ def write_result(result: dict[str, Any], path: str, plots: bool, plotter: Plotte
     result["plots"] = written
     write_json(result, path)
     return written
+
+
+def run_command(prog: str, work: Callable[[], T], done: Callable[[T], int],
+                errors: tuple[type[Exception], ...] = ()) -> int:
+    """A command's exit code: ``done(work())``; a bad-input error (one of ``errors``) or an I/O
+    error is one line naming it on stderr and exit code 2, an interrupt is 130."""
+    try:
+        result = work()
+    except errors as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"{prog}: error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    return done(result)
 
 
 def command_line(prog: str, argv: list[str] | None = None) -> str:

@@ -297,10 +297,10 @@ class LlamaModel(nn.Module):
         missing = [n for n, p in self.named_parameters() if p.is_meta]
         if missing:
             raise ConfigError(f"weights missing from the checkpoint: {', '.join(missing[:5])}")
-        for n, p in self.named_parameters():
-            key = next((k for k in unfilled if unfilled[k] and staged[k].data_ptr() == p.data_ptr()), None)
-            if key is not None:
-                raise ConfigError(f"weight {n} was only partly loaded (rows {min(unfilled[key])}.. missing)")
+        partial = {staged[k].data_ptr(): rows for k, rows in unfilled.items() if rows}
+        if partial:  # name the first fused matrix some of whose rows no weight wrote
+            n, p = next((n, p) for n, p in self.named_parameters() if p.data_ptr() in partial)
+            raise ConfigError(f"weight {n} was only partly loaded (rows {min(partial[p.data_ptr()])}.. missing)")
 
     # ----------------------------------------------------------------- drop / restore
     @property

@@ -23,7 +23,7 @@ from tidal.cluster.split import SplitParams
 from tidal.common import flags as F
 from tidal.common.machine import machine_info
 from tidal.common.progress import progress_bar
-from tidal.common.results import command_line, write_result
+from tidal.common.results import command_line, run_command, write_result
 from tidal.config import ConfigError
 from tidal.sim.build import (
     COST_MODELS,
@@ -348,21 +348,17 @@ def format_summary(r: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     from tidal.sim.plots import write_sim_plots
 
-    try:
+    def work() -> tuple[dict[str, Any], list[str]]:
         result = run_sim(args)
-        plots = write_result(result, args.output, not args.no_plots, plotter=write_sim_plots, prog=PROG)
-    except (ConfigError, ValueError) as e:  # WorkloadError, SLOError, bad names
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"{PROG}: error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
-    print(format_summary(result))
-    print(f"wrote {args.output}" + (f" and {', '.join(plots)}" if plots else ""))
-    return 0
+        return result, write_result(result, args.output, not args.no_plots, plotter=write_sim_plots, prog=PROG)
+
+    def done(out: tuple[dict[str, Any], list[str]]) -> int:
+        result, plots = out
+        print(format_summary(result))
+        print(f"wrote {args.output}" + (f" and {', '.join(plots)}" if plots else ""))
+        return 0
+
+    return run_command(PROG, work, done, (ConfigError, ValueError))  # WorkloadError, SLOError, bad names
 
 
 def main(argv: list[str] | None = None) -> int:
