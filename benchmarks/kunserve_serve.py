@@ -2,7 +2,8 @@
 
 Each policy for memory pressure is a ``tidal serve --instances 2 --kv-pressure ...`` process of its
 own (started, measured and stopped by its pid, one at a time, so the runs never share the cores):
-``preempt`` with recompute (vLLM), ``preempt`` with swap (InferCept-like) and ``drop`` (KunServe:
+``preempt`` with recompute (vLLM), ``preempt`` with swap (InferCept-like), ``migrate`` (Llumnix-like:
+running requests move with their KV to the instance with room) and ``drop`` (KunServe:
 the throttled pair drops half of its layers each, runs as one pipeline and exchanges KV, Sec. 4).
 Every run sees the same BurstGPT-shaped requests (Gamma arrivals, ``--burstiness`` < 1) through
 ``tidal bench serve``. While it runs, ``/admin/state`` is sampled to draw each instance's KV
@@ -10,7 +11,7 @@ capacity (blocks) and use over time, with the drop and restore events. Prints a 
 TPOT percentiles, goodput, events), writes one JSON and a PNG. Usage::
 
     python benchmarks/kunserve_serve.py [--rate 1.5] [--burstiness 0.25] [--num-requests 48]
-        [--kv-cache-memory 24MiB] [--systems preempt,swap,drop]
+        [--kv-cache-memory 24MiB] [--systems preempt,swap,migrate,drop]
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ SYSTEMS = {
     "preempt": ("vLLM (preempt: recompute)", ["--kv-pressure", "preempt"]),
     "swap": ("InferCept-like (preempt: swap)", ["--kv-pressure", "preempt", "--preemption-mode", "swap",
                                                 "--swap-space", "1GiB"]),
+    "migrate": ("Llumnix-like (migrate)", ["--kv-pressure", "migrate"]),
     "drop": ("KunServe (drop)", ["--kv-pressure", "drop"]),
 }
 
@@ -150,15 +152,16 @@ def _plot(rows: list[dict], path: str) -> None:
                     for s in tl if len(s["instances"]) > i]
             ax.plot(ts, cap, label=f"instance {i} capacity", linewidth=1.5)
             ax.plot(ts, used, linestyle="--", label=f"instance {i} in use", linewidth=1)
+        colors = {"drop": "red", "restore-done": "green", "migrate": "orange"}
         for e in r["events"]:
-            if e.get("kind") in ("drop", "restore-done"):
-                ax.axvline(e["seen_s"], color="red" if e["kind"] == "drop" else "green", linestyle=":", linewidth=1)
+            if e.get("kind") in colors:
+                ax.axvline(e["seen_s"], color=colors[e["kind"]], linestyle=":", linewidth=1)
         ax.set_ylabel("KV blocks")
         ax.set_title(f"{r['system']}: TTFT p99 {r['ttft_p99_ms']:.0f} ms", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="upper right")
     axes[-1, 0].set_xlabel("time since the load started (s)")
-    save_figure(plt, fig, path, "KV capacity over time under bursts (dotted: drop red, restore green)")
+    save_figure(plt, fig, path, "KV capacity over time under bursts (dotted: drop red, restore green, migration orange)")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import logging
 import signal
 import sys
 
+from tidal.cluster.pressure.events import PRESSURE_MODES
 from tidal.common.flags import (
     add_cluster_flags,
     add_engine_flags,
@@ -135,10 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(s)
     add_scheduler_flags(s)
     add_cluster_flags(s)
-    s.add_argument("--kv-pressure", default="preempt", choices=["preempt", "drop"],
+    s.add_argument("--kv-pressure", default="preempt", choices=list(PRESSURE_MODES),
                    help="what throttled instances (their queue's KV does not fit) do: preempt (the scheduler's "
-                        "--preemption-mode alone) or drop (KunServe: a pair drops half its layers each, grows "
-                        "its KV pools and serves as one pipeline; needs --instances >= 2)")
+                        "--preemption-mode alone), migrate (Llumnix-like: running requests move with their KV "
+                        "to the instance with the most room) or drop (KunServe: a pair drops half its layers "
+                        "each, grows its KV pools and serves as one pipeline); migrate and drop need "
+                        "--instances >= 2")
     s.set_defaults(func=_cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks")

@@ -94,10 +94,10 @@ def _metrics(llm) -> dict[tuple[str, str], float]:
     return out
 
 
-def _serve(llm, ps, on_token=None) -> list[list[int]]:
+def _serve(llm, ps, on_token=None, params: SamplingParams = PARAMS) -> list[list[int]]:
     async def one(i: int) -> list[int]:
         toks: list[int] = []
-        async for o in llm.generate(None, PARAMS, f"r{i}", prompt_token_ids=ps[i]):
+        async for o in llm.generate(None, params, f"r{i}", prompt_token_ids=ps[i]):
             toks += o.outputs[0].delta_token_ids
             if on_token is not None:
                 on_token()

@@ -140,8 +140,10 @@ class ClusterLLM:
             check_pressure_mode(mode, self.layout.instances, self.engine.arch.num_layers, self.layout.mode != "colocate")
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if mode == "migrate":
-            raise ConfigError("--kv-pressure migrate is not built in the runtime yet (tidal sim has it)")
+        if mode == "migrate":  # the Llumnix-like baseline
+            from tidal.runtime.migrate import MigrateCoordinator
+
+            return MigrateCoordinator(self)
         if mode != "drop":
             return None
         from tidal.runtime.pressure import DropCoordinator, model_memory
@@ -273,6 +275,7 @@ class ClusterLLM:
             if t is None:
                 return
             self.by_wid.pop(t.wid, None)
+            self._end_move(t)
             for i in {t.instance, *(() if t.handoff is None else (t.handoff.src, t.handoff.dst))}:
                 if i is not None and i >= 0:
                     self._send(i, ("abort", t.wid))
@@ -324,6 +327,7 @@ class ClusterLLM:
         return True
 
     def _failover(self, t: Tracked) -> None:
+        self._end_move(t)
         self._drop_handoff(t)
         if self.splitter is not None:
             self.splitter.on_finish(t.rid, None)  # its planned parts are void; it runs whole now
@@ -340,6 +344,10 @@ class ClusterLLM:
             return
         t.failovers += 1
         self.num_failovers += 1
+
+    def _end_move(self, t: Tracked) -> None:
+        if self.pressure is not None:
+            self.pressure.forget(t)  # a migration of ``t`` in flight: its reservation goes
 
     def _drop_handoff(self, t: Tracked) -> None:
         """Forget ``t``'s hand-off: its reservation on the target, and the chunks in flight."""
@@ -359,7 +367,9 @@ class ClusterLLM:
         h = t.handoff
         if h is None or h.dst is not None:
             return
-        dst = self.dispatcher.choose_decode(t.rid, h.blocks, self.now())
+        dst = self.pressure.target(t.wid) if self.pressure is not None else None  # a migration's own target
+        if dst is None:
+            dst = self.dispatcher.choose_decode(t.rid, h.blocks, self.now())
         if dst is None:
             return  # waits, visible in the monitor's pending hand-offs
         h.dst = dst
@@ -489,18 +499,28 @@ class ClusterLLM:
         elif kind == "landed":
             t = self.by_wid.get(rest[0])
             if t is not None and t.handoff is not None:
-                self.monitor.on_handoff(t.rid, t.handoff.src, i, ok=True)
+                if self.pressure is not None and self.pressure.target(t.wid) == i:
+                    self.pressure.on_landed(t, i)  # a migration
+                else:
+                    self.monitor.on_handoff(t.rid, t.handoff.src, i, ok=True)
                 t.instance, t.handoff = i, None  # the decode worker released the chunks it read
         elif kind == "refused":
             t = self.by_wid.get(rest[0])
             if t is not None and t.handoff is not None and t.handoff.split is not None and t.handoff.dst == i:
                 self.split.unsplit(t)
+            elif t is not None and t.handoff is not None and t.handoff.dst == i and self.pressure is not None \
+                    and self.pressure.target(t.wid) == i:
+                self.pressure.on_refused(t, i)
             elif t is not None and t.handoff is not None and t.handoff.dst == i:
                 self.monitor.on_handoff(t.rid, t.handoff.src, i, ok=False)
                 t.handoff.dst = None  # retried when an instance reports room
             elif t is not None:  # a fail-over import found no room here: try again elsewhere
                 self.monitor.on_finish(i, t.rid)
                 self._failover(t)
+        elif kind == "unmoved" and self.pressure is not None:  # a migration the source could not start
+            t = self.by_wid.get(rest[0])
+            if t is not None:
+                self.pressure.on_unmoved(t)
         elif kind == "fatal":
             log.error("worker %d failed: %s\n%s", i, rest[0], rest[1])
 
@@ -521,6 +541,7 @@ class ClusterLLM:
             self.requests.pop(t.rid, None)
             self.by_wid.pop(t.wid, None)
             self.monitor.on_finish(i, t.rid)
+            self._end_move(t)
             h = t.handoff
             if h is not None and h.split is not None:  # alpha finished before its split point
                 self._send(h.dst, ("abort", t.wid))

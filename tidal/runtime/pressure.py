@@ -168,6 +168,12 @@ class DropCoordinator:
                 llm.monitor.on_finish(i, t.rid)
                 llm._failover(t)
 
+    def target(self, wid: str) -> int | None:
+        return None  # hand-offs are not this mode's (it moves KV inside a group)
+
+    def forget(self, t: Any) -> bool:
+        return False
+
     def snapshot(self) -> dict[str, Any]:
         groups = [list(g) for g in self.ctl.groups if len(g) > 1] if self.ctl is not None else []
         return {"mode": "drop", "groups": groups, "dropped_layers": {str(k): v for k, v in self.dropped.items()},

@@ -10,14 +10,15 @@ otherwise), ``reserve`` (DynaServe's beta part: a paused request for KV that str
 alpha computes; it takes blocks chunk by chunk as the KV lands), ``kv`` (one chunk of a paused
 import; the last one resumes it), ``finish`` (alpha's sampled tokens and the time of its last
 one: resumes a reserved beta part once all its KV is here), ``unsplit`` (alpha keeps the whole
-request), ``drop`` (KunServe: become the head or the tail of a pipeline group,
+request), ``migrate`` (move a running request with its KV, as a hand-off: the Llumnix-like
+baseline, :mod:`tidal.runtime.migrate`), ``drop`` (KunServe: become the head or the tail of a pipeline group,
 :mod:`tidal.runtime.group`), ``shutdown``.
 
 Messages (worker -> front end): ``ready``, ``out`` (RequestOutputs of a step plus the instance's
 status), ``rejected``, ``handoff`` (a prefill instance finished a request's prefill: its
 snapshot; chunks follow), ``kv`` (a chunk written), ``split_done`` (an alpha part reached its
 split point; all its chunks were sent), ``landed`` / ``refused`` (a hand-off's import or a
-reservation), ``grouped`` (a drop took effect: the requests that moved here, the pool, the
+reservation), ``unmoved`` (a migration that cannot start), ``grouped`` (a drop took effect: the requests that moved here, the pool, the
 layers held), ``exchange_done`` (every request's KV is where the group needs it), ``fatal``.
 
 A prefill worker (BucketServe's disaggregation) pauses each request after its first token,
@@ -216,6 +217,8 @@ class Worker:
                 return  # not ours (refused or aborted): the front end still owns the handle
             self.waiting_kv.setdefault(rid, deque()).append(msg)
             self.land_arrived()
+        elif kind == "migrate":
+            self.migrate(msg[1])
         elif kind == "drop":  # KunServe Sec. 4.1-4.2: become the head or the tail of a group
             _, role, peer, address, drop, peer_pid = msg
             from tidal.runtime.group import GroupHead, GroupTail, PeerLost
@@ -307,22 +310,39 @@ class Worker:
 
     # ---------------------------------------------------------------- hand-offs (prefill role)
     def start_handoffs(self, outs: list) -> None:
+        for o in outs:
+            if o.finished or o.request_id in self.handing_off or len(o.outputs) != 1:
+                continue  # n > 1 requests stay here: a hand-off moves one sequence
+            self.hand_off(o.request_id)
+
+    def hand_off(self, rid: str) -> None:
+        """Pause ``rid``, send its snapshot (``handoff``) and queue its KV as chunks; after the
+        last one it is freed here."""
         from tidal.cluster.handoff import handoff_blocks
         from tidal.runtime.kv_transfer import plan_chunks
 
         e = self.engine
-        for o in outs:
-            if o.finished or o.request_id in self.handing_off or len(o.outputs) != 1:
-                continue  # n > 1 requests stay here: a hand-off moves one sequence
-            rid = o.request_id
-            e.pause_request(rid)
-            meta = e.export_request(rid, layers=[])
-            self.handing_off.add(rid)
-            chunks = plan_chunks(e.model.layer_ids, 0, meta.num_computed_tokens, self.cfg.layers_per_chunk,
-                                 self.cfg.tokens_per_chunk or None)
-            blocks = handoff_blocks(meta.num_computed_tokens, e.kv_manager.block_size)
-            self.send("handoff", rid, meta, blocks, len(chunks))
-            self.exports.append(_Export(rid, deque(chunks)))
+        e.pause_request(rid)
+        meta = e.export_request(rid, layers=[])
+        self.handing_off.add(rid)
+        chunks = plan_chunks(e.model.layer_ids, 0, meta.num_computed_tokens, self.cfg.layers_per_chunk,
+                             self.cfg.tokens_per_chunk or None)
+        blocks = handoff_blocks(meta.num_computed_tokens, e.kv_manager.block_size)
+        self.send("handoff", rid, meta, blocks, len(chunks))
+        self.exports.append(_Export(rid, deque(chunks)))
+
+    def migrate(self, rid: str) -> None:
+        """The ``migrate`` baseline (Llumnix-like, KunServe Sec. 2.3): move a decoding request with
+        its KV to another instance, as a hand-off. Only a running request that has sampled a token
+        and holds one sequence moves; otherwise ``unmoved`` (it finished, or waits preempted)."""
+        e = self.engine
+        req = e.scheduler.requests.get(rid)
+        group = e._groups.get(rid)
+        if (req is None or rid in self.handing_off or rid in self.importing or req not in e.scheduler.running
+                or not req.output_token_ids or req.in_prefill or req.is_finished or group is None or len(group.children) != 1):
+            self.send("unmoved", rid)
+            return
+        self.hand_off(rid)
 
     def stream_splits(self) -> None:
         """After a step: queue the KV each alpha part computed as chunks (DynaServe Sec. 4.3: chunk
