@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from tests.engine.test_parity import mixed_prompts
 from tidal import LLM, SamplingParams
@@ -150,3 +151,23 @@ def test_head_tail_pair_after_a_drop_matches_one_engine(make_engine, prompts, re
     assert any(k == 1 for _, k in link.sent), "no step was split into two microbatches"
     assert head.kv_manager.num_free_blocks == head.kv_manager.num_blocks == (60 if restore else n)
     head.kv_manager.check_invariants()
+
+
+def test_layers_staged_while_serving_restore_to_the_same_weights_and_pool(make_engine):
+    """Sec. 4.4 overlapped: layers loaded one at a time beside the model (never run until put in)
+    give back exactly the weights and the pool of a restore that loads them at once."""
+    e = make_engine(num_blocks_override=100, block_size=16)
+    L = e.arch.num_layers
+    before = {n: p.clone() for n, p in e.model.named_parameters() if n.startswith(f"layers.{L - 1}.")}
+    dropped = list(range(L // 2, L))
+    e.drop_layers(dropped)
+    staged = {i: e.stage_layer(i) for i in dropped}
+    assert e.model.layer_ids == list(range(L // 2))  # staged layers are not in the model yet
+    with pytest.raises(ValueError, match="not dropped"):
+        e.stage_layer(0)
+    with pytest.raises(ValueError, match="staged layers"):
+        e.restore_layers(dropped, {i: staged[i] for i in dropped[:-1]})
+    assert e.restore_layers(dropped, staged) == 100 and e.pool_spare_bytes == 0
+    assert e.model.layer_ids == list(range(L))
+    after = dict(e.model.named_parameters())
+    assert before and all(torch.equal(after[n], p) for n, p in before.items())

@@ -94,10 +94,10 @@ def _metrics(llm) -> dict[tuple[str, str], float]:
     return out
 
 
-def _serve(llm, ps, on_token=None, params: SamplingParams = PARAMS) -> list[list[int]]:
+def _serve(llm, ps, on_token=None, params: SamplingParams | list[SamplingParams] = PARAMS) -> list[list[int]]:
     async def one(i: int) -> list[int]:
         toks: list[int] = []
-        async for o in llm.generate(None, params, f"r{i}", prompt_token_ids=ps[i]):
+        async for o in llm.generate(None, params[i] if isinstance(params, list) else params, f"r{i}", prompt_token_ids=ps[i]):
             toks += o.outputs[0].delta_token_ids
             if on_token is not None:
                 on_token()
@@ -198,4 +198,38 @@ def test_a_failure_in_the_group_restores_the_survivor_and_requests_finish_identi
     finally:
         llm.shutdown()
     wait_gone(set(pids) - set(killed))
+    assert shm_segments() <= before
+
+
+def test_a_restore_overlaps_serving_and_requests_in_flight_keep_their_kv(make_engine, smol_tokenizer):
+    """Sec. 4.4, "we overlap restoring with the normal request processing": request 0 asks for 64
+    tokens, the others for 16, so it still runs when the others' end brings KV use below half of the
+    undropped pools. The head loads its dropped layers one per loop turn while the group keeps
+    stepping, the tail sends its layers' KV of request 0 back meanwhile, and a short stop at the
+    end moves only the KV computed since; request 0's tokens equal one engine's."""
+    from tidal import LLM
+
+    ps = prompts(smol_tokenizer)
+    params = [SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)] + [PARAMS] * (len(ps) - 1)
+    ref = [o.outputs[0].token_ids for o in LLM.from_engine(make_engine(max_num_batched_tokens=64)).generate(
+        [{"prompt_token_ids": p} for p in ps], params)]
+    before = shm_segments()
+    llm = _cluster()
+    llm.start()
+    pids = [h.pid for h in llm.handles]
+    try:
+        assert _serve(llm, ps, params=params) == ref
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not llm.stats["cluster"]["kv_pressure"]["events_total"].get(
+                "restore-done"):
+            time.sleep(0.2)
+        done = [e for e in llm.stats["cluster"]["kv_pressure"]["events"] if e["kind"] == "restore-done"]
+        assert done, "the group never restored"
+        r = done[0]
+        assert r["requests_exchanged_back"] >= 1  # request 0 lived through it
+        assert r["overlapped_steps"] >= 1  # the group kept stepping while the layers loaded
+        assert r["stall_s"] < r["overlapped_s"]
+    finally:
+        llm.shutdown()
+    wait_gone(pids)
     assert shm_segments() <= before

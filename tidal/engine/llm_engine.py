@@ -473,14 +473,26 @@ class LLMEngine:
         self._set_pool(mem // self.kv_cache.bytes_per_block, mem)
         return self.kv_manager.num_blocks
 
-    def restore_layers(self, layer_ids: list[int] | range) -> int:
+    def stage_layer(self, layer_id: int) -> Any:
+        """Sec. 4.4 overlapped with serving: load one dropped layer's weights beside the model
+        (from the host copy, here the checkpoint) between steps; :meth:`restore_layers` with
+        ``staged`` puts it in. The staged weights sit outside the pool until then (host memory
+        here; a GPU would first shrink the pool to make room for them)."""
+        if layer_id not in self.dropped_weight_bytes:
+            raise ValueError(f"layer {layer_id} was not dropped here")
+        return self.model.stage_layer(layer_id, self.checkpoint.weights())
+
+    def restore_layers(self, layer_ids: list[int] | range, staged: dict[int, Any] | None = None) -> int:
         """Sec. 4.4: bring dropped layers back and shrink the pool by their weights and KV (live
         blocks relocated). Refused, changing nothing, when the blocks in use would not fit. Their
-        KV starts empty: the requests in flight get theirs from the exchange back. Returns the
-        new number of blocks."""
+        KV starts empty: the requests in flight get theirs from the exchange back. ``staged``:
+        layers already loaded by :meth:`stage_layer` (else they load now). Returns the new number
+        of blocks."""
         ids = sorted(set(layer_ids))
         if not ids or not set(ids) <= set(self.dropped_weight_bytes):
             raise ValueError(f"layers {ids} were not dropped here")
+        if staged is not None and sorted(staged) != ids:
+            raise ValueError(f"staged layers {sorted(staged)} are not the layers to restore {ids}")
         mem = self.pool_bytes - sum(self.dropped_weight_bytes[i] for i in ids)
         bpb = kv_block_bytes(self.arch, self.kv_cache.block_size, self.dtype, len(self.kv_cache.layers) + len(ids))
         n = max(0, mem) // bpb
@@ -493,7 +505,10 @@ class LLMEngine:
         self.pool_spare_bytes = mem - n * bpb
         # on CPU host memory is device memory: the "host copy" of every layer (Sec. 4.4, also
         # for fault tolerance) is the checkpoint file itself, read (mmapped) again here
-        self.model.restore_layers(ids, self.checkpoint.weights())
+        if staged is not None:
+            self.model.insert_layers(staged)
+        else:
+            self.model.restore_layers(ids, self.checkpoint.weights())
         for i in ids:
             del self.dropped_weight_bytes[i]
         return self.kv_manager.num_blocks

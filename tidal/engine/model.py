@@ -330,6 +330,19 @@ class LlamaModel(nn.Module):
         wanted = {f"model.layers.{i}." for i in ids}
         self.load_weights((n, t) for n, t in weights if any(n.startswith(w) for w in wanted))
 
+    def stage_layer(self, i: int, weights: Iterable[tuple[str, torch.Tensor]]) -> nn.Module:
+        """A dropped layer rebuilt and loaded *beside* the model (it runs in no forward until
+        :meth:`insert_layers`): KunServe Sec. 4.4 restores while requests keep running."""
+        self.restore_layers([i], weights)
+        return self.layers.pop(str(i))
+
+    def insert_layers(self, staged: dict[int, nn.Module]) -> None:
+        for i, layer in staged.items():
+            if str(i) in self.layers:
+                raise ConfigError(f"layer {i} is present; nothing to restore")
+            self.layers[str(i)] = layer
+        self.layers = nn.ModuleDict(dict(sorted(self.layers.items(), key=lambda kv: int(kv[0]))))
+
     # ----------------------------------------------------------------- forward
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is None:

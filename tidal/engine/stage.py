@@ -104,10 +104,11 @@ class TailStage:
         """Sec. 4.2's exchange, landing side: KV of the tail's layers at the head's block ids."""
         self.engine.kv_cache.import_(block_table, kv, start=start)
 
-    def export_kv(self, block_table: Sequence[int], num_tokens: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """Sec. 4.4's exchange back: KV of the tail's layers for tokens ``[0, num_tokens)`` at the
-        head's block ids."""
-        return self.engine.kv_cache.export(block_table, None, 0, num_tokens)
+    def export_kv(self, block_table: Sequence[int], num_tokens: int,
+                  start: int = 0) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Sec. 4.4's exchange back: KV of the tail's layers for tokens ``[start, num_tokens)`` at
+        the head's block ids."""
+        return self.engine.kv_cache.export(block_table, None, start, num_tokens)
 
 
 def restore_head(head: Any, tail_kv: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]]) -> int:

@@ -22,6 +22,7 @@ Sequence (Sec. 4.2's coordinated exchange):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -187,6 +188,8 @@ class GroupHead:
         for snap, handles in moved:
             self._land(snap, handles)
         self.reported = False
+        self.restoring: _Restore | None = None
+        self.restore_stats: dict[str, Any] = {}
 
     def _land(self, snap: Any, handles: list) -> None:
         """A request that lived on the tail: import it paused, write its head-layer KV, ask the
@@ -224,7 +227,9 @@ class GroupHead:
         e = self.engine
         while (got := self.peer.recv(0)) is not None:
             msg = got[0]
-            if msg[0] == "ok":
+            if msg[0] == "back" and self.restoring is not None and self.restoring.back is None:
+                self.restoring.back = msg[1]
+            elif msg[0] == "ok":
                 rid = msg[1]
                 if rid in self.exchanging:
                     self.exchanging.discard(rid)
@@ -241,45 +246,124 @@ class GroupHead:
 
     @property
     def busy(self) -> bool:
-        """Chunks to write now (requests waiting for the tail's ``ok`` are only polled for)."""
-        return bool(self.queue)
+        """Chunks to write now, or layers to stage for a restore (requests waiting for the tail's
+        ``ok``, or a restore for its KV, are only polled for)."""
+        r = self.restoring
+        return bool(self.queue) or (r is not None and len(r.staged) < len(r.layers))
 
-    def restore(self) -> bool:
-        """Sec. 4.4: the group dissolves. Requests with KV pause; the tail sends its layers' KV of
-        them back (chunks), the head reloads its dropped layers from the checkpoint, writes that
-        KV, resumes them and runs alone; the tail is told to restore too. False (nothing changed
-        but a pause and resume) when the blocks in use would not fit the head's whole pool."""
-        e, tr = self.engine, self.worker.transport
-        if self.queue or self.exchanging:  # the front end waits for exchange_done; be sure
+    def release_pending(self) -> None:
+        """The group ends without a restore (its peer died, or this worker shuts down): release the
+        KV chunks the tail sent back that are still here (a restore's answers, read or waiting on
+        the socket)."""
+        tr = self.worker.transport
+        answers = [self.restoring.back] if self.restoring is not None and self.restoring.back else []
+        self.restoring = None
+        with contextlib.suppress(Exception):  # the peer is gone: read what it sent, no more
+            while (got := self.peer.recv(0)) is not None:
+                if got[0][0] == "back":
+                    answers.append(got[0][1])
+        for back in answers:
+            for hs in back.values():
+                for h in hs:
+                    tr.release(h)
+
+    def begin_restore(self) -> bool:
+        """Sec. 4.4, overlapped with serving: the tail starts sending back its layers' KV of the
+        requests running now (tokens computed so far), and the head loads its dropped layers one
+        per loop turn, while the group keeps serving as a pipeline (:meth:`advance_restore`). False
+        when an exchange is still in flight or a restore already runs."""
+        e = self.engine
+        if self.queue or self.exchanging or self.restoring is not None:
             return False
-        live = [(rid, r.num_computed_tokens) for rid, r in _requests(e)
-                if r.num_computed_tokens and r in e.scheduler.running]
+        live = {rid: (r.num_computed_tokens, tuple(e.kv_manager.block_table(rid))) for rid, r in _requests(e)
+                if r.num_computed_tokens and r in e.scheduler.running}
+        self.restoring = _Restore(live, sorted(e.dropped_weight_bytes), time.perf_counter(), e.num_steps)
+        self.peer.send(("export_back", [(rid, list(bt), 0, n) for rid, (n, bt) in live.items()]))
+        return True
+
+    def advance_restore(self) -> bool | None:
+        """One piece of the restore per loop turn (after the step): stage the next layer; once all
+        are staged and the tail's first answer is here, finish (:meth:`_finish_restore`). None:
+        still running; True: the group dissolved; False: refused (the group serves on)."""
+        r = self.restoring
+        assert r is not None
+        if len(r.staged) < len(r.layers):
+            i = r.layers[len(r.staged)]
+            r.staged[i] = self.engine.stage_layer(i)
+            return None
+        if r.back is None:
+            return None
+        done = self._finish_restore(r)  # the peer dying meanwhile: release_pending still sees r
+        self.restoring = None
+        return done
+
+    def _finish_restore(self, r: _Restore) -> bool:
+        """The short stop at the end: running requests pause; the tail sends what it computed
+        since the first answer (the KV of tokens after each request's first copy, or the whole
+        KV of a request whose blocks changed or that started meanwhile); the head shrinks its pool,
+        puts the staged layers in, writes the KV, resumes them and runs alone; the tail is told to
+        restore too."""
+        e, tr = self.engine, self.worker.transport
+        t0 = time.perf_counter()
+        live = [(rid, req.num_computed_tokens) for rid, req in _requests(e)
+                if req.num_computed_tokens and req in e.scheduler.running]
         for rid, _ in live:
             e.pause_request(rid)
-        self.num_back = len(live)  # requests that live through the restore (their KV comes back)
-        self.peer.send(("export_back", [(rid, list(e.kv_manager.block_table(rid)), n) for rid, n in live]))
+        back = r.back
+        asks = []
+        for rid, n in live:
+            bt = tuple(e.kv_manager.block_table(rid))
+            first = r.live.get(rid)
+            start = first[0] if first is not None and rid in back and bt[:len(first[1])] == first[1] \
+                and n >= first[0] else 0
+            if start == 0:  # no usable first copy: the whole KV now
+                for h in back.pop(rid, []):
+                    tr.release(h)
+            if n > start:
+                asks.append((rid, list(bt), start, n))
+        for rid in set(back) - {rid for rid, _ in live}:  # finished meanwhile
+            for h in back.pop(rid):
+                tr.release(h)
+        self.peer.send(("export_back", asks))
         (msg, _) = self.peer.wait_for("back")
-        handles: dict[str, list] = msg[1]
+        for rid, hs in msg[1].items():
+            back.setdefault(rid, []).extend(hs)
+        r.back = None  # from here on every handle is imported or released below
         try:
-            e.restore_layers(sorted(e.dropped_weight_bytes))
+            e.restore_layers(r.layers, r.staged)
         except ValueError as err:
             log.warning("restore refused: %s", err)
-            for hs in handles.values():
+            for hs in back.values():
                 for h in hs:
                     tr.release(h)
             for rid, _ in live:
                 e.resume_request(rid)
             return False
-        for rid, hs in handles.items():  # by token: the shrink's relocations do not matter
+        for rid, hs in back.items():  # by token: the shrink's relocations do not matter
             for h in hs:
                 e.import_kv(rid, tr.get(h), h.spec.start)
                 tr.release(h)
         e.set_stage_link(None)
         for rid, _ in live:
             e.resume_request(rid)
+        self.num_back = len(live)  # requests that live through the restore (their KV came back)
+        self.restore_stats = {"overlapped_s": round(t0 - r.t0, 4), "overlapped_steps": e.num_steps - r.steps0,
+                              "stall_s": round(time.perf_counter() - t0, 4)}
         self.peer.send(("dissolve",))
         self.peer.close(linger_ms=5000)  # "dissolve" must still reach the tail
         return True
+
+
+@dataclasses.dataclass
+class _Restore:
+    """A restore in progress on the head (Sec. 4.4)."""
+
+    live: dict[str, tuple[int, tuple[int, ...]]]  # request -> (tokens asked of the tail first, its blocks then)
+    layers: list[int]
+    t0: float
+    steps0: int
+    staged: dict[int, Any] = dataclasses.field(default_factory=dict)
+    back: dict[str, list] | None = None  # the tail's first answer: request -> chunk handles
 
 
 class GroupTail:
@@ -353,10 +437,10 @@ class GroupTail:
             from tidal.runtime.kv_transfer import iter_chunks
 
             out = {}
-            for rid, block_table, n in msg[1]:
-                kv = self.stage.export_kv(block_table, n)
+            for rid, block_table, start, n in msg[1]:
+                kv = self.stage.export_kv(block_table, n, start)
                 out[rid] = [self.worker.transport.put(part, spec)
-                            for spec, part in iter_chunks(kv, 0, n, self.worker.cfg.layers_per_chunk)]
+                            for spec, part in iter_chunks(kv, start, n, self.worker.cfg.layers_per_chunk)]
             self.peer.send(("back", out))
         elif kind == "dissolve":
             self.dissolved = True

@@ -120,9 +120,10 @@ class DropCoordinator:
             self.ctl.note("exchange-done", now, (i, peer), requests_exchanged=exchanged, requests_moved=moved)
 
     def on_restored(self, i: int, role: str, num_blocks: int, layer_ids: list[int], num_back: int,
-                    now: float) -> None:
+                    stats: dict[str, Any], now: float) -> None:
         """A member reloaded its layers (``role`` head / tail) or the head refused (the blocks in use
-        would not fit its whole pool: the group stays and the restore is decided again later)."""
+        would not fit its whole pool: the group stays and the restore is decided again later).
+        ``stats``: the head's restore, overlapped with serving (seconds and steps) and its stall."""
         plan, ctl = self.restoring, self.ctl
         if role == "refused":
             if ctl is not None and ctl.pending is plan:
@@ -133,7 +134,8 @@ class DropCoordinator:
         self.layers.pop(i, None)
         if role == "head" and plan is not None and ctl is not None and ctl.pending is plan:
             ctl.applied(plan, now)
-            ctl.note("restore-done", now, plan.group, num_blocks=num_blocks, requests_exchanged_back=num_back)
+            ctl.note("restore-done", now, plan.group, num_blocks=num_blocks, requests_exchanged_back=num_back,
+                     **stats)
             self.restoring = None
 
     def on_failure(self, i: int, now: float) -> None:

@@ -236,12 +236,9 @@ class Worker:
             self.send("idle", self.status())
         elif kind == "ungroup":  # the peer failed (the front end saw it)
             self.ungroup()
-        elif kind == "restore":  # KunServe Sec. 4.4: the pressure is gone, the group dissolves
-            if self.head is not None and self.head.restore():
-                self.send("restored", "head", e.kv_manager.num_blocks, e.model.layer_ids, self.head.num_back)
-                self.head = None
-            else:
-                self.send("restored", "refused", e.kv_manager.num_blocks, e.model.layer_ids, 0)
+        elif kind == "restore":  # KunServe Sec. 4.4: the pressure is gone; overlapped with serving
+            if self.head is None or not self.head.begin_restore():
+                self.send("restored", "refused", e.kv_manager.num_blocks, e.model.layer_ids, 0, {})
         elif kind == "shutdown":
             self.running = False
 
@@ -261,6 +258,7 @@ class Worker:
         if self.head is not None:
             for rid in {q[1] for q in self.head.queue}:
                 self.head.forget(rid)
+            self.head.release_pending()
         e.set_stage_link(None)
         if g is not None:
             g.peer.close()
@@ -427,7 +425,7 @@ class Worker:
                 self.tail.peer.close()
                 self.tail = None
                 e.restore_layers(sorted(e.dropped_weight_bytes))
-                self.send("restored", "tail", e.kv_manager.num_blocks, e.model.layer_ids, 0)
+                self.send("restored", "tail", e.kv_manager.num_blocks, e.model.layer_ids, 0, {})
                 self.send("idle", self.status())
                 return
             if poller.poll(0):
@@ -449,24 +447,47 @@ class Worker:
         if self.head is not None:
             self.head.pump()
         if e.has_runnable_requests():
-            t0 = time.perf_counter()
-            outs = e.step()
-            dt = time.perf_counter() - t0
-            if self.cfg.role == "prefill":
-                self.start_handoffs(outs)
-            if any(x.stream for x in self.exports):
-                self.stream_splits()
-            if self.waiting_kv:
-                self.land_arrived()  # the step may have freed blocks
-            self.send("out", outs, self.status(dt))
+            self.step()
         elif self.waiting_kv and not self.exports:
             self.land_arrived()
             if self.waiting_kv and not e.has_runnable_requests():
                 self.refuse_stuck_import()
         elif not busy:
             self.send("idle", self.status())
+        if self.head is not None and self.head.restoring is not None:
+            self.advance_restore()
+
+    def advance_restore(self) -> None:
+        """One piece of an overlapped restore (a staged layer), or its end: the group dissolved."""
+        e = self.engine
+        done = self.head.advance_restore()
+        if done is None:
+            return
+        if done:
+            self.send("restored", "head", e.kv_manager.num_blocks, e.model.layer_ids, self.head.num_back,
+                      self.head.restore_stats)
+            self.head = None
+        else:
+            self.send("restored", "refused", e.kv_manager.num_blocks, e.model.layer_ids, 0, {})
+        self.send("idle", self.status())
+
+    def step(self) -> None:
+        """One engine step, then what follows it: hand-offs to start, alpha parts' KV to queue,
+        arrived imports that may fit now, and the outputs with the instance's status."""
+        t0 = time.perf_counter()
+        outs = self.engine.step()
+        dt = time.perf_counter() - t0
+        if self.cfg.role == "prefill":
+            self.start_handoffs(outs)
+        if any(x.stream for x in self.exports):
+            self.stream_splits()
+        if self.waiting_kv:
+            self.land_arrived()  # the step may have freed blocks
+        self.send("out", outs, self.status(dt))
 
     def close(self) -> None:
+        if self.head is not None:
+            self.head.release_pending()
         for g in (self.head, self.tail):
             if g is not None:
                 g.peer.close()
