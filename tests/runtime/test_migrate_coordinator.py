@@ -27,8 +27,8 @@ class FakeFront:
         self.failed_over: list[str] = []
 
     def track(self, rid: str, instance: int, prompt: int, tokens: int) -> Tracked:
-        t = Tracked(rid, [1] * prompt, SamplingParams(max_tokens=64), 0, "online", asyncio.new_event_loop(),
-                    asyncio.Queue(), instance=instance, tokens=[2] * tokens)
+        t = Tracked(rid, [1] * prompt, SamplingParams(max_tokens=64), 0, "online", None,  # type: ignore[arg-type]
+                    asyncio.Queue(), instance=instance, tokens=[2] * tokens)  # nothing is delivered here
         self.requests[rid] = self.by_wid[rid] = t
         self.monitor.on_dispatch(instance, rid, 0.0)
         return t
