@@ -83,3 +83,38 @@ def test_results_md_keeps_other_papers_sections(tmp_path):
     text = (tmp_path / "results.md").read_text()
     assert "Paper A again" in text and "Paper B" in text and "setup A\n" not in text
     assert text.index("Paper A again") < text.index("Paper B")
+
+
+def test_kunserve_quick_reads_its_claims_off_the_bench_run(tmp_path):
+    from tidal.bench.repro_kunserve import DROP, REAL
+    from tidal.bench.sim_kunserve import BASELINES
+
+    r = _run("kunserve", tmp_path)
+    bench = json.loads((tmp_path / "kunserve_sim.json").read_text())  # tidal bench sim-kunserve's own JSON
+    d = bench["datasets"]["longbench"]
+    assert r["data"]["datasets"]["longbench"]["p99_ttft_gain_over"] == d["p99_ttft_gain_over"]
+    claims = r["claims"]
+    assert len(claims) == len(BASELINES) + 1 and all(c["real"] == REAL for c in claims)
+    drop_p99 = d["systems"][DROP]["ttft_ms"]["p99"]
+    for c, base in zip(claims, BASELINES, strict=False):
+        p99 = d["systems"][base]["ttft_ms"]["p99"]
+        assert f"{drop_p99:,.0f} ms vs {p99:,.0f} ms" in c["simulated"]  # the numbers the run wrote
+        assert c["holds"] == (p99 / drop_p99 > 1.0)
+    assert "kunserve_sim.png" in r["figures"]
+
+
+def test_dynaserve_quick_reads_its_claims_off_the_bench_run(tmp_path):
+    from tidal.bench.repro_dynaserve import REAL
+    from tidal.bench.reproduce import fmt_rate
+
+    r = _run("dynaserve", tmp_path)
+    bench = json.loads((tmp_path / "dynaserve_sim.json").read_text())
+    rows = bench["results"]["qwen-2.5-14b"]["mini-reasoning"]["systems"]
+    assert set(rows) == {"coloc-512", "disagg", "dynaserve"}
+    cap = {k: v["capacity_rps"] for k, v in rows.items()}
+    coloc, disagg = r["claims"][0], r["claims"][1]
+    assert coloc["simulated"].startswith(f"{fmt_rate(cap['dynaserve'])} vs {fmt_rate(cap['coloc-512'])} rps")
+    assert disagg["simulated"].startswith(f"{fmt_rate(cap['dynaserve'])} vs {fmt_rate(cap['disagg'])} rps")
+    assert coloc["holds"] == beats(cap["dynaserve"], cap["coloc-512"])
+    assert all(c["real"] == REAL for c in r["claims"])
+    assert r["data"]["results"]["qwen-2.5-14b"]["mini-reasoning"]["systems"]["disagg"]["capacity_rps"] == cap["disagg"]

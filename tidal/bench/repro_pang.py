@@ -109,7 +109,7 @@ def reproduce(args: argparse.Namespace, progress: Progress) -> Report:
         base = workload(row, n, 1, 1.0)
         res = {}
         for name, kw in table_ii_systems(row.model).items():
-            search = CapacitySearch(0.5, 12.0, TARGET, tolerance=0.1 if quick else 0.03, max_probes=5 if quick else 10)
+            search = CapacitySearch(0.5, 12.0, TARGET, tolerance=0.1 if quick else 0.03, max_probes=7 if quick else 10)
             best: dict[str, Any] | None = None
             while (rate := search.next_rate()) is not None:
                 s = run_sim(kw, [replace(x, arrival_s=x.arrival_s / rate) for x in base], SLA)
@@ -165,7 +165,7 @@ def claims(data: dict[str, Any]) -> list[Claim]:
             f"{_t(at['vLLM fixed cap 256'])} / {_t(at['sla'])} / {_t(at['memory+sla'])}; "
             f"b_mem {at['memory+sla'].get('b_mem')}, b_SLA {at['memory+sla'].get('b_sla')}",
             beats(max(csla or 0, cms or 0), cs),
-            "capacity is a bisection on the rate (5 probes in --quick, 10 in the full run); the SLA is TPOT <= 50 ms for 90 % of requests; "
+            "capacity is a bisection on the rate (7 probes in --quick, 10 in the full run); the SLA is TPOT <= 50 ms for 90 % of requests; "
             "the decode step time is the analytic model's (no CPU overhead per sequence, so b_SLA is larger "
             "than on a real GPU)"))
         same = t["same_rate"]
