@@ -161,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim_kunserve.add_parser(bsub)
     from tidal.bench import kv_transfer
     kv_transfer.add_parser(bsub)
+    from tidal.bench import calibration
+
+    calibration.add_parser(bsub)
     from tidal.bench import soak
 
     soak.add_parser(bsub)

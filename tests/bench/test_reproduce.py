@@ -59,9 +59,13 @@ def test_pang_quick_directions(tmp_path):
     t2 = r["data"]["table_ii"][0]
     caps = {k: v["capacity_qps"] for k, v in t2["results"].items()}
     assert caps["sla"] > caps[static] and caps["memory+sla"] > caps[static]
-    # ... and Eq. 12 binds in this row: b_mem below b_SLA
-    same = t2["same_rate"]["memory+sla"]
-    assert same["b_mem"] < same["b_sla"]
+    # ... and in the quick run's row (300 requests, at its capacity of ~3 req/s) Eq. 12 does not bind
+    # under the calibrated A100 model (issue 14): the SLA controller keeps fewer LLaMA-65B decodes
+    # (b_SLA 79) than the KV pool holds (b_mem 97), so b* = b_SLA and memory+sla runs as sla does
+    # (with the plain roofline b_SLA was above b_mem there)
+    same = t2["same_rate"]
+    assert same["memory+sla"]["b_sla"] < same["memory+sla"]["b_mem"]
+    assert same["memory+sla"]["tok_s"] == pytest.approx(same["sla"]["tok_s"])
 
 
 def test_capacity_from_sweep_interpolates_the_crossing():
@@ -83,3 +87,38 @@ def test_results_md_keeps_other_papers_sections(tmp_path):
     text = (tmp_path / "results.md").read_text()
     assert "Paper A again" in text and "Paper B" in text and "setup A\n" not in text
     assert text.index("Paper A again") < text.index("Paper B")
+
+
+def test_kunserve_quick_reads_its_claims_off_the_bench_run(tmp_path):
+    from tidal.bench.repro_kunserve import DROP, REAL
+    from tidal.bench.sim_kunserve import BASELINES
+
+    r = _run("kunserve", tmp_path)
+    bench = json.loads((tmp_path / "kunserve_sim.json").read_text())  # tidal bench sim-kunserve's own JSON
+    d = bench["datasets"]["longbench"]
+    assert r["data"]["datasets"]["longbench"]["p99_ttft_gain_over"] == d["p99_ttft_gain_over"]
+    claims = r["claims"]
+    assert len(claims) == len(BASELINES) + 1 and all(c["real"] == REAL for c in claims)
+    drop_p99 = d["systems"][DROP]["ttft_ms"]["p99"]
+    for c, base in zip(claims, BASELINES, strict=False):
+        p99 = d["systems"][base]["ttft_ms"]["p99"]
+        assert f"{drop_p99:,.0f} ms vs {p99:,.0f} ms" in c["simulated"]  # the numbers the run wrote
+        assert c["holds"] == (p99 / drop_p99 > 1.0)
+    assert "kunserve_sim.png" in r["figures"]
+
+
+def test_dynaserve_quick_reads_its_claims_off_the_bench_run(tmp_path):
+    from tidal.bench.repro_dynaserve import REAL
+    from tidal.bench.reproduce import fmt_rate
+
+    r = _run("dynaserve", tmp_path)
+    bench = json.loads((tmp_path / "dynaserve_sim.json").read_text())
+    rows = bench["results"]["qwen-2.5-14b"]["mini-reasoning"]["systems"]
+    assert set(rows) == {"coloc-512", "disagg", "dynaserve"}
+    cap = {k: v["capacity_rps"] for k, v in rows.items()}
+    coloc, disagg = r["claims"][0], r["claims"][1]
+    assert coloc["simulated"].startswith(f"{fmt_rate(cap['dynaserve'])} vs {fmt_rate(cap['coloc-512'])} rps")
+    assert disagg["simulated"].startswith(f"{fmt_rate(cap['dynaserve'])} vs {fmt_rate(cap['disagg'])} rps")
+    assert coloc["holds"] == beats(cap["dynaserve"], cap["coloc-512"])
+    assert all(c["real"] == REAL for c in r["claims"])
+    assert r["data"]["results"]["qwen-2.5-14b"]["mini-reasoning"]["systems"]["disagg"]["capacity_rps"] == cap["disagg"]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tidal.bench.calibration import uncalibrated
 from tidal.config import DEFAULT_CPU_KV_MEMORY, ConfigError, ModelArch
 from tidal.core.plan import BatchComposition, ScheduledChunk, StepPlan
 from tidal.core.sampling import SamplingParams
@@ -33,6 +34,10 @@ def decodes(batch: int, context: int) -> StepPlan:
 
 def model(m: str, hw: str, tp: int = 1) -> AnalyticCostModel:
     return AnalyticCostModel(get_model(m), get_hardware(hw), tp=tp)
+
+
+def model_on(m: str, hw: HardwareSpec, tp: int = 1) -> AnalyticCostModel:
+    return AnalyticCostModel(get_model(m), hw, tp=tp)
 
 
 # ------------------------------------------------------------------ registries
@@ -160,8 +165,19 @@ def test_decode_batch_1_is_memory_bound_at_weight_read_time():
     arch = get_model("llama-2-7b")
     b = cm.breakdown(decodes(1, 512))
     assert b["linear_bound"] == "memory" and b["attention_compute_chunks"] == 0
-    read = (weight_bytes(arch, 2) - arch.vocab_size * arch.hidden_size * 2) / (hw.mem_bandwidth * 0.8)
-    assert b["total"] == pytest.approx(read + hw.step_overhead_s, rel=0.02)
+    weights = weight_bytes(arch, 2) - arch.vocab_size * arch.hidden_size * 2  # all but the embedding
+    read = weights / (hw.mem_bandwidth * hw.memory_efficiency)
+    flops = weights  # 2 FLOPs per weight for one token, 2 bytes per weight
+    compute = flops / (hw.peak_flops * hw.compute_efficiency)
+    linear = read + (1 - hw.overlap) * compute  # partly overlapped with the weight read
+    kv = arch.kv_bytes_per_token(2) * (512 + 1 + hw.attn_seq_tokens) / (hw.mem_bandwidth * hw.attn_memory_efficiency)
+    attention = arch.num_layers * hw.attn_layer_s + kv
+    cpu = hw.step_overhead_s + hw.cpu_per_seq_s
+    assert b["linear"] == pytest.approx(linear, rel=1e-4) and b["attention"] == pytest.approx(attention, rel=1e-9)
+    assert b["total"] == pytest.approx(linear + attention + cpu, rel=1e-4)
+    # the plain roofline (issue 14's "before"): weight read plus the fixed step overhead
+    plain = model_on("llama-2-7b", uncalibrated(hw)).breakdown(decodes(1, 512))
+    assert plain["total"] == pytest.approx(weights / (hw.mem_bandwidth * 0.8) + 1.5e-3, rel=0.02)
 
 
 def test_long_prefill_is_compute_bound():

@@ -1,11 +1,13 @@
 """``tidal reproduce PAPER``: a paper's headline result regenerated, in the simulator, against that
 paper's baselines implemented in tidal (each named after what it stands for).
 
-Papers: ``bucketserve`` (:mod:`tidal.bench.repro_bucketserve`) and ``pang``
-(:mod:`tidal.bench.repro_pang`). Each writes to ``--output`` (default ``results/reproduce``):
+Papers: ``bucketserve`` (:mod:`tidal.bench.repro_bucketserve`), ``pang``
+(:mod:`tidal.bench.repro_pang`), ``kunserve`` (:mod:`tidal.bench.repro_kunserve`, wrapping ``tidal
+bench sim-kunserve``) and ``dynaserve`` (:mod:`tidal.bench.repro_dynaserve`, wrapping ``tidal bench
+sim-dynaserve``). Each writes to ``--output`` (default ``results/reproduce``):
 ``PAPER.json`` (every number), PNG figures shaped like the paper's (same axes) and ``PAPER.md``,
 the table ``claim | paper | tidal simulated | tidal real | why they differ``. ``--quick`` runs a
-smaller setup (fewer requests, rates and rows) that finishes in well under a minute on two cores;
+smaller setup (fewer requests, rates and rows) that finishes in under two minutes on two cores;
 the tests run it and check the direction of each claim. ``--results-md FILE`` also puts the
 table and figures into FILE (``docs/results.md``), in the paper's own section.
 """
@@ -145,15 +147,26 @@ def fmt_rate(x: float | None) -> str:
     return "none" if x is None else f"{x:.2f}"
 
 
+def bench_parser(add_parser: Callable[[argparse._SubParsersAction], None]) -> argparse.ArgumentParser:
+    """A parser for one ``tidal bench`` command (``bench NAME ...``): a paper's run goes through the
+    bench command's own flags and defaults."""
+    p = argparse.ArgumentParser(prog="tidal")
+    bench = p.add_subparsers(dest="command").add_parser("bench").add_subparsers(dest="bench_command")
+    add_parser(bench)
+    return p
+
+
 PAPERS: dict[str, Callable[[argparse.Namespace, Progress], Report]] = {}
 
 
 def _papers() -> dict[str, Callable[[argparse.Namespace, Progress], Report]]:
     if not PAPERS:
-        from tidal.bench import repro_bucketserve, repro_pang
+        from tidal.bench import repro_bucketserve, repro_dynaserve, repro_kunserve, repro_pang
 
         PAPERS["bucketserve"] = repro_bucketserve.reproduce
         PAPERS["pang"] = repro_pang.reproduce
+        PAPERS["kunserve"] = repro_kunserve.reproduce
+        PAPERS["dynaserve"] = repro_dynaserve.reproduce
     return PAPERS
 
 
@@ -178,8 +191,8 @@ def write_results_md(path: str, report: Report, figure_dir: str) -> None:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("reproduce", help="regenerate a paper's headline result against its baselines (simulator)",
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("paper", help="bucketserve | pang")
-    p.add_argument("--quick", action="store_true", help="a small setup that finishes in well under a minute")
+    p.add_argument("paper", help="bucketserve | pang | kunserve | dynaserve")
+    p.add_argument("--quick", action="store_true", help="a small setup that finishes in under two minutes")
     p.add_argument("--output", default="results/reproduce", help="directory for PAPER.json, PAPER.md and figures")
     p.add_argument("--results-md", default=None, help="also write the table and figures into this Markdown file")
     p.add_argument("--no-plots", action="store_true", help="write no figures")

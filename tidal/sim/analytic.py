@@ -2,7 +2,7 @@
 
 One engine step runs every chunk of the plan through the model once. Its time is
 
-    t = linear + sum(attention per chunk) + all-reduce + swap + step_overhead_s
+    t = linear + attention + all-reduce + swap + step_overhead_s + cpu_per_seq_s * sequences
 
 - **linear** (the projections and MLP of every layer, and the LM head for the sampled chunks),
   one roofline for the whole step: ``max(flops / F, bytes / B)`` with
@@ -17,9 +17,16 @@ One engine step runs every chunk of the plan through the model once. Its time is
   head per layer; it reads the KV of ``p + c`` tokens (all layers). Per chunk rather than
   summed, so a memory-bound decode next to a compute-bound prefill is not hidden under it:
   the conservative choice, equal to the summed one when all chunks are on one side of the ridge.
+  Calibration terms (A100, fitted to Vidur's kernel profiles, :mod:`tidal.sim.reference`):
+  attention's own fractions of peak FLOP/s and bandwidth, the self pairs counted
+  ``attn_self_factor`` times (2: a causal kernel pays for its whole square), each chunk reading
+  ``attn_seq_tokens`` more tokens of KV than it has (so short contexts reach less bandwidth),
+  and ``attn_layer_s`` per layer per step.
+- **CPU**: ``step_overhead_s`` per step plus ``cpu_per_seq_s`` per sequence in it (scheduling,
+  input preparation, sampling, output processing; Vidur's vLLM CPU profile on A100 hosts).
 - **tensor parallel** ``tp``: FLOPs, weight and KV bytes split over ``tp`` devices; plus two
   ring all-reduces per layer of ``tokens * hidden * dtype_bytes`` each, moving ``2(tp-1)/tp`` of
-  that over the interconnect (at ``memory_efficiency``), plus a fixed latency per all-reduce.
+  that over the interconnect (at ``interconnect_efficiency``), plus a fixed latency per all-reduce.
   Query heads must divide by ``tp``; KV heads fewer than ``tp`` (replicated) are not modelled.
 - **swap**: ``(len(swap_out) + len(swap_in)) * block_bytes / tp / host_bandwidth`` (each device
   moves its shard of a block over its own PCIe link).
@@ -86,10 +93,19 @@ class AnalyticCostModel:
         self._s_per_sample_head = 2 * self.head_params / flops
         self._s_layer_weights = self.layer_params * dtype_bytes / bw
         self._s_head_weights = self.head_params * dtype_bytes / bw
-        self._s_per_pair = self.attn_flops_per_pair / flops
-        self._s_per_kv_token = self.kv_bytes_per_token / bw
+        # attention kernels: their own fractions of peak, a per-sequence read overhead and a fixed
+        # time per layer per step (calibration terms of HardwareSpec; defaults give the roofline)
+        a_eff_c = hardware.attn_compute_efficiency or hardware.compute_efficiency
+        a_eff_m = hardware.attn_memory_efficiency or hardware.memory_efficiency
+        self._s_per_pair = self.attn_flops_per_pair / (hardware.peak_flops * a_eff_c * tp)
+        self._s_per_kv_token = self.kv_bytes_per_token / (hardware.mem_bandwidth * a_eff_m * tp)
+        self._seq_tokens = hardware.attn_seq_tokens
+        self._self_half = 0.5 * hardware.attn_self_factor  # KunServe Eq. 1's self-attn (c^2 + c)/2, scaled
+        self._attn_fixed = L * hardware.attn_layer_s
+        self._hidden = hardware.overlap  # share of min(compute, memory) of the linear layers hidden
+        self._s_per_seq = hardware.cpu_per_seq_s
         if tp > 1:
-            link = hardware.interconnect_bandwidth * hardware.memory_efficiency
+            link = hardware.interconnect_bandwidth * hardware.interconnect_efficiency
             ring = 2 * (tp - 1) / tp
             self._s_per_token_allreduce = 2 * L * h * dtype_bytes * ring / link
             self._s_allreduce_fixed = 2 * L * hardware.allreduce_latency_s
@@ -112,22 +128,25 @@ class AnalyticCostModel:
             return self._padded_step_time(plan, swaps)
         s_pair = self._s_per_pair
         s_kv = self._s_per_kv_token
+        extra = self._seq_tokens
+        half = self._self_half
         tokens = 0
         sampled = 0
-        attn = 0.0
+        attn = self._attn_fixed
         for c in chunks:
             n = len(c.token_ids)
             p = c.start
-            tc = s_pair * (p * n + (n * n + n) * 0.5)
-            tm = s_kv * (p + n)
+            tc = s_pair * (p * n + (n * n + n) * half)
+            tm = s_kv * (p + n + extra)
             attn += tc if tc > tm else tm
             tokens += n
             if c.sample:
                 sampled += 1
         tc = self._s_per_token_linear * tokens + self._s_per_sample_head * sampled
         tm = self._s_layer_weights + self._s_head_weights if sampled else self._s_layer_weights
-        return ((tc if tc > tm else tm) + attn + self._s_per_token_allreduce * tokens + self._s_allreduce_fixed
-                + swaps * self._s_per_swap_block + self._overhead)
+        linear = tc + (1.0 - self._hidden) * tm if tc > tm else tm + (1.0 - self._hidden) * tc
+        return (linear + attn + self._s_per_token_allreduce * tokens + self._s_allreduce_fixed
+                + swaps * self._s_per_swap_block + self._overhead + self._s_per_seq * len(chunks))
 
     def _rectangle(self, plan: StepPlan) -> tuple[int, int, int, int]:
         """(rows, longest chunk, longest prefix, sampled rows) of a padded step."""
@@ -137,15 +156,20 @@ class AnalyticCostModel:
         sampled = sum(1 for c in plan.chunks if c.sample) + rows - len(plan.chunks)
         return rows, longest, prefix, sampled
 
+    def _linear(self, tc: float, tm: float) -> float:
+        """The linear layers' roofline with partial overlap: the larger time plus the unhidden
+        share of the smaller (``overlap`` 1: perfect overlap, the plain max)."""
+        return max(tc, tm) + (1.0 - self._hidden) * min(tc, tm)
+
     def _padded_step_time(self, plan: StepPlan, swaps: int) -> float:
         rows, n, p, sampled = self._rectangle(plan)
         tokens = rows * n
-        a_c = self._s_per_pair * (p * n + (n * n + n) * 0.5)
-        a_m = self._s_per_kv_token * (p + n)
+        a_c = self._s_per_pair * (p * n + (n * n + n) * self._self_half)
+        a_m = self._s_per_kv_token * (p + n + self._seq_tokens)
         tc = self._s_per_token_linear * tokens + self._s_per_sample_head * sampled
         tm = self._s_layer_weights + (self._s_head_weights if sampled else 0.0)
-        return (max(tc, tm) + rows * max(a_c, a_m) + self._s_per_token_allreduce * tokens + self._s_allreduce_fixed
-                + swaps * self._s_per_swap_block + self._overhead)
+        return (self._linear(tc, tm) + self._attn_fixed + rows * max(a_c, a_m) + self._s_per_token_allreduce * tokens
+                + self._s_allreduce_fixed + swaps * self._s_per_swap_block + self._overhead + self._s_per_seq * rows)
 
     def breakdown(self, plan: StepPlan) -> dict[str, float]:
         """The step's time by part (seconds), with the bound each roofline hit. Slow; for tests
@@ -158,7 +182,8 @@ class AnalyticCostModel:
         if plan.composition.num_padded_tokens:
             total = self._padded_step_time(plan, swaps)
             return {"linear": float("nan"), "attention": float("nan"), "allreduce": float("nan"), "swap": swap,
-                    "overhead": self._overhead, "total": total, "linear_bound": "padded",
+                    "overhead": self._overhead + self._s_per_seq * self._rectangle(plan)[0], "total": total,
+                    "linear_bound": "padded",
                     "attention_compute_chunks": 0, "padded_rows": self._rectangle(plan)[0]}
         flops_all = self.hardware.peak_flops * self.hardware.compute_efficiency * self.tp
         bw_all = self.hardware.mem_bandwidth * self.hardware.memory_efficiency * self.tp
@@ -167,19 +192,20 @@ class AnalyticCostModel:
         lin_flops = 2 * self.layer_params * tokens + 2 * self.head_params * sampled
         lin_bytes = (self.layer_params + (self.head_params if sampled else 0)) * self.dtype_bytes
         lin_c, lin_m = lin_flops / flops_all, lin_bytes / bw_all
-        attention, compute_chunks = 0.0, 0
+        attention, compute_chunks = self._attn_fixed, 0
         for c in plan.chunks:
             p, n = c.start, c.num_tokens
-            pairs = p * n + (n * n + n) / 2  # KunServe Eq. 1: prefix-attn + self-attn
-            a_c = self.attn_flops_per_pair * pairs / flops_all
-            a_m = self.kv_bytes_per_token * (p + n) / bw_all
+            pairs = p * n + (n * n + n) * self._self_half  # KunServe Eq. 1: prefix-attn + self-attn
+            a_c = self._s_per_pair * pairs
+            a_m = self._s_per_kv_token * (p + n + self._seq_tokens)
             attention += max(a_c, a_m)
             compute_chunks += a_c > a_m
         allreduce = self._s_per_token_allreduce * tokens + self._s_allreduce_fixed
-        linear = max(lin_c, lin_m)
-        total = linear + attention + allreduce + swap + self._overhead
+        linear = self._linear(lin_c, lin_m)
+        overhead = self._overhead + self._s_per_seq * len(plan.chunks)
+        total = linear + attention + allreduce + swap + overhead
         return {"linear": linear, "attention": attention, "allreduce": allreduce, "swap": swap,
-                "overhead": self._overhead, "total": total,
+                "overhead": overhead, "total": total,
                 "linear_bound": "compute" if lin_c > lin_m else "memory",
                 "attention_compute_chunks": compute_chunks}
 

@@ -24,8 +24,9 @@ parts; no A100 was at hand to check), H100 80GB HBM3 81559 MiB and H200 143771 M
 with nvidia-smi on this workplace's device machines). So the H200's "141 GB" is really about
 140 GiB: 143771 MiB = 150.75e9 bytes, not 141e9.
 
-The efficiencies, the per-step overhead and ``reserved_bytes`` are OUR choices, not datasheet
-numbers: compute_efficiency is the fraction of peak a serving engine's GEMMs reach end to end
+The A100/A800 efficiencies and calibration terms are fitted to published measurements (see
+``_A100_CAL`` below). Otherwise the efficiencies, the per-step overhead and ``reserved_bytes``
+are OUR choices, not datasheet numbers: compute_efficiency is the fraction of peak a serving engine's GEMMs reach end to end
 (0.65 on A100, 0.6 on Hopper whose peak is harder to reach: a lone 8192^3 bf16 GEMM measured on
 this workplace's H100 ran at ~800 of 989 TFLOP/s, i.e. 0.81 at best); memory_efficiency is the
 fraction of HBM bandwidth a weight/KV streaming kernel sustains (0.8; a device-to-device copy
@@ -54,7 +55,7 @@ class HardwareSpec:
     interconnect_bandwidth: float  # B/s per direction between devices (tensor-parallel all-reduce)
     host_bandwidth: float  # B/s device <-> host (KV swap)
     compute_efficiency: float  # achieved fraction of peak_flops
-    memory_efficiency: float  # achieved fraction of mem_bandwidth (and of interconnect_bandwidth)
+    memory_efficiency: float  # achieved fraction of mem_bandwidth (weight reads; KV too unless attn_memory_efficiency)
     step_overhead_s: float  # fixed per-step framework / launch overhead
     reserved_bytes: int  # memory the engine sees as already used besides the weights
     kind: str = "gpu"  # "gpu" | "cpu"
@@ -64,6 +65,16 @@ class HardwareSpec:
     # reserved memory and activations (the engine on CUDA).
     kv_budget_bytes: int | None = None
     allreduce_latency_s: float = 0.0  # fixed cost of one all-reduce when tp > 1
+    interconnect_efficiency: float = 0.8  # achieved fraction of interconnect_bandwidth (all-reduce, NVLink hand-off)
+    # Calibration terms (issue 14, fitted by benchmarks/calibration.py to tidal.sim.reference);
+    # the defaults turn each off, giving the plain roofline.
+    overlap: float = 1.0  # share of the smaller of the linear layers' compute and weight-read times hidden under the larger
+    attn_compute_efficiency: float | None = None  # attention kernels' fraction of peak_flops (None: compute_efficiency)
+    attn_memory_efficiency: float | None = None  # paged attention's fraction of mem_bandwidth (None: memory_efficiency)
+    attn_self_factor: float = 1.0  # causal self-attention costs this many times its (n^2 + n)/2 pairs (2: the full square)
+    attn_seq_tokens: float = 0.0  # each sequence's attention reads as if its context were this many tokens longer
+    attn_layer_s: float = 0.0  # fixed attention-kernel time per layer per step (launch, metadata)
+    cpu_per_seq_s: float = 0.0  # engine CPU time per sequence in the step, on top of step_overhead_s
 
     def __post_init__(self) -> None:
         if self.kind not in ("gpu", "cpu"):
@@ -71,9 +82,18 @@ class HardwareSpec:
         for f in ("memory_bytes", "peak_flops", "mem_bandwidth", "host_bandwidth"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"hardware {self.name}: {f} must be > 0")
-        for f in ("compute_efficiency", "memory_efficiency"):
-            if not 0.0 < getattr(self, f) <= 1.0:
+        for f in ("compute_efficiency", "memory_efficiency", "attn_compute_efficiency", "attn_memory_efficiency",
+                  "interconnect_efficiency"):
+            v = getattr(self, f)
+            if v is not None and not 0.0 < v <= 1.0:
                 raise ValueError(f"hardware {self.name}: {f} must be in (0, 1]")
+        if not 0.0 <= self.overlap <= 1.0:
+            raise ValueError(f"hardware {self.name}: overlap must be in [0, 1]")
+        if self.attn_self_factor < 1.0:
+            raise ValueError(f"hardware {self.name}: attn_self_factor must be >= 1")
+        for f in ("attn_seq_tokens", "attn_layer_s", "cpu_per_seq_s", "step_overhead_s"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"hardware {self.name}: {f} must be >= 0")
 
     @property
     def kv_pool_sizing(self) -> str:
@@ -93,20 +113,33 @@ class HardwareSpec:
 _GPU_COMMON = dict(step_overhead_s=1.5e-3, reserved_bytes=1 * GiB, kind="gpu", allreduce_latency_s=10e-6,
                    memory_efficiency=0.8)
 
+# A100 / A800 (the same silicon): calibrated (issue 14) to Vidur's public A100 profiles of
+# vLLM's kernels and CPU path (tidal/sim/reference.py; refit and error table: `tidal bench
+# calibrate`). Linear layers reach 68% of peak when compute bound, read weights at 70% of HBM
+# bandwidth and hide only 66% of the smaller of the two under the larger; attention reaches
+# 34% of peak, pays for a chunk's whole causal square (self factor 2: the mask saves no time),
+# reads KV at 75% of bandwidth as if each sequence had 68 more tokens of context, and costs
+# 18 us per layer per step besides; the CPU costs 0.83 ms per step plus 42 us per sequence
+# (vLLM's schedule/prepare/sample/process path).
+# Hopper keeps the plain roofline: no Hopper profile was fitted.
+_A100_CAL = dict(_GPU_COMMON, compute_efficiency=0.68, memory_efficiency=0.70, overlap=0.66,
+                 attn_compute_efficiency=0.34, attn_self_factor=2.0, attn_memory_efficiency=0.75, attn_seq_tokens=68.0,
+                 attn_layer_s=18e-6, step_overhead_s=0.83e-3, cpu_per_seq_s=42e-6)
+
 HARDWARE: dict[str, HardwareSpec] = {
     "a100-40g": HardwareSpec(
         name="a100-40g", memory_bytes=40960 * MiB, peak_flops=312e12, mem_bandwidth=1.555e12,
-        interconnect_bandwidth=300e9, host_bandwidth=25e9, compute_efficiency=0.65,
-        note="NVIDIA A100-SXM4-40GB, HBM2, NVLink 3, PCIe 4.0", **_GPU_COMMON),
+        interconnect_bandwidth=300e9, host_bandwidth=25e9,
+        note="NVIDIA A100-SXM4-40GB, HBM2, NVLink 3, PCIe 4.0", **_A100_CAL),
     "a100-80g": HardwareSpec(
         name="a100-80g", memory_bytes=81920 * MiB, peak_flops=312e12, mem_bandwidth=2.039e12,
-        interconnect_bandwidth=300e9, host_bandwidth=25e9, compute_efficiency=0.65,
-        note="NVIDIA A100-SXM4-80GB, HBM2e, NVLink 3, PCIe 4.0", **_GPU_COMMON),
+        interconnect_bandwidth=300e9, host_bandwidth=25e9,
+        note="NVIDIA A100-SXM4-80GB, HBM2e, NVLink 3, PCIe 4.0", **_A100_CAL),
     "a800-80g": HardwareSpec(
         name="a800-80g", memory_bytes=81920 * MiB, peak_flops=312e12, mem_bandwidth=2.039e12,
-        interconnect_bandwidth=200e9, host_bandwidth=25e9, compute_efficiency=0.65,
+        interconnect_bandwidth=200e9, host_bandwidth=25e9,
         note="NVIDIA A800-SXM4-80GB: A100-80GB compute and HBM2e, NVLink 400 GB/s bidirectional, PCIe 4.0",
-        **_GPU_COMMON),
+        **_A100_CAL),
     "h100-80g": HardwareSpec(
         name="h100-80g", memory_bytes=81559 * MiB, peak_flops=989e12, mem_bandwidth=3.35e12,
         interconnect_bandwidth=450e9, host_bandwidth=50e9, compute_efficiency=0.6,

@@ -10,7 +10,7 @@ Bandwidths, from the datasheets:
 
 - ``nvlink``: the GPU's NVLink, per direction, from :mod:`tidal.sim.hardware` (NVIDIA A100
   datasheet: NVLink 3 600 GB/s bidirectional = 300 GB/s each way; H100 / H200 datasheets: NVLink 4
-  900 GB/s = 450 GB/s each way), times the hardware's ``memory_efficiency`` (0.8), the fraction
+  900 GB/s = 450 GB/s each way), times the hardware's ``interconnect_efficiency`` (0.8), the fraction
   the analytic model already charges its all-reduces on the same links.
 - ``pcie``: the GPU's host link as the hardware records it (A100: PCIe 4.0 x16, 64 GB/s
   bidirectional in the datasheet, ~25 GB/s achieved per direction by a pinned cudaMemcpy;
@@ -82,9 +82,9 @@ def get_link(name: str | None, hw: HardwareSpec) -> LinkSpec:
     if name == "nvlink":
         if hw.interconnect_bandwidth <= 0:
             raise ValueError(f"hardware {hw.name} has no NVLink bandwidth")
-        return LinkSpec("nvlink", hw.interconnect_bandwidth * hw.memory_efficiency, 10e-6,
+        return LinkSpec("nvlink", hw.interconnect_bandwidth * hw.interconnect_efficiency, 10e-6,
                         f"NVLink of {hw.name}: {hw.interconnect_bandwidth / 1e9:g} GB/s per direction x "
-                        f"{hw.memory_efficiency:g}")
+                        f"{hw.interconnect_efficiency:g}")
     if name == "pcie":
         return LinkSpec("pcie", hw.host_bandwidth, 10e-6, f"PCIe of {hw.name}: {hw.host_bandwidth / 1e9:g} GB/s achieved")
     if name == "ib-hdr":
