@@ -318,3 +318,22 @@ def test_bad_pressure_modes_are_one_line_errors():
         check_pressure_mode("migrate", 4, disaggregated=True)
     with pytest.raises(ValueError, match="must be one of"):
         check_pressure_mode("swap", 4)
+
+
+def test_every_plan_is_logged_with_its_view_and_replays_from_it():
+    from tidal.cluster.pressure.record import ControllerDecision, replay
+
+    plans: list[ControllerDecision] = []
+    mon = _monitor([(100, 5, 16, 9, 4, 60, None, 0, 30), (100, 70, 16, 2, 0, 0, None, 0, 0)])
+    ctl = KunServeController(mon, M8, decisions=plans.append)
+    drop = ctl.decide(1.0)
+    ctl.applied(drop, 1.2)
+    mon.on_status(InstanceStatus(0, 264, 180, 16, 8, 1, 10, None, 0, 10), 3.0)
+    restore = ctl.decide(3.0)
+    assert [d.kind for d in plans] == ["drop", "restore"] and [d.plan for d in plans] == [drop, restore]
+    assert plans[0].view(0).used_blocks == 95 and plans[0].view(0).hol_block_demand == 30
+    assert plans[1].groups == ((0, 1),) and plans[1].view(0).num_blocks == 264 and plans[1].base_blocks == {0: 100, 1: 100}
+    mon.on_status(InstanceStatus(0, 264, 0, 16, 20, 0, 0, None, 0, 0), 4.0)  # what the monitor says now is not replayed
+    for d in plans:
+        assert replay(d, M8) == d.plan
+    assert plans[1].to_dict()["kind"] == "restore" and plans[1].to_dict()["views"][0]["used"] == 84
