@@ -5,7 +5,9 @@ A real pair with 10 KV blocks of 16 tokens each serves a burst of 8 requests at 
 dispatcher alternates, so instance 0 gets four long prompts (about 7 blocks each: one runs, the
 rest queue for memory) and instance 1 four short ones (one block each: never throttled). The
 simulator serves the same requests on instances with the real workers' pools and scheduler
-configuration and the same ``ModelMemory`` (the real model's layer and KV bytes). Both shells
+configuration and the same ``ModelMemory`` (the real model's layer and KV bytes); both split a
+group's steps with the same Eq. 1 coefficients (the simulator's hardware model's, handed to the
+workers as ``tidal serve --profile`` does). Both shells
 log every controller event (``PressureDecision``) and every plan with the monitor view it was
 made on (``tidal.cluster.pressure.record``).
 
@@ -34,7 +36,14 @@ from __future__ import annotations
 
 import time
 
-from tests.runtime.shells import leaked_segments, random_work, request_specs, serve_burst, sim_instances
+from tests.runtime.shells import (
+    SIM_MODEL,
+    leaked_segments,
+    random_work,
+    request_specs,
+    serve_burst,
+    sim_instances,
+)
 from tests.runtime.test_cluster import shm_segments, wait_gone
 from tests.runtime.test_kunserve_runtime import _cluster
 from tidal.cluster.pressure import ControllerDecision, DropPlan, PressureDecision, RestorePlan
@@ -49,8 +58,20 @@ def _workload() -> list[tuple[list[int], int]]:
     return [r for pair in zip(long, short, strict=True) for r in pair]  # dispatched 0, 1, 0, 1, ...
 
 
+def _eq1():
+    """Eq. 1's coefficients both shells split a group's steps with: the simulator's, derived from its
+    hardware model, given to the real workers as a profile would be (``tidal serve --profile``)."""
+    from tidal.sim.analytic import AnalyticCostModel
+    from tidal.sim.hardware import get_hardware
+    from tidal.sim.models import get_model
+    from tidal.sim.pipeline import analytic_eq1
+
+    return analytic_eq1(AnalyticCostModel(get_model(SIM_MODEL), get_hardware("cpu"), dtype_bytes=4))
+
+
 def _run_real(work):
-    llm = _cluster()
+    eq1 = _eq1()
+    llm = _cluster(microbatch_cost=(eq1.alpha, eq1.beta, eq1.gamma))
     plans: list[ControllerDecision] = []
     llm.pressure.decisions = plans.append
     before = shm_segments()
@@ -64,6 +85,7 @@ def _run_real(work):
                                                    and not llm.pressure.dropped):
             time.sleep(0.1)
         events = [PressureDecision(e["kind"], e["time"], tuple(e["instances"]), {}) for e in llm.pressure.events]
+        assert llm.pressure.snapshot()["microbatch_cost"] == "profiled"
         return plans, events, pools, llm.config.scheduler, llm.pressure.model
     finally:
         llm.shutdown()
@@ -75,13 +97,11 @@ def _run_sim(work, pools, scheduler, model):
     from tidal.cluster.dispatch import ClusterLayout
     from tidal.cluster.router import build_router
     from tidal.sim.links import get_link
-    from tidal.sim.pipeline import fit_eq1
     from tidal.sim.pressure import PressureConfig, build_pressure
     from tidal.sim.simulator import ClusterSimulator
 
     instances, arch, hw = sim_instances(pools, scheduler)
-    cfg = PressureConfig("drop", get_link("shm", hw), model, arch.hidden_size * 4,
-                         fit_eq1(instances[0].cost_model, scheduler.max_num_batched_tokens), layers_per_chunk=4,
+    cfg = PressureConfig("drop", get_link("shm", hw), model, arch.hidden_size * 4, _eq1(), layers_per_chunk=4,
                          overhead_s=hw.step_overhead_s)
     handler = build_pressure(cfg)
     specs, ids = request_specs(work)
