@@ -17,6 +17,7 @@ from tidal.cluster.pressure.events import PRESSURE_MODES
 from tidal.common.flags import (
     add_cluster_flags,
     add_engine_flags,
+    add_pipeline_flags,
     add_scheduler_flags,
     cluster_layout,
     engine_config,
@@ -136,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(s)
     add_scheduler_flags(s)
     add_cluster_flags(s)
+    add_pipeline_flags(s)
     s.add_argument("--kv-pressure", default="preempt", choices=list(PRESSURE_MODES),
                    help="what throttled instances (their queue's KV does not fit) do: preempt (the scheduler's "
                         "--preemption-mode alone), migrate (Llumnix-like: running requests move with their KV "

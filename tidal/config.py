@@ -168,6 +168,9 @@ class SchedulerConfig:
     # "bucket.theta": 0.5, "sla.alpha": ...; checked against each policy's typed parameters when
     # the policy is built (tidal.policies.build_policy)
     policy_args: dict[str, Any] = field(default_factory=dict)
+    # KunServe Eq. 1's (alpha, beta, gamma) for a pipeline group's microbatch split, profiled by
+    # `tidal profile` (`tidal serve --profile`); None: FLOP ratios of the model's shape
+    microbatch_cost: tuple[float, float, float] | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
@@ -185,6 +188,12 @@ class SchedulerConfig:
             raise ConfigError(f"tbt_slo_ms must be > 0, got {self.tbt_slo_ms}")
         if isinstance(self.policy_args, (list, tuple)):  # ["bucket.theta=0.5", ...] from the CLI
             self.policy_args = parse_policy_args(self.policy_args)
+        if self.microbatch_cost is not None:
+            mc = tuple(float(v) for v in self.microbatch_cost)
+            if len(mc) != 3 or min(mc) < 0 or not any(mc[:2]):
+                raise ConfigError(f"microbatch_cost must be (alpha, beta, gamma) >= 0 with alpha or beta > 0, "
+                                  f"got {self.microbatch_cost!r}")
+            self.microbatch_cost = mc  # type: ignore[assignment]
 
 
 @dataclass

@@ -318,3 +318,62 @@ def test_bad_pressure_modes_are_one_line_errors():
         check_pressure_mode("migrate", 4, disaggregated=True)
     with pytest.raises(ValueError, match="must be one of"):
         check_pressure_mode("swap", 4)
+
+
+def test_every_plan_is_logged_with_its_view_and_replays_from_it():
+    from tidal.cluster.pressure.record import ControllerDecision, replay
+
+    plans: list[ControllerDecision] = []
+    mon = _monitor([(100, 5, 16, 9, 4, 60, None, 0, 30), (100, 70, 16, 2, 0, 0, None, 0, 0)])
+    ctl = KunServeController(mon, M8, decisions=plans.append)
+    drop = ctl.decide(1.0)
+    ctl.applied(drop, 1.2)
+    mon.on_status(InstanceStatus(0, 264, 180, 16, 8, 1, 10, None, 0, 10), 3.0)
+    restore = ctl.decide(3.0)
+    assert [d.kind for d in plans] == ["drop", "restore"] and [d.plan for d in plans] == [drop, restore]
+    assert plans[0].view(0).used_blocks == 95 and plans[0].view(0).hol_block_demand == 30
+    assert plans[1].groups == ((0, 1),) and plans[1].view(0).num_blocks == 264 and plans[1].base_blocks == {0: 100, 1: 100}
+    mon.on_status(InstanceStatus(0, 264, 0, 16, 20, 0, 0, None, 0, 0), 4.0)  # what the monitor says now is not replayed
+    for d in plans:
+        assert replay(d, M8) == d.plan
+    assert plans[1].to_dict()["kind"] == "restore" and plans[1].to_dict()["views"][0]["used"] == 84
+
+
+# ---------------------------------------------------------------------------- Eq. 1 profiled (Sec. 4.3)
+@pytest.mark.parametrize("relative", [False, True])
+def test_the_eq1_fit_recovers_known_coefficients_exactly(relative):
+    from tidal.cluster.pressure import fit_chunk_cost
+
+    true = ChunkCost(alpha=3.2e-9, beta=4.5e-6, gamma=7.0e-4)
+    points = [(p, c, true.chunk(p, c)) for p in (0, 128, 512, 1024) for c in (1, 16, 64, 256)]
+    got = fit_chunk_cost(points, relative=relative)
+    assert got.alpha == pytest.approx(true.alpha, rel=1e-9)
+    assert got.beta == pytest.approx(true.beta, rel=1e-9)
+    assert got.gamma == pytest.approx(true.gamma, rel=1e-9)
+
+
+def test_the_eq1_fit_drops_a_negative_coefficient_and_refits():
+    from tidal.cluster.pressure import fit_chunk_cost
+
+    # no fixed cost at all, and noise that would make gamma slightly negative
+    points = [(p, c, 2e-9 * (p * c + (c * c + c) / 2) + 1e-6 * c - (1e-7 if c == 1 else 0.0))
+              for p in (0, 256, 1024) for c in (1, 32, 128)]
+    got = fit_chunk_cost(points)
+    assert got.gamma == 0.0 and got.alpha > 0 and got.beta > 0
+    with pytest.raises(ValueError, match="at least 3 points"):
+        fit_chunk_cost(points[:2])
+
+
+def test_the_microbatch_split_follows_alpha_over_beta():
+    """Fig. 11 on a chunk after a long prefix followed by a fresh one: the dearer attention is
+    (alpha / beta up), the fewer of the first chunk's tokens the first microbatch takes."""
+    spans = [Span("long", 2048, 128), Span("fresh", 0, 128)]
+
+    def first_tokens(alpha: float, beta: float) -> int:
+        mbs = lookahead_microbatches(spans, ChunkCost(alpha, beta, 0.0), min_tokens=16, max_microbatches=2)
+        assert len(mbs) == 2 and sum(s.tokens for mb in mbs for s in mb) == 256
+        return sum(s.tokens for s in mbs[0])
+
+    cheap, flops, dear = first_tokens(1e-12, 1.0), first_tokens(1.0, 3072.0), first_tokens(1.0, 10.0)
+    assert cheap == 128  # attention free: the tokens halve
+    assert cheap > flops > dear  # the long-prefix chunk is cut ever shorter

@@ -85,3 +85,30 @@ def test_capacity_flags_are_checked_once_for_every_command():
     F.check_capacity_flags(p.parse_args(["--rate", "2"]))  # no search: nothing to check
     search = F.capacity_search(p.parse_args(["--capacity-search", "--search-low", "1", "--search-high", "9"]))
     assert (search.low, search.high, search.target, search.max_probes) == (1.0, 9.0, 0.9, 8)
+
+
+def test_serve_profile_gives_the_profiled_eq1_to_the_scheduler_config(tmp_path):
+    """``tidal serve --profile FILE``: KunServe Eq. 1's alpha, beta, gamma from ``tidal profile``
+    reach every engine's ``SchedulerConfig.microbatch_cost``; a bad file is one ConfigError line."""
+    import json
+
+    from tidal.config import EngineConfig
+
+    p = argparse.ArgumentParser()
+    F.add_engine_flags(p)
+    F.add_scheduler_flags(p)
+    F.add_pipeline_flags(p)
+    assert "microbatch_cost" not in F.engine_kwargs(p.parse_args([]))
+    good = tmp_path / "profile.json"
+    good.write_text(json.dumps({"format": "tidal-profile/1", "eq1": {"alpha": 1e-9, "beta": 2e-6, "gamma": 3e-4}}))
+    kw = F.engine_kwargs(p.parse_args(["--profile", str(good)]))
+    assert kw["microbatch_cost"] == (1e-9, 2e-6, 3e-4)
+    assert EngineConfig.from_kwargs(**kw).scheduler.microbatch_cost == (1e-9, 2e-6, 3e-4)
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"format": "tidal-profile/1", "samples": []}))
+    for path, msg in ((old, "has no Eq. 1 coefficients"), (tmp_path / "none.json", "cannot read the profile")):
+        with pytest.raises(ConfigError, match=msg) as e:
+            F.engine_kwargs(p.parse_args(["--profile", str(path)]))
+        assert "\n" not in str(e.value) and str(e.value).startswith("--profile: ")
+    with pytest.raises(ConfigError, match="microbatch_cost must be"):
+        EngineConfig.from_kwargs(microbatch_cost=(0.0, 0.0, 1.0))

@@ -13,7 +13,14 @@ import torch
 
 from tests.engine.test_parity import mixed_prompts
 from tidal import LLM, SamplingParams
-from tidal.engine.stage import InProcessLink, TailStage, eq1_flops, restore_head, split_microbatches
+from tidal.engine.stage import (
+    InProcessLink,
+    TailStage,
+    eq1_flops,
+    microbatch_cost,
+    restore_head,
+    split_microbatches,
+)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -171,3 +178,11 @@ def test_layers_staged_while_serving_restore_to_the_same_weights_and_pool(make_e
     assert e.model.layer_ids == list(range(L))
     after = dict(e.model.named_parameters())
     assert before and all(torch.equal(after[n], p) for n, p in before.items())
+
+
+def test_a_head_splits_with_profiled_coefficients_when_given_else_flop_ratios(smol_ckpt):
+    from tidal.cluster.pressure import ChunkCost
+
+    arch = smol_ckpt.arch
+    assert microbatch_cost(arch, None) == (eq1_flops(arch), "FLOP ratios")
+    assert microbatch_cost(arch, (1e-9, 2e-6, 3e-4)) == (ChunkCost(1e-9, 2e-6, 3e-4), "profiled")

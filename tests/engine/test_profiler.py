@@ -8,6 +8,7 @@ import statistics
 
 import pytest
 
+from tidal.common.results import load_eq1
 from tidal.core.plan import BatchComposition, ScheduledChunk, StepPlan
 from tidal.core.sampling import SamplingParams
 from tidal.engine import profiler
@@ -142,5 +143,36 @@ def test_cli_writes_the_profile(tmp_path, monkeypatch, capsys, smol_ckpt, smol_t
     data = json.loads(out.read_text())
     n_live = sum(1 for s in data["samples"] if s.get("source") == "live")
     assert data["format"] == FORMAT and len(data["samples"]) == len(tiny) + n_live and n_live > 0
-    assert "fit R2" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "fit R2" in printed and "Eq. 1 per decoder layer (6 points" in printed
+    assert data["eq1"]["num_layers"] == 30 and len(data["eq1"]["points"]) == len(profiler.eq1_grid(quick=True))
+    assert load_eq1(str(out)) == (data["eq1"]["alpha"], data["eq1"]["beta"], data["eq1"]["gamma"])
     assert ProfiledCostModel.load(str(out)).fit_report()["num_samples"] == len(tiny) + n_live
+
+
+# ---------------------------------------------------------------------------- KunServe Eq. 1
+def test_eq1_profile_of_a_tiny_model_has_positive_coefficients(tmp_path, make_engine, smol_tokenizer):
+    """A real run of :func:`profiler.profile_eq1` on a random-weight 3-layer model shaped so that
+    attention over a 1K prefix and the MLP cost about the same per token (both stand out of the
+    timing noise)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tidal.engine.loader import load_checkpoint
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(smol_tokenizer), hidden_size=128, intermediate_size=2048, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path, safe_serialization=True)
+    before = torch.get_num_threads()
+    engine = make_engine(ckpt=load_checkpoint(str(tmp_path)), tokenizer=smol_tokenizer, num_threads=1,
+                         kv_cache_memory="64MiB")
+    try:
+        grid = [(p, c) for p in (0, 1024) for c in (1, 64, 256)]
+        fit = profiler.profile_eq1(engine, grid, repeats=3, warmup=1)
+    finally:
+        torch.set_num_threads(before)
+    assert fit["alpha"] > 0 and fit["beta"] > 0 and fit["gamma"] > 0, fit
+    assert fit["num_layers"] == 3 and fit["per"] == "decoder layer" and len(fit["points"]) == len(grid)
+    assert fit["r2"] > 0.8, fit
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks

@@ -25,25 +25,19 @@ anything about timing (the cost model or the link model).
 
 from __future__ import annotations
 
-import asyncio
-
-import numpy as np
-
+from tests.runtime.shells import pools_of, random_work, request_specs, serve_burst, sim_instances
 from tests.runtime.test_cluster import wait_gone
 from tidal.cluster.decisions import Decision, replay
 from tidal.cluster.dispatch import ClusterLayout
 from tidal.cluster.handoff import DEFAULT_LAYERS_PER_CHUNK, handoff_blocks, plan_chunks
 from tidal.config import EngineConfig
-from tidal.core.sampling import SamplingParams
 
 ENGINE = dict(dtype="float32", kv_cache_memory="64MiB", max_num_batched_tokens=64)
 N = 16
 
 
 def _workload() -> list[tuple[list[int], int]]:
-    rng = np.random.default_rng(7)
-    return [(rng.integers(100, 40000, size=int(rng.integers(12, 90))).tolist(), int(rng.integers(3, 10)))
-            for _ in range(N)]
+    return random_work(7, N)
 
 
 def test_the_runtime_reexports_the_pure_chunk_plan_and_defaults():
@@ -66,22 +60,9 @@ def _run_real(work) -> tuple[list[Decision], dict, dict]:
     try:
         llm.start()
         pids = [h.pid for h in llm.handles if h is not None]
-
-        async def one(i: int) -> int:
-            ids, max_tokens = work[i]
-            n = 0
-            async for o in llm.generate(None, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-                                        f"r{i}", prompt_token_ids=ids):
-                n += len(o.outputs[0].delta_token_ids)
-            return n
-
-        async def burst():
-            return await asyncio.gather(*[one(i) for i in range(N)])
-
-        assert asyncio.run(burst()) == [m for _, m in work]
+        assert serve_burst(llm, work) == [m for _, m in work]
         snap = llm.stats["cluster"]
-        pools = {r.index: (r.num_blocks, r.block_size) for r in llm.monitor.instances}
-        return log, snap, {"pools": pools, "scheduler": llm.config.scheduler}
+        return log, snap, {"pools": pools_of(llm), "scheduler": llm.config.scheduler}
     finally:
         llm.shutdown()
         wait_gone(pids)  # every worker stopped, by its own id
@@ -89,23 +70,14 @@ def _run_real(work) -> tuple[list[Decision], dict, dict]:
 
 def _run_sim(work, pools: dict, scheduler) -> tuple[list[Decision], object]:
     from tidal.cluster.router import build_router
-    from tidal.sim.hardware import get_hardware
-    from tidal.sim.instance import SimInstance
     from tidal.sim.links import get_link
-    from tidal.sim.models import get_model
     from tidal.sim.pd import HandoffConfig
     from tidal.sim.simulator import ClusterSimulator
-    from tidal.workload import RequestSpec
 
-    arch, hw = get_model("smollm2-135m"), get_hardware("cpu")
-    from tidal.sim.analytic import AnalyticCostModel
-
-    cost = AnalyticCostModel(arch, hw, dtype_bytes=4)
-    instances = [SimInstance(i, scheduler, pools[i][0], pools[i][1], cost, arch.max_position_embeddings)
-                 for i in range(3)]
+    instances, arch, hw = sim_instances(pools, scheduler)
     log: list[Decision] = []
-    specs = [RequestSpec(0.0, len(ids), m) for ids, m in work]
-    sim = ClusterSimulator(instances, build_router("round-robin"), specs, request_ids=[f"r{i}" for i in range(N)],
+    specs, ids = request_specs(work)
+    sim = ClusterSimulator(instances, build_router("round-robin"), specs, request_ids=ids,
                            layout=ClusterLayout(3, "disaggregate", 1),
                            handoff=HandoffConfig.for_model(arch, 4, get_link("shm", hw), 1, 10, 16),
                            recorder=log.append)

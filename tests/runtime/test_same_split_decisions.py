@@ -12,15 +12,11 @@ progress from its workers' outputs at real times, the simulator on its modelled 
 
 from __future__ import annotations
 
-import asyncio
-
-import numpy as np
-
+from tests.runtime.shells import pools_of, random_work, request_specs, serve_burst, sim_instances
 from tests.runtime.test_cluster import ENGINE, settle, stop
 from tidal.cluster.dispatch import ClusterLayout
 from tidal.cluster.split import SplitParams, SplitPlanner, replay
 from tidal.config import EngineConfig
-from tidal.core.sampling import SamplingParams
 
 N = 12
 PARAMS = SplitParams(token_budget=64, max_num_seqs=256, epsilon_s=0.001)
@@ -31,9 +27,7 @@ def step_time(p: float, ctx: float, d: float) -> float:
 
 
 def _workload() -> list[tuple[list[int], int]]:
-    rng = np.random.default_rng(11)
-    return [(rng.integers(100, 40000, size=int(rng.integers(12, 90))).tolist(), int(rng.integers(3, 10)))
-            for _ in range(N)]
+    return random_work(11, N)
 
 
 def _run_real(work):
@@ -46,44 +40,25 @@ def _run_real(work):
                      splitter=SplitPlanner(PARAMS, step_time, recorder=log.append))
     llm.start()
     try:
-        async def one(i: int) -> int:
-            ids, max_tokens = work[i]
-            n = 0
-            async for o in llm.generate(None, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-                                        f"r{i}", prompt_token_ids=ids):
-                n += len(o.outputs[0].delta_token_ids)
-            return n
-
-        async def burst():
-            return await asyncio.gather(*[one(i) for i in range(N)])
-
-        assert asyncio.run(burst()) == [m for _, m in work]
+        assert serve_burst(llm, work) == [m for _, m in work]
         settle(llm)
-        pools = {r.index: (r.num_blocks, r.block_size) for r in llm.monitor.instances}
-        return log, pools, llm.config.scheduler, llm.stats
+        return log, pools_of(llm), llm.config.scheduler, llm.stats
     finally:
         stop(llm)
 
 
 def _run_sim(work, pools, scheduler):
-    from tidal.sim.analytic import AnalyticCostModel
-    from tidal.sim.hardware import get_hardware
-    from tidal.sim.instance import SimInstance
     from tidal.sim.links import get_link
-    from tidal.sim.models import get_model
     from tidal.sim.pd import HandoffConfig
     from tidal.sim.split import SplitSimulator
-    from tidal.workload import RequestSpec
 
-    arch, hw = get_model("smollm2-135m"), get_hardware("cpu")
-    cost = AnalyticCostModel(arch, hw, dtype_bytes=4)
-    instances = [SimInstance(i, scheduler, pools[i][0], pools[i][1], cost, arch.max_position_embeddings)
-                 for i in range(2)]
+    instances, arch, hw = sim_instances(pools, scheduler)
+    specs, ids = request_specs(work)
     log = []
     sim = SplitSimulator(instances, SplitPlanner(PARAMS, step_time, recorder=log.append),
-                         [RequestSpec(0.0, len(ids), m) for ids, m in work],
+                         specs,
                          HandoffConfig.for_model(arch, 4, get_link("shm", hw), 1, 10, 16),
-                         max_model_len=arch.max_position_embeddings, request_ids=[f"r{i}" for i in range(N)])
+                         max_model_len=arch.max_position_embeddings, request_ids=ids)
     return log, sim.run()
 
 

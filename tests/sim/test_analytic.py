@@ -264,3 +264,29 @@ def test_step_times_are_in_the_range_of_published_measurements():
         decodes(1, 512))
     assert model("llama-3-8b", "h200").step_time(plan(chunk(0, 4096))) == pytest.approx(
         model("llama-3-8b", "h100-80g").step_time(plan(chunk(0, 4096))), rel=0.05)
+
+
+@pytest.mark.parametrize("hw,tp", [("a100-80g", 1), ("h100-80g", 2), ("cpu", 1)])
+def test_eq1_from_the_hardware_model_is_the_analytic_cost_of_the_same_chunks(hw, tp):
+    """KunServe Eq. 1's alpha, beta, gamma derived from the hardware model (``analytic_eq1``):
+    each prefill chunk's marginal cost in a compute-bound step is exactly Eq. 1 of it."""
+    from tidal.sim.pipeline import analytic_eq1, chunk_cost_for, fit_eq1
+
+    model = AnalyticCostModel(get_model("llama-3-8b"), get_hardware(hw), tp=tp)
+    eq1 = analytic_eq1(model)
+    assert eq1.alpha > 0 and eq1.beta > 0 and eq1.gamma == 0.0 and chunk_cost_for(model) == eq1
+    ref = chunk(0, 4096, sample=False, rid="ref")  # the throttled case: a compute-bound step
+    base = model.step_time(plan(ref))
+    checked = 0
+    for p in (0, 512, 2048, 8192):
+        for c in (64, 256, 1024):
+            extra = model.breakdown(plan(chunk(p, c, sample=False)))
+            if not extra["attention_compute_chunks"]:  # a memory-bound chunk is not Eq. 1's case
+                continue
+            marginal = model.step_time(plan(ref, chunk(p, c, sample=False))) - base
+            assert marginal == pytest.approx(eq1.chunk(p, c), rel=1e-9)
+            checked += 1
+    assert checked >= 9
+    # the fit on the same model lands near it (it also weighs decodes, which are memory bound)
+    fit = fit_eq1(model, 512)
+    assert fit.beta == pytest.approx(eq1.beta, rel=0.1)

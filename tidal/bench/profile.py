@@ -1,6 +1,7 @@
 """``tidal profile``: time the real engine's step over a grid of batch shapes and fit the
 simulator's profiled cost model to it (the measuring is :mod:`tidal.engine.profiler`, the fit is
-:class:`tidal.sim.profiled.ProfiledCostModel`; this command joins the two)."""
+:class:`tidal.sim.profiled.ProfiledCostModel`; this command joins the two), and fit KunServe Eq.
+1's alpha, beta, gamma per decoder layer (:func:`tidal.engine.profiler.profile_eq1`)."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
           f"{len(grid)} points x {args.warmup}+{args.repeats} runs)", flush=True)
     live = () if args.no_live else (((8, 4.0),) if args.quick else profiler.LIVE_RUNS)
     data = profiler.profile_engine(engine, grid, repeats=args.repeats, warmup=args.warmup, progress=progress,
-                          live_runs=live)
+                                   live_runs=live, eq1=profiler.eq1_grid(args.quick))
     data["elapsed_s"] = round(time.monotonic() - t0, 1)
     out = args.output
     write_json(data, out)
@@ -78,4 +79,7 @@ def run(args: argparse.Namespace) -> int:
               "the CPU?)", flush=True)
     print(f"wrote {out}: {len(data['samples'])} samples ({len(data['skipped'])} skipped) in {data['elapsed_s']:.0f}s; "
           f"{fit}; overhead {ov['per_step_s'] * 1e3:.2f} ms + {ov['per_seq_s'] * 1e6:.1f} us/seq", flush=True)
+    e = data["eq1"]  # KunServe Eq. 1, for `tidal serve --kv-pressure drop --profile`
+    print(f"Eq. 1 per decoder layer ({len(e['points'])} points, R2 {e['r2']:.4f}): alpha {e['alpha']:.4g} s/pair, "
+          f"beta {e['beta']:.4g} s/token, gamma {e['gamma']:.4g} s/chunk", flush=True)
     return 0

@@ -162,6 +162,13 @@ CLUSTER_FLAGS: tuple[Flag, ...] = (
           help="how KV moves between instances (default: shm for processes, ray for Ray actors)"),
 )
 
+# a KunServe pipeline group's (tidal serve --kv-pressure drop); read by engine_kwargs
+PIPELINE_FLAGS: tuple[Flag, ...] = (
+    _flag("--profile", default=None, dest="microbatch_profile", metavar="FILE",
+          help="`tidal profile` output whose Eq. 1 alpha, beta, gamma split a pipeline group's steps into "
+               "balanced microbatches (KunServe Sec. 4.3; default: the model's FLOP ratios)"),
+)
+
 
 def _add_group(p: argparse.ArgumentParser, title: str, flags: tuple[Flag, ...], *,
                only: Iterable[str] | None, omit: Iterable[str], defaults: Mapping[str, Any] | None,
@@ -235,6 +242,12 @@ def add_cluster_flags(p: argparse.ArgumentParser, *, only: Iterable[str] | None 
                       choices=choices, aliases=None)
 
 
+def add_pipeline_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """``--profile`` (:data:`PIPELINE_FLAGS`), read by :func:`engine_kwargs`."""
+    return _add_group(p, "pipeline group (--kv-pressure drop)", PIPELINE_FLAGS, only=None, omit=(), defaults=None,
+                      helps=None, choices=None, aliases=None)
+
+
 def cluster_layout(args: argparse.Namespace) -> Any:
     """The checked :class:`tidal.cluster.dispatch.ClusterLayout` of the cluster flags."""
     from tidal.cluster.dispatch import ClusterLayout
@@ -268,6 +281,14 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     always there (None: the default model)."""
     out = {**_values(args, ENGINE_FLAGS), **_values(args, SCHEDULER_FLAGS)}
     out.setdefault("model", getattr(args, "model", None))
+    profile = getattr(args, "microbatch_profile", None)
+    if profile:
+        from tidal.common.results import load_eq1
+
+        try:
+            out["microbatch_cost"] = load_eq1(profile)
+        except ValueError as e:
+            raise ConfigError(f"--profile: {e}") from None
     return out
 
 

@@ -81,4 +81,18 @@ def command_line(prog: str, argv: list[str] | None = None) -> str:
     return shlex.join([*prog.split(), *tail])
 
 
-__all__ = ["Plotter", "command_line", "jsonable", "write_json", "write_result"]
+def load_eq1(path: str) -> tuple[float, float, float]:
+    """(alpha, beta, gamma) of the profile at ``path`` (written by ``tidal profile``); ValueError
+    (one line) when the file is not one or has no Eq. 1 fit."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read the profile {path}: {e}") from None
+    eq1 = data.get("eq1") if isinstance(data, dict) else None
+    if not isinstance(eq1, dict) or not all(isinstance(eq1.get(k), (int, float)) for k in ("alpha", "beta", "gamma")):
+        raise ValueError(f"{path} has no Eq. 1 coefficients (written by an older `tidal profile`?)")
+    return float(eq1["alpha"]), float(eq1["beta"]), float(eq1["gamma"])
+
+
+__all__ = ["Plotter", "command_line", "jsonable", "load_eq1", "write_json", "write_result"]

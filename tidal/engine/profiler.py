@@ -9,6 +9,10 @@ point follows ``warmup`` untimed ones).
 A sample is described only by its chunk list ``[[start, num_tokens, sample], ...]``, so any
 feature set can be fitted to it later (:class:`tidal.sim.profiled.ProfiledCostModel`).
 
+KunServe Eq. 1's alpha, beta, gamma (per decoder layer) are fitted to single-chunk steps over a
+grid of (prefix, tokens) (:func:`profile_eq1`), saved as ``eq1``; ``tidal serve --profile``
+gives them to a pipeline group's microbatch split.
+
 The engine's per-step work outside ``execute`` (the scheduler's schedule and update, the output
 side) is measured on a few real small batches and fitted as ``a + b * num_seqs``.
 """
@@ -211,6 +215,46 @@ def measure_live(engine: Any, runs: Sequence[tuple[int, float]] = LIVE_RUNS, see
     return [{"chunks": [list(c) for c in chunks], "time_s": t, "source": "live"} for chunks, t in steps]
 
 
+EQ1_TOKENS = (1, 16, 32, 64, 128, 256)  # a chunk's tokens (1: a decode) ...
+EQ1_PREFIXES = (0, 128, 512, 1024)  # ... after this many cached tokens
+
+
+def eq1_grid(quick: bool = False) -> list[tuple[int, int]]:
+    """(prefix, tokens) of the single-chunk steps Eq. 1 is fitted to."""
+    if quick:
+        return [(p, c) for p in (0, 512) for c in (1, 16, 64)]
+    return [(p, c) for p in EQ1_PREFIXES for c in EQ1_TOKENS]
+
+
+def profile_eq1(engine: Any, grid: Sequence[tuple[int, int]] | None = None, repeats: int = 3,
+                warmup: int = 1) -> dict[str, Any]:
+    """KunServe Eq. 1's alpha, beta, gamma on this engine (Sec. 4.3: "profiled offline"): a step
+    of one chunk of ``tokens`` after ``prefix`` cached tokens (sampling nothing, as a chunk cut
+    by the microbatch split) is timed over ``grid`` (median of ``repeats``), divided by the
+    decoder layers the engine holds (a pipeline stage pays its own layers' share), and fitted by
+    least squares (:func:`tidal.cluster.pressure.fit_chunk_cost`). The embedding and final norm
+    fall into beta and gamma. Returns the coefficients (seconds per layer), the points and R^2."""
+    from tidal.cluster.pressure import fit_chunk_cost
+
+    grid = eq1_grid() if grid is None else grid
+    layers = len(engine.model.layer_ids)
+    rng = random.Random(2)
+    points = []
+    for prefix, tokens in grid:
+        if not _fits(engine, [(prefix, tokens, False)]):
+            continue
+        t = statistics.median(time_chunks(engine, [(prefix, tokens, False)], repeats, warmup, rng))
+        points.append((prefix, tokens, t / layers))
+    cost = fit_chunk_cost(points)
+    pred = [cost.chunk(p, c) for p, c, _ in points]
+    ys = [y for _, _, y in points]
+    mean = statistics.fmean(ys)
+    ss = sum((y - mean) ** 2 for y in ys)
+    r2 = 1.0 - sum((y - q) ** 2 for y, q in zip(ys, pred, strict=True)) / ss if ss else 1.0
+    return {"alpha": cost.alpha, "beta": cost.beta, "gamma": cost.gamma, "per": "decoder layer",
+            "num_layers": layers, "r2": r2, "points": [[p, c, y] for p, c, y in points]}
+
+
 def _requests(engine: Any, ids: Sequence[str]) -> list[Any]:
     out = []
     for rid in ids:
@@ -221,7 +265,8 @@ def _requests(engine: Any, ids: Sequence[str]) -> list[Any]:
 
 def profile_engine(engine: Any, grid: Sequence[Sequence[Chunk]] | None = None, repeats: int = 3, warmup: int = 1,
                    progress: Progress | None = None, overhead: bool = True,
-                   live_runs: Sequence[tuple[int, float]] | None = LIVE_RUNS) -> dict[str, Any]:
+                   live_runs: Sequence[tuple[int, float]] | None = LIVE_RUNS,
+                   eq1: Sequence[tuple[int, int]] = ()) -> dict[str, Any]:
     """Time ``engine``'s step on every chunk list of ``grid`` (default :func:`default_grid`);
     returns the JSON-able profile (see the module docstring). Points the KV pool cannot hold are
     listed under ``skipped``. The KV manager is all free again afterwards."""
@@ -267,6 +312,7 @@ def profile_engine(engine: Any, grid: Sequence[Sequence[Chunk]] | None = None, r
         assert kv.num_free_blocks == kv.num_blocks, "the live measurement leaked KV blocks"
     over = measure_overhead(engine) if overhead else {"per_step_s": 0.0, "per_seq_s": 0.0, "points": []}
     assert kv.num_free_blocks == kv.num_blocks, "the overhead measurement leaked KV blocks"
+    eq1_fit = profile_eq1(engine, eq1, repeats, warmup) if eq1 else None  # (prefix, tokens) points
     arch, ckpt = engine.arch, engine.checkpoint
     return {
         "format": FORMAT,
@@ -287,5 +333,6 @@ def profile_engine(engine: Any, grid: Sequence[Sequence[Chunk]] | None = None, r
         "samples": samples,
         "skipped": skipped,
         "overhead": over,
+        **({"eq1": eq1_fit} if eq1_fit is not None else {}),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }

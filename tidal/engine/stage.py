@@ -59,6 +59,15 @@ def eq1_flops(arch: ModelArch) -> ChunkCost:
                      gamma=0.0)
 
 
+def microbatch_cost(arch: ModelArch, profiled: Sequence[float] | None) -> tuple[ChunkCost, str]:
+    """The Eq. 1 coefficients a head splits its steps with (Sec. 4.3), and where they come from:
+    ``profiled`` (``tidal profile``'s alpha, beta, gamma, e.g. ``SchedulerConfig.microbatch_cost``)
+    when given, else :func:`eq1_flops`."""
+    if profiled is not None:
+        return ChunkCost(*profiled), "profiled"
+    return eq1_flops(arch), "FLOP ratios"
+
+
 def split_microbatches(chunks: Sequence[ScheduledChunk], cost: ChunkCost, min_tokens: int,
                        num: int = 2) -> list[list[ScheduledChunk]]:
     """Sec. 4.3 / Fig. 11: at most ``num`` cost-balanced microbatches of a step's chunks (in

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from tidal.engine.stage import TailStage, chunk_meta, eq1_flops
+from tidal.engine.stage import TailStage, chunk_meta, microbatch_cost
 
 log = logging.getLogger("tidal.worker")
 PEER_TIMEOUT_S = 120.0  # a peer that says nothing this long is gone (the front end sees its death)
@@ -174,7 +174,10 @@ class GroupHead:
         self.num_blocks = min(n_head, n_tail)
         e.resize_pool(self.num_blocks)
         self.peer.send(("pool", self.num_blocks))
-        e.set_stage_link(ZmqStageLink(self.peer), eq1_flops(e.arch), min_tokens=worker.cfg.mb_min_tokens)
+        cost, source = microbatch_cost(e.arch, e.config.scheduler.microbatch_cost)
+        log.info("group head %d: microbatch split with %s Eq. 1 coefficients (alpha %.4g, beta %.4g, gamma %.4g)",
+                 worker.cfg.index, source, cost.alpha, cost.beta, cost.gamma)
+        e.set_stage_link(ZmqStageLink(self.peer), cost, min_tokens=worker.cfg.mb_min_tokens)
         from tidal.runtime.kv_transfer import iter_chunks
 
         lpc = worker.cfg.layers_per_chunk

@@ -21,6 +21,7 @@ from collections import Counter
 from typing import Any
 
 from tidal.cluster.pressure import (
+    DecisionRecorder,
     DropPlan,
     KunServeController,
     ModelMemory,
@@ -52,6 +53,11 @@ class DropCoordinator:
         self.no_restore_until = 0.0
         self.dropped: dict[int, int] = {}  # instance -> decoder layers it dropped
         self.layers: dict[int, list[int]] = {}  # instance -> [start, end) it holds, once grouped
+        self.decisions: DecisionRecorder | None = None  # each plan with the view it was made on (a test's log)
+        # Sec. 4.3: the heads split their steps with tidal profile's Eq. 1 coefficients (--profile), else FLOP ratios
+        self.microbatch_cost = "profiled" if llm.config.scheduler.microbatch_cost is not None else "FLOP ratios"
+        log.info("--kv-pressure drop: a group's microbatch split uses %s Eq. 1 coefficients%s", self.microbatch_cost,
+                 f" {llm.config.scheduler.microbatch_cost}" if self.microbatch_cost == "profiled" else "")
 
     def _record(self, d: PressureDecision) -> None:
         self.counts[d.kind] += 1
@@ -64,7 +70,8 @@ class DropCoordinator:
         if not llm._ready.is_set() or not all(r.alive for r in llm.monitor.instances):
             return
         if self.ctl is None:  # the undropped pools are the first real reports
-            self.ctl = KunServeController(llm.monitor, self.model, recorder=self._record)
+            self.ctl = KunServeController(llm.monitor, self.model, recorder=self._record,
+                                          decisions=self.decisions)
         if self.executing is not None or self.exchanging or self.restoring is not None or now < self.no_restore_until:
             self.ctl.observe(now)  # one change at a time: throttles and autoscale are still logged
             return
@@ -181,7 +188,7 @@ class DropCoordinator:
         return {"mode": "drop", "groups": groups, "dropped_layers": {str(k): v for k, v in self.dropped.items()},
                 "layers": {str(k): v for k, v in self.layers.items()}, "events_total": dict(self.counts),
                 "events": list(self.events[-32:]), "executing": self.executing is not None,
-                "restoring": self.restoring is not None}
+                "restoring": self.restoring is not None, "microbatch_cost": self.microbatch_cost}
 
 
 __all__ = ["DropCoordinator", "model_memory"]

@@ -147,13 +147,13 @@ def pressure_link(spec: ClusterSpec, hw: HardwareSpec) -> LinkSpec:
 
 
 def pressure_config(spec: ClusterSpec, arch: ModelArch, hw: HardwareSpec, cost_model: CostModel) -> PressureConfig:
-    from tidal.sim.pipeline import fit_eq1
+    from tidal.sim.pipeline import chunk_cost_for
 
     assert spec.kv_pressure is not None
     model = ModelMemory(arch.num_layers, arch.params_per_layer() * spec.dtype_bytes,
                         arch.kv_bytes_per_token(spec.dtype_bytes))
     return PressureConfig(spec.kv_pressure, pressure_link(spec, hw), model, arch.hidden_size * spec.dtype_bytes,
-                          fit_eq1(cost_model, spec.scheduler.max_num_batched_tokens), tp=spec.tp,
+                          chunk_cost_for(cost_model, spec.scheduler.max_num_batched_tokens), tp=spec.tp,
                           layers_per_chunk=spec.layers_per_chunk, lookahead=spec.lookahead,
                           restore_threshold=spec.restore_threshold, overhead_s=hw.step_overhead_s)
 

@@ -26,6 +26,7 @@ from dataclasses import replace
 from tidal.cluster.pressure import (
     ChunkCost,
     Span,
+    fit_chunk_cost,
     lookahead_microbatches,
     pipeline_period,
     token_microbatches,
@@ -33,6 +34,7 @@ from tidal.cluster.pressure import (
 from tidal.config import SchedulerConfig
 from tidal.core.plan import BatchComposition, ScheduledChunk, StepPlan
 from tidal.core.sampling import SamplingParams
+from tidal.sim.analytic import AnalyticCostModel
 from tidal.sim.cost_model import CostModel
 from tidal.sim.instance import SimInstance
 from tidal.sim.pressure import PressureConfig
@@ -50,29 +52,30 @@ def fit_eq1(base: CostModel, max_tokens: int = 512) -> ChunkCost:
     ``max_tokens`` prefill tokens (the throttled case the lookahead serves), for decodes at
     contexts of 64-8K and prefill chunks of 16-``max_tokens`` tokens after prefixes of 0-4K, fitted
     by least squares on relative error, non-negative."""
-    import numpy as np
-
     ref = [_chunk(0, max_tokens, "ref")]
     t_ref = base.step_time(StepPlan(0, tuple(ref), BatchComposition.of(ref)))
-    rows, ys = [], []
     shapes = [(p, 1) for p in (64, 256, 1024, 4096, 8192)]
     shapes += [(p, c) for p in (0, 512, 2048, 4096) for c in (16, 64, 256, max_tokens)]
+    points = []
     for p, c in shapes:
         plan = [*ref, _chunk(p, c)]
-        y = base.step_time(StepPlan(0, tuple(plan), BatchComposition.of(plan))) - t_ref
-        rows.append([(p * c + (c * c + c) / 2) / y, c / y, 1.0 / y])
-        ys.append(1.0)
-    a, y = np.asarray(rows), np.asarray(ys)
-    keep = [0, 1, 2]
-    while True:  # drop a negative coefficient and refit the others
-        coef = np.linalg.lstsq(a[:, keep], y, rcond=None)[0]
-        if (coef >= 0).all() or len(keep) == 1:
-            break
-        keep.pop(int(np.argmin(coef)))
-    out = [0.0, 0.0, 0.0]
-    for k, v in zip(keep, coef, strict=True):
-        out[k] = max(0.0, float(v))
-    return ChunkCost(*out)
+        points.append((p, c, base.step_time(StepPlan(0, tuple(plan), BatchComposition.of(plan))) - t_ref))
+    return fit_chunk_cost(points, relative=True)
+
+
+def analytic_eq1(model: AnalyticCostModel) -> ChunkCost:
+    """Eq. 1's alpha, beta, gamma derived from the hardware model (Sec. 4.3): seconds per
+    attention pair (its FLOPs over the achieved FLOP/s), per token (the layers' linear FLOPs and
+    the all-reduces), and 0 per chunk. Exactly the analytic marginal cost of a chunk that samples
+    nothing, added to a compute-bound step, whose attention is compute bound (a prefill chunk);
+    a memory-bound chunk (a decode reading a long KV) costs more than this."""
+    return ChunkCost(model._s_per_pair, model._s_per_token_linear + model._s_per_token_allreduce, 0.0)
+
+
+def chunk_cost_for(base: CostModel, max_tokens: int = 512) -> ChunkCost:
+    """The lookahead's Eq. 1 coefficients for ``base``: from the hardware model when it is the
+    analytic one, else fitted to it (:func:`fit_eq1`)."""
+    return analytic_eq1(base) if isinstance(base, AnalyticCostModel) else fit_eq1(base, max_tokens)
 
 
 class PipelineCostModel:
@@ -184,4 +187,4 @@ class GroupInstance(SimInstance):
                 "bubble_ratio": self.pipeline.bubble()}
 
 
-__all__ = ["GroupInstance", "PipelineCostModel", "fit_eq1", "group_blocks"]
+__all__ = ["GroupInstance", "PipelineCostModel", "analytic_eq1", "chunk_cost_for", "fit_eq1", "group_blocks"]

@@ -28,13 +28,16 @@ from tidal.cluster.pressure.lookahead import (
     Microbatch,
     Span,
     bubble_ratio,
+    eq1_features,
     eq4_cost,
+    fit_chunk_cost,
     lookahead_microbatches,
     pipeline_makespan,
     pipeline_period,
     token_microbatches,
 )
 from tidal.cluster.pressure.migrate import Migration, MigrationController, plan_migrations
+from tidal.cluster.pressure.record import ControllerDecision, DecisionRecorder, PressureView
 from tidal.cluster.pressure.restore import (
     RESTORE_THRESHOLD,
     AutoscaleSignal,
@@ -46,10 +49,11 @@ from tidal.cluster.pressure.restore import (
 from tidal.cluster.pressure.throttle import ADMISSION_WATERMARK, Throttle, ThrottleDetector, demand_bytes
 
 __all__ = [
-    "ADMISSION_WATERMARK", "KINDS", "PRESSURE_MODES", "RESTORE_THRESHOLD", "AutoscaleSignal", "ChunkCost",
-    "DropPlan", "DropPlanner", "KVMove", "KunServeController", "Layers", "Merge", "Microbatch", "Migration",
-    "MigrationController", "ModelMemory", "Plan", "PressureDecision", "Recorder", "RestorePlan", "RestorePolicy",
-    "Span", "Throttle", "ThrottleDetector", "assign_homes", "bubble_ratio", "check_pressure_mode", "demand_bytes",
-    "eq4_cost", "kv_moves", "lookahead_microbatches", "merge_layout", "pipeline_makespan", "pipeline_period",
+    "ADMISSION_WATERMARK", "AutoscaleSignal", "ChunkCost", "ControllerDecision", "DecisionRecorder", "DropPlan",
+    "DropPlanner", "KINDS", "KVMove", "KunServeController", "Layers", "Merge", "Microbatch", "Migration",
+    "MigrationController", "ModelMemory", "PRESSURE_MODES", "Plan", "PressureDecision", "PressureView",
+    "RESTORE_THRESHOLD", "Recorder", "RestorePlan", "RestorePolicy", "Span", "Throttle", "ThrottleDetector",
+    "assign_homes", "bubble_ratio", "check_pressure_mode", "demand_bytes", "eq1_features", "eq4_cost",
+    "fit_chunk_cost", "kv_moves", "lookahead_microbatches", "merge_layout", "pipeline_makespan", "pipeline_period",
     "plan_migrations", "restore_plan", "stage_layers", "token_microbatches",
 ]

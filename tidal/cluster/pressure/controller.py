@@ -8,7 +8,8 @@ Sec. 4.4) or None. The caller executes it (drop the layers, grow the pools, exch
 run the group as a pipeline; or load the layers back and split the group) and then calls
 ``applied(plan, now)``; until then no other plan is made. Every decision goes to ``recorder``
 as a :class:`~tidal.cluster.pressure.events.PressureDecision` (the caller adds its execution
-events, e.g. the exchange, with :meth:`note`).
+events, e.g. the exchange, with :meth:`note`); every plan also goes to ``decisions`` with the
+view it was made on (:mod:`tidal.cluster.pressure.record`, which replays it).
 
 A group is seen through its first stage, whose status is the whole group's (its pool in blocks
 of all layers, its queue); ``monitor.on_groups`` tells the dispatcher to send a group's requests
@@ -23,6 +24,7 @@ from typing import Any
 from tidal.cluster.monitor import GlobalMonitor
 from tidal.cluster.pressure.drop_plan import DropPlan, DropPlanner, Layers, ModelMemory
 from tidal.cluster.pressure.events import PressureDecision, Recorder
+from tidal.cluster.pressure.record import DecisionRecorder, capture
 from tidal.cluster.pressure.restore import AutoscaleSignal, RestorePlan, RestorePolicy, restore_plan
 from tidal.cluster.pressure.throttle import Throttle, ThrottleDetector, demand_bytes
 
@@ -32,7 +34,8 @@ Plan = DropPlan | RestorePlan
 class KunServeController:
     def __init__(self, monitor: GlobalMonitor, model: ModelMemory, *, planner: DropPlanner | None = None,
                  detector: ThrottleDetector | None = None, restore: RestorePolicy | None = None,
-                 autoscale: AutoscaleSignal | None = None, recorder: Recorder | None = None):
+                 autoscale: AutoscaleSignal | None = None, recorder: Recorder | None = None,
+                 decisions: DecisionRecorder | None = None):
         if len(monitor.instances) < 2:
             raise ValueError("KunServe drops layers that a peer holds: it needs at least 2 instances")
         if model.num_layers < 2:
@@ -42,7 +45,7 @@ class KunServeController:
         self.detector = detector or ThrottleDetector()
         self.restore_policy = restore or RestorePolicy()
         self.autoscale = autoscale or AutoscaleSignal()
-        self.recorder = recorder
+        self.recorder, self.decisions = recorder, decisions
         self.base_blocks = {r.index: r.status.num_blocks for r in monitor.instances}
         self.groups: tuple[tuple[int, ...], ...] = tuple((r.index,) for r in monitor.instances)
         self.layers: dict[int, Layers] = {r.index: (0, model.num_layers) for r in monitor.instances}
@@ -73,7 +76,7 @@ class KunServeController:
                 if self.restore_policy.should_restore(st.num_blocks - st.num_free_blocks, st.queued_block_demand,
                                                       undropped):
                     plan = restore_plan(g, self.layers, self.model)
-                    self.pending = plan
+                    self._decided(plan, now)
                     self.note("restore", now, g, **plan.to_dict(), used_blocks=st.num_blocks - st.num_free_blocks,
                               undropped_blocks=undropped)
                     return plan
@@ -91,10 +94,15 @@ class KunServeController:
                 self.note("autoscale", now, tuple(t.index for t in throttles), reason="throttled and no drop plan",
                           demand_bytes=need)
             return None
-        self.pending = plan
+        self._decided(plan, now)
         self.note("drop", now, tuple(i for g in plan.changed for i in g), **plan.to_dict())
         self.autoscale.on_drop(now)
         return plan
+
+    def _decided(self, plan: Plan, now: float) -> None:
+        if self.decisions is not None:
+            self.decisions(capture(self, now, plan))
+        self.pending = plan
 
     def applied(self, plan: Plan, now: float) -> None:
         """The caller executed ``plan``: the new groups run from now on."""

@@ -63,6 +63,40 @@ class ChunkCost:
         return sum(self.chunk(s.prefix, s.tokens) for s in spans)
 
 
+def eq1_features(prefix: int, tokens: int) -> tuple[float, float, float]:
+    """Eq. 1's terms of one chunk: (attention pairs, tokens, 1)."""
+    return prefix * tokens + (tokens * tokens + tokens) / 2, float(tokens), 1.0
+
+
+def fit_chunk_cost(points: Sequence[tuple[int, int, float]], relative: bool = False) -> ChunkCost:
+    """Eq. 1's alpha, beta, gamma "profiled offline" (Sec. 4.3): least squares over ``points`` of
+    (prefix, tokens, measured cost), absolute error (or, ``relative``, error over the cost). A
+    negative coefficient is dropped (set to 0) and the others refitted, so the cost stays monotone.
+    Exact (to float error) when the costs are Eq. 1 of non-negative coefficients."""
+    import numpy as np
+
+    if len(points) < 3:
+        raise ValueError(f"fitting Eq. 1 needs at least 3 points, got {len(points)}")
+    a = np.array([eq1_features(p, c) for p, c, _ in points], dtype=float)
+    y = np.array([t for _, _, t in points], dtype=float)
+    if relative:
+        if (y <= 0).any():
+            raise ValueError("a relative fit needs positive costs")
+        a, y = a / y[:, None], np.ones_like(y)
+    scale = np.abs(a).max(axis=0)
+    scale[scale == 0] = 1.0
+    keep = [0, 1, 2]
+    while True:  # columns scaled to 1 for conditioning: pairs grow with the square of the tokens
+        coef = np.linalg.lstsq(a[:, keep] / scale[keep], y, rcond=None)[0] / scale[keep]
+        if (coef >= 0).all() or len(keep) == 1:
+            break
+        keep.pop(int(np.argmin(coef)))
+    out = [0.0, 0.0, 0.0]
+    for k, v in zip(keep, coef, strict=True):
+        out[k] = max(0.0, float(v))
+    return ChunkCost(*out)
+
+
 def num_tokens(spans: Sequence[Span]) -> int:
     return sum(s.tokens for s in spans)
 
