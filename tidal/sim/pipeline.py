@@ -66,10 +66,12 @@ def fit_eq1(base: CostModel, max_tokens: int = 512) -> ChunkCost:
 def analytic_eq1(model: AnalyticCostModel) -> ChunkCost:
     """Eq. 1's alpha, beta, gamma derived from the hardware model (Sec. 4.3): seconds per
     attention pair (its FLOPs over the achieved FLOP/s), per token (the layers' linear FLOPs and
-    the all-reduces), and 0 per chunk. Exactly the analytic marginal cost of a chunk that samples
-    nothing, added to a compute-bound step, whose attention is compute bound (a prefill chunk);
-    a memory-bound chunk (a decode reading a long KV) costs more than this."""
-    return ChunkCost(model._s_per_pair, model._s_per_token_linear + model._s_per_token_allreduce, 0.0)
+    the all-reduces), and per chunk (the engine's CPU time per sequence). The analytic marginal
+    cost of a chunk that samples nothing, added to a compute-bound step, whose attention is
+    compute bound (a prefill chunk), is exactly this plus, on hardware whose causal kernel pays
+    more than the (c^2 + c)/2 self pairs (``attn_self_factor`` > 1, calibrated A100s), that excess,
+    which Eq. 1 has no term for; a memory-bound chunk (a decode reading a long KV) costs more."""
+    return ChunkCost(model._s_per_pair, model._s_per_token_linear + model._s_per_token_allreduce, model._s_per_seq)
 
 
 def chunk_cost_for(base: CostModel, max_tokens: int = 512) -> ChunkCost:
