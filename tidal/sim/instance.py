@@ -130,17 +130,42 @@ class SimInstance:
         """Plan a step at ``now``: (its duration, or None when there is nothing to run; updates
         the scheduler decided while planning, e.g. a request that outgrew the pool)."""
         plan = self.scheduler.schedule(now)
-        tl = self.timeline
-        if tl.due(now):  # checked before gathering the values: this runs every step
-            sched, kv = self.scheduler, self.kv
-            demand = (kv.pool.num_used + self.queued_block_demand) / kv.num_blocks if kv.num_blocks else 0.0
-            tl.sample(now, kv.usage, len(sched.waiting) + len(sched.swapped), len(sched.running), len(plan.chunks),
-                      demand)
+        if self.timeline.due(now):  # checked before gathering the values: this runs every step
+            self._sample(now, len(plan.chunks))
         if not plan.chunks:
             return None, self.scheduler.update(plan, StepResult(plan.step_id), now)
         dt = self.cost_model.step_time(plan)
         self.plan, self._step_time, self.busy = plan, dt, True
         return dt, []
+
+    def _sample(self, now: float, batch: int) -> None:
+        sched, kv = self.scheduler, self.kv
+        demand = (kv.pool.num_used + self.queued_block_demand) / kv.num_blocks if kv.num_blocks else 0.0
+        self.timeline.sample(now, kv.usage, len(sched.waiting) + len(sched.swapped), len(sched.running), batch,
+                             demand)
+
+    def decode_step(self, now: float, before: float) -> tuple[float, list[RequestUpdate]] | None:
+        """Run a whole step at once, begin and end, when it is one the scheduler vouches is only
+        decodes (:meth:`Scheduler.decode_positions`), the cost model can time it without a plan,
+        and it ends before ``before``: (its duration, the updates at its end). None: nothing done,
+        run the step as usual. The state afterwards is exactly that of ``begin_step(now)`` then
+        ``end_step(now + duration)``."""
+        timer = getattr(self.cost_model, "decode_step_time", None)  # times a decode-only step without a plan
+        if timer is None or self.role != "colocated":
+            return None
+        positions = self.scheduler.decode_positions()
+        if positions is None:
+            return None
+        dt = timer(positions)
+        if not now + dt < before:
+            return None
+        batch = self.scheduler.begin_decodes()
+        if self.timeline.due(now):
+            self._sample(now, len(batch))
+        self._step_time = dt
+        self.num_steps += 1
+        self.busy_time += dt
+        return dt, self.scheduler.end_decodes(batch, SIM_TOKEN, now + dt)
 
     def end_step(self, now: float) -> list[RequestUpdate]:
         plan = self.plan
