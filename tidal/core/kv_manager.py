@@ -169,6 +169,28 @@ class KVCacheManager:
             self._frozen.pop(request_id, None)
         return KVAllocation(request_id, tuple(new))
 
+    def blocks_for_one_more(self, held: list[tuple[str, int]]) -> int:
+        """The extra blocks needed for one more token each of ``held``, (request id, tokens it has
+        now) pairs: a decode step's new blocks."""
+        bs, tables = self.block_size, self._tables
+        total = 0
+        for request_id, num_tokens in held:
+            table = tables.get(request_id)
+            k = -(-(num_tokens + 1) // bs) - (len(table) if table else 0)
+            if k > 0:
+                total += k
+        return total
+
+    def allocate_one_more(self, held: list[tuple[str, int]]) -> None:
+        """``allocate(request_id, num_tokens + 1)`` for each of ``held`` in order, once
+        :meth:`blocks_for_one_more` said they all fit."""
+        bs, tables = self.block_size, self._tables
+        for request_id, num_tokens in held:
+            table = tables.get(request_id)
+            if table is None or len(table) * bs <= num_tokens:
+                if self.allocate(request_id, num_tokens + 1) is None:
+                    raise ValueError(f"no room for request {request_id}: check blocks_for_one_more first")
+
     def fork(self, parent_id: str, child_id: str, num_full_tokens: int) -> None:
         """Share the parent's full blocks holding ``num_full_tokens`` tokens with a child."""
         if child_id in self._tables:

@@ -103,16 +103,22 @@ class Request:
 
     def check_stop(self) -> tuple[FinishReason, int | None] | None:
         """Stop conditions that depend only on token ids (stop strings are the engine's job)."""
-        if not self.output_token_ids:
+        out = self.output_token_ids
+        if not out:
             return None
-        n = len(self.output_token_ids)
-        last = self.output_token_ids[-1]
+        n = len(out)
         sp = self.sampling_params
         if n >= sp.min_tokens:
+            last = out[-1]
             if not sp.ignore_eos and last in self.eos_token_ids:
                 return FinishReason.STOP, None
             if last in sp.stop_token_ids:
                 return FinishReason.STOP, last
-        if n >= self.max_output_tokens:
+        # max_output_tokens, inline: this runs for every sampled token
+        limit = sp.max_tokens
+        if self.max_model_len is not None:
+            room = self.max_model_len - len(self.prompt_token_ids)
+            limit = room if limit is None else min(limit, room)
+        if n >= (limit if limit is not None else 1 << 30):
             return FinishReason.LENGTH, None
         return None

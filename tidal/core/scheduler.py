@@ -335,41 +335,44 @@ class Scheduler:
         return upd
 
     # ------------------------------------------------------------------ decode-only steps, without a plan
-    def decode_positions(self) -> list[int] | None:
-        """When the next step is sure to be "every running request decodes one token": the position
-        of each one's token, in running order (what a cost model needs); else None.
+    def decode_positions(self, last: list[tuple[str, int]] | None = None) -> list[tuple[str, int]] | None:
+        """When the next step is sure to be "every running request decodes one token": (request id,
+        position of its token) for each, in running order (a cost model needs the positions); else None.
 
         That holds when nothing waits or is swapped, the policy is passive (:func:`is_passive`), the
         token budget covers every running request, each has exactly one token to compute and no
         pause point, and the free blocks cover their new blocks (so nobody is preempted). Then
         :meth:`begin_decodes` and :meth:`end_decodes` change the state exactly as ``schedule`` and
-        ``update`` would, without building chunks, a plan or a result (a simulator's fast path)."""
-        running = self.running
-        if (not self._passive or self.waiting or self.swapped or not running
-                or len(running) > self.config.max_num_batched_tokens):
-            return None
-        kv = self.kv
-        blocks_needed = kv.blocks_needed
-        positions = []
-        need = 0
-        for req in running:
-            p = req.num_computed_tokens
-            if len(req.prompt_token_ids) + len(req.output_token_ids) - p != 1 or req.pause_at is not None:
-                return None
-            need += blocks_needed(req.request_id, p + 1)
-            positions.append(p)
-        return positions if need <= kv.num_free_blocks else None
+        ``update`` would, without building chunks, a plan or a result (a simulator's fast path).
 
-    def begin_decodes(self) -> tuple[Request, ...]:
-        """``schedule`` for a step :meth:`decode_positions` vouched for: the blocks, the step id;
-        returns the batch for :meth:`end_decodes`."""
-        batch = tuple(self.running)
-        allocate = self.kv.allocate
-        for req in batch:
-            allocate(req.request_id, req.num_computed_tokens + 1)
+        ``last``: this method's answer for the step :meth:`end_decodes` just ended, nothing else
+        having happened since. If that step finished nobody, all but the blocks still hold and only
+        the positions moved on, so only the blocks are checked again."""
+        running = self.running
+        if last is not None and len(running) == len(last):
+            positions = [(rid, p + 1) for rid, p in last]
+        else:
+            if (not self._passive or self.waiting or self.swapped or not running
+                    or len(running) > self.config.max_num_batched_tokens):
+                return None
+            positions = []
+            for req in running:
+                p = req.num_computed_tokens
+                if len(req.prompt_token_ids) + len(req.output_token_ids) - p != 1 or req.pause_at is not None:
+                    return None
+                positions.append((req.request_id, p))
+        kv = self.kv
+        if kv.blocks_for_one_more(positions) > kv.num_free_blocks:
+            return None
+        return positions
+
+    def begin_decodes(self, positions: list[tuple[str, int]]) -> tuple[Request, ...]:
+        """``schedule`` for the step :meth:`decode_positions` just vouched for (``positions`` is its
+        answer): the blocks, the step id; returns the batch for :meth:`end_decodes`."""
+        self.kv.allocate_one_more(positions)
         self._finished_since_plan = []  # what this step's plan would have carried
         self._step_id += 1
-        return batch
+        return tuple(self.running)
 
     def end_decodes(self, batch: tuple[Request, ...], token: int, now: float) -> list[RequestUpdate]:
         """``update`` for that step: each request of ``batch`` sampled ``token``."""

@@ -131,13 +131,14 @@ class AnalyticCostModel:
         return ((tc if tc > tm else tm) + attn + self._s_per_token_allreduce * tokens + self._s_allreduce_fixed
                 + swaps * self._s_per_swap_block + self._overhead)
 
-    def decode_step_time(self, positions: Sequence[int]) -> float:
-        """:meth:`step_time` of a step in which each request decodes one token at ``positions``
-        (all sample; no swaps, no padding): the same arithmetic, without a plan."""
+    def decode_step_time(self, positions: Sequence[tuple[str, int]]) -> float:
+        """:meth:`step_time` of a step in which each request decodes one token, at the positions of
+        ``(request id, position)`` pairs (all sample; no swaps, no padding): the same arithmetic,
+        without a plan."""
         s_pair = self._s_per_pair
         s_kv = self._s_per_kv_token
         attn = 0.0
-        for p in positions:
+        for _, p in positions:
             tc = s_pair * (p + 1.0)  # step_time's p * n + (n * n + n) * 0.5 with n = 1
             tm = s_kv * (p + 1)
             attn += tc if tc > tm else tm

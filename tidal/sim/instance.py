@@ -12,6 +12,7 @@ is its own live status for the global monitor (it has every field of
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,28 +145,32 @@ class SimInstance:
         self.timeline.sample(now, kv.usage, len(sched.waiting) + len(sched.swapped), len(sched.running), batch,
                              demand)
 
-    def decode_step(self, now: float, before: float) -> tuple[float, list[RequestUpdate]] | None:
-        """Run a whole step at once, begin and end, when it is one the scheduler vouches is only
+    def run_decodes(self, now: float, before: float,
+                    on_step: Callable[[list[RequestUpdate], float], None]) -> float:
+        """Run whole steps at once, begin and end, while each is one the scheduler vouches is only
         decodes (:meth:`Scheduler.decode_positions`), the cost model can time it without a plan,
-        and it ends before ``before``: (its duration, the updates at its end). None: nothing done,
-        run the step as usual. The state afterwards is exactly that of ``begin_step(now)`` then
-        ``end_step(now + duration)``."""
+        and it ends before ``before``; ``on_step(updates, end)`` after each. Returns when the next
+        step begins (``now`` if none ran). The state afterwards is exactly that of ``begin_step``
+        and ``end_step`` at those times."""
         timer = getattr(self.cost_model, "decode_step_time", None)  # times a decode-only step without a plan
         if timer is None or self.role != "colocated":
-            return None
-        positions = self.scheduler.decode_positions()
-        if positions is None:
-            return None
-        dt = timer(positions)
-        if not now + dt < before:
-            return None
-        batch = self.scheduler.begin_decodes()
-        if self.timeline.due(now):
-            self._sample(now, len(batch))
-        self._step_time = dt
-        self.num_steps += 1
-        self.busy_time += dt
-        return dt, self.scheduler.end_decodes(batch, SIM_TOKEN, now + dt)
+            return now
+        sched, tl = self.scheduler, self.timeline
+        positions = sched.decode_positions()
+        while positions is not None:
+            dt = timer(positions)
+            if not now + dt < before:
+                break
+            batch = sched.begin_decodes(positions)
+            if tl.due(now):
+                self._sample(now, len(batch))
+            self._step_time = dt
+            self.num_steps += 1
+            self.busy_time += dt
+            now += dt
+            on_step(sched.end_decodes(batch, SIM_TOKEN, now), now)
+            positions = sched.decode_positions(positions)
+        return now
 
     def end_step(self, now: float) -> list[RequestUpdate]:
         plan = self.plan

@@ -218,10 +218,8 @@ class ClusterSimulator:
             # another instance's events touch only that instance, the monitor and its own records), so
             # every record, block and timeline sample is what running them one event each would give.
             before = self._arrival_times[self._arrived] if self._arrived < len(self._arrival_times) else inf
-            while (got := inst.decode_step(now, before)) is not None:
-                now += got[0]
-                self._apply(inst, got[1], now)
-                ran_ahead = True
+            start, now = now, inst.run_decodes(now, before, lambda updates, t: self._apply(inst, updates, t))
+            ran_ahead = now != start
         dt, updates = inst.begin_step(now)
         if updates:
             self._apply(inst, updates, now)
@@ -348,6 +346,8 @@ class ClusterSimulator:
                 if rec.ttft_s is None:
                     rec.ttft_s = now - rec.send_s
                     rec.itl_s.extend([0.0] * (n - 1))
+                elif n == 1:  # a decode step: the common case
+                    rec.itl_s.append(now - last[i])
                 else:
                     gap = (now - last[i]) / n
                     rec.itl_s.extend([gap] * n)
