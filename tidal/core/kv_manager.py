@@ -187,9 +187,8 @@ class KVCacheManager:
         bs, tables = self.block_size, self._tables
         for request_id, num_tokens in held:
             table = tables.get(request_id)
-            if table is None or len(table) * bs <= num_tokens:
-                if self.allocate(request_id, num_tokens + 1) is None:
-                    raise ValueError(f"no room for request {request_id}: check blocks_for_one_more first")
+            if (table is None or len(table) * bs <= num_tokens) and self.allocate(request_id, num_tokens + 1) is None:
+                raise ValueError(f"no room for request {request_id}: check blocks_for_one_more first")
 
     def fork(self, parent_id: str, child_id: str, num_full_tokens: int) -> None:
         """Share the parent's full blocks holding ``num_full_tokens`` tokens with a child."""
