@@ -68,7 +68,7 @@ class Request:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return len(self.prompt_token_ids) + len(self.output_token_ids) - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -77,7 +77,7 @@ class Request:
     @property
     def in_prefill(self) -> bool:
         """True while more than one token is uncomputed (prompt, or recompute after preemption)."""
-        return self.num_uncomputed_tokens > 1
+        return len(self.prompt_token_ids) + len(self.output_token_ids) - self.num_computed_tokens > 1
 
     def token_ids(self, start: int, end: int) -> list[int]:
         p = len(self.prompt_token_ids)

@@ -177,7 +177,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ scheduling
     def _chunk_len(self, req: Request, budget: int) -> int:
-        n = min(req.num_uncomputed_tokens, budget)
+        n = len(req.prompt_token_ids) + len(req.output_token_ids) - req.num_computed_tokens  # uncomputed
+        if n > budget:
+            n = budget
         cap = self.config.long_prefill_token_threshold
         if cap and n > 1:
             n = min(n, cap)
@@ -189,9 +191,9 @@ class Scheduler:
         start = req.num_computed_tokens
         end = start + n
         # positional: this runs for every request of every step
-        rid = req.request_id
+        rid, outputs = req.request_id, req.output_token_ids
         return ScheduledChunk(rid, tuple(req.token_ids(start, end)), start, self.kv.frozen_table(rid),
-                              end == req.num_tokens, req.sampling_params, len(req.output_token_ids))
+                              end == len(req.prompt_token_ids) + len(outputs), req.sampling_params, len(outputs))
 
     def _preempt(self, victim: Request, swap_out: list[tuple[int, int]]) -> None:
         self.running.remove(victim)
