@@ -110,6 +110,9 @@ class KVCacheManager:
         self.host_pool = BlockPool(num_host_blocks)
         self._tables: dict[str, list[int]] = {}
         self._host_tables: dict[str, list[int]] = {}
+        # each request's table as a tuple, made when a plan first asks after the table changed: a
+        # decode step reuses it (a new block every block_size tokens), no copy per chunk
+        self._frozen: dict[str, tuple[int, ...]] = {}
 
     # ------------------------------------------------------------------ queries
     @property
@@ -129,6 +132,13 @@ class KVCacheManager:
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
+
+    def frozen_table(self, request_id: str) -> tuple[int, ...]:
+        """The block table as a tuple (what a plan carries), shared until the table changes."""
+        t = self._frozen.get(request_id)
+        if t is None:
+            t = self._frozen[request_id] = tuple(self._tables.get(request_id, ()))
+        return t
 
     def num_blocks_of(self, request_id: str) -> int:
         return len(self._tables.get(request_id, ()))
@@ -155,7 +165,30 @@ class KVCacheManager:
         new = self.pool.allocate(need) if need else []
         assert new is not None
         self._tables.setdefault(request_id, []).extend(new)
+        if new:
+            self._frozen.pop(request_id, None)
         return KVAllocation(request_id, tuple(new))
+
+    def blocks_for_one_more(self, held: list[tuple[str, int]]) -> int:
+        """The extra blocks needed for one more token each of ``held``, (request id, tokens it has
+        now) pairs: a decode step's new blocks."""
+        bs, tables = self.block_size, self._tables
+        total = 0
+        for request_id, num_tokens in held:
+            table = tables.get(request_id)
+            k = -(-(num_tokens + 1) // bs) - (len(table) if table else 0)
+            if k > 0:
+                total += k
+        return total
+
+    def allocate_one_more(self, held: list[tuple[str, int]]) -> None:
+        """``allocate(request_id, num_tokens + 1)`` for each of ``held`` in order, once
+        :meth:`blocks_for_one_more` said they all fit."""
+        bs, tables = self.block_size, self._tables
+        for request_id, num_tokens in held:
+            table = tables.get(request_id)
+            if (table is None or len(table) * bs <= num_tokens) and self.allocate(request_id, num_tokens + 1) is None:
+                raise ValueError(f"no room for request {request_id}: check blocks_for_one_more first")
 
     def fork(self, parent_id: str, child_id: str, num_full_tokens: int) -> None:
         """Share the parent's full blocks holding ``num_full_tokens`` tokens with a child."""
@@ -165,10 +198,12 @@ class KVCacheManager:
         shared = self._tables[parent_id][:n]
         self.pool.incref(shared)
         self._tables[child_id] = list(shared)
+        self._frozen.pop(child_id, None)
 
     def free(self, request_id: str) -> int:
         """Release every block of the request (device and host). Returns blocks released."""
         table = self._tables.pop(request_id, [])
+        self._frozen.pop(request_id, None)
         self.pool.free(table)
         host = self._host_tables.pop(request_id, [])
         self.host_pool.free(host)
@@ -185,6 +220,7 @@ class KVCacheManager:
         if host is None:
             return None
         self._tables.pop(request_id, None)
+        self._frozen.pop(request_id, None)
         self.pool.free(table)
         self._host_tables[request_id] = host
         return list(zip(table, host, strict=True))
@@ -201,6 +237,7 @@ class KVCacheManager:
         del self._host_tables[request_id]
         self.host_pool.free(host)
         self._tables[request_id] = dev
+        self._frozen.pop(request_id, None)
         return list(zip(host, dev, strict=True))
 
     def num_host_blocks_of(self, request_id: str) -> int:
@@ -229,6 +266,7 @@ class KVCacheManager:
         for src, dst in moves:
             self.pool.move(src, dst)
         if remap:
+            self._frozen.clear()
             for table in self._tables.values():
                 for i, b in enumerate(table):
                     if b in remap:

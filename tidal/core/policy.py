@@ -9,7 +9,9 @@ order, so no policy depends on which question happens to be asked first:
    requests may run, how many tokens the step may carry). ``None`` in a field means "no cap of
    mine": the configured one holds.
 2. Pure questions about that step, any number of times, in any order:
-   ``order_waiting`` (admission order), ``admit`` (may this request join?) and
+   ``order_waiting`` (admission order; it may leave out requests ``admit`` would refuse this
+   step, and the scheduler passes the very snapshot ``plan_step`` saw when the queue did not
+   change in between), ``admit`` (may this request join?) and
    ``preemption_victim`` (who gives up its blocks?). ``None`` from ``order_waiting`` or
    ``preemption_victim`` means "no opinion": the scheduler's baseline (priority, then FCFS;
    the lowest priority, latest arrival is preempted) decides.
@@ -74,7 +76,12 @@ class StepCaps:
 
     def within(self, max_num_seqs: int, token_budget: int) -> StepCaps:
         """These caps applied to the configured ones: both fields set, neither above its configured value."""
-        return self.tighter(StepCaps(max_num_seqs, token_budget))
+        s, t = self.max_num_seqs, self.token_budget  # (one object, not tighter's two: this runs every step)
+        return StepCaps(max_num_seqs if s is None or s > max_num_seqs else s,
+                        token_budget if t is None or t > token_budget else t)
+
+
+NO_CAPS = StepCaps()  # frozen: one shared "no cap of mine"
 
 
 def _leaves(value: Any, prefix: str) -> Iterator[tuple[str, float]]:
@@ -116,7 +123,7 @@ class SchedulingPolicy:
     name = "continuous"
 
     def plan_step(self, view: SchedulerView) -> StepCaps:
-        return StepCaps()
+        return NO_CAPS
 
     def order_waiting(self, waiting: Sequence[Request], now: float) -> list[Request] | None:
         """Admission order of ``waiting``, or None to leave it to the scheduler (priority, FCFS)."""
@@ -152,9 +159,20 @@ class SchedulingPolicy:
         return PolicyState(self.name)
 
 
-def fcfs_order(waiting: Sequence[Request]) -> list[Request]:
-    """The baseline admission order: lower ``priority`` first (as in vLLM), then earlier arrival."""
-    return sorted(waiting, key=lambda r: (r.priority, r.arrival_time))
+def fcfs_key(r: Request) -> tuple[int, float]:
+    """The baseline admission order's key: lower ``priority`` first (as in vLLM), then earlier arrival."""
+    return (r.priority, r.arrival_time)
+
+
+_PER_STEP_HOOKS = ("plan_step", "seq_ceiling", "padded_tokens", "observe", "on_finished")
+
+
+def is_passive(policy: SchedulingPolicy) -> bool:
+    """True when ``policy`` keeps the baseline's per-step answers (no caps of its own, no padding,
+    nothing learnt from steps or finishes): a step with nothing to admit and nobody to preempt is
+    then decided by the scheduler alone."""
+    cls = type(policy)
+    return all(getattr(cls, m) is getattr(SchedulingPolicy, m) for m in _PER_STEP_HOOKS)
 
 
 def default_victim(running: Sequence[Request]) -> Request:

@@ -68,7 +68,7 @@ class Request:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return len(self.prompt_token_ids) + len(self.output_token_ids) - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -77,7 +77,7 @@ class Request:
     @property
     def in_prefill(self) -> bool:
         """True while more than one token is uncomputed (prompt, or recompute after preemption)."""
-        return self.num_uncomputed_tokens > 1
+        return len(self.prompt_token_ids) + len(self.output_token_ids) - self.num_computed_tokens > 1
 
     def token_ids(self, start: int, end: int) -> list[int]:
         p = len(self.prompt_token_ids)
@@ -103,16 +103,22 @@ class Request:
 
     def check_stop(self) -> tuple[FinishReason, int | None] | None:
         """Stop conditions that depend only on token ids (stop strings are the engine's job)."""
-        if not self.output_token_ids:
+        out = self.output_token_ids
+        if not out:
             return None
-        n = len(self.output_token_ids)
-        last = self.output_token_ids[-1]
+        n = len(out)
         sp = self.sampling_params
         if n >= sp.min_tokens:
+            last = out[-1]
             if not sp.ignore_eos and last in self.eos_token_ids:
                 return FinishReason.STOP, None
             if last in sp.stop_token_ids:
                 return FinishReason.STOP, last
-        if n >= self.max_output_tokens:
+        # max_output_tokens, inline: this runs for every sampled token
+        limit = sp.max_tokens
+        if self.max_model_len is not None:
+            room = self.max_model_len - len(self.prompt_token_ids)
+            limit = room if limit is None else min(limit, room)
+        if n >= (limit if limit is not None else 1 << 30):
             return FinishReason.LENGTH, None
         return None

@@ -12,9 +12,17 @@ from collections.abc import Iterable
 
 from tidal.config import SchedulerConfig
 from tidal.core.kv_manager import KVCacheManager
-from tidal.core.plan import BatchComposition, RequestUpdate, ScheduledChunk, StepPlan, StepResult
-from tidal.core.policy import SchedulerView, SchedulingPolicy, StepCaps, default_victim, fcfs_order
+from tidal.core.plan import (
+    BatchComposition,
+    RequestUpdate,
+    ScheduledChunk,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+)
+from tidal.core.policy import SchedulerView, SchedulingPolicy, StepCaps, default_victim, is_passive
 from tidal.core.request import FinishReason, Request, RequestStatus
+from tidal.core.waiting import WaitingQueue
 
 
 class RequestRejected(ValueError):
@@ -37,9 +45,10 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.policy = policy or SchedulingPolicy()
+        self._passive = is_passive(self.policy)
         self.max_model_len = max_model_len
         self.watermark = watermark
-        self.waiting: list[Request] = []
+        self.waiting = WaitingQueue()  # queue order; knows when it is already FCFS
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self.paused: dict[str, Request] = {}  # hold their blocks, never scheduled (a KV hand-off in flight)
@@ -101,7 +110,10 @@ class Scheduler:
         if req is None:
             return
         if self.paused.pop(request_id, None) is None:
-            for queue in (self.running, self.waiting, self.swapped):
+            # the queue its status names first (no scan of a long waiting queue for a running request)
+            first = {RequestStatus.WAITING: self.waiting, RequestStatus.SWAPPED: self.swapped}.get(
+                req.status, self.running)
+            for queue in (first, self.running, self.waiting, self.swapped):
                 if req in queue:
                     queue.remove(req)
                     break
@@ -158,14 +170,16 @@ class Scheduler:
 
     def view(self, now: float) -> SchedulerView:
         return SchedulerView(
-            now=now, running=tuple(self.running), waiting=tuple(self.waiting),
+            now=now, running=tuple(self.running), waiting=self.waiting.snapshot(),
             num_free_blocks=self.kv.num_free_blocks, num_total_blocks=self.kv.num_blocks,
             block_size=self.kv.block_size, max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens)
 
     # ------------------------------------------------------------------ scheduling
     def _chunk_len(self, req: Request, budget: int) -> int:
-        n = min(req.num_uncomputed_tokens, budget)
+        n = len(req.prompt_token_ids) + len(req.output_token_ids) - req.num_computed_tokens  # uncomputed
+        if n > budget:
+            n = budget
         cap = self.config.long_prefill_token_threshold
         if cap and n > 1:
             n = min(n, cap)
@@ -177,9 +191,9 @@ class Scheduler:
         start = req.num_computed_tokens
         end = start + n
         # positional: this runs for every request of every step
-        return ScheduledChunk(req.request_id, tuple(req.token_ids(start, end)), start,
-                              tuple(self.kv.block_table(req.request_id)), end == req.num_tokens,
-                              req.sampling_params, len(req.output_token_ids))
+        rid, outputs = req.request_id, req.output_token_ids
+        return ScheduledChunk(rid, tuple(req.token_ids(start, end)), start, self.kv.frozen_table(rid),
+                              end == len(req.prompt_token_ids) + len(outputs), req.sampling_params, len(outputs))
 
     def _preempt(self, victim: Request, swap_out: list[tuple[int, int]]) -> None:
         self.running.remove(victim)
@@ -196,12 +210,13 @@ class Scheduler:
         self.kv.free(victim.request_id)
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.WAITING
-        self.waiting.insert(0, victim)
+        self.waiting.appendleft(victim)
 
     def schedule(self, now: float) -> StepPlan:
         # the policy decides once per step, first; everything it is asked afterwards is about this step
-        caps = self.policy.plan_step(self.view(now)).within(self.policy.seq_ceiling(self.config.max_num_seqs),
-                                                             self.config.max_num_batched_tokens)
+        view = self.view(now)
+        caps = self.policy.plan_step(view).within(self.policy.seq_ceiling(self.config.max_num_seqs),
+                                                  self.config.max_num_batched_tokens)
         self.last_caps = caps
         budget, max_seqs = caps.token_budget, caps.max_num_seqs
         # the admission watermark only matters while the pool is shared; an empty pool admits
@@ -259,8 +274,11 @@ class Scheduler:
                         budget -= n
             admitted: list[Request] = []
             if not self.swapped and self.waiting:
-                order = self.policy.order_waiting(tuple(self.waiting), now)
-                for req in fcfs_order(self.waiting) if order is None else order:
+                # nothing joined or left the queue since the view (a preemption skips admissions),
+                # so the policy sees the same snapshot that plan_step saw
+                waiting = view.waiting if len(view.waiting) == len(self.waiting) else self.waiting.snapshot()
+                order = self.policy.order_waiting(waiting, now)
+                for req in self.waiting.fcfs(waiting) if order is None else order:
                     if budget <= 0 or len(self.running) >= max_seqs:
                         break
                     if not self.policy.admit(req, admitted):
@@ -296,24 +314,74 @@ class Scheduler:
             if not chunk.sample:
                 self._check_pause(req)
                 continue
-            token = result.sampled[chunk.request_id]
-            req.output_token_ids.append(token)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            req.last_token_time = now
-            upd = RequestUpdate(chunk.request_id, [token])
-            lp = result.logprobs.get(chunk.request_id)
-            if lp is not None:
-                upd.new_logprobs.append(lp)
-            stop = req.check_stop()
-            if stop is not None:
-                reason, stop_reason = stop
-                self.finish_request(req.request_id, reason, stop_reason, now=now)
-                upd.finished, upd.finish_reason, upd.stop_reason = True, reason.value, stop_reason
-            else:
-                self._check_pause(req)
-            updates.append(upd)
+            updates.append(self._take_token(req, result.sampled[chunk.request_id], now,
+                                            result.logprobs.get(chunk.request_id) if result.logprobs else None))
         self.policy.observe(plan, result)
+        return updates
+
+    def _take_token(self, req: Request, token: int, now: float, lp: TokenLogprobs | None = None) -> RequestUpdate:
+        req.output_token_ids.append(token)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.last_token_time = now
+        upd = RequestUpdate(req.request_id, [token])
+        if lp is not None:
+            upd.new_logprobs.append(lp)
+        stop = req.check_stop()
+        if stop is not None:
+            reason, stop_reason = stop
+            self.finish_request(req.request_id, reason, stop_reason, now=now)
+            upd.finished, upd.finish_reason, upd.stop_reason = True, reason.value, stop_reason
+        else:
+            self._check_pause(req)
+        return upd
+
+    # ------------------------------------------------------------------ decode-only steps, without a plan
+    def decode_positions(self, last: list[tuple[str, int]] | None = None) -> list[tuple[str, int]] | None:
+        """When the next step is sure to be "every running request decodes one token": (request id,
+        position of its token) for each, in running order (a cost model needs the positions); else None.
+
+        That holds when nothing waits or is swapped, the policy is passive (:func:`is_passive`), the
+        token budget covers every running request, each has exactly one token to compute and no
+        pause point, and the free blocks cover their new blocks (so nobody is preempted). Then
+        :meth:`begin_decodes` and :meth:`end_decodes` change the state exactly as ``schedule`` and
+        ``update`` would, without building chunks, a plan or a result (a simulator's fast path).
+
+        ``last``: this method's answer for the step :meth:`end_decodes` just ended, nothing else
+        having happened since. If that step finished nobody, all but the blocks still hold and only
+        the positions moved on, so only the blocks are checked again."""
+        running = self.running
+        if last is not None and len(running) == len(last):
+            positions = [(rid, p + 1) for rid, p in last]
+        else:
+            if (not self._passive or self.waiting or self.swapped or not running
+                    or len(running) > self.config.max_num_batched_tokens):
+                return None
+            positions = []
+            for req in running:
+                p = req.num_computed_tokens
+                if len(req.prompt_token_ids) + len(req.output_token_ids) - p != 1 or req.pause_at is not None:
+                    return None
+                positions.append((req.request_id, p))
+        kv = self.kv
+        if kv.blocks_for_one_more(positions) > kv.num_free_blocks:
+            return None
+        return positions
+
+    def begin_decodes(self, positions: list[tuple[str, int]]) -> tuple[Request, ...]:
+        """``schedule`` for the step :meth:`decode_positions` just vouched for (``positions`` is its
+        answer): the blocks, the step id; returns the batch for :meth:`end_decodes`."""
+        self.kv.allocate_one_more(positions)
+        self._finished_since_plan = []  # what this step's plan would have carried
+        self._step_id += 1
+        return tuple(self.running)
+
+    def end_decodes(self, batch: tuple[Request, ...], token: int, now: float) -> list[RequestUpdate]:
+        """``update`` for that step: each request of ``batch`` sampled ``token``."""
+        updates, self._pending_updates = self._pending_updates, []
+        for req in batch:
+            req.num_computed_tokens += 1
+            updates.append(self._take_token(req, token, now))
         return updates
 
     def _check_pause(self, req: Request) -> None:

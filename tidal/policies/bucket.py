@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
@@ -122,10 +123,11 @@ def max_safe_batch_blocks(num_total_blocks: int, block_size: int, seq_lens: Iter
     Each S_i occupies whole blocks in a paged pool, so it is rounded up to ``block_size``; the sum
     is cumulative in the order given (Eq. 6 as written), not a mean.
     """
-    lens = [-(-max(1, s) // block_size) * block_size for s in seq_lens]
-    if not lens:
+    lens = (-(-max(1, s) // block_size) * block_size for s in seq_lens)  # lazy: the prefix sum stops early
+    first = next(lens, None)
+    if first is None:
         return None
-    return n_max_prefix(lens, safe_memory(num_total_blocks * block_size, m_safe_frac))
+    return n_max_prefix(chain((first,), lens), safe_memory(num_total_blocks * block_size, m_safe_frac))
 
 
 @dataclass
@@ -187,6 +189,10 @@ def expected_waste(buckets: Sequence[Bucket], key: Callable[[Any], int] = bucket
 
 
 # ============================================================================ the policy
+def _arrival(r: Request) -> float:
+    return r.arrival_time
+
+
 class BucketParams(PolicyParams):
     theta: float = Field(0.5, ge=0.0, lt=1.0, description="Alg. 1 theta: share below the midpoint that splits")
     l_max: int = Field(8192, ge=2, description="L_max: the upper bound of the first bucket")
@@ -242,7 +248,10 @@ class BucketPolicy(SchedulingPolicy):
         self.groups: list[list[Request]] = []  # admission order, chosen group first
         self._group_of: dict[str, int] = {}
         self._rank: dict[str, int] = {}  # position in the admission order
-        self._sig: tuple | None = None
+        self._sig: tuple | None = None  # (the waiting snapshot, N_max) the buckets were made for
+        self._view_waiting: Sequence[Request] = ()  # this step's snapshot (order_waiting's fast path)
+        self._admitted: tuple[Sequence[Request] | None, set[str]] = (None, set())  # admit's list, its ids so far
+        self._mem_of: dict[str, tuple[Request, int]] = {}  # memory S per live request (it never changes)
         self._geometry: tuple[int, int] | None = None  # (num_total_blocks, block_size)
         self.n_max: int | None = None  # Alg. 1's N_max over the waiting requests
         self.n_max_batch: int | None = None  # the cap over running + the chosen bucket
@@ -254,7 +263,10 @@ class BucketPolicy(SchedulingPolicy):
 
     # ---------------------------------------------------------------- bucketing
     def _mem(self, r: Request) -> int:
-        return memory_len(r, self.l_max)
+        got = self._mem_of.get(r.request_id)
+        if got is None or got[0] is not r:
+            got = self._mem_of[r.request_id] = (r, memory_len(r, self.l_max))
+        return got[1]
 
     def _nmax(self, requests: Iterable[Request]) -> int | None:
         if self._geometry is None:
@@ -272,9 +284,10 @@ class BucketPolicy(SchedulingPolicy):
 
     def _sync(self, waiting: Sequence[Request]) -> None:
         """Re-bucket the waiting queue and run AdjustBuckets once, when it changed."""
-        n_max = self._nmax(sorted(waiting, key=lambda r: r.arrival_time))
-        sig = (tuple(r.request_id for r in waiting), n_max)
-        if sig == self._sig:
+        n_max = self._nmax(sorted(waiting, key=_arrival))
+        # the same requests in the same order (compared by identity, at C speed) and the same N_max
+        sig = (tuple(waiting), n_max)
+        if self._sig is not None and sig[1] == self._sig[1] and sig[0] == self._sig[0]:
             return
         self._sig = sig
         self.n_max = n_max
@@ -306,6 +319,7 @@ class BucketPolicy(SchedulingPolicy):
         requests plus the chosen bucket."""
         self._geometry = (view.num_total_blocks, view.block_size)
         self._sync(view.waiting)
+        self._view_waiting = view.waiting
         self._ptr = 0  # admissions start again from the chosen group
         chosen = self.groups[0] if self.groups else []
         self.n_max_batch = self._nmax([*view.running, *chosen])
@@ -313,6 +327,8 @@ class BucketPolicy(SchedulingPolicy):
 
     def order_waiting(self, waiting: Sequence[Request], now: float) -> list[Request]:
         """The groups in order; requests that arrived after ``plan_step`` go last, FCFS."""
+        if waiting is self._view_waiting and len(waiting) == len(self._rank):
+            return [r for members in self.groups for r in members]  # every one is ranked: the groups in order
         late = len(self._rank)
         return sorted(waiting, key=lambda r: (self._rank.get(r.request_id, late), r.arrival_time))
 
@@ -323,10 +339,18 @@ class BucketPolicy(SchedulingPolicy):
         if g is None:
             return True  # not bucketed (arrived after plan_step): nothing to hold it back
         if self._ptr < g:
-            ids = {r.request_id for r in admitted}
+            src, ids = self._admitted  # the scheduler's list only grows within a step: add the new ones
+            if src is not admitted or len(ids) > len(admitted):
+                src, ids = admitted, set()
+                self._admitted = (src, ids)
+            if len(ids) < len(admitted):
+                ids.update(r.request_id for r in admitted[len(ids):])
             while self._ptr < g and all(r.request_id in ids for r in self.groups[self._ptr]):
                 self._ptr += 1  # that group is exhausted: the next may fill the step
         return g <= self._ptr
+
+    def on_finished(self, request: Request) -> None:
+        self._mem_of.pop(request.request_id, None)
 
     def observe(self, plan: StepPlan, result: StepResult) -> None:
         lengths = [c.context_len for c in plan.chunks]

@@ -163,6 +163,7 @@ class MemoryPolicy(SchedulingPolicy):
         self._updates = 0
         self._l0: float | None = None
         self._last: dict = {}
+        self._pending: tuple[tuple | None, Welford] = (None, Welford())  # estimate's last (requests, footprints)
 
     # ------------------------------------------------------------------ estimation
     def _blocks(self, tokens: int) -> int:
@@ -172,10 +173,17 @@ class MemoryPolicy(SchedulingPolicy):
         """(mu, sigma) of one request's footprint in blocks, and where it came from."""
         if self.stats.n >= max(self.min_samples, 1):
             return self.stats.mean, self.stats.std, "observed"
-        pending = Welford()
         cap = view.num_total_blocks * view.block_size
-        for r in (*view.running, *view.waiting):
-            pending.add(self._blocks(min(r.expected_total_tokens, cap)))
+        # the same requests in the same order as last step (compared by identity, at C speed): the
+        # same footprints, added in the same order, so the same Welford
+        key = (view.running, view.waiting, cap, self.block_size)
+        if key == self._pending[0]:
+            pending = self._pending[1]
+        else:
+            pending = Welford()
+            for r in (*view.running, *view.waiting):
+                pending.add(self._blocks(min(r.expected_total_tokens, cap)))
+            self._pending = (key, pending)
         pooled = self.stats.merged(pending)
         if pooled.n:
             return pooled.mean, pooled.std, "expected"

@@ -106,7 +106,10 @@ class StaticPolicy(SchedulingPolicy):
         return StepCaps()
 
     def order_waiting(self, waiting: Sequence[Request], now: float) -> list[Request]:
-        return sorted(waiting, key=lambda r: (r.request_id not in self._ids, *_fcfs(r)))
+        """The batch's members that wait, FCFS. The others are left out: ``admit`` refuses them,
+        and a long queue is then neither sorted nor walked each step."""
+        ids = self._ids
+        return sorted([r for r in waiting if r.request_id in ids], key=_fcfs)
 
     def admit(self, request: Request, admitted: Sequence[Request]) -> bool:
         return request.request_id in self._unfinished

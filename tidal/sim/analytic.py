@@ -49,6 +49,8 @@ reference the tests compare it with.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tidal.config import (
     ConfigError,
     ModelArch,
@@ -147,6 +149,23 @@ class AnalyticCostModel:
         linear = tc + (1.0 - self._hidden) * tm if tc > tm else tm + (1.0 - self._hidden) * tc
         return (linear + attn + self._s_per_token_allreduce * tokens + self._s_allreduce_fixed
                 + swaps * self._s_per_swap_block + self._overhead + self._s_per_seq * len(chunks))
+
+    def decode_step_time(self, positions: Sequence[tuple[str, int]]) -> float:
+        """:meth:`step_time` of a step in which each request decodes one token, at the positions of
+        ``(request id, position)`` pairs (all sample; no swaps, no padding): the same arithmetic,
+        without a plan."""
+        s_pair = self._s_per_pair
+        s_kv = self._s_per_kv_token
+        attn = 0.0
+        for _, p in positions:
+            tc = s_pair * (p + 1.0)  # step_time's p * n + (n * n + n) * 0.5 with n = 1
+            tm = s_kv * (p + 1)
+            attn += tc if tc > tm else tm
+        tokens = sampled = len(positions)
+        tc = self._s_per_token_linear * tokens + self._s_per_sample_head * sampled
+        tm = self._s_layer_weights + self._s_head_weights
+        return ((tc if tc > tm else tm) + attn + self._s_per_token_allreduce * tokens + self._s_allreduce_fixed
+                + 0 * self._s_per_swap_block + self._overhead)
 
     def _rectangle(self, plan: StepPlan) -> tuple[int, int, int, int]:
         """(rows, longest chunk, longest prefix, sampled rows) of a padded step."""

@@ -12,6 +12,7 @@ is its own live status for the global monitor (it has every field of
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,17 +131,46 @@ class SimInstance:
         """Plan a step at ``now``: (its duration, or None when there is nothing to run; updates
         the scheduler decided while planning, e.g. a request that outgrew the pool)."""
         plan = self.scheduler.schedule(now)
-        tl = self.timeline
-        if tl.due(now):  # checked before gathering the values: this runs every step
-            sched, kv = self.scheduler, self.kv
-            demand = (kv.pool.num_used + self.queued_block_demand) / kv.num_blocks if kv.num_blocks else 0.0
-            tl.sample(now, kv.usage, len(sched.waiting) + len(sched.swapped), len(sched.running), len(plan.chunks),
-                      demand)
+        if self.timeline.due(now):  # checked before gathering the values: this runs every step
+            self._sample(now, len(plan.chunks))
         if not plan.chunks:
             return None, self.scheduler.update(plan, StepResult(plan.step_id), now)
         dt = self.cost_model.step_time(plan)
         self.plan, self._step_time, self.busy = plan, dt, True
         return dt, []
+
+    def _sample(self, now: float, batch: int) -> None:
+        sched, kv = self.scheduler, self.kv
+        demand = (kv.pool.num_used + self.queued_block_demand) / kv.num_blocks if kv.num_blocks else 0.0
+        self.timeline.sample(now, kv.usage, len(sched.waiting) + len(sched.swapped), len(sched.running), batch,
+                             demand)
+
+    def run_decodes(self, now: float, before: float,
+                    on_step: Callable[[list[RequestUpdate], float], None]) -> float:
+        """Run whole steps at once, begin and end, while each is one the scheduler vouches is only
+        decodes (:meth:`Scheduler.decode_positions`), the cost model can time it without a plan,
+        and it ends before ``before``; ``on_step(updates, end)`` after each. Returns when the next
+        step begins (``now`` if none ran). The state afterwards is exactly that of ``begin_step``
+        and ``end_step`` at those times."""
+        timer = getattr(self.cost_model, "decode_step_time", None)  # times a decode-only step without a plan
+        if timer is None or self.role != "colocated":
+            return now
+        sched, tl = self.scheduler, self.timeline
+        positions = sched.decode_positions()
+        while positions is not None:
+            dt = timer(positions)
+            if not now + dt < before:
+                break
+            batch = sched.begin_decodes(positions)
+            if tl.due(now):
+                self._sample(now, len(batch))
+            self._step_time = dt
+            self.num_steps += 1
+            self.busy_time += dt
+            now += dt
+            on_step(sched.end_decodes(batch, SIM_TOKEN, now), now)
+            positions = sched.decode_positions(positions)
+        return now
 
     def end_step(self, now: float) -> list[RequestUpdate]:
         plan = self.plan
