@@ -294,3 +294,14 @@ def test_eq1_from_the_hardware_model_is_the_analytic_cost_of_the_same_chunks(hw,
     # the fit on the same model lands near it (it also weighs decodes, which are memory bound)
     fit = fit_eq1(model, 512)
     assert fit.beta == pytest.approx(eq1.beta, rel=0.1)
+
+
+@pytest.mark.parametrize("hw,tp", [("a100-80g", 1), ("a100-40g", 2), ("h100-80g", 2), ("cpu", 1)])
+def test_the_fast_paths_decode_step_is_step_time_of_the_same_decodes(hw, tp):
+    """The simulator's decode fast path prices a step without a plan: it must be step_time's
+    arithmetic exactly, calibrated terms included (self factor, KV overhead, CPU per sequence)."""
+    m = model("llama-3-8b", hw, tp)
+    for ctxs in ([0], [5, 900, 4095], list(range(0, 6400, 100))):
+        p = plan(*(chunk(c, 1, rid=f"r{i}") for i, c in enumerate(ctxs)))
+        assert m.decode_step_time([(f"r{i}", c) for i, c in enumerate(ctxs)]) == pytest.approx(m.step_time(p),
+                                                                                               rel=1e-12)

@@ -144,11 +144,16 @@ class AnalyticCostModel:
             tokens += n
             if c.sample:
                 sampled += 1
+        return self._rest(attn, tokens, sampled, len(chunks), swaps)
+
+    def _rest(self, attn: float, tokens: int, sampled: int, seqs: int, swaps: int) -> float:
+        """A step's time around its attention: the linear layers (partial overlap), all-reduces,
+        swaps, the fixed and per-sequence CPU time."""
         tc = self._s_per_token_linear * tokens + self._s_per_sample_head * sampled
         tm = self._s_layer_weights + self._s_head_weights if sampled else self._s_layer_weights
         linear = tc + (1.0 - self._hidden) * tm if tc > tm else tm + (1.0 - self._hidden) * tc
         return (linear + attn + self._s_per_token_allreduce * tokens + self._s_allreduce_fixed
-                + swaps * self._s_per_swap_block + self._overhead + self._s_per_seq * len(chunks))
+                + swaps * self._s_per_swap_block + self._overhead + self._s_per_seq * seqs)
 
     def decode_step_time(self, positions: Sequence[tuple[str, int]]) -> float:
         """:meth:`step_time` of a step in which each request decodes one token, at the positions of
@@ -156,16 +161,15 @@ class AnalyticCostModel:
         without a plan."""
         s_pair = self._s_per_pair
         s_kv = self._s_per_kv_token
-        attn = 0.0
+        self_pairs = 2.0 * self._self_half  # step_time's (n * n + n) * half with n = 1
+        kv_extra = 1 + self._seq_tokens
+        attn = self._attn_fixed
         for _, p in positions:
-            tc = s_pair * (p + 1.0)  # step_time's p * n + (n * n + n) * 0.5 with n = 1
-            tm = s_kv * (p + 1)
+            tc = s_pair * (p + self_pairs)
+            tm = s_kv * (p + kv_extra)
             attn += tc if tc > tm else tm
-        tokens = sampled = len(positions)
-        tc = self._s_per_token_linear * tokens + self._s_per_sample_head * sampled
-        tm = self._s_layer_weights + self._s_head_weights
-        return ((tc if tc > tm else tm) + attn + self._s_per_token_allreduce * tokens + self._s_allreduce_fixed
-                + 0 * self._s_per_swap_block + self._overhead)
+        n = len(positions)
+        return self._rest(attn, n, n, n, 0)
 
     def _rectangle(self, plan: StepPlan) -> tuple[int, int, int, int]:
         """(rows, longest chunk, longest prefix, sampled rows) of a padded step."""
