@@ -18,58 +18,21 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TIDAL_WEIGHT_CACHE_MB", "1024")
 
 
-# ``make test`` runs two xdist workers with ``--dist loadgroup --no-loadscope-reorder``. Under it
-# every test module is one unit of work (its module-scoped clusters, servers and Ray are built once,
-# not once on each worker), the modules that use the session's servers are one unit (the servers
-# load on one worker only), and so are the three that load transformers' model (``hf_smol``).
-# Units go out longest first, so that the last ones to start are short and the two workers end
-# together; the order is a rough ranking of CPU cost measured on the 2-core CI machine, and a module
-# not named keeps its place after them.
-HEAVY_FIRST = (
-    "@servers",
-    "tests/runtime/test_kunserve_runtime.py",
-    "tests/server/test_dashboard.py",
-    "@hf_smol",
-    "tests/runtime/test_migrate_runtime.py",
-    "tests/runtime/test_same_decisions.py",
-    "tests/runtime/test_cluster.py",
-    "tests/bench/test_kv_transfer_bench.py",
-    "tests/bench/test_reproduce.py",
-    "tests/engine/test_disk_cache.py",
-    "tests/server/test_soak.py",
-    "tests/runtime/test_same_split_decisions.py",
-    "tests/runtime/test_split_runtime.py",
-    "tests/engine/test_profiler.py",
-    "tests/common/test_progress_and_flags.py",
-    "tests/test_cli.py",
-    "tests/sim/test_same_plans.py",
-    "tests/engine/test_engine.py",
-    "tests/sim/test_sim_cli.py",
-    "tests/server/test_shutdown.py",
-    "tests/runtime/test_kv_transfer.py",
-    "tests/workload/test_workloads.py",
-)
-HF_SMOL_MODULES = ("tests/bench/test_offline_bench.py", "tests/engine/test_loader.py", "tests/engine/test_parity.py")
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup``: whole units of tests per worker, heaviest first (tests/scheduling.py)."""
+    if config.getvalue("dist") == "loadgroup":
+        from tests.scheduling import UnitScheduling
+
+        return UnitScheduling(config, log)
+    return None
 
 
-def _group(item, server_modules: set[str]) -> str:
-    module = item.nodeid.split("::")[0]
-    if module in server_modules:
-        return "servers"
-    return "hf_smol" if module in HF_SMOL_MODULES else module
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
 def pytest_collection_modifyitems(config, items):
-    if not getattr(config.option, "loadgroup", False):  # set on xdist's workers under --dist loadgroup
-        return
-    server_modules = {i.nodeid.split("::")[0] for i in items if "server_procs" in getattr(i, "fixturenames", ())}
-    rank = {name.lstrip("@"): n for n, name in enumerate(HEAVY_FIRST)}
-    groups = {id(i): _group(i, server_modules) for i in items}
-    for i in items:
-        i.add_marker(pytest.mark.xdist_group(groups[id(i)]))
-    # a stable sort: each group keeps its tests in collection order, and each worker sorts alike
-    items.sort(key=lambda i: rank.get(groups[id(i)], len(rank)))
+    if getattr(config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
+        from tests.scheduling import heaviest_first
+
+        heaviest_first(items)
 
 
 @pytest.fixture(scope="session")
