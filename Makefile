@@ -29,7 +29,7 @@ lint: install
 	cd $(CURDIR) && $(VENV)/bin/lint-imports
 
 test: install lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
 
 bench: install
 	$(VENV)/bin/tidal bench offline

@@ -18,6 +18,23 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TIDAL_WEIGHT_CACHE_MB", "1024")
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup``: whole units of tests per worker, heaviest first (tests/scheduling.py)."""
+    if config.getvalue("dist") == "loadgroup":
+        from tests.scheduling import UnitScheduling
+
+        return UnitScheduling(config, log)
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    if getattr(config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
+        from tests.scheduling import heaviest_first
+
+        heaviest_first(items)
+
+
 @pytest.fixture(scope="session")
 def smol_ckpt():
     from tidal.engine.loader import load_checkpoint

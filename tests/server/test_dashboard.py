@@ -5,6 +5,7 @@ while a load runs. The screenshot lands in the test's tmp_path (its path is prin
 from __future__ import annotations
 
 import concurrent.futures as cf
+import time
 
 import httpx
 import pytest
@@ -144,6 +145,9 @@ def test_dashboard_shows_kunserve_drop_exchange_and_restore(tmp_path):
 
             def watch() -> bool:
                 layers_seen.append(tuple(r[-1] for r in table(d, "instances")))
+                # the page redraws the table once a second (STATE_MS): four looks per redraw see
+                # every layout it shows, without a busy loop of WebDriver calls beside the load
+                time.sleep(0.25)
                 return False
 
             with cf.ThreadPoolExecutor(1) as pool:
