@@ -12,12 +12,11 @@ three systems, 40 s windows of at most 200 requests per probe, 3 probes.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from typing import Any
 
 from tidal.bench import sim_dynaserve as D
-from tidal.bench.reproduce import Claim, Progress, Report, beats, bench_parser, fmt_rate, fmt_ratio
+from tidal.bench.reproduce import Claim, Progress, Report, beats, fmt_rate, fmt_ratio, run_bench
 
 REAL = ("not run here: Qwen-2.5-14B does not fit this 2-core CPU; the same three layouts on 2 real CPU "
         "instances of the default model: `python benchmarks/dynaserve_serve.py` (no result recorded yet)")
@@ -30,21 +29,15 @@ QUICK = ["--workloads", "mini-reasoning", "--systems", "coloc-512,disagg,dynaser
          "--window", "40", "--max-probes", "3", "--rate-low", "1", "--rate-high", "16"]
 
 
-def _bench_args(args: argparse.Namespace, out: str) -> argparse.Namespace:
-    argv = ["bench", "sim-dynaserve", "--output", out, "--no-progress", *(QUICK if args.quick else FULL)]
+def _bench_argv(args: argparse.Namespace) -> list[str]:
+    argv = ["bench", "sim-dynaserve", "--no-progress", *(QUICK if args.quick else FULL)]
     if args.no_plots:
         argv.append("--no-plots")
-    return bench_parser(D.add_parser).parse_args(argv)
+    return argv
 
 
 def reproduce(args: argparse.Namespace, log: Progress) -> Report:
-    out = os.path.join(args.output, "dynaserve_sim.json")
-    bench = _bench_args(args, out)
-    log(f"tidal bench sim-dynaserve -> {out}")
-    if bench.func(bench) != 0:
-        raise RuntimeError("tidal bench sim-dynaserve failed")
-    with open(out) as f:
-        data = json.load(f)
+    data = run_bench(D.add_parser, _bench_argv(args), os.path.join(args.output, "dynaserve_sim.json"), log)
     s = data["setup"]
     report = Report(
         "dynaserve", "DynaServe: split micro-requests vs colocation vs 1P1D (Sec. 6, Fig. 9, Table 2)",

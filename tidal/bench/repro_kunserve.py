@@ -12,12 +12,11 @@ claims off its JSON. ``--quick``: LongBench-like lengths only, 60 s of arrivals 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from typing import Any
 
 from tidal.bench import sim_kunserve as K
-from tidal.bench.reproduce import Claim, Progress, Report, bench_parser, fmt_ratio
+from tidal.bench.reproduce import Claim, Progress, Report, fmt_ratio, run_bench
 
 REAL = ("not run here: the paper's model (14B) does not fit this 2-core CPU; the same policies on 2 real "
         "CPU instances of the default model: `python benchmarks/kunserve_serve.py` (no result recorded yet)")
@@ -27,23 +26,17 @@ WHY = ("the analytic A100-class cost model (calibrated to Vidur's A100 profiles)
        "code is not run: tidal's own preempt / swap / migrate policies stand for them")
 
 
-def _bench_args(args: argparse.Namespace, out: str) -> argparse.Namespace:
-    argv = ["bench", "sim-kunserve", "--output", out, "--no-progress"]
+def _bench_argv(args: argparse.Namespace) -> list[str]:
+    argv = ["bench", "sim-kunserve", "--no-progress"]
     if args.no_plots:
         argv.append("--no-plots")
     if args.quick:
         argv += ["--datasets", "longbench", "--duration", "60", "--rate", "7"]
-    return bench_parser(K.add_parser).parse_args(argv)
+    return argv
 
 
 def reproduce(args: argparse.Namespace, log: Progress) -> Report:
-    out = os.path.join(args.output, "kunserve_sim.json")
-    bench = _bench_args(args, out)
-    log(f"tidal bench sim-kunserve -> {out}")
-    if bench.func(bench) != 0:
-        raise RuntimeError("tidal bench sim-kunserve failed")
-    with open(out) as f:
-        data = json.load(f)
+    data = run_bench(K.add_parser, _bench_argv(args), os.path.join(args.output, "kunserve_sim.json"), log)
     setup = data["setup"]
     report = Report(
         "kunserve", "KunServe: drop layers instead of preempting under memory pressure (Fig. 13)",

@@ -156,6 +156,18 @@ def bench_parser(add_parser: Callable[[argparse._SubParsersAction], None]) -> ar
     return p
 
 
+def run_bench(add_parser: Callable[[argparse._SubParsersAction], None], argv: list[str], out: str,
+              log: Progress) -> dict[str, Any]:
+    """Run ``tidal bench ...`` (``argv``, writing its JSON to ``out``) through its own parser and
+    return that JSON: a paper's run is the bench command's, with its flags and defaults."""
+    bench = bench_parser(add_parser).parse_args([*argv, "--output", out])
+    log(f"tidal {' '.join(argv[:2])} -> {out}")
+    if bench.func(bench) != 0:
+        raise RuntimeError(f"tidal {' '.join(argv[:2])} failed")
+    with open(out) as f:
+        return json.load(f)
+
+
 PAPERS: dict[str, Callable[[argparse.Namespace, Progress], Report]] = {}
 
 

@@ -24,25 +24,18 @@ from collections import Counter
 from typing import Any
 
 from tidal.cluster.handoff import handoff_blocks
-from tidal.cluster.pressure import MigrationController, PressureDecision
+from tidal.cluster.pressure import MigrationController
+from tidal.runtime.pressure import PressureLog
 
-EVENT_LOG = 256  # decisions kept for /admin/state
 
-
-class MigrateCoordinator:
+class MigrateCoordinator(PressureLog):
     def __init__(self, llm: Any):
+        super().__init__()
         self.llm = llm
         self.ctl: MigrationController | None = None  # the monitor exists once the front end is built
-        self.events: list[dict[str, Any]] = []
-        self.counts: Counter[str] = Counter()
         self.moving: dict[str, tuple[int, int, int]] = {}  # worker id -> (src, dst, blocks)
         self.num_migrated = 0
         self.num_failed = 0  # refused or cut by a failure: re-run (recompute) or left in place
-
-    def _record(self, d: PressureDecision) -> None:
-        self.counts[d.kind] += 1
-        self.events.append(d.to_dict())
-        del self.events[:-EVENT_LOG]
 
     # ---------------------------------------------------------------- deciding (under the front end's lock)
     def tick(self, now: float) -> None:

@@ -40,12 +40,24 @@ def model_memory(arch: Any, dtype_bytes: int) -> ModelMemory:
     return ModelMemory(arch.num_layers, arch.params_per_layer() * dtype_bytes, arch.kv_bytes_per_token(dtype_bytes))
 
 
-class DropCoordinator:
-    def __init__(self, llm: Any, model: ModelMemory):
-        self.llm, self.model = llm, model
-        self.ctl: KunServeController | None = None
+class PressureLog:
+    """The decisions and events of a ``--kv-pressure`` mode, for ``/admin/state`` and ``/metrics``."""
+
+    def __init__(self) -> None:
         self.events: list[dict[str, Any]] = []
         self.counts: Counter[str] = Counter()
+
+    def _record(self, d: PressureDecision) -> None:
+        self.counts[d.kind] += 1
+        self.events.append(d.to_dict())
+        del self.events[:-EVENT_LOG]
+
+
+class DropCoordinator(PressureLog):
+    def __init__(self, llm: Any, model: ModelMemory):
+        super().__init__()
+        self.llm, self.model = llm, model
+        self.ctl: KunServeController | None = None
         self.executing: DropPlan | None = None
         self.waiting_heads: set[int] = set()
         self.exchanging: set[int] = set()  # heads whose KV exchange is not done yet
@@ -58,11 +70,6 @@ class DropCoordinator:
         self.microbatch_cost = "profiled" if llm.config.scheduler.microbatch_cost is not None else "FLOP ratios"
         log.info("--kv-pressure drop: a group's microbatch split uses %s Eq. 1 coefficients%s", self.microbatch_cost,
                  f" {llm.config.scheduler.microbatch_cost}" if self.microbatch_cost == "profiled" else "")
-
-    def _record(self, d: PressureDecision) -> None:
-        self.counts[d.kind] += 1
-        self.events.append(d.to_dict())
-        del self.events[:-EVENT_LOG]
 
     def tick(self, now: float) -> None:
         """After a report (under the front end's lock): decide, and execute a new plan."""
@@ -191,4 +198,4 @@ class DropCoordinator:
                 "restoring": self.restoring is not None, "microbatch_cost": self.microbatch_cost}
 
 
-__all__ = ["DropCoordinator", "model_memory"]
+__all__ = ["DropCoordinator", "PressureLog", "model_memory"]
