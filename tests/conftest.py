@@ -18,7 +18,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TIDAL_WEIGHT_CACHE_MB", "1024")
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # absent with -p no:xdist
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadgroup``: whole units of tests per worker, heaviest first (tests/scheduling.py)."""
     if config.getvalue("dist") == "loadgroup":

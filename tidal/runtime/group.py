@@ -152,6 +152,17 @@ def _requests(engine: Any) -> list[tuple[str, Any]]:
     return list(engine.scheduler.requests.items())
 
 
+def _running_with_kv(engine: Any) -> list[tuple[str, Any]]:
+    """The running requests that hold computed KV (those a restore must carry over)."""
+    return [(rid, r) for rid, r in _requests(engine) if r.num_computed_tokens and r in engine.scheduler.running]
+
+
+def _release_all(transport: Any, handles: dict[str, list]) -> None:
+    for hs in handles.values():
+        for h in hs:
+            transport.release(h)
+
+
 class GroupHead:
     """The head's side: built by the ``drop`` command, pumped once per worker loop turn."""
 
@@ -164,10 +175,9 @@ class GroupHead:
         keep_tail = sorted(drop)
         # Sec. 4.2: every running request pauses; its KV of the tail's layers leaves before the drop
         exports = {}
-        for rid, req in _requests(e):
-            if req.num_computed_tokens and req in e.scheduler.running:
-                e.pause_request(rid)
-                exports[rid] = (req.num_computed_tokens, e.export_kv(rid, keep_tail, 0, req.num_computed_tokens))
+        for rid, req in _running_with_kv(e):
+            e.pause_request(rid)
+            exports[rid] = (req.num_computed_tokens, e.export_kv(rid, keep_tail, 0, req.num_computed_tokens))
         n_head = e.drop_layers(keep_tail)
         (hello, _) = self.peer.wait_for("hello")
         _, n_tail, moved = hello
@@ -266,9 +276,7 @@ class GroupHead:
                 if got[0][0] == "back":
                     answers.append(got[0][1])
         for back in answers:
-            for hs in back.values():
-                for h in hs:
-                    tr.release(h)
+            _release_all(tr, back)
 
     def begin_restore(self) -> bool:
         """Sec. 4.4, overlapped with serving: the tail starts sending back its layers' KV of the
@@ -278,8 +286,7 @@ class GroupHead:
         e = self.engine
         if self.queue or self.exchanging or self.restoring is not None:
             return False
-        live = {rid: (r.num_computed_tokens, tuple(e.kv_manager.block_table(rid))) for rid, r in _requests(e)
-                if r.num_computed_tokens and r in e.scheduler.running}
+        live = {rid: (r.num_computed_tokens, tuple(e.kv_manager.block_table(rid))) for rid, r in _running_with_kv(e)}
         self.restoring = _Restore(live, sorted(e.dropped_weight_bytes), time.perf_counter(), e.num_steps)
         self.peer.send(("export_back", [(rid, list(bt), 0, n) for rid, (n, bt) in live.items()]))
         return True
@@ -308,8 +315,7 @@ class GroupHead:
         restore too."""
         e, tr = self.engine, self.worker.transport
         t0 = time.perf_counter()
-        live = [(rid, req.num_computed_tokens) for rid, req in _requests(e)
-                if req.num_computed_tokens and req in e.scheduler.running]
+        live = [(rid, req.num_computed_tokens) for rid, req in _running_with_kv(e)]
         for rid, _ in live:
             e.pause_request(rid)
         back = r.back
@@ -336,9 +342,7 @@ class GroupHead:
             e.restore_layers(r.layers, r.staged)
         except ValueError as err:
             log.warning("restore refused: %s", err)
-            for hs in back.values():
-                for h in hs:
-                    tr.release(h)
+            _release_all(tr, back)
             for rid, _ in live:
                 e.resume_request(rid)
             return False
