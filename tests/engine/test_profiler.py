@@ -25,6 +25,10 @@ def small_runs(mp: pytest.MonkeyPatch, prompt: tuple[int, int], output: tuple[in
     mp.setattr(profiler, "measure_overhead", functools.partial(profiler.measure_overhead, batch_sizes=batch_sizes))
 
 
+# the median of three runs survives one run a busy neighbour preempted; of two it is their mean
+REPEATS = 3
+
+
 @pytest.fixture(scope="module")
 def profiled(make_engine):
     import torch
@@ -35,7 +39,7 @@ def profiled(make_engine):
     seen = []
     with pytest.MonkeyPatch.context() as mp:
         small_runs(mp, prompt=(16, 128), output=(8, 48), batch_sizes=(1, 4, 8))
-        data = profile_engine(engine, default_grid(quick=True), repeats=2, warmup=1,
+        data = profile_engine(engine, default_grid(quick=True), repeats=REPEATS, warmup=1,
                               progress=lambda done, total, s: seen.append((done, total)), live_runs=((6, 4.0),))
     yield engine, data, seen
     torch.set_num_threads(before)
@@ -49,7 +53,7 @@ def test_profile_has_the_format_and_positive_times(profiled):
     live = [s for s in data["samples"] if s.get("source") == "live"]
     assert len(grid) == len(default_grid(quick=True)) and not data["skipped"]
     for s in grid:
-        assert s["time_s"] > 0 and len(s["times_s"]) == 2 and all(t > 0 for t in s["times_s"])
+        assert s["time_s"] > 0 and len(s["times_s"]) == REPEATS and all(t > 0 for t in s["times_s"])
         assert all(len(c) == 3 for c in s["chunks"])
     # the live run: the scheduler's own batches, every prompt prefilled and every token decoded
     assert len(live) > 10 and all(s["time_s"] > 0 for s in live)
@@ -60,7 +64,7 @@ def test_profile_has_the_format_and_positive_times(profiled):
         assert data["threads"] == 1
     assert data["block_size"] == engine.kv_manager.block_size
     assert data["overhead"]["per_step_s"] >= 0 and data["overhead"]["per_seq_s"] >= 0
-    assert (2 * len(default_grid(quick=True)),) * 2 in seen  # one call per timed run
+    assert (REPEATS * len(default_grid(quick=True)),) * 2 in seen  # one call per timed run
     assert seen[-1] == (1, 1)  # then the live run
 
 
@@ -77,16 +81,22 @@ def test_fitted_model_predicts_the_samples(profiled):
     data = profiled[1]
     model = ProfiledCostModel.from_profile(data)
     mean = statistics.fmean(s["time_s"] for s in data["samples"])
-    errs, flat = [], []
-    for s in data["samples"]:
-        t = s["time_s"]
-        errs.append(abs(model.execute_time([tuple(c) for c in s["chunks"]]) - t) / t)
-        flat.append(abs(mean - t) / t)
-    # A quick profile on a busy machine is noisy (CI under load saw a 27% median error), so the
-    # fit is held to beating a model that knows nothing of the batch (one mean time) by 2x.
-    assert statistics.median(errs) < 0.5 * statistics.median(flat), (statistics.median(errs), statistics.median(flat))
-    assert statistics.median(errs) < 0.4
-    assert model.fit_report()["median_abs_rel_err"] == pytest.approx(statistics.median(errs), rel=1e-6)
+
+    def median_errors(samples):
+        """(the fit's, a model that knows nothing of the batch's: one mean time) median relative error"""
+        fit = [abs(model.execute_time([tuple(c) for c in s["chunks"]]) - s["time_s"]) / s["time_s"] for s in samples]
+        flat = [abs(mean - s["time_s"]) / s["time_s"] for s in samples]
+        return statistics.median(fit), statistics.median(flat)
+
+    # The grid's points are medians of repeated runs: quiet, the fit is within ~5% of them against the
+    # flat model's ~40%; with two busy loops beside it, ~10% against ~40%. The live samples are single
+    # steps a busy neighbour can preempt (~20% against ~45% under those loops; CI saw 22% against 38%),
+    # so over all samples the fit need only beat the flat model.
+    fit, flat = median_errors([s for s in data["samples"] if s.get("source") != "live"])
+    assert fit < 0.5 * flat and fit < 0.25, (fit, flat)
+    fit, flat = median_errors(data["samples"])
+    assert fit < flat and fit < 0.4, (fit, flat)
+    assert model.fit_report()["median_abs_rel_err"] == pytest.approx(fit, rel=1e-6)
     # a step's time is the execution plus the engine's overhead outside it
     s = data["samples"][-1]
     chunks = [ScheduledChunk(f"r{i}", (1,) * n, st, (), smp, SamplingParams())
