@@ -153,7 +153,7 @@ SCHED_ARGV = ["--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--long-
               "--policy-arg", "bucket.theta=0.3", "--policy-arg", "sla.alpha=4"]
 ENGINE_ARGV = ["--model", "m.gguf", "--dtype", "float32", "--device", "cpu", "--max-model-len", "256",
                "--kv-cache-memory", "64MiB", "--gpu-memory-utilization", "0.5", "--block-size", "32",
-               "--swap-space", "2GiB", "--num-threads", "1", "--seed", "7"]
+               "--swap-space", "2GiB", "--num-threads", "1", "--seed", "7", "--quantization", "none"]
 
 
 def test_scheduler_flags_parse_to_the_same_config_in_every_command():
@@ -189,7 +189,7 @@ def test_engine_flags_parse_the_same_in_generate_serve_and_profile():
     assert gen == srv == prof
     cfg = EngineConfig.from_kwargs(**gen)
     assert (cfg.model.model, cfg.model.dtype, cfg.model.device, cfg.model.max_model_len, cfg.model.seed,
-            cfg.model.num_threads) == ("m.gguf", "float32", "cpu", 256, 7, 1)
+            cfg.model.num_threads, cfg.model.quantization) == ("m.gguf", "float32", "cpu", 256, 7, 1, "none")
     assert (cfg.cache.kv_cache_memory, cfg.cache.gpu_memory_utilization, cfg.cache.block_size,
             cfg.cache.swap_space) == (64 * 2**20, 0.5, 32, 2 * 2**30)
     # --threads stays an alias of --num-threads in tidal profile; profile's own KV default

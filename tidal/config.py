@@ -103,6 +103,7 @@ class ModelArch:
 # Engine configuration
 # --------------------------------------------------------------------------------------------
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATION = ("auto", "none", "int4")  # tidal.engine.quant
 PREEMPTION_MODES = ("recompute", "swap")
 
 
@@ -115,8 +116,11 @@ class ModelConfig:
     seed: int = 0
     num_threads: int | None = None  # CPU intra-op threads; default: all cores
     layer_range: tuple[int, int] | None = None  # build only layers [start, end) (a pipeline stage)
+    quantization: str = "auto"  # int4 kernels for 4-bit stored weights: auto (where faster) | none | int4
 
     def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATION:
+            raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATION)}; got {self.quantization!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
         if not (self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device)):

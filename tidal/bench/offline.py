@@ -50,6 +50,7 @@ from tidal.bench.offline_systems import (  # noqa: F401  (re-exported for tests 
     ALL_WORKLOADS,
     DEFAULT_OUTPUT,
     DEFAULT_WORKLOADS,
+    PEERS,
     RUNNERS,
     SYSTEM_LABELS,
     BenchContext,
@@ -398,7 +399,7 @@ def _ratios(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
         out["output_tok_s"][name] = t["output_tok_s"] / row["output_tok_s"]
         if t.get("decode_tok_s_est") and row.get("decode_tok_s_est"):
             out["decode_tok_s_est"][name] = t["decode_tok_s_est"] / row["decode_tok_s_est"]
-        if best is None or row["output_tok_s"] > best[1]:
+        if name in PEERS and (best is None or row["output_tok_s"] > best[1]):
             best = (name, row["output_tok_s"])
     if best is not None:
         out["best_peer"] = best[0]

@@ -29,20 +29,20 @@ def format_report(report: dict[str, Any]) -> str:
                  f"{mod['linear_params'] / 1e6:.1f}M in matmuls incl. lm_head)")
     for name, s in report["systems"].items():
         if s["status"] != "ok":
-            lines.append(f"  {name:8s} SKIPPED: {s['reason']}")
+            lines.append(f"  {name:11s} SKIPPED: {s['reason']}")
         else:
             st = ", ".join(f"{k}={v}" for k, v in s["settings"].items())
-            lines.append(f"  {name:8s} loaded in {s['load_s']:.1f} s; {st}")
+            lines.append(f"  {name:11s} loaded in {s['load_s']:.1f} s; {st}")
     for wname, w in report["workloads"].items():
         lines.append("")
         lines.append(f"workload {wname}: {w['description']} ({w['prompt_tokens']} prompt tokens, "
                      f"{w['expected_output_tokens']} output tokens)")
-        hdr = (f"  {'system':9s}{'wall s':>9s}{'out tok/s':>11s}{'decode tok/s':>14s}{'decode est':>12s}"
+        hdr = (f"  {'system':12s}{'wall s':>9s}{'out tok/s':>11s}{'decode tok/s':>14s}{'decode est':>12s}"
                f"{'prefill s':>11s}{'tokens':>9s}{'=tidal':>9s}{'others':>8s}  notes")
         lines.append(hdr)
         for name, row in w["results"].items():
             if row["status"] == "failed":
-                lines.append(f"  {name:9s} FAILED: {row['reason']}")
+                lines.append(f"  {name:12s} FAILED: {row['reason']}")
                 continue
             match = "-"
             if "greedy_match_requests" in row:
@@ -52,7 +52,7 @@ def format_report(report: dict[str, Any]) -> str:
                 notes = f"WRONG LENGTH (expected {row['expected_output_tokens']}); " + notes
             if row.get("reason"):
                 notes = row["reason"] + "; " + notes
-            lines.append(f"  {name:9s}{_fmt(row['wall_s'], '.2f'):>9s}{_fmt(row['output_tok_s']):>11s}"
+            lines.append(f"  {name:12s}{_fmt(row['wall_s'], '.2f'):>9s}{_fmt(row['output_tok_s']):>11s}"
                          f"{_fmt(row.get('decode_tok_s')):>14s}{_fmt(row.get('decode_tok_s_est')):>12s}"
                          f"{_fmt(row.get('prefill_s'), '.2f'):>11s}{row['output_tokens']:>9d}{match:>9s}"
                          f"{_fmt(row.get('other_cores_median'), '.2f'):>8s}  {notes}")

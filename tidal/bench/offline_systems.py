@@ -20,7 +20,7 @@ from typing import Any
 
 from tidal.common.machine import machine_info as report_machine_info
 
-ALL_SYSTEMS = ("tidal", "hf", "hf-cb", "llamacpp")
+ALL_SYSTEMS = ("tidal", "tidal-float", "hf", "hf-cb", "llamacpp")
 PEERS = ("hf", "hf-cb", "llamacpp")
 ALL_WORKLOADS = ("a", "b", "c")
 DEFAULT_WORKLOADS = ("a", "b", "c")
@@ -31,6 +31,7 @@ _DESCRIPTION = ("Offline throughput of tidal vs transformers (generate, generate
 
 SYSTEM_LABELS = {
     "tidal": "tidal (LLM engine)",
+    "tidal-float": "tidal with dequantized float weights (--quantization none)",
     "hf": "transformers generate (padded batch)",
     "hf-cb": "transformers generate_batch (continuous batching)",
     "llamacpp": "llama.cpp (llama-cpp-python, sequential)",
@@ -227,6 +228,7 @@ class SystemRunner:
 class TidalRunner(SystemRunner):
     name = "tidal"
     notes = "continuous batching, paged KV"
+    quantization = "auto"
 
     def __init__(self, ctx: BenchContext):
         super().__init__(ctx)
@@ -252,16 +254,19 @@ class TidalRunner(SystemRunner):
         self.kwargs = dict(
             dtype=self.ctx.dtype, device=self.ctx.device, max_num_seqs=max(64, self.ctx.max_requests),
             max_num_batched_tokens=self.ctx.max_num_batched_tokens, kv_cache_memory=self._kv_bytes(),
-            num_threads=self.ctx.num_threads)
+            num_threads=self.ctx.num_threads, quantization=self.quantization)
         self.llm = LLM(model=self.ctx.model_path, **self.kwargs)
 
     def settings(self) -> dict[str, Any]:
+        from tidal.engine.quant import describe_quantization
+
         sc = self.llm.engine.config.scheduler
         cc = self.llm.engine.config.cache
         return {"dtype": self.ctx.dtype, "max_num_seqs": sc.max_num_seqs,
                 "max_num_batched_tokens": sc.max_num_batched_tokens, "kv_cache_memory": cc.kv_cache_memory,
                 "num_kv_blocks": self.llm.engine.kv_manager.num_blocks, "block_size": cc.block_size,
-                "batching": sc.batching, "num_threads": self.ctx.num_threads}
+                "batching": sc.batching, "num_threads": self.ctx.num_threads,
+                "weights": describe_quantization(self.llm.engine.quantization)}
 
     def generate(self, prompts: list[list[int]], output_len: int) -> RunOutput:
         from tidal import SamplingParams
@@ -334,6 +339,14 @@ def load_hf_model(model_path: str, torch_dtype, device: str = "cpu"):
     # else generate() fills it back in. The forced length comes from min/max_new_tokens.
     model.generation_config.eos_token_id = None
     return model
+
+
+class TidalFloatRunner(TidalRunner):
+    """tidal with the int4 copies off: what --quantization auto gains, side by side in one run."""
+
+    name = "tidal-float"
+    notes = "as tidal, dequantized float weights"
+    quantization = "none"
 
 
 class HFRunner(SystemRunner):
@@ -478,7 +491,7 @@ class LlamaCppRunner(SystemRunner):
 
 
 RUNNERS: dict[str, type[SystemRunner]] = {
-    "tidal": TidalRunner, "hf": HFRunner, "hf-cb": HFCBRunner, "llamacpp": LlamaCppRunner,
+    "tidal": TidalRunner, "tidal-float": TidalFloatRunner, "hf": HFRunner, "hf-cb": HFCBRunner, "llamacpp": LlamaCppRunner,
 }
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from tidal import metrics as M
 from tidal import workload as W
-from tidal.config import DTYPES, PREEMPTION_MODES, CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from tidal.config import DTYPES, PREEMPTION_MODES, QUANTIZATION, CacheConfig, ConfigError, EngineConfig, SchedulerConfig
 from tidal.policies import check_policy
 
 
@@ -76,6 +76,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     _flag("--dtype", default="auto", choices=list(DTYPES),
           help="weights and KV dtype; auto: bfloat16 on CUDA and on CPUs with native bf16, else float32"),
     _flag("--device", default="auto", help="auto | cpu | cuda | cuda:N"),
+    _flag("--quantization", default=None, choices=list(QUANTIZATION),
+          help="weights stored as 4-bit groups (GGUF Q4_1) run int4 kernels: auto = for the step sizes where "
+               "start-up timing finds them faster than float; int4 = always; none = dequantized float only"),
     _flag("--max-model-len", type=int, default=None, help="context length (default: the model's)"),
     _flag("--kv-cache-memory", default=None, help="KV pool size on CPU or CUDA, e.g. 512MiB"),
     _flag("--gpu-memory-utilization", type=float, default=None, help="fraction of GPU memory for weights+KV"),

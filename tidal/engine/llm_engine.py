@@ -32,6 +32,7 @@ from tidal.engine.kv_cache import PagedKVCache, kv_block_bytes
 from tidal.engine.loader import LoadedCheckpoint, load_checkpoint
 from tidal.engine.model import LlamaModel
 from tidal.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tidal.engine.quant import describe_quantization
 from tidal.engine.runner import ModelRunner
 from tidal.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from tidal.policies import build_policy
@@ -123,7 +124,10 @@ class LLMEngine:
         self.tokenizer = tokenizer or Tokenizer.from_checkpoint(ckpt)
         self.max_model_len = min(mc.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
         self.model = LlamaModel(arch, self.dtype, self.device, mc.layer_range, max_positions=self.max_model_len)
+        why_not_int4 = self.model.set_quantization(mc.quantization)
         self.model.load_weights(ckpt.weights())
+        self.quantization = {**self.model.quantization_report(), "requested": mc.quantization,
+                             **({"why_not": why_not_int4} if why_not_int4 else {})}
         layer_ids = self.model.layer_ids
         block_bytes = kv_block_bytes(arch, cc.block_size, self.dtype, len(layer_ids))
         num_blocks = self._num_blocks(block_bytes)
@@ -141,8 +145,9 @@ class LLMEngine:
         self.last_result: StepResult | None = None
         self.last_plan: StepPlan | None = None
         self.num_steps = 0
-        log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
-                 ckpt.path, self.device, self.dtype, num_blocks, cc.block_size, self.max_model_len)
+        log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d; weights: %s",
+                 ckpt.path, self.device, self.dtype, num_blocks, cc.block_size, self.max_model_len,
+                 describe_quantization(self.quantization))
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> LLMEngine:

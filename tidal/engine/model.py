@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidal.config import ConfigError, ModelArch
+from tidal.engine.quant import GROUP, Int4Weight, int4_grid, int4_supported, measure_crossover, pack_int4
 
 
 # ------------------------------------------------------------------------------------ RoPE
@@ -178,6 +179,22 @@ def _decode_attention(q: torch.Tensor, kv: KVLayer, group: DecodeGroup, scale: f
 
 
 # ------------------------------------------------------------------------------------ layers
+class Linear(nn.Linear):
+    """nn.Linear that runs an int4 copy of its weight for steps of few tokens (see engine/quant.py)."""
+
+    int4: Int4Weight | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.int4
+        if q is None or x.shape[0] > q.max_tokens:
+            return F.linear(x, self.weight, self.bias)
+        y = q.matmul(x)
+        return y if self.bias is None else y + self.bias
+
+
+LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # a decoder layer's matrices
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, arch: ModelArch):
         super().__init__()
@@ -185,11 +202,11 @@ class DecoderLayer(nn.Module):
         q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
         self.q_size, self.kv_size = q, kv
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.qkv_proj = nn.Linear(arch.hidden_size, q + 2 * kv, bias=arch.attention_bias)
-        self.o_proj = nn.Linear(q, arch.hidden_size, bias=False)
+        self.qkv_proj = Linear(arch.hidden_size, q + 2 * kv, bias=arch.attention_bias)
+        self.o_proj = Linear(q, arch.hidden_size, bias=False)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
         self.scale = arch.head_dim ** -0.5
 
     def forward(self, h: torch.Tensor, kv: KVLayer, batch: AttentionBatch) -> torch.Tensor:
@@ -233,6 +250,46 @@ class LlamaModel(nn.Module):
                             if self.is_last and not (arch.tie_word_embeddings and self.is_first) else None)
         self.rotary = Rotary(arch, max_positions or arch.max_position_embeddings, device)
         self._tied = arch.tie_word_embeddings
+        self.quantization = "none"  # set by set_quantization(), before load_weights
+        self._int4_tokens: dict[tuple[int, int], int] = {}  # matrix shape -> measured crossover
+
+    # ----------------------------------------------------------------- int4 weights
+    def set_quantization(self, mode: str) -> str | None:
+        """Before :meth:`load_weights`: linear layers whose weights arrive as 4-bit groups (Q4_1) get an
+        int4 copy. ``auto``: used up to the step size where timing here found the int4 kernel faster
+        on that matrix shape (measured now, on synthetic weights of each shape; if it never was, no
+        copies are made); ``int4``: for every step; ``none``: no copy. Returns why int4 will not run, or None."""
+        why = int4_supported(self.device, self.dtype) if mode != "none" else None
+        self.quantization = mode if why is None else "none"
+        self._int4_tokens = {}
+        if self.quantization != "none":
+            for name in LINEARS:
+                shape = tuple(getattr(self.layers[str(self.start)], name).weight.shape)
+                if shape not in self._int4_tokens:
+                    self._int4_tokens[shape] = (1 << 30) if mode == "int4" else measure_crossover(*shape, self.dtype)
+            if not any(self._int4_tokens.values()):  # skip the grid checks at load
+                self.quantization = "none"
+                return f"the int4 kernel was not faster than {str(self.dtype).removeprefix('torch.')} " \
+                       "matmuls at any step size here"
+        return why
+
+    def _set_int4(self, lin: Linear, grid: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
+        tokens = self._int4_tokens.get(tuple(lin.weight.shape), 0)
+        lin.int4 = None
+        if grid is not None and tokens > 0:
+            lin.int4 = pack_int4(*grid, self.dtype)
+            lin.int4.max_tokens = tokens
+
+    def quantization_report(self) -> dict:
+        """Which decoder matrices have an int4 copy, and up to which step size it runs."""
+        report = {"requested": self.quantization, "int4_matrices": 0, "float_matrices": 0, "int4_max_tokens": {}}
+        for i in self.layer_ids:
+            for name in LINEARS:
+                q = getattr(self.layers[str(i)], name).int4
+                report["int4_matrices" if q is not None else "float_matrices"] += 1
+                if q is not None:
+                    report["int4_max_tokens"][name] = q.max_tokens
+        return report
 
     # ----------------------------------------------------------------- weights
     def _target(self, name: str) -> tuple[nn.Module, str, slice | None] | None:
@@ -274,6 +331,7 @@ class LlamaModel(nn.Module):
         """Materialise parameters from HF-named fp32 tensors (fusing q/k/v and gate/up)."""
         staged: dict[tuple[int, str], torch.Tensor] = {}
         unfilled: dict[tuple[int, str], set[int]] = {}  # rows of a fused matrix no weight has written yet
+        grids: dict[int, list] = {}  # id(Linear) -> [module, q, d, m] while every part is on a 4-bit grid
         for name, tensor in weights:
             t = self._target(name)
             if t is None:
@@ -281,6 +339,8 @@ class LlamaModel(nn.Module):
             mod, pname, rows = t
             key = (id(mod), pname)
             cur = getattr(mod, pname)
+            if self.quantization != "none" and isinstance(mod, Linear) and pname == "weight":
+                self._stage_grid(grids, mod, rows, tensor, fresh=cur.is_meta)
             if key not in staged:
                 staged[key] = torch.empty(cur.shape, dtype=self.dtype, device=self.device)
                 if not cur.is_meta:
@@ -301,6 +361,29 @@ class LlamaModel(nn.Module):
         if partial:  # name the first fused matrix some of whose rows no weight wrote
             n, p = next((n, p) for n, p in self.named_parameters() if p.data_ptr() in partial)
             raise ConfigError(f"weight {n} was only partly loaded (rows {min(partial[p.data_ptr()])}.. missing)")
+        for mod, *grid in grids.values():
+            self._set_int4(mod, None if grid[0] is None else tuple(grid))
+
+    @staticmethod
+    def _stage_grid(grids: dict[int, list], mod: Linear, rows: slice | None, tensor: torch.Tensor,
+                    fresh: bool) -> None:
+        """Keep the 4-bit grid of this (part of a fused) weight, from the checkpoint's float32 values.
+        A part written over a loaded matrix (``not fresh``) leaves the other parts' grid unknown."""
+        entry = grids.get(id(mod))
+        if entry is None:
+            n, k = mod.weight.shape
+            entry = grids[id(mod)] = [mod, torch.zeros(n, k, dtype=torch.uint8),
+                                      torch.zeros(n, k // GROUP), torch.zeros(n, k // GROUP)]
+            if not fresh and rows is not None:
+                entry[1:] = [None, None, None]
+        if entry[1] is None:
+            return
+        grid = int4_grid(tensor.float()) if tensor.dim() == 2 else None
+        if grid is None:
+            entry[1:] = [None, None, None]
+            return
+        for dst, src in zip(entry[1:], grid, strict=True):
+            dst[rows if rows is not None else slice(None)] = src
 
     # ----------------------------------------------------------------- drop / restore
     @property
@@ -313,6 +396,7 @@ class LlamaModel(nn.Module):
         for i in layer_ids:
             layer = self.layers[str(i)]
             freed += sum(p.numel() * p.element_size() for p in layer.parameters())
+            freed += sum(lin.int4.nbytes for lin in (getattr(layer, n) for n in LINEARS) if lin.int4 is not None)
             del self.layers[str(i)]
         return freed
 

@@ -1,0 +1,166 @@
+"""Int4 execution of weights stored as 4-bit groups: the grid is recovered exactly, the kernel computes
+the same matmul as the dequantized float weights, and the engine gives the same tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as QT
+
+from tidal.config import ConfigError, EngineConfig
+from tidal.engine.loader import load_checkpoint
+from tidal.engine.model import Linear, LlamaModel
+from tidal.engine.quant import GROUP, describe_quantization, int4_grid, int4_supported, measure_crossover, pack_int4
+
+from .test_loader import _save, _tiny_qwen2_config, _write_gguf
+
+pytestmark = pytest.mark.skipif(int4_supported(torch.device("cpu"), torch.float32) is not None,
+                                reason="no CPU int4 kernel in this torch")
+
+
+def q4_1(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_1-style matrix: q in 0..15 with 0 and 15 in every group of 32, d > 0, any m."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g)
+    q[:, ::GROUP], q[:, 1::GROUP] = 0, 15
+    d = torch.rand(n, k // GROUP, generator=g) * 0.05 + 1e-3
+    m = -torch.rand(n, k // GROUP, generator=g) * 0.4
+    w = (q.float().view(n, -1, GROUP) * d.unsqueeze(-1) + m.unsqueeze(-1)).view(n, k)
+    return w, q, d, m
+
+
+def test_grid_is_recovered_exactly():
+    w, q, d, m = q4_1(48, 96)
+    got = int4_grid(w)
+    assert got is not None
+    gq, gd, gm = got
+    assert torch.equal(gq.long(), q) and gq.dtype == torch.uint8
+    torch.testing.assert_close(gd, d, rtol=1e-5, atol=0)
+    torch.testing.assert_close(gm, m, rtol=0, atol=0)
+
+
+def test_weights_off_the_grid_stay_float():
+    w, *_ = q4_1(16, 64)
+    assert int4_grid(torch.randn(16, 64)) is None  # a float checkpoint
+    off = w.clone()
+    off[3, 17] += 0.3 * (w[3, :32].amax() - w[3, :32].amin()) / 15  # one weight a third of a step off
+    assert int4_grid(off) is None
+    assert int4_grid(w.bfloat16().float()) is None  # bf16 rounding leaves the grid: needs the float32 values
+    assert int4_grid(w[:, :48]) is None  # not whole groups
+    # a constant group (d = 0) is on the grid
+    flat = torch.full((2, 32), 0.25)
+    gq, gd, gm = int4_grid(flat)
+    assert torch.equal(gq, torch.zeros_like(gq)) and torch.equal(gd, torch.zeros(2, 1)) and torch.equal(gm, flat[:, :1])
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 33])
+def test_kernel_equals_the_float_matmul(tokens):
+    w, *_ = q4_1(64, 128, seed=tokens)
+    packed = pack_int4(*int4_grid(w), torch.float32)
+    x = torch.randn(tokens, 128)
+    torch.testing.assert_close(packed.matmul(x), F.linear(x, w), rtol=1e-4, atol=1e-4)
+
+
+def test_crossover_is_a_timed_step_size():
+    assert measure_crossover(256, 256, torch.bfloat16, repeats=3) in (0, 1, 2, 4, 8, 16, 32, 64, 128)
+    assert measure_crossover(256, 48, torch.float32) == 0  # not whole groups of 32
+
+
+def test_linear_uses_int4_up_to_its_step_size(monkeypatch):
+    w, *_ = q4_1(32, 64)
+    lin = Linear(64, 32, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+        lin.bias.copy_(torch.randn(32))
+    lin.int4 = pack_int4(*int4_grid(w), torch.float32)
+    lin.int4.max_tokens = 4
+    calls = []
+    real = lin.int4.matmul
+    monkeypatch.setattr(lin.int4, "matmul", lambda x: calls.append(x.shape[0]) or real(x))
+    for n in (1, 4, 5):
+        x = torch.randn(n, 64)
+        torch.testing.assert_close(lin(x), F.linear(x, w, lin.bias), rtol=1e-4, atol=1e-4)
+    assert calls == [1, 4]  # five tokens: the float matmul
+
+
+def _tiny_model(tmp_path, types, mode):
+    cfg = _tiny_qwen2_config(hidden_size=64, intermediate_size=128)
+    import transformers
+
+    state = _save(transformers.Qwen2ForCausalLM, cfg, tmp_path / "hf")
+    path = tmp_path / "tiny.gguf"
+    if not path.exists():
+        _write_gguf(path, "qwen2", cfg, state, types)
+    ckpt = load_checkpoint(str(path))
+    model = LlamaModel(ckpt.arch, torch.float32, torch.device("cpu"))
+    assert model.set_quantization(mode) is None
+    model.load_weights(ckpt.weights())
+    return model, ckpt
+
+
+def test_only_matrices_stored_as_4bit_groups_get_int4(tmp_path):
+    # q stored as Q8_0: the fused qkv matrix is not all on a 4-bit grid, so it stays float
+    types = {"attn_q": QT.Q8_0, "attn_k": QT.Q4_1, "attn_v": QT.Q4_1, "attn_output": QT.Q4_1,
+             "ffn_gate": QT.Q4_1, "ffn_up": QT.Q4_1, "ffn_down": QT.F16}
+    model, _ = _tiny_model(tmp_path, types, "int4")
+    report = model.quantization_report()
+    assert report["int4_matrices"] == 2 * 2 and report["float_matrices"] == 2 * 2
+    layer = model.layers["0"]
+    assert layer.qkv_proj.int4 is None and layer.down_proj.int4 is None
+    assert layer.o_proj.int4 is not None and layer.gate_up_proj.int4 is not None
+    assert "int4 for 4 of 8" in describe_quantization(report)
+    none, _ = _tiny_model(tmp_path, types, "none")
+    assert none.quantization_report()["int4_matrices"] == 0
+
+
+def test_restored_layers_get_their_int4_copy_back(tmp_path):
+    types = dict.fromkeys(("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"), QT.Q4_1)
+    model, ckpt = _tiny_model(tmp_path, types, "int4")
+    layer = model.layers["1"]
+    x = torch.randn(3, 64)
+    want = layer.qkv_proj(x)
+    assert all(getattr(layer, n).int4 is not None for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+    model.drop_layers([1])
+    model.restore_layers([1], ckpt.weights())
+    again = model.layers["1"]
+    assert all(getattr(again, n).int4 is not None for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+    torch.testing.assert_close(again.qkv_proj(x), want, rtol=0, atol=0)
+    # a part written over a loaded fused matrix: the rest of its grid is unknown, so no int4 copy
+    name = "model.layers.1.self_attn.q_proj.weight"
+    model.load_weights((n, t) for n, t in ckpt.weights() if n == name)
+    assert model.layers["1"].qkv_proj.int4 is None
+
+
+def test_bad_quantization_is_refused():
+    with pytest.raises(ConfigError, match="quantization must be one of"):
+        EngineConfig.from_kwargs(quantization="int3")
+    cuda = int4_supported(torch.device("cuda"), torch.bfloat16)
+    assert cuda and "CPU-only" in cuda
+
+
+def test_engine_tokens_equal_with_int4(make_engine):
+    """The default model's Q4_1 matrices through the int4 kernel, float32: the same greedy tokens as
+    the dequantized float weights, and logits within float32 rounding of the kernel's sum order."""
+    from tidal.core.sampling import SamplingParams
+
+    prompts = [[1, 504, 3458, 314, 260], [1, 57, 1470, 30, 4473, 28, 411]]
+    runs = {}
+    for mode in ("none", "int4"):
+        engine = make_engine(quantization=mode, kv_cache_memory="32MiB")
+        assert (engine.quantization["int4_matrices"] > 0) == (mode == "int4")
+        engine.runner.keep_logits = True
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt_token_ids=p,
+                               params=SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+        tokens, last = {}, {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens[out.request_id] = out.outputs[0].token_ids
+            last.update(engine.runner.last_logits)
+        runs[mode] = tokens, last
+        kv = engine.kv_manager
+        assert kv.num_free_blocks == kv.num_blocks
+    assert runs["int4"][0] == runs["none"][0]
+    for rid, logits in runs["none"][1].items():
+        torch.testing.assert_close(runs["int4"][1][rid], logits, rtol=1e-3, atol=1e-3)

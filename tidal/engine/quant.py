@@ -1,0 +1,124 @@
+"""Weight-only int4 matmuls for weights stored as 4-bit blocks (the GGUF's Q4_1).
+
+A Q4_1 block is 32 weights ``q * d + m`` with ``q`` in 0..15 (llama.cpp's ``quantize_row_q4_1``:
+``d = (max - min) / 15``, ``m = min``), so every group of 32 holds its own minimum (``q = 0``) and
+maximum (``q = 15``). :func:`int4_grid` recovers ``q``, ``d`` and ``m`` from the dequantized float32
+weights by each group's min and max and checks that ``q * d + m`` gives the weights back;
+:func:`pack_int4` packs them for torch's CPU kernel ``_weight_int4pack_mm_for_cpu``, which computes
+``(q - 8) * scale + zero``: ``scale = d``, ``zero = m + 8 d``. A matrix not on such a grid (F16,
+Q8_0, the embedding, any HF float checkpoint) stays float.
+
+The kernel reads a quarter of bf16's bytes, which pays while a step is bound by reading weights (few
+tokens); with many tokens the float matmul wins. Where the two cross depends on the CPU, so
+:func:`measure_crossover` times both at start-up on each matrix shape (on synthetic weights, before
+the checkpoint loads), and a :class:`Int4Weight` is used for a step of at most ``max_tokens`` tokens.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+GROUP = 32  # Q4_0 / Q4_1 block size
+_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)  # step sizes timed at start-up
+
+
+@dataclass
+class Int4Weight:
+    packed: torch.Tensor  # uint8, torch's CPU int4 layout
+    scales_zeros: torch.Tensor  # [K / GROUP, N, 2] in the activation dtype
+    max_tokens: int  # steps with at most this many tokens use the int4 kernel
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales_zeros))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
+
+
+def int4_supported(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None if the int4 kernel can run here, else why not."""
+    if device.type != "cpu":
+        return f"the int4 kernel tidal uses is CPU-only (device {device})"
+    if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        return f"torch {torch.__version__} has no _weight_int4pack_mm_for_cpu"
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"dtype {dtype} is not supported by the int4 kernel"
+    return None
+
+
+def int4_grid(weight: torch.Tensor, rel_tol: float = 1e-3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``weight`` [N, K] (float32, as dequantized) as ``(q uint8 [N, K], d [N, K/32], m [N, K/32])``
+    with ``weight == q * d + m`` per group of 32, or None if it is not on such a grid.
+
+    ``rel_tol``: the largest error allowed, as a share of each group's step ``d``; float32 rounding of
+    ``q * d + m`` is ~1e-6 of it, while a weight off the grid misses by up to half a step. (Cast to
+    bf16 first, the weights leave the grid: this must see the checkpoint's float32 values.)"""
+    n, k = weight.shape
+    if k % GROUP or weight.dtype != torch.float32:
+        return None
+    w = weight.reshape(n, k // GROUP, GROUP)
+    lo = w.amin(-1, keepdim=True)
+    step = (w.amax(-1, keepdim=True) - lo) / 15
+    safe = torch.where(step > 0, step, torch.ones_like(step))
+    q = torch.round((w - lo) / safe).clamp_(0, 15)
+    if bool(((q * step + lo - w).abs() > rel_tol * safe).any()):  # Q4_1 data fits; anything finer does not
+        return None
+    return q.to(torch.uint8).reshape(n, k), step.squeeze(-1), lo.squeeze(-1)
+
+
+def pack_int4(q: torch.Tensor, step: torch.Tensor, lo: torch.Tensor, dtype: torch.dtype) -> Int4Weight:
+    """Pack an :func:`int4_grid` for the CPU kernel (``max_tokens`` still 0: set it by measurement)."""
+    n, k = q.shape
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+    zero = lo + 8 * step  # the kernel's (q - 8) * scale + zero == q * d + m
+    sz = torch.stack([step, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)  # [K/32, N, 2]
+    return Int4Weight(packed, sz, max_tokens=0)
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def measure_crossover(n: int, k: int, dtype: torch.dtype, repeats: int = 7) -> int:
+    """The largest step size (tokens) up to which the int4 kernel beat the float matmul on an
+    ``[n, k]`` matrix of ``dtype``, timed here on synthetic weights; 0 if it never did. Stops at the
+    first size where float wins."""
+    if k % GROUP:
+        return 0
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    step = torch.rand(n, k // GROUP, generator=g) * 0.01
+    lo = -8 * step
+    packed = pack_int4(q, step, lo, dtype)
+    weight = (q.float().view(n, -1, GROUP) * step.unsqueeze(-1) + lo.unsqueeze(-1)).view(n, k).to(dtype)
+    best = 0
+    with torch.inference_mode():
+        for m in _TOKENS:
+            x = torch.randn(m, k, generator=g).to(dtype)
+            if _median_time(lambda: packed.matmul(x), repeats) >= _median_time(lambda: F.linear(x, weight), repeats):
+                break
+            best = m
+    return best
+
+
+def describe_quantization(report: dict) -> str:
+    """One line for the start-up log and the benchmarks: which matrices run int4, up to which step."""
+    if report.get("why_not"):
+        return f"float (quantization {report['requested']}: {report['why_not']})"
+    n4, nf = report["int4_matrices"], report["float_matrices"]
+    if not n4:
+        return f"float ({nf} decoder matrices; none stored as 4-bit groups)"
+    tokens = ", ".join(f"{k} <= {v if v < (1 << 30) else 'any'}" for k, v in report["int4_max_tokens"].items())
+    return f"int4 for {n4} of {n4 + nf} decoder matrices (steps of tokens: {tokens}), float otherwise"
