@@ -74,9 +74,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        # in float32 as HF's LlamaRMSNorm, in one op (the same float32 values: tests/engine/test_parity.py)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 # ------------------------------------------------------------------------------------ batch
@@ -213,12 +212,11 @@ class DecoderLayer(nn.Module):
         T = h.shape[0]
         x = self.input_layernorm(h)
         qkv = self.qkv_proj(x)
-        q = qkv[:, : self.q_size].view(T, self.num_heads, self.head_dim)
-        k = qkv[:, self.q_size: self.q_size + self.kv_size].view(T, self.num_kv_heads, self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
         cos, sin = batch.rope
-        q = Rotary.apply(q, cos, sin)
-        k = Rotary.apply(k, cos, sin)
+        # q and k rotated in one call: their heads sit side by side in qkv's rows
+        qk = Rotary.apply(qkv[:, : self.q_size + self.kv_size].view(T, -1, self.head_dim), cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
         a = paged_attention(q, k, v, kv, batch, self.scale)
         h = h + self.o_proj(a.view(T, self.q_size))
         x = self.post_attention_layernorm(h)
