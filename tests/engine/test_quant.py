@@ -11,7 +11,14 @@ from gguf import GGMLQuantizationType as QT
 from tidal.config import ConfigError, EngineConfig
 from tidal.engine.loader import load_checkpoint
 from tidal.engine.model import Linear, LlamaModel
-from tidal.engine.quant import GROUP, describe_quantization, int4_grid, int4_supported, measure_crossover, pack_int4
+from tidal.engine.quant import (
+    GROUP,
+    describe_quantization,
+    int4_grid,
+    int4_supported,
+    measure_crossover,
+    pack_int4,
+)
 
 from .test_loader import _save, _tiny_qwen2_config, _write_gguf
 

@@ -27,7 +27,15 @@ from typing import Any
 
 from tidal import metrics as M
 from tidal import workload as W
-from tidal.config import DTYPES, PREEMPTION_MODES, QUANTIZATION, CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from tidal.config import (
+    DTYPES,
+    PREEMPTION_MODES,
+    QUANTIZATION,
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    SchedulerConfig,
+)
 from tidal.policies import check_policy
 
 

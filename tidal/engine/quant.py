@@ -16,6 +16,7 @@ the checkpoint loads), and a :class:`Int4Weight` is used for a step of at most `
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from dataclasses import dataclass
@@ -107,7 +108,8 @@ def measure_crossover(n: int, k: int, dtype: torch.dtype, repeats: int = 7) -> i
     with torch.inference_mode():
         for m in _TOKENS:
             x = torch.randn(m, k, generator=g).to(dtype)
-            if _median_time(lambda: packed.matmul(x), repeats) >= _median_time(lambda: F.linear(x, weight), repeats):
+            if _median_time(functools.partial(packed.matmul, x), repeats) >= \
+                    _median_time(functools.partial(F.linear, x, weight), repeats):
                 break
             best = m
     return best
