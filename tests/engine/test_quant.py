@@ -72,6 +72,7 @@ def test_kernel_equals_the_float_matmul(tokens):
 def test_crossover_is_a_timed_step_size():
     assert measure_crossover(256, 256, torch.bfloat16, repeats=3) in (0, 1, 2, 4, 8, 16, 32, 64, 128)
     assert measure_crossover(256, 48, torch.float32) == 0  # not whole groups of 32
+    assert measure_crossover(100, 64, torch.bfloat16) == 0  # output rows not a multiple of 16
 
 
 def test_linear_uses_int4_up_to_its_step_size(monkeypatch):

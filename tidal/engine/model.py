@@ -17,7 +17,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidal.config import ConfigError, ModelArch
-from tidal.engine.quant import GROUP, Int4Weight, int4_grid, int4_supported, measure_crossover, pack_int4
+from tidal.engine.quant import (
+    GROUP,
+    Int4Weight,
+    int4_grid,
+    int4_shape_ok,
+    int4_supported,
+    measure_crossover,
+    pack_int4,
+)
 
 
 # ------------------------------------------------------------------------------------ RoPE
@@ -264,7 +272,8 @@ class LlamaModel(nn.Module):
             for name in LINEARS:
                 shape = tuple(getattr(self.layers[str(self.start)], name).weight.shape)
                 if shape not in self._int4_tokens:
-                    self._int4_tokens[shape] = (1 << 30) if mode == "int4" else measure_crossover(*shape, self.dtype)
+                    self._int4_tokens[shape] = 0 if not int4_shape_ok(*shape) else \
+                        (1 << 30) if mode == "int4" else measure_crossover(*shape, self.dtype)
             if not any(self._int4_tokens.values()):  # skip the grid checks at load
                 self.quantization = "none"
                 return f"the int4 kernel was not faster than {str(self.dtype).removeprefix('torch.')} " \

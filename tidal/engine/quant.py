@@ -42,6 +42,11 @@ class Int4Weight:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
 
 
+def int4_shape_ok(n: int, k: int) -> bool:
+    """The CPU kernel's packing takes whole groups along K and output rows in multiples of 16."""
+    return k % GROUP == 0 and n % 16 == 0
+
+
 def int4_supported(device: torch.device, dtype: torch.dtype) -> str | None:
     """None if the int4 kernel can run here, else why not."""
     if device.type != "cpu":
@@ -96,7 +101,7 @@ def measure_crossover(n: int, k: int, dtype: torch.dtype, repeats: int = 7) -> i
     """The largest step size (tokens) up to which the int4 kernel beat the float matmul on an
     ``[n, k]`` matrix of ``dtype``, timed here on synthetic weights; 0 if it never did. Stops at the
     first size where float wins."""
-    if k % GROUP:
+    if not int4_shape_ok(n, k):
         return 0
     g = torch.Generator().manual_seed(0)
     q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
