@@ -138,3 +138,20 @@ def test_random_weight_models_match_transformers(tmp_path, make_engine, smol_tok
     with torch.no_grad():
         ref_logits = ref_model(torch.tensor([prompts[2]])).logits[0, -1]
     assert (engine.runner.last_logits["x"] - ref_logits).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_equals_transformers_bit_for_bit(dtype):
+    """The fused RMSNorm against transformers' LlamaRMSNorm formula (float32 math, rounded to the
+    input dtype, then times the weight), on rows of many scales."""
+    from tidal.engine.model import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(33, 576, generator=g) * torch.logspace(-3, 3, 33).unsqueeze(1)).to(dtype)
+    norm = RMSNorm(576, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(576, generator=g))
+    norm = norm.to(dtype)
+    h = x.float()
+    want = norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    assert torch.equal(norm(x), want)
