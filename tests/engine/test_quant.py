@@ -13,10 +13,13 @@ from tidal.engine.loader import load_checkpoint
 from tidal.engine.model import Linear, LlamaModel
 from tidal.engine.quant import (
     GROUP,
+    GroupedInt8Weight,
     describe_quantization,
     int4_grid,
     int4_supported,
+    int8_grid,
     measure_crossover,
+    measure_int8_crossover,
     pack_int4,
 )
 
@@ -69,10 +72,27 @@ def test_kernel_equals_the_float_matmul(tokens):
     torch.testing.assert_close(packed.matmul(x), F.linear(x, w), rtol=1e-4, atol=1e-4)
 
 
+def test_q8_0_grid_and_grouped_int8_matmul():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randint(-127, 128, (64, 96), generator=g)
+    q[:, ::GROUP] = 127  # Q8_0: the largest |weight| of a group is 127 steps
+    d = torch.rand(64, 3, generator=g) * 0.01 + 1e-4
+    w = (q.float().view(64, 3, GROUP) * d.unsqueeze(-1)).view(64, 96)
+    gq, gd = int8_grid(w)
+    assert torch.equal(gq.long(), q) and gq.dtype == torch.int8
+    torch.testing.assert_close(gd, d, rtol=1e-6, atol=0)
+    assert int8_grid(torch.randn(64, 96)) is None and int8_grid(w.bfloat16().float()) is None
+    packed = GroupedInt8Weight.pack(gq, gd, torch.float32)
+    x = torch.randn(3, 96, generator=g)
+    torch.testing.assert_close(packed.matmul(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert packed.matmul(x).dtype == torch.float32 and packed.nbytes == 64 * 96 + 3 * 64 * 4
+
+
 def test_crossover_is_a_timed_step_size():
     assert measure_crossover(256, 256, torch.bfloat16, repeats=3) in (0, 1, 2, 4, 8, 16, 32, 64, 128)
     assert measure_crossover(256, 48, torch.float32) == 0  # not whole groups of 32
     assert measure_crossover(100, 64, torch.bfloat16) == 0  # output rows not a multiple of 16
+    assert measure_int8_crossover(512, 64, torch.bfloat16, repeats=3) in (0, 1, 2, 4, 8, 16, 32, 64, 128)
 
 
 def test_linear_uses_int4_up_to_its_step_size(monkeypatch):
@@ -148,8 +168,9 @@ def test_bad_quantization_is_refused():
 
 
 def test_engine_tokens_equal_with_int4(make_engine):
-    """The default model's Q4_1 matrices through the int4 kernel, float32: the same greedy tokens as
-    the dequantized float weights, and logits within float32 rounding of the kernel's sum order."""
+    """The default model's Q4_1 matrices through the int4 kernel and its Q8_0 head through grouped
+    int8, float32: the same greedy tokens as the dequantized float weights, and logits within
+    float32 rounding of the kernels' sum order."""
     from tidal.core.sampling import SamplingParams
 
     prompts = [[1, 504, 3458, 314, 260], [1, 57, 1470, 30, 4473, 28, 411]]
@@ -157,6 +178,8 @@ def test_engine_tokens_equal_with_int4(make_engine):
     for mode in ("none", "int4"):
         engine = make_engine(quantization=mode, kv_cache_memory="32MiB")
         assert (engine.quantization["int4_matrices"] > 0) == (mode == "int4")
+        # the tied head is stored as Q8_0: forced, it runs as grouped int8 at every step size
+        assert (engine.model.head_int8 is not None) == (mode == "int4")
         engine.runner.keep_logits = True
         for i, p in enumerate(prompts):
             engine.add_request(f"r{i}", prompt_token_ids=p,

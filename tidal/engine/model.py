@@ -19,11 +19,14 @@ from torch import nn
 from tidal.config import ConfigError, ModelArch
 from tidal.engine.quant import (
     GROUP,
+    GroupedInt8Weight,
     Int4Weight,
     int4_grid,
     int4_shape_ok,
     int4_supported,
+    int8_grid,
     measure_crossover,
+    measure_int8_crossover,
     pack_int4,
 )
 
@@ -259,6 +262,8 @@ class LlamaModel(nn.Module):
         self._tied = arch.tie_word_embeddings
         self.quantization = "none"  # set by set_quantization(), before load_weights
         self._int4_tokens: dict[tuple[int, int], int] = {}  # matrix shape -> measured crossover
+        self._head_tokens = 0  # the same for the LM head's grouped int8
+        self.head_int8: GroupedInt8Weight | None = None
 
     # ----------------------------------------------------------------- int4 weights
     def set_quantization(self, mode: str) -> str | None:
@@ -268,14 +273,17 @@ class LlamaModel(nn.Module):
         copies are made); ``int4``: for every step; ``none``: no copy. Returns why int4 will not run, or None."""
         why = int4_supported(self.device, self.dtype) if mode != "none" else None
         self.quantization = mode if why is None else "none"
-        self._int4_tokens = {}
+        self._int4_tokens, self._head_tokens = {}, 0
         if self.quantization != "none":
             for name in LINEARS:
                 shape = tuple(getattr(self.layers[str(self.start)], name).weight.shape)
                 if shape not in self._int4_tokens:
                     self._int4_tokens[shape] = 0 if not int4_shape_ok(*shape) else \
                         (1 << 30) if mode == "int4" else measure_crossover(*shape, self.dtype)
-            if not any(self._int4_tokens.values()):  # skip the grid checks at load
+            if self.is_last:  # the LM head, if stored as Q8_0 groups
+                vocab, hidden = self.arch.vocab_size, self.arch.hidden_size
+                self._head_tokens = (1 << 30) if mode == "int4" else measure_int8_crossover(vocab, hidden, self.dtype)
+            if not any(self._int4_tokens.values()) and not self._head_tokens:  # skip the grid checks at load
                 self.quantization = "none"
                 return f"the int4 kernel was not faster than {str(self.dtype).removeprefix('torch.')} " \
                        "matmuls at any step size here"
@@ -290,7 +298,8 @@ class LlamaModel(nn.Module):
 
     def quantization_report(self) -> dict:
         """Which decoder matrices have an int4 copy, and up to which step size it runs."""
-        report = {"requested": self.quantization, "int4_matrices": 0, "float_matrices": 0, "int4_max_tokens": {}}
+        report = {"requested": self.quantization, "int4_matrices": 0, "float_matrices": 0, "int4_max_tokens": {},
+                  "head_int8_max_tokens": self.head_int8.max_tokens if self.head_int8 is not None else 0}
         for i in self.layer_ids:
             for name in LINEARS:
                 q = getattr(self.layers[str(i)], name).int4
@@ -349,6 +358,12 @@ class LlamaModel(nn.Module):
             cur = getattr(mod, pname)
             if self.quantization != "none" and isinstance(mod, Linear) and pname == "weight":
                 self._stage_grid(grids, mod, rows, tensor, fresh=cur.is_meta)
+            if self._head_tokens and pname == "weight" and self.is_last and \
+                    mod is (self.lm_head if self.lm_head is not None else self.embed_tokens):
+                grid = int8_grid(tensor.float())
+                self.head_int8 = GroupedInt8Weight.pack(*grid, self.dtype) if grid is not None else None
+                if self.head_int8 is not None:
+                    self.head_int8.max_tokens = self._head_tokens
             if key not in staged:
                 staged[key] = torch.empty(cur.shape, dtype=self.dtype, device=self.device)
                 if not cur.is_meta:
@@ -453,5 +468,7 @@ class LlamaModel(nn.Module):
         if self.norm is None:
             raise RuntimeError("this stage has no head (it is not the last stage)")
         h = self.norm(h)
+        if self.head_int8 is not None and h.shape[0] <= self.head_int8.max_tokens:
+            return self.head_int8.matmul(h)
         w = self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
         return F.linear(h, w).float()

@@ -87,6 +87,48 @@ def pack_int4(q: torch.Tensor, step: torch.Tensor, lo: torch.Tensor, dtype: torc
     return Int4Weight(packed, sz, max_tokens=0)
 
 
+def int8_grid(weight: torch.Tensor, rel_tol: float = 1e-3) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``weight`` [N, K] (float32, as dequantized) as ``(q int8 [N, K], d [N, K/32])`` with
+    ``weight == q * d`` per group of 32 and ``|q| <= 127``, as GGUF's Q8_0 stores it (llama.cpp's
+    ``quantize_row_q8_0``: ``d = amax / 127``, so each group holds a ``|q| = 127``); else None."""
+    n, k = weight.shape
+    if k % GROUP or weight.dtype != torch.float32:
+        return None
+    w = weight.reshape(n, k // GROUP, GROUP)
+    d = w.abs().amax(-1, keepdim=True) / 127
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    q = torch.round(w / safe).clamp_(-127, 127)
+    if bool(((q * d - w).abs() > rel_tol * safe).any()):
+        return None
+    return q.to(torch.int8).reshape(n, k), d.squeeze(-1)
+
+
+@dataclass
+class GroupedInt8Weight:
+    """A Q8_0 matrix for torch's ``_weight_int8pack_mm``, whose scales are per output row: one call
+    per group of 32 input columns, each with that group's scales, summed in float32."""
+
+    q: list[torch.Tensor]  # per group: int8 [N, 32]
+    scales: list[torch.Tensor]  # per group: [N] in the activation dtype
+    max_tokens: int  # steps with at most this many rows use it
+
+    @classmethod
+    def pack(cls, q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype) -> GroupedInt8Weight:
+        return cls([q[:, g * GROUP:(g + 1) * GROUP].contiguous() for g in range(q.shape[1] // GROUP)],
+                   [d[:, g].contiguous().to(dtype) for g in range(d.shape[1])], max_tokens=0)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.q, *self.scales))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x[:, :GROUP].contiguous(), self.q[0], self.scales[0]).float()
+        for g in range(1, len(self.q)):
+            y += torch.ops.aten._weight_int8pack_mm(x[:, g * GROUP:(g + 1) * GROUP].contiguous(), self.q[g],
+                                                    self.scales[g])
+        return y
+
+
 def _median_time(fn, repeats: int) -> float:
     fn()
     ts = []
@@ -97,6 +139,22 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(ts)
 
 
+_crossovers: dict[tuple, int] = {}  # measured once per process (tests and tools build many engines)
+
+
+def _cached(fn):
+    @functools.wraps(fn)
+    def measure(n: int, k: int, dtype: torch.dtype, repeats: int = 7) -> int:
+        # the whole shape: a smaller stand-in that fits in cache favours the float matmul
+        key = (fn.__name__, n, k, dtype, repeats, torch.get_num_threads())
+        if key not in _crossovers:
+            _crossovers[key] = fn(n, k, dtype, repeats)
+        return _crossovers[key]
+
+    return measure
+
+
+@_cached
 def measure_crossover(n: int, k: int, dtype: torch.dtype, repeats: int = 7) -> int:
     """The largest step size (tokens) up to which the int4 kernel beat the float matmul on an
     ``[n, k]`` matrix of ``dtype``, timed here on synthetic weights; 0 if it never did. Stops at the
@@ -120,12 +178,36 @@ def measure_crossover(n: int, k: int, dtype: torch.dtype, repeats: int = 7) -> i
     return best
 
 
+@_cached
+def measure_int8_crossover(n: int, k: int, dtype: torch.dtype, repeats: int = 7) -> int:
+    """As :func:`measure_crossover`, for a :class:`GroupedInt8Weight` (the LM head's shape)."""
+    if k % GROUP:
+        return 0
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    d = torch.rand(n, k // GROUP, generator=g) * 0.01
+    packed = GroupedInt8Weight.pack(q, d, dtype)
+    weight = (q.float().view(n, -1, GROUP) * d.unsqueeze(-1)).view(n, k).to(dtype)
+    best = 0
+    with torch.inference_mode():
+        for m in _TOKENS:
+            x = torch.randn(m, k, generator=g).to(dtype)
+            if _median_time(functools.partial(packed.matmul, x), repeats) >= \
+                    _median_time(functools.partial(F.linear, x, weight), repeats):
+                break
+            best = m
+    return best
+
+
 def describe_quantization(report: dict) -> str:
-    """One line for the start-up log and the benchmarks: which matrices run int4, up to which step."""
+    """One line for the start-up log and the benchmarks: which matrices run int4 (and the LM head
+    int8), up to which step."""
     if report.get("why_not"):
         return f"float (quantization {report['requested']}: {report['why_not']})"
     n4, nf = report["int4_matrices"], report["float_matrices"]
+    head = report.get("head_int8_max_tokens")
+    head = f"; LM head as Q8_0 groups for <= {head if head < (1 << 30) else 'any'} rows" if head else ""
     if not n4:
-        return f"float ({nf} decoder matrices; none stored as 4-bit groups)"
+        return f"float ({nf} decoder matrices; none stored as 4-bit groups){head}"
     tokens = ", ".join(f"{k} <= {v if v < (1 << 30) else 'any'}" for k, v in report["int4_max_tokens"].items())
-    return f"int4 for {n4} of {n4 + nf} decoder matrices (steps of tokens: {tokens}), float otherwise"
+    return f"int4 for {n4} of {n4 + nf} decoder matrices (steps of tokens: {tokens}){head}, float otherwise"
