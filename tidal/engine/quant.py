@@ -154,28 +154,32 @@ def _cached(fn):
     return measure
 
 
+def _largest_win(packed, weight: torch.Tensor, g: torch.Generator, repeats: int) -> int:
+    """The largest of ``_TOKENS`` up to which ``packed.matmul`` beat ``F.linear(x, weight)``, timed
+    here; stops at the first size where float wins (0 if it wins at once)."""
+    best = 0
+    with torch.inference_mode():
+        for m in _TOKENS:
+            x = torch.randn(m, weight.shape[1], generator=g).to(weight.dtype)
+            if _median_time(functools.partial(packed.matmul, x), repeats) >= \
+                    _median_time(functools.partial(F.linear, x, weight), repeats):
+                break
+            best = m
+    return best
+
+
 @_cached
 def measure_crossover(n: int, k: int, dtype: torch.dtype, repeats: int = 7) -> int:
     """The largest step size (tokens) up to which the int4 kernel beat the float matmul on an
-    ``[n, k]`` matrix of ``dtype``, timed here on synthetic weights; 0 if it never did. Stops at the
-    first size where float wins."""
+    ``[n, k]`` matrix of ``dtype``, timed here on synthetic weights; 0 if it never did."""
     if not int4_shape_ok(n, k):
         return 0
     g = torch.Generator().manual_seed(0)
     q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     step = torch.rand(n, k // GROUP, generator=g) * 0.01
     lo = -8 * step
-    packed = pack_int4(q, step, lo, dtype)
     weight = (q.float().view(n, -1, GROUP) * step.unsqueeze(-1) + lo.unsqueeze(-1)).view(n, k).to(dtype)
-    best = 0
-    with torch.inference_mode():
-        for m in _TOKENS:
-            x = torch.randn(m, k, generator=g).to(dtype)
-            if _median_time(functools.partial(packed.matmul, x), repeats) >= \
-                    _median_time(functools.partial(F.linear, x, weight), repeats):
-                break
-            best = m
-    return best
+    return _largest_win(pack_int4(q, step, lo, dtype), weight, g, repeats)
 
 
 @_cached
@@ -186,17 +190,8 @@ def measure_int8_crossover(n: int, k: int, dtype: torch.dtype, repeats: int = 7)
     g = torch.Generator().manual_seed(0)
     q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     d = torch.rand(n, k // GROUP, generator=g) * 0.01
-    packed = GroupedInt8Weight.pack(q, d, dtype)
     weight = (q.float().view(n, -1, GROUP) * d.unsqueeze(-1)).view(n, k).to(dtype)
-    best = 0
-    with torch.inference_mode():
-        for m in _TOKENS:
-            x = torch.randn(m, k, generator=g).to(dtype)
-            if _median_time(functools.partial(packed.matmul, x), repeats) >= \
-                    _median_time(functools.partial(F.linear, x, weight), repeats):
-                break
-            best = m
-    return best
+    return _largest_win(GroupedInt8Weight.pack(q, d, dtype), weight, g, repeats)
 
 
 def describe_quantization(report: dict) -> str:
