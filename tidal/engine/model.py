@@ -270,7 +270,8 @@ class LlamaModel(nn.Module):
         """Before :meth:`load_weights`: linear layers whose weights arrive as 4-bit groups (Q4_1) get an
         int4 copy. ``auto``: used up to the step size where timing here found the int4 kernel faster
         on that matrix shape (measured now, on synthetic weights of each shape; if it never was, no
-        copies are made); ``int4``: for every step; ``none``: no copy. Returns why int4 will not run, or None."""
+        copies are made); ``int4``: for every step; ``none``: no copy. An LM head stored as Q8_0 gets a
+        grouped int8 copy the same way. Returns why neither will run, or None."""
         why = int4_supported(self.device, self.dtype) if mode != "none" else None
         self.quantization = mode if why is None else "none"
         self._int4_tokens, self._head_tokens = {}, 0
@@ -285,7 +286,7 @@ class LlamaModel(nn.Module):
                 self._head_tokens = (1 << 30) if mode == "int4" else measure_int8_crossover(vocab, hidden, self.dtype)
             if not any(self._int4_tokens.values()) and not self._head_tokens:  # skip the grid checks at load
                 self.quantization = "none"
-                return f"the int4 kernel was not faster than {str(self.dtype).removeprefix('torch.')} " \
+                return f"the int4/int8 kernels were not faster than {str(self.dtype).removeprefix('torch.')} " \
                        "matmuls at any step size here"
         return why
 
@@ -348,7 +349,7 @@ class LlamaModel(nn.Module):
         """Materialise parameters from HF-named fp32 tensors (fusing q/k/v and gate/up)."""
         staged: dict[tuple[int, str], torch.Tensor] = {}
         unfilled: dict[tuple[int, str], set[int]] = {}  # rows of a fused matrix no weight has written yet
-        grids: dict[int, list] = {}  # id(Linear) -> [module, q, d, m] while every part is on a 4-bit grid
+        grids: dict[int, list] = {}  # id(Linear) -> its 4-bit grid while its parts arrive
         for name, tensor in weights:
             t = self._target(name)
             if t is None:
@@ -384,29 +385,32 @@ class LlamaModel(nn.Module):
         if partial:  # name the first fused matrix some of whose rows no weight wrote
             n, p = next((n, p) for n, p in self.named_parameters() if p.data_ptr() in partial)
             raise ConfigError(f"weight {n} was only partly loaded (rows {min(partial[p.data_ptr()])}.. missing)")
-        for mod, *grid in grids.values():
-            self._set_int4(mod, None if grid[0] is None else tuple(grid))
 
-    @staticmethod
-    def _stage_grid(grids: dict[int, list], mod: Linear, rows: slice | None, tensor: torch.Tensor,
+    def _stage_grid(self, grids: dict[int, list], mod: Linear, rows: slice | None, tensor: torch.Tensor,
                     fresh: bool) -> None:
-        """Keep the 4-bit grid of this (part of a fused) weight, from the checkpoint's float32 values.
-        A part written over a loaded matrix (``not fresh``) leaves the other parts' grid unknown."""
+        """Keep the 4-bit grid of this (part of a fused) weight, from the checkpoint's float32 values;
+        pack it as soon as every row has arrived (weights stream layer by layer, so at most a layer's
+        grids are held at once). A part written over a loaded matrix (``not fresh``) leaves the other
+        parts' grid unknown: that matrix gets no int4 copy."""
+        n, k = mod.weight.shape
         entry = grids.get(id(mod))
-        if entry is None:
-            n, k = mod.weight.shape
-            entry = grids[id(mod)] = [mod, torch.zeros(n, k, dtype=torch.uint8),
-                                      torch.zeros(n, k // GROUP), torch.zeros(n, k // GROUP)]
+        if entry is None:  # [q, d, m, rows still to come]; q None once the matrix is off the grid
+            entry = grids[id(mod)] = [torch.zeros(n, k, dtype=torch.uint8), torch.zeros(n, k // GROUP),
+                                      torch.zeros(n, k // GROUP), n]
+            mod.int4 = None
             if not fresh and rows is not None:
-                entry[1:] = [None, None, None]
-        if entry[1] is None:
-            return
-        grid = int4_grid(tensor.float()) if tensor.dim() == 2 else None
+                entry[0] = None
+        part = rows if rows is not None else slice(None)
+        entry[3] -= len(range(*part.indices(n)))
+        grid = int4_grid(tensor.float()) if entry[0] is not None and tensor.dim() == 2 else None
         if grid is None:
-            entry[1:] = [None, None, None]
-            return
-        for dst, src in zip(entry[1:], grid, strict=True):
-            dst[rows if rows is not None else slice(None)] = src
+            entry[:3] = [None, None, None]
+        else:
+            for dst, src in zip(entry[:3], grid, strict=True):
+                dst[part] = src
+        if entry[3] <= 0:
+            self._set_int4(mod, None if entry[0] is None else tuple(entry[:3]))
+            entry[:3] = [None, None, None]  # packed (or not): the staged grid is freed
 
     # ----------------------------------------------------------------- drop / restore
     @property
