@@ -14,15 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import signal
 import subprocess
 import sys
-import tempfile
-import time
 
-import httpx
-
+from tidal.bench.server_proc import serve, stop
 from tidal.common.machine import describe, machine_info
 from tidal.common.results import write_json
 
@@ -32,36 +27,6 @@ LAYOUTS = {
     "1 prefill + 1 decode (1 thread each)": ["--instances", "2", "--mode", "disaggregate", "--prefill-instances",
                                              "1", "--threads-per-instance", "1"],
 }
-READY = re.compile(r"serving \S+ on (http://[\d.]+:\d+)")
-
-
-def serve(flags: list[str], engine: list[str]) -> tuple[subprocess.Popen, str, str]:
-    log = tempfile.NamedTemporaryFile("w+", prefix="tidal-cluster-bench-", suffix=".log", delete=False)  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "tidal.cli", "serve", "--port", "0", *engine, *flags],
-                            stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        with open(log.name) as f:
-            text = f.read()
-        m = READY.search(text)
-        if m and httpx.get(f"{m.group(1)}/health", timeout=5).status_code == 200:
-            return proc, m.group(1), log.name
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited:\n{text[-2000:]}")
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("server did not start in 600 s")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rate", type=float, default=0.6)

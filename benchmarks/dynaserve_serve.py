@@ -20,8 +20,7 @@ import os
 import subprocess
 import sys
 
-from cluster_serve import serve, stop
-
+from tidal.bench.server_proc import serve, stop
 from tidal.common.machine import describe, machine_info
 from tidal.common.results import write_json
 from tidal.workload.requests import SHAPES

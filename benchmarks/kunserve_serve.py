@@ -17,111 +17,33 @@ TPOT percentiles, goodput, events), writes one JSON and a PNG. Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
-import threading
-import time
 
-import httpx
-from cluster_serve import serve, stop
-
+from tidal.bench.kunserve_real import SYSTEMS, RealSetup, run
 from tidal.common.machine import describe, machine_info
 from tidal.common.plots import pyplot, save_figure
 from tidal.common.results import write_json
 
-SYSTEMS = {
-    "preempt": ("vLLM (preempt: recompute)", ["--kv-pressure", "preempt"]),
-    "swap": ("InferCept-like (preempt: swap)", ["--kv-pressure", "preempt", "--preemption-mode", "swap",
-                                                "--swap-space", "1GiB"]),
-    "migrate": ("Llumnix-like (migrate)", ["--kv-pressure", "migrate"]),
-    "drop": ("KunServe (drop)", ["--kv-pressure", "drop"]),
-}
-
-
-class StateSampler(threading.Thread):
-    """Polls ``/admin/state`` every ``period`` seconds: per instance (time, KV blocks, free blocks)."""
-
-    def __init__(self, url: str, period: float = 0.5):
-        super().__init__(daemon=True)
-        self.url, self.period = url, period
-        self.samples: list[dict] = []
-        self.events: list[dict] = []  # KunServe's pressure events, when the sampler first saw them
-        self.seen: set[tuple] = set()
-        self.stopped = threading.Event()
-        self.t0 = time.monotonic()
-
-    def run(self) -> None:
-        with httpx.Client(timeout=5, trust_env=False) as c:
-            while not self.stopped.wait(self.period):
-                try:
-                    cluster = c.get(f"{self.url}/admin/state").json().get("cluster") or {}
-                except (httpx.HTTPError, ValueError):
-                    continue
-                t = time.monotonic() - self.t0
-                self.samples.append({"t": t, "instances": [{k: i.get(k) for k in ("index", "num_blocks",
-                                                                                   "num_free_blocks", "kv_usage")}
-                                                           for i in cluster.get("instances", [])]})
-                for e in (cluster.get("kv_pressure") or {}).get("events") or []:
-                    key = (e.get("kind"), e.get("time"))
-                    if key not in self.seen:  # the front end's clock is its own: place it when first seen
-                        self.seen.add(key)
-                        self.events.append({**e, "seen_s": t})
-
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    d = RealSetup()
     p.add_argument("--systems", default=",".join(SYSTEMS))
-    p.add_argument("--workload", default="burstgpt")
-    p.add_argument("--rate", type=float, default=1.5)
-    p.add_argument("--burstiness", type=float, default=0.25)
-    p.add_argument("--num-requests", type=int, default=48)
-    p.add_argument("--max-input-len", type=int, default=384)
-    p.add_argument("--max-output-len", type=int, default=96)
-    p.add_argument("--slo", default="ttft=5000,tpot=500")
-    p.add_argument("--kv-cache-memory", default="24MiB", help="per instance: small enough to throttle")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workload", default=d.workload)
+    p.add_argument("--rate", type=float, default=d.rate)
+    p.add_argument("--burstiness", type=float, default=d.burstiness)
+    p.add_argument("--num-requests", type=int, default=d.num_requests)
+    p.add_argument("--max-input-len", type=int, default=d.max_input_len)
+    p.add_argument("--max-output-len", type=int, default=d.max_output_len)
+    p.add_argument("--slo", default=d.slo)
+    p.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="per instance: small enough to throttle")
+    p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--output", default="results/kunserve_serve.json")
     args = p.parse_args()
-    engine = ["--dtype", "auto", "--kv-cache-memory", args.kv_cache_memory, "--max-num-batched-tokens", "256",
-              "--instances", "2", "--threads-per-instance", "1"]
+    setup = RealSetup(**{k: v for k, v in vars(args).items() if k not in ("systems", "output")})
     stem = os.path.splitext(args.output)[0]
-    rows = []
-    for key in args.systems.split(","):
-        name, flags = SYSTEMS[key]
-        proc, url, log = serve(flags, engine)
-        sampler = StateSampler(url)
-        try:
-            out = f"{stem}_{key}.json"
-            cmd = [sys.executable, "-m", "tidal.cli", "bench", "serve", "--base-url", url, "--workload", args.workload,
-                   "--max-input-len", str(args.max_input_len), "--max-output-len", str(args.max_output_len),
-                   "--num-requests", str(args.num_requests), "--rate", str(args.rate),
-                   "--burstiness", str(args.burstiness), "--seed", str(args.seed), "--slo", args.slo,
-                   "--no-progress", "--output", out]
-            print(f"{name}: {' '.join(cmd[2:])}", flush=True)
-            sampler.start()
-            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-            sampler.stopped.set()
-            sampler.join(5)
-            with open(out) as f:
-                r = json.load(f)
-            final = httpx.get(f"{url}/admin/state", timeout=10, trust_env=False).json().get("cluster") or {}
-        finally:
-            sampler.stopped.set()
-            stop(proc)
-            os.unlink(log)
-        events = sampler.events
-        row = {"system": name, "key": key, "ttft_p50_ms": r["ttft_ms"]["p50"], "ttft_p99_ms": r["ttft_ms"]["p99"],
-               "tpot_p50_ms": r["tpot_ms"]["p50"], "tpot_p99_ms": r["tpot_ms"]["p99"],
-               "goodput_tok_s": r["goodput"]["output_throughput"], "attainment": r["slo_attainment"],
-               "completed": r["completed"], "preemptions": sum(i.get("num_preemptions", 0) or 0
-                                                               for i in final.get("instances", [])),
-               "events": events, "timeline": sampler.samples}
-        rows.append(row)
-        print(f"  TTFT p50/p99 {row['ttft_p50_ms']:.0f}/{row['ttft_p99_ms']:.0f} ms, TPOT p50/p99 "
-              f"{row['tpot_p50_ms']:.0f}/{row['tpot_p99_ms']:.0f} ms, goodput {row['goodput_tok_s']:.1f} tok/s, "
-              f"{len(events)} pressure events", flush=True)
+    rows = run(args.systems.split(","), setup, stem, log=lambda msg: print(msg, flush=True))
 
     print(f"\nmachine: {describe(machine_info())}; {args.num_requests} {args.workload} requests "
           f"(<= {args.max_input_len}/{args.max_output_len} tokens) at {args.rate} req/s, Gamma burstiness "
