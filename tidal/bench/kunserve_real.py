@@ -92,7 +92,7 @@ def run_system(key: str, setup: RealSetup, out_json: str) -> dict:
                "--max-input-len", str(setup.max_input_len), "--max-output-len", str(setup.max_output_len),
                "--num-requests", str(setup.num_requests), "--rate", str(setup.rate),
                "--burstiness", str(setup.burstiness), "--seed", str(setup.seed), "--slo", setup.slo,
-               "--no-progress", "--output", out_json]
+               "--no-progress", "--no-plots", "--output", out_json]
         sampler.start()
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         sampler.stopped.set()

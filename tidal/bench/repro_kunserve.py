@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from typing import Any
 
 from tidal.bench import sim_kunserve as K
@@ -50,7 +51,8 @@ def reproduce(args: argparse.Namespace, log: Progress) -> Report:
         from tidal.bench import kunserve_real
 
         setup = kunserve_real.RealSetup()
-        rows = kunserve_real.run(list(kunserve_real.SYSTEMS), setup, os.path.join(args.output, "kunserve_real"), log)
+        with tempfile.TemporaryDirectory(prefix="tidal-kunserve-real-") as tmp:  # each run's records: not kept
+            rows = kunserve_real.run(list(kunserve_real.SYSTEMS), setup, os.path.join(tmp, "run"), log)
         report.data["real"] = {"setup": setup.__dict__, "engine_flags": setup.engine_flags(),
                                "rows": {r["system"]: {k: v for k, v in r.items() if k not in ("timeline", "events")}
                                         | {"num_events": len(r["events"])} for r in rows}}
