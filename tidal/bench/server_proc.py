@@ -4,6 +4,7 @@ Each experiment run gets a server of its own, one at a time, so runs never share
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -18,11 +19,12 @@ READY = re.compile(r"serving \S+ on (http://[\d.]+:\d+)")
 
 def serve(flags: list[str], engine: list[str], timeout_s: float = 600) -> tuple[subprocess.Popen, str, str]:
     """Start ``tidal serve --port 0 ENGINE FLAGS``; returns (process, base URL, log file) once
-    ``/health`` answers 200. Raises SystemExit with the log's tail if it exits or never gets ready."""
+    ``/health`` answers 200. Raises SystemExit with the log's tail (and removes the log) if it exits
+    or never gets ready."""
     log = tempfile.NamedTemporaryFile("w+", prefix="tidal-serve-", suffix=".log", delete=False)  # noqa: SIM115
     proc = subprocess.Popen([sys.executable, "-m", "tidal.cli", "serve", "--port", "0", *engine, *flags],
                             stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + timeout_s
+    deadline, text = time.monotonic() + timeout_s, ""
     while time.monotonic() < deadline:
         with open(log.name) as f:
             text = f.read()
@@ -30,10 +32,12 @@ def serve(flags: list[str], engine: list[str], timeout_s: float = 600) -> tuple[
         if m and httpx.get(f"{m.group(1)}/health", timeout=5, trust_env=False).status_code == 200:
             return proc, m.group(1), log.name
         if proc.poll() is not None:
+            os.unlink(log.name)
             raise SystemExit(f"server exited:\n{text[-2000:]}")
         time.sleep(0.5)
     stop(proc)
-    raise SystemExit(f"server did not start in {timeout_s:.0f} s")
+    os.unlink(log.name)
+    raise SystemExit(f"server did not start in {timeout_s:.0f} s:\n{text[-2000:]}")
 
 
 def stop(proc: subprocess.Popen) -> None:

@@ -1,0 +1,45 @@
+"""The real-serving experiments' server helper: a ``tidal serve`` started, found ready and stopped by
+its pid (every worker with it), and a server that cannot start reported with its log."""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+import pytest
+
+from tests.server.conftest import _process_tree
+from tidal.bench.server_proc import serve, stop
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"  # a zombie has exited
+    except OSError:
+        return False
+
+
+def test_serve_waits_for_health_and_stop_leaves_no_process():
+    proc, url, log = serve(["--instances", "2", "--threads-per-instance", "1"],
+                           ["--kv-cache-memory", "32MiB", "--max-num-seqs", "2"])
+    try:
+        assert httpx.get(f"{url}/health", timeout=10, trust_env=False).status_code == 200
+        children = _process_tree(proc.pid)[1:]
+        assert len(children) >= 2  # the two instances' workers
+    finally:
+        stop(proc)
+        os.unlink(log)
+    assert proc.poll() is not None
+    assert not [c for c in children if _alive(c)]
+
+
+def test_a_server_that_cannot_start_is_reported_with_its_log(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # the log goes under tmp_path
+    with pytest.raises(SystemExit, match="server exited") as e:
+        serve(["--batching", "nope"], [])
+    assert "nope" in str(e.value)
+    assert not list(tmp_path.iterdir())  # its log is removed once quoted
