@@ -39,6 +39,8 @@ HEAVY_FIRST = (
     "tests/runtime/test_same_split_decisions.py",
     "tests/runtime/test_split_runtime.py",
     "tests/engine/test_profiler.py",
+    "tests/bench/test_server_proc.py",
+    "tests/engine/test_quant.py",
     "tests/common/test_progress_and_flags.py",
     "tests/test_cli.py",
     "tests/sim/test_same_plans.py",
