@@ -1,4 +1,4 @@
-"""Weight-only int4 matmuls for weights stored as 4-bit blocks (the GGUF's Q4_1).
+"""Weight-only int4 and int8 matmuls for weights stored as 4-bit (Q4_1) and 8-bit (Q8_0) groups.
 
 A Q4_1 block is 32 weights ``q * d + m`` with ``q`` in 0..15 (llama.cpp's ``quantize_row_q4_1``:
 ``d = (max - min) / 15``, ``m = min``), so every group of 32 holds its own minimum (``q = 0``) and
@@ -12,6 +12,10 @@ The kernel reads a quarter of bf16's bytes, which pays while a step is bound by 
 tokens); with many tokens the float matmul wins. Where the two cross depends on the CPU, so
 :func:`measure_crossover` times both at start-up on each matrix shape (on synthetic weights, before
 the checkpoint loads), and a :class:`Int4Weight` is used for a step of at most ``max_tokens`` tokens.
+
+An LM head stored as Q8_0 (``q * d``, ``|q| <= 127`` per group of 32) is recovered the same way by
+:func:`int8_grid`; torch's ``_weight_int8pack_mm`` scales per output row only, so
+:class:`GroupedInt8Weight` calls it once per group of 32 columns with that group's scales.
 """
 
 from __future__ import annotations
