@@ -66,8 +66,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if layout.instances == 1 and args.backend == "process":
         from tidal.engine.async_engine import AsyncLLM
         from tidal.engine.llm_engine import LLMEngine
+        from tidal.engine.quant import describe_quantization
 
         llm = AsyncLLM(LLMEngine(cfg))
+        e = llm.engine
+        print(f"engine: {str(e.dtype).removeprefix('torch.')}, weights: {describe_quantization(e.quantization)}",
+              file=sys.stderr, flush=True)
     else:
         from tidal.runtime.cluster import ClusterConfig, ClusterLLM
 

@@ -39,6 +39,12 @@ def n_tokens(url: str, **body) -> int:
 
 
 # ------------------------------------------------------------------------------ parity with LLM
+def test_start_up_says_which_weights_run(server):
+    # --quantization auto's choice (timed at start-up): float, or the int4/int8 copies and their step sizes
+    line = next(x for x in server.output().splitlines() if x.startswith("engine: "))
+    assert line.startswith("engine: float32, weights: ") and ("float" in line or "int4 for" in line)
+
+
 def test_completion_greedy_matches_offline(client, model, server, reference):
     r = client.completions.create(model=model, prompt=COMPLETION_PROMPT, max_tokens=REF_MAX_TOKENS, temperature=0)
     assert r.choices[0].text == reference["completion"]
