@@ -195,3 +195,27 @@ def test_engine_tokens_equal_with_int4(make_engine):
     assert runs["int4"][0] == runs["none"][0]
     for rid, logits in runs["none"][1].items():
         torch.testing.assert_close(runs["int4"][1][rid], logits, rtol=1e-3, atol=1e-3)
+
+
+def test_float_checkpoints_skip_the_start_up_timing(tmp_path, monkeypatch, smol_tokenizer):
+    """An HF (safetensors) checkpoint holds float weights: no matrix can be on a 4-bit grid, so
+    ``auto`` neither times the kernels nor stages grids, and says why."""
+    import transformers
+
+    from tidal.engine import model as model_mod
+    from tidal.engine.llm_engine import LLMEngine
+
+    from .test_loader import _tiny_llama_config
+
+    _save(transformers.LlamaForCausalLM, _tiny_llama_config(), tmp_path / "hf")
+
+    def never(*a, **k):
+        raise AssertionError("timed the kernels for a float checkpoint")
+
+    monkeypatch.setattr(model_mod, "measure_crossover", never)
+    monkeypatch.setattr(model_mod, "measure_int8_crossover", never)
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(tmp_path / "hf"), kv_cache_memory="16MiB"),
+                       tokenizer=smol_tokenizer)
+    q = engine.quantization
+    assert q["int4_matrices"] == 0 and q["head_int8_max_tokens"] == 0 and "float" in q["why_not"]
+    assert describe_quantization(q).startswith("float (quantization auto: ")

@@ -124,7 +124,10 @@ class LLMEngine:
         self.tokenizer = tokenizer or Tokenizer.from_checkpoint(ckpt)
         self.max_model_len = min(mc.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
         self.model = LlamaModel(arch, self.dtype, self.device, mc.layer_range, max_positions=self.max_model_len)
-        why_not_int4 = self.model.set_quantization(mc.quantization)
+        if ckpt.format == "gguf" or mc.quantization == "none":
+            why_not_int4 = self.model.set_quantization(mc.quantization)
+        else:  # no start-up timing: safetensors hold float weights, never 4-bit or Q8_0 groups
+            why_not_int4 = self.model.set_quantization("none") or "the checkpoint's weights are float, not GGUF groups"
         self.model.load_weights(ckpt.weights())
         self.quantization = {**self.model.quantization_report(), "requested": mc.quantization,
                              **({"why_not": why_not_int4} if why_not_int4 else {})}
