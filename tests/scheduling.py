@@ -30,6 +30,7 @@ HEAVY_FIRST = (
     "tests/server/test_dashboard.py",
     "hf_smol",
     "tests/runtime/test_migrate_runtime.py",
+    "tests/runtime/test_kunserve_groups.py",
     "tests/runtime/test_same_decisions.py",
     "tests/runtime/test_cluster.py",
     "tests/bench/test_kv_transfer_bench.py",

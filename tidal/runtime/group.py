@@ -1,23 +1,39 @@
-"""KunServe pipeline groups between two workers: the drop, the activation path, the KV exchange.
+"""KunServe pipeline groups of n >= 2 workers: forming one, the activation path, the KV exchange,
+the restore.
 
-The front end's ``drop`` command (KunServe Sec. 4.1) makes one worker the *head* of a group and
-another its *tail*; the head keeps layers ``[0, k)``, the tail ``[k, L)``. The two workers then
-talk over their own ZeroMQ PAIR socket (:class:`PeerLink`): small pickled metadata plus, for
-activations, the hidden states as raw bytes (never a pickled tensor). KV goes through the KV
-transport (shared memory): only its handles cross the socket.
+The front end's ``group`` command (one Fig. 6 merge, KunServe Sec. 4.1) goes to every member of
+the new group with its :class:`GroupSpec`: the members in stage order and the layers each keeps.
+The first member is the *head*: it keeps the scheduler, every request of the group, the embedding,
+the LM head and the first stage's layers. Every other member is a *stage* (:class:`GroupTail`): it
+runs its layers on the head's hidden states over a mirror of the head's KV pool (the head's block
+ids). The head has one link to each stage (:mod:`tidal.runtime.peer`); stages never talk to each
+other. KV goes through the KV transport (shared memory): only its handles cross the links.
 
-Sequence (Sec. 4.2's coordinated exchange):
+Forming a group (Sec. 4.2's coordinated exchange), from instances that ran alone, groups that
+merge (Fig. 6 merges groups, not only instances), or both:
 
-1. tail: its requests move to the head. Each one's KV of the head's layers is put in chunks;
-   its KV of the tail's layers stays here as a local copy. It drops the head's layers (its pool
-   grows), then says ``hello`` (its pool size, the snapshots, the chunk handles).
-2. head: its running requests pause; their KV of the tail's layers is exported (queued as
-   chunks); it drops the tail's layers. On ``hello`` both pools take the smaller block count
-   (``pool``); the tail's requests are imported paused (their head-layer KV read from the
-   chunks) and ``place``d (the tail writes its local copy at the head's block ids). From then
-   on the head runs steps through a :class:`ZmqStageLink`, and writes one queued KV chunk per
-   loop turn, between steps, so an activation never waits behind the exchange. A request
-   resumes when the tail answers ``ok`` for it; others run meanwhile; nothing recomputes.
+0. A member that heads a group *collapses* it first: its stages send back their layers' KV of its
+   running requests and are released (``handover``); they join the new group without requests.
+1. Every member but the head: its requests move to the head (snapshots). Each one's KV is cut
+   by the layers the new members keep: what this member keeps stays here as a local copy, the
+   rest goes into chunks addressed to their owners. It drops the layers it no longer keeps (and
+   loads any it now needs, from its host copy), then says ``hello`` (its pool, the snapshots,
+   the chunk handles).
+2. The head: its running requests pause; their KV of the other members' layers is exported
+   (queued as chunks); it drops those layers. On every ``hello`` the pools take the smallest
+   block count (``pool``); the moved requests are imported paused; chunks of the head's layers
+   are written here, the others queued to their owners, and each member that kept a local copy
+   is told where to write it (``place``). From then on the head runs its steps through a
+   :class:`~tidal.runtime.peer.HubStageLink` and writes one queued chunk per loop turn, between
+   steps, so an activation never waits behind the exchange. A request resumes when every member
+   that had its KV to write answered ``ok``; others run meanwhile; nothing recomputes.
+
+Restore (Sec. 4.4) gathers the group on its head while it keeps serving: every stage sends back
+its layers' KV, the head stages its dropped layers one per loop turn, then reloads them and runs
+alone; the stages reload theirs. The head's pool must hold all of the group's KV, so a group of
+n > 2 waits until the KV in use fits one instance's pool (for n = 2 the paper's 50 % rule already
+ensures it); a restore that does not fit is refused and decided again later. The paper, and the
+simulator (:mod:`tidal.sim.kunserve`), spread the requests over the members instead.
 """
 
 from __future__ import annotations
@@ -25,127 +41,52 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
-import pickle
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from tidal.engine.stage import TailStage, chunk_meta, microbatch_cost
+from tidal.engine.stage import TailStage, microbatch_cost
+from tidal.runtime.kv_transfer import iter_chunks
+from tidal.runtime.peer import PEER_TIMEOUT_S, WATCH_S, HubStageLink, PeerLink, PeerLost
 
 log = logging.getLogger("tidal.worker")
-PEER_TIMEOUT_S = 120.0  # a peer that says nothing this long is gone (the front end sees its death)
-WATCH_S = 0.5  # how often a member waiting on its peer checks that the peer's process lives
+KV = dict[int, tuple[torch.Tensor, torch.Tensor]]
 
 
-class PeerLost(RuntimeError):
-    """The other member of the group died (Sec. 4.4: the survivor restores its layers)."""
+@dataclasses.dataclass(frozen=True)
+class GroupSpec:
+    """A pipeline group to form: ``members`` in stage order (the head first), the decoder layers
+    ``[start, end)`` each keeps, the address of each stage's link (the head binds it) and each
+    member's pid (a local worker's, watched by its peers; None: only timeouts)."""
 
+    members: tuple[int, ...]
+    layers: Mapping[int, tuple[int, int]]
+    addresses: Mapping[int, str]
+    pids: Mapping[int, int | None]
 
-class PeerLink:
-    """One PAIR socket between the two members of a group."""
+    @property
+    def head(self) -> int:
+        return self.members[0]
 
-    def __init__(self, ctx: Any, address: str, bind: bool, peer_pid: int | None = None):
-        import zmq
+    @property
+    def stages(self) -> tuple[int, ...]:
+        return self.members[1:]
 
-        self.zmq, self.peer_pid = zmq, peer_pid
-        self._checked = time.monotonic()
-        self.sock = ctx.socket(zmq.PAIR)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        (self.sock.bind if bind else self.sock.connect)(address)
-        self.backlog: deque[tuple[tuple, torch.Tensor | None]] = deque()  # read while waiting for something else
+    def keeps(self, member: int) -> set[int]:
+        return set(range(*self.layers[member]))
 
-    def _writable(self) -> None:
-        """A PAIR socket blocks a send while no peer is connected: wait in slices, watching the
-        peer's process (a dead peer raises :class:`PeerLost` instead of hanging the worker)."""
-        deadline = time.monotonic() + PEER_TIMEOUT_S
-        while not self.sock.poll(int(1000 * WATCH_S), self.zmq.POLLOUT):
-            self.check_peer()
-            if time.monotonic() > deadline:
-                raise PeerLost(f"the group's peer took no message for {PEER_TIMEOUT_S:.0f} s")
-
-    def send(self, msg: tuple, tensor: torch.Tensor | None = None) -> None:
-        self._writable()
-        if tensor is None:
-            self.sock.send(pickle.dumps((msg, None), protocol=pickle.HIGHEST_PROTOCOL))
-            return
-        t = tensor.detach().contiguous()
-        meta = pickle.dumps((msg, (tuple(t.shape), str(t.dtype).removeprefix("torch."))))
-        self.sock.send_multipart([meta, memoryview(t.view(torch.uint8).numpy())], copy=False)
-
-    def check_peer(self, now: float | None = None) -> None:
-        """Raise :class:`PeerLost` when the peer's process is gone (a local worker; checked at most
-        every ``WATCH_S``)."""
-        now = time.monotonic() if now is None else now
-        if self.peer_pid is None or now - self._checked < WATCH_S:
-            return
-        self._checked = now
-        try:
-            os.kill(self.peer_pid, 0)
-        except ProcessLookupError:
-            raise PeerLost(f"the group's peer (pid {self.peer_pid}) is gone") from None
-        except PermissionError:
-            pass
-
-    def recv(self, timeout_s: float | None) -> tuple[tuple, torch.Tensor | None] | None:
-        if self.backlog:
-            return self.backlog.popleft()
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:  # in slices, watching the peer's process meanwhile
-            wait = WATCH_S if deadline is None else min(WATCH_S, max(0.0, deadline - time.monotonic()))
-            if self.sock.poll(int(1000 * wait)):
-                break
-            self.check_peer()
-            if deadline is not None and time.monotonic() >= deadline:
-                return None
-        frames = self.sock.recv_multipart()
-        msg, spec = pickle.loads(frames[0])
-        if spec is None:
-            return msg, None
-        shape, dtype = spec
-        raw = torch.frombuffer(bytearray(frames[1]), dtype=torch.uint8)
-        return msg, raw.view(getattr(torch, dtype)).view(shape)
-
-    def wait_for(self, kind: str, timeout_s: float = PEER_TIMEOUT_S) -> tuple[tuple, torch.Tensor | None]:
-        """The next message of ``kind``; others read meanwhile wait in the backlog, in order."""
-        held: list = []
-        deadline = time.monotonic() + timeout_s
-        try:
-            while True:
-                got = self.recv(max(0.0, deadline - time.monotonic()))
-                if got is None:
-                    raise RuntimeError(f"the group's peer sent no {kind!r} within {timeout_s:.0f} s")
-                if got[0][0] == kind:
-                    return got
-                held.append(got)
-        finally:
-            self.backlog.extendleft(reversed(held))
-
-    def close(self, linger_ms: int = 0) -> None:
-        self.sock.close(linger_ms)
-
-
-class ZmqStageLink:
-    """The head's :class:`~tidal.engine.stage.StageLink` to a tail in another process: send puts
-    the microbatch on the wire and returns, so the head computes the next one while the tail
-    works (the overlap of Sec. 4.3's microbatches); recv waits for the tail's answer."""
-
-    def __init__(self, peer: PeerLink):
-        self.peer = peer
-
-    def send(self, step_id: int, index: int, h: torch.Tensor, chunks: Sequence[Any]) -> None:
-        self.peer.send(("act", step_id, index, chunk_meta(chunks)), h)
-
-    def recv(self, step_id: int, index: int) -> torch.Tensor:
-        deadline = time.monotonic() + PEER_TIMEOUT_S
-        while True:
-            msg, t = self.peer.wait_for("act_out", max(0.0, deadline - time.monotonic()))
-            if (msg[1], msg[2]) == (step_id, index) and t is not None:
-                return t
-            log.warning("dropping an unexpected activation %s", msg[:3])
+    def split(self, kv: KV) -> dict[int, KV]:
+        """``kv`` cut by the member that keeps each layer."""
+        out: dict[int, KV] = {}
+        for m in self.members:
+            lo, hi = self.layers[m]
+            part = {layer: x for layer, x in kv.items() if lo <= layer < hi}
+            if part:
+                out[m] = part
+        return out
 
 
 def _requests(engine: Any) -> list[tuple[str, Any]]:
@@ -153,7 +94,7 @@ def _requests(engine: Any) -> list[tuple[str, Any]]:
 
 
 def _running_with_kv(engine: Any) -> list[tuple[str, Any]]:
-    """The running requests that hold computed KV (those a restore must carry over)."""
+    """The running requests that hold computed KV (those a regroup or restore must carry over)."""
     return [(rid, r) for rid, r in _requests(engine) if r.num_computed_tokens and r in engine.scheduler.running]
 
 
@@ -163,50 +104,83 @@ def _release_all(transport: Any, handles: dict[str, list]) -> None:
             transport.release(h)
 
 
-class GroupHead:
-    """The head's side: built by the ``drop`` command, pumped once per worker loop turn."""
+def _relayer(engine: Any, keep: set[int]) -> int:
+    """Hold exactly the decoder layers ``keep``: drop the others (the pool grows by their bytes,
+    Sec. 4.1's local memory manager) and load the missing ones from the host copy. Returns the
+    pool's block count."""
+    present = set(engine.model.layer_ids)
+    if present - keep:
+        engine.drop_layers(sorted(present - keep))
+    if keep - present:
+        engine.restore_layers(sorted(keep - present))
+    return engine.kv_manager.num_blocks
 
-    def __init__(self, worker: Any, tail_index: int, address: str, drop: Sequence[int], peer_pid: int | None):
+
+def _put(worker: Any, kv: KV, num_tokens: int) -> list:
+    return [worker.transport.put(part, spec)
+            for spec, part in iter_chunks(kv, 0, num_tokens, worker.cfg.layers_per_chunk)]
+
+
+class GroupHead:
+    """The head's side: built by the ``group`` command, pumped once per worker loop turn."""
+
+    def __init__(self, worker: Any, spec: GroupSpec, pieces: dict[str, KV]):
         e = worker.engine
-        self.worker, self.engine, self.tail_index = worker, e, tail_index
-        self.peer = PeerLink(worker.ctx, address, bind=True, peer_pid=peer_pid)
-        self.queue: deque[tuple] = deque()  # ("kv", rid, block_table, handle, last) to send, one per turn
-        self.exchanging: set[str] = set()  # paused until the tail says ok
-        keep_tail = sorted(drop)
-        # Sec. 4.2: every running request pauses; its KV of the tail's layers leaves before the drop
-        exports = {}
+        self.worker, self.engine, self.spec = worker, e, spec
+        self.links = {m: PeerLink(worker.ctx, spec.addresses[m], bind=True, peer_pid=spec.pids.get(m))
+                      for m in spec.stages}
+        self.queue: deque[tuple[int, str, Any, bool]] = deque()  # (member, request, handle, last), one per turn
+        self.expect: dict[str, int] = {}  # paused request -> "ok"s still to come before it resumes
+        keep = spec.keeps(spec.head)
+        # Sec. 4.2: every running request pauses; its KV of the other members' layers leaves before the drop
+        own = {}
         for rid, req in _running_with_kv(e):
             e.pause_request(rid)
-            exports[rid] = (req.num_computed_tokens, e.export_kv(rid, keep_tail, 0, req.num_computed_tokens))
-        n_head = e.drop_layers(keep_tail)
-        (hello, _) = self.peer.wait_for("hello")
-        _, n_tail, moved = hello
-        self.num_blocks = min(n_head, n_tail)
+            gone = [layer for layer in e.model.layer_ids if layer not in keep]
+            kv = e.export_kv(rid, gone, 0, req.num_computed_tokens) if gone else {}
+            own[rid] = (req.num_computed_tokens, {**kv, **pieces.get(rid, {})})
+        n_head = _relayer(e, keep)
+        hellos = {m: self.links[m].wait_for("hello")[0] for m in spec.stages}
+        self.num_blocks = min([n_head] + [h[1] for h in hellos.values()])
         e.resize_pool(self.num_blocks)
-        self.peer.send(("pool", self.num_blocks))
+        for link in self.links.values():
+            link.send(("pool", self.num_blocks))
         cost, source = microbatch_cost(e.arch, e.config.scheduler.microbatch_cost)
         log.info("group head %d: microbatch split with %s Eq. 1 coefficients (alpha %.4g, beta %.4g, gamma %.4g)",
                  worker.cfg.index, source, cost.alpha, cost.beta, cost.gamma)
-        e.set_stage_link(ZmqStageLink(self.peer), cost, min_tokens=worker.cfg.mb_min_tokens)
-        from tidal.runtime.kv_transfer import iter_chunks
-
-        lpc = worker.cfg.layers_per_chunk
-        for rid, (n, kv) in exports.items():
-            chunks = list(iter_chunks(kv, 0, n, lpc))
-            for k, (spec, part) in enumerate(chunks):
-                self.queue.append(("kv", rid, None, worker.transport.put(part, spec), k == len(chunks) - 1))
-            self.exchanging.add(rid)
-        self.num_exchanged = len(exports)  # own requests whose tail-layer KV went to the tail
+        e.set_stage_link(HubStageLink([self.links[m] for m in spec.stages]), cost, min_tokens=worker.cfg.mb_min_tokens)
+        for rid, (n, kv) in own.items():
+            parts = spec.split(kv)
+            if spec.head in parts:  # layers loaded here whose KV was elsewhere (a collapsed stage's)
+                e.import_kv(rid, parts.pop(spec.head), 0)
+            for m, part in parts.items():
+                self._queue(rid, m, _put(worker, part, n))
+            self._settle(rid)
+        self.num_exchanged = len(own)  # own requests whose KV of other layers went to their members
         self.moved: list[str] = []
-        for snap, handles in moved:
-            self._land(snap, handles)
+        for m, hello in hellos.items():
+            for snap, handles in hello[2]:
+                self._land(m, snap, handles)
         self.reported = False
         self.restoring: _Restore | None = None
         self.restore_stats: dict[str, Any] = {}
 
-    def _land(self, snap: Any, handles: list) -> None:
-        """A request that lived on the tail: import it paused, write its head-layer KV, ask the
-        tail to write its own (local) copy of the rest at our block ids."""
+    def _queue(self, rid: str, member: int, handles: list) -> None:
+        for k, h in enumerate(handles):
+            self.queue.append((member, rid, h, k == len(handles) - 1))
+        if handles:
+            self.expect[rid] = self.expect.get(rid, 0) + 1
+
+    def _settle(self, rid: str) -> None:
+        """Resume ``rid`` when no member has its KV to write any more."""
+        if not self.expect.get(rid):
+            self.expect.pop(rid, None)
+            if rid in self.engine.scheduler.paused:
+                self.engine.resume_request(rid)
+
+    def _land(self, sender: int, snap: Any, handles: dict[int, list]) -> None:
+        """A request that lived on ``sender``: import it paused, write its KV of our layers, queue
+        the rest to their members, ask the sender to write its own (local) part at our block ids."""
         from tidal.core.scheduler import RequestRejected
 
         e, tr = self.engine, self.worker.transport
@@ -214,86 +188,118 @@ class GroupHead:
         try:
             e.import_request(snap, paused=bool(snap.num_computed_tokens))
         except (RequestRejected, ValueError):  # no room even now: recompute it here instead
-            for h in handles:
-                tr.release(h)
-            self.peer.send(("forget", rid))
+            _release_all(tr, handles)
+            self.links[sender].send(("forget", rid))
             e.import_request(dataclasses.replace(snap, num_computed_tokens=0, kv={}))
             self.moved.append(rid)
             return
-        for h in handles:
-            e.import_kv(rid, tr.get(h), h.spec.start)
-            tr.release(h)
+        for m, hs in handles.items():
+            if m == self.spec.head:
+                for h in hs:
+                    e.import_kv(rid, tr.get(h), h.spec.start)
+                    tr.release(h)
+            else:
+                self._queue(rid, m, hs)
         self.moved.append(rid)
         if snap.num_computed_tokens:
-            self.exchanging.add(rid)
-            self.peer.send(("place", rid, list(e.kv_manager.block_table(rid))))
+            self.expect[rid] = self.expect.get(rid, 0) + 1
+            self.links[sender].send(("place", rid, list(e.kv_manager.block_table(rid))))
+        self._settle(rid)
 
     def forget(self, rid: str) -> None:
         """``rid`` was aborted here: its queued chunks never go (its blocks may be reused)."""
-        self.exchanging.discard(rid)
+        self.expect.pop(rid, None)
         for item in [q for q in self.queue if q[1] == rid]:
             self.queue.remove(item)
-            self.worker.transport.release(item[3])
+            self.worker.transport.release(item[2])
 
     def pump(self) -> None:
-        """Between steps: read the tail's answers, then write one queued KV chunk."""
-        e = self.engine
-        while (got := self.peer.recv(0)) is not None:
-            msg = got[0]
-            if msg[0] == "back" and self.restoring is not None and self.restoring.back is None:
-                self.restoring.back = msg[1]
-            elif msg[0] == "ok":
-                rid = msg[1]
-                if rid in self.exchanging:
-                    self.exchanging.discard(rid)
-                    if rid in e.scheduler.paused:
-                        e.resume_request(rid)
-            else:
-                log.warning("head: unexpected message from the tail %s", msg[0])
+        """Between steps: read the stages' answers, then write one queued KV chunk."""
+        r = self.restoring
+        for m, link in self.links.items():
+            while (got := link.recv(0)) is not None:
+                msg = got[0]
+                if msg[0] == "back" and r is not None and m not in r.back:
+                    r.back[m] = msg[1]
+                elif msg[0] == "ok":
+                    if msg[1] in self.expect:
+                        self.expect[msg[1]] -= 1
+                        self._settle(msg[1])
+                else:
+                    log.warning("head: unexpected message from stage %d: %s", m, msg[0])
         if self.queue:
-            _, rid, _, handle, last = self.queue.popleft()
-            self.peer.send(("kv", rid, list(e.kv_manager.block_table(rid)), handle, last))
-        if not self.reported and not self.exchanging and not self.queue:
+            m, rid, handle, last = self.queue.popleft()
+            self.links[m].send(("kv", rid, list(self.engine.kv_manager.block_table(rid)), handle, last))
+        if not self.reported and not self.expect and not self.queue:
             self.reported = True
-            self.worker.send("exchange_done", self.tail_index, self.num_exchanged, len(self.moved))
+            self.worker.send("exchange_done", self.spec.members, self.num_exchanged, len(self.moved))
 
     @property
     def busy(self) -> bool:
-        """Chunks to write now, or layers to stage for a restore (requests waiting for the tail's
-        ``ok``, or a restore for its KV, are only polled for)."""
+        """Chunks to write now, or layers to stage for a restore (requests waiting for an ``ok``,
+        or a restore for its KV, are only polled for)."""
         r = self.restoring
         return bool(self.queue) or (r is not None and len(r.staged) < len(r.layers))
 
     def release_pending(self) -> None:
-        """The group ends without a restore (its peer died, or this worker shuts down): release the
-        KV chunks the tail sent back that are still here (a restore's answers, read or waiting on
-        the socket)."""
+        """The group ends without a restore (a member died, or this worker shuts down): release
+        the KV chunks the stages sent back that are still here (a restore's answers, read or
+        waiting on the links)."""
         tr = self.worker.transport
-        answers = [self.restoring.back] if self.restoring is not None and self.restoring.back else []
+        answers = list(self.restoring.back.values()) if self.restoring is not None else []
         self.restoring = None
-        with contextlib.suppress(Exception):  # the peer is gone: read what it sent, no more
-            while (got := self.peer.recv(0)) is not None:
-                if got[0][0] == "back":
-                    answers.append(got[0][1])
+        with contextlib.suppress(Exception):  # a member is gone: read what the others sent, no more
+            for link in self.links.values():
+                while (got := link.recv(0)) is not None:
+                    if got[0][0] == "back":
+                        answers.append(got[0][1])
         for back in answers:
             _release_all(tr, back)
 
+    def close(self, linger_ms: int = 0) -> None:
+        for link in self.links.values():
+            link.close(linger_ms)
+
+    def collapse(self) -> dict[str, KV]:
+        """This group merges into a bigger one (Fig. 6 merges groups): every stage sends back its
+        layers' KV of the running requests (all their tokens) and is released to join the new
+        group; this worker runs no pipeline meanwhile. Returns request -> that KV."""
+        e, tr = self.engine, self.worker.transport
+        if self.queue or self.expect or self.restoring is not None:
+            raise RuntimeError("a group merges only once its exchange is done and no restore runs")
+        asks = [(rid, list(e.kv_manager.block_table(rid)), 0, r.num_computed_tokens) for rid, r in _running_with_kv(e)]
+        for link in self.links.values():
+            link.send(("export_back", asks))
+        pieces: dict[str, KV] = {}
+        for link in self.links.values():
+            (msg, _) = link.wait_for("back")
+            for rid, hs in msg[1].items():
+                for h in hs:
+                    pieces.setdefault(rid, {}).update(tr.get(h))
+                    tr.release(h)
+        for link in self.links.values():
+            link.send(("handover",))
+        self.close(linger_ms=5000)  # "handover" must still reach every stage
+        e.set_stage_link(None)
+        return pieces
+
     def begin_restore(self) -> bool:
-        """Sec. 4.4, overlapped with serving: the tail starts sending back its layers' KV of the
-        requests running now (tokens computed so far), and the head loads its dropped layers one
-        per loop turn, while the group keeps serving as a pipeline (:meth:`advance_restore`). False
-        when an exchange is still in flight or a restore already runs."""
+        """Sec. 4.4, overlapped with serving: the stages start sending back their layers' KV of
+        the requests running now (tokens computed so far), and the head loads its dropped layers
+        one per loop turn, while the group keeps serving as a pipeline (:meth:`advance_restore`).
+        False when an exchange is still in flight or a restore already runs."""
         e = self.engine
-        if self.queue or self.exchanging or self.restoring is not None:
+        if self.queue or self.expect or self.restoring is not None:
             return False
         live = {rid: (r.num_computed_tokens, tuple(e.kv_manager.block_table(rid))) for rid, r in _running_with_kv(e)}
         self.restoring = _Restore(live, sorted(e.dropped_weight_bytes), time.perf_counter(), e.num_steps)
-        self.peer.send(("export_back", [(rid, list(bt), 0, n) for rid, (n, bt) in live.items()]))
+        for link in self.links.values():
+            link.send(("export_back", [(rid, list(bt), 0, n) for rid, (n, bt) in live.items()]))
         return True
 
     def advance_restore(self) -> bool | None:
         """One piece of the restore per loop turn (after the step): stage the next layer; once all
-        are staged and the tail's first answer is here, finish (:meth:`_finish_restore`). None:
+        are staged and every stage's first answer is here, finish (:meth:`_finish_restore`). None:
         still running; True: the group dissolved; False: refused (the group serves on)."""
         r = self.restoring
         assert r is not None
@@ -301,24 +307,28 @@ class GroupHead:
             i = r.layers[len(r.staged)]
             r.staged[i] = self.engine.stage_layer(i)
             return None
-        if r.back is None:
+        if len(r.back) < len(self.links):
             return None
-        done = self._finish_restore(r)  # the peer dying meanwhile: release_pending still sees r
+        done = self._finish_restore(r)  # a member dying meanwhile: release_pending still sees r
         self.restoring = None
         return done
 
     def _finish_restore(self, r: _Restore) -> bool:
-        """The short stop at the end: running requests pause; the tail sends what it computed
-        since the first answer (the KV of tokens after each request's first copy, or the whole
+        """The short stop at the end: running requests pause; the stages send what they computed
+        since their first answer (the KV of tokens after each request's first copy, or the whole
         KV of a request whose blocks changed or that started meanwhile); the head shrinks its pool,
-        puts the staged layers in, writes the KV, resumes them and runs alone; the tail is told to
-        restore too."""
+        puts the staged layers in, writes the KV, resumes them and runs alone; the stages are told
+        to restore too."""
         e, tr = self.engine, self.worker.transport
         t0 = time.perf_counter()
         live = [(rid, req.num_computed_tokens) for rid, req in _running_with_kv(e)]
         for rid, _ in live:
             e.pause_request(rid)
-        back = r.back
+        back: dict[str, list] = {}
+        for answer in r.back.values():
+            for rid, hs in answer.items():
+                back.setdefault(rid, []).extend(hs)
+        r.back = {}  # from here on every handle is imported or released below
         asks = []
         for rid, n in live:
             bt = tuple(e.kv_manager.block_table(rid))
@@ -333,11 +343,12 @@ class GroupHead:
         for rid in set(back) - {rid for rid, _ in live}:  # finished meanwhile
             for h in back.pop(rid):
                 tr.release(h)
-        self.peer.send(("export_back", asks))
-        (msg, _) = self.peer.wait_for("back")
-        for rid, hs in msg[1].items():
-            back.setdefault(rid, []).extend(hs)
-        r.back = None  # from here on every handle is imported or released below
+        for link in self.links.values():
+            link.send(("export_back", asks))
+        for link in self.links.values():
+            (msg, _) = link.wait_for("back")
+            for rid, hs in msg[1].items():
+                back.setdefault(rid, []).extend(hs)
         try:
             e.restore_layers(r.layers, r.staged)
         except ValueError as err:
@@ -356,8 +367,9 @@ class GroupHead:
         self.num_back = len(live)  # requests that live through the restore (their KV came back)
         self.restore_stats = {"overlapped_s": round(t0 - r.t0, 4), "overlapped_steps": e.num_steps - r.steps0,
                               "stall_s": round(time.perf_counter() - t0, 4)}
-        self.peer.send(("dissolve",))
-        self.peer.close(linger_ms=5000)  # "dissolve" must still reach the tail
+        for link in self.links.values():
+            link.send(("dissolve",))
+        self.close(linger_ms=5000)  # "dissolve" must still reach every stage
         return True
 
 
@@ -365,25 +377,24 @@ class GroupHead:
 class _Restore:
     """A restore in progress on the head (Sec. 4.4)."""
 
-    live: dict[str, tuple[int, tuple[int, ...]]]  # request -> (tokens asked of the tail first, its blocks then)
+    live: dict[str, tuple[int, tuple[int, ...]]]  # request -> (tokens asked of the stages first, its blocks then)
     layers: list[int]
     t0: float
     steps0: int
     staged: dict[int, Any] = dataclasses.field(default_factory=dict)
-    back: dict[str, list] | None = None  # the tail's first answer: request -> chunk handles
+    back: dict[int, dict[str, list]] = dataclasses.field(default_factory=dict)  # stage -> its first answer
 
 
 class GroupTail:
-    """The tail's side: hands its requests to the head, then serves activations and KV."""
+    """A stage's side (every member but the head): hands its requests to the head, then serves
+    activations and KV."""
 
-    def __init__(self, worker: Any, head_index: int, address: str, drop: Sequence[int], peer_pid: int | None):
+    def __init__(self, worker: Any, spec: GroupSpec, pieces: dict[str, KV]):
         e = worker.engine
-        self.worker, self.engine, self.head_index = worker, e, head_index
-        self.peer = PeerLink(worker.ctx, address, bind=False, peer_pid=peer_pid)
-        keep = [i for i in e.model.layer_ids if i not in set(drop)]
-        from tidal.runtime.kv_transfer import iter_chunks
-
-        self.local: dict[str, dict] = {}  # moved requests' KV of our layers, until the head places them
+        me = worker.cfg.index
+        self.worker, self.engine, self.spec = worker, e, spec
+        self.peer = PeerLink(worker.ctx, spec.addresses[me], bind=False, peer_pid=spec.pids.get(spec.head))
+        self.local: dict[str, KV] = {}  # moved requests' KV of our layers, until the head places them
         moved, lost = [], []
         for rid, group in list(e._groups.items()):
             if len(group.children) != 1:
@@ -393,21 +404,18 @@ class GroupTail:
             if req.num_computed_tokens and req in e.scheduler.running:
                 e.pause_request(rid)
             snap = e.export_request(rid)
-            head_kv = {i: kv for i, kv in snap.kv.items() if i not in keep}
-            self.local[rid] = {i: snap.kv[i] for i in keep if i in snap.kv}
-            handles = [worker.transport.put(part, spec) for spec, part in
-                       iter_chunks(head_kv, 0, snap.num_computed_tokens, worker.cfg.layers_per_chunk)] \
-                if snap.num_computed_tokens else []
+            parts = spec.split({**snap.kv, **pieces.get(rid, {})}) if snap.num_computed_tokens else {}
+            if me in parts:
+                self.local[rid] = parts.pop(me)
             snap.kv = {}
-            moved.append((snap, handles))
+            moved.append((snap, {m: _put(worker, part, snap.num_computed_tokens) for m, part in parts.items()}))
         e.abort_request([s.request_id for s, _ in moved] + lost)
-        n_tail = e.drop_layers(sorted(drop))
-        self.peer.send(("hello", n_tail, moved))
+        self.peer.send(("hello", _relayer(e, spec.keeps(me)), moved))
         (msg, _) = self.peer.wait_for("pool")
         e.resize_pool(msg[1])
         self.stage = TailStage(e)
         self.lost = lost
-        self.dissolved = False
+        self.dissolved = self.handed_over = False
 
     def serve(self, timeout_s: float) -> bool:
         """Handle the head's messages for up to ``timeout_s``; False when none came."""
@@ -417,8 +425,20 @@ class GroupTail:
             return False
         while got is not None:
             self._handle(*got)
-            got = None if self.dissolved else self.peer.recv(0)
+            got = None if self.dissolved or self.handed_over else self.peer.recv(0)
         return True
+
+    def until_handover(self) -> None:
+        """This group merges into a bigger one: serve the head (its collapse asks for our KV)
+        until it releases us."""
+        deadline = time.monotonic() + PEER_TIMEOUT_S
+        while not self.handed_over:
+            if not self.serve(WATCH_S) and time.monotonic() > deadline:
+                raise PeerLost(f"the group's head did not release this stage within {PEER_TIMEOUT_S:.0f} s")
+        self.close()
+
+    def close(self, linger_ms: int = 0) -> None:
+        self.peer.close(linger_ms)
 
     def _handle(self, msg: tuple, t: torch.Tensor | None) -> None:
         kind = msg[0]
@@ -441,8 +461,6 @@ class GroupTail:
         elif kind == "forget":
             self.local.pop(msg[1], None)
         elif kind == "export_back":  # Sec. 4.4: our layers' KV of the head's requests goes back
-            from tidal.runtime.kv_transfer import iter_chunks
-
             out = {}
             for rid, block_table, start, n in msg[1]:
                 kv = self.stage.export_kv(block_table, n, start)
@@ -451,6 +469,8 @@ class GroupTail:
             self.peer.send(("back", out))
         elif kind == "dissolve":
             self.dissolved = True
+        elif kind == "handover":
+            self.handed_over = True
 
 
-__all__ = ["GroupHead", "GroupTail", "PeerLink", "PeerLost", "ZmqStageLink"]
+__all__ = ["GroupHead", "GroupSpec", "GroupTail"]

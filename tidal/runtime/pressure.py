@@ -1,16 +1,16 @@
 """``--kv-pressure drop`` in the real cluster: the front end's side of KunServe.
 
 After each instance report the pure :class:`~tidal.cluster.pressure.KunServeController` reads
-the global monitor (throttle detection, Sec. 3; the Fig. 6 drop plan); a plan that merges two
-single instances is executed here: the first stage becomes the group's head, the second its tail
-(``drop`` commands; the workers then talk directly, :mod:`tidal.runtime.group`). The dispatcher
-stops routing to the tail at once (the group is seen through its head, whose pool is the
-group's); when the head reports ``grouped`` the tail's requests are the head's, and the plan is
-applied. When the controller decides a restore (Sec. 4.4: KV use below half of the undropped
-pools; only once the group's exchange is done), the head gets ``restore``: the tail's layers' KV
-comes back, both reload their dropped layers from the checkpoint and the group dissolves. A
-worker failure in a group restores the survivor. Groups of more than two are not executed yet: a
-plan that needs one stays unexecuted (logged).
+the global monitor (throttle detection, Sec. 3; the Fig. 6 drop plan). Each group a plan forms,
+of any size and from instances that ran alone or groups that merge, is executed here: every
+member gets a ``group`` command with the stage order and its layers; the first stage becomes the
+group's head, the others its stages (the workers then talk directly, :mod:`tidal.runtime.group`).
+The dispatcher stops routing to the other members at once (the group is seen through its head,
+whose pool is the group's); when the head reports ``grouped`` their requests are the head's, and
+once every new group's head did, the plan is applied. When the controller decides a restore
+(Sec. 4.4: KV use below half of the undropped pools; only once the group's exchange is done),
+the head gets ``restore``: the stages' KV comes back, every member reloads its dropped layers
+from the checkpoint and the group dissolves. A worker failure in a group restores the survivors.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from tidal.cluster.pressure import (
     PressureDecision,
     RestorePlan,
 )
+from tidal.runtime.group import GroupSpec
 
 log = logging.getLogger("tidal.cluster")
 EVENT_LOG = 256  # pressure events kept for /admin/state
@@ -65,6 +66,7 @@ class DropCoordinator(PressureLog):
         self.no_restore_until = 0.0
         self.dropped: dict[int, int] = {}  # instance -> decoder layers it dropped
         self.layers: dict[int, list[int]] = {}  # instance -> [start, end) it holds, once grouped
+        self.formed = 0  # groups formed so far (each gets fresh link addresses)
         self.decisions: DecisionRecorder | None = None  # each plan with the view it was made on (a test's log)
         # Sec. 4.3: the heads split their steps with tidal profile's Eq. 1 coefficients (--profile), else FLOP ratios
         self.microbatch_cost = "profiled" if llm.config.scheduler.microbatch_cost is not None else "FLOP ratios"
@@ -89,38 +91,35 @@ class DropCoordinator(PressureLog):
             return
         if plan is None:
             return
-        pairs = plan.changed
-        if any(len(g) != 2 or any(len(self.ctl.group_of(i)) > 1 for i in g) for g in pairs):
-            log.warning("drop plan %s needs groups of more than two; not executed (not built yet)", plan.to_dict())
-            return
         self.executing = plan
-        llm.monitor.on_groups(plan.groups)  # from now on the group takes requests through its head
-        for head, tail in pairs:
-            address = f"ipc://{os.path.join(llm._ipc_dir, f'group-{head}-{tail}')}"
-            hl, tl = plan.layers[head], plan.layers[tail]
-            # each member watches the other's process (a local worker's pid; None: only a timeout)
-            llm._send(tail, ("drop", "tail", head, address, list(range(*hl)), llm.handles[head].pid))
-            llm._send(head, ("drop", "head", tail, address, list(range(*tl)), llm.handles[tail].pid))
-            self.waiting_heads.add(head)
-            self.exchanging.add(head)
-            self.ctl.note("exchange", now, (head, tail), head_layers=list(hl), tail_layers=list(tl))
+        llm.monitor.on_groups(plan.groups)  # from now on each group takes requests through its head
+        for g in plan.changed:
+            self.formed += 1
+            spec = GroupSpec(tuple(g), {i: tuple(plan.layers[i]) for i in g},
+                             {m: f"ipc://{os.path.join(llm._ipc_dir, f'group-{self.formed}-{m}')}" for m in g[1:]},
+                             {i: llm.handles[i].pid for i in g})  # each member watches its peers' processes
+            for m in g:
+                llm._send(m, ("group", spec))
+            self.waiting_heads.add(g[0])
+            self.exchanging.add(g[0])
+            self.ctl.note("exchange", now, tuple(g), layers={i: list(plan.layers[i]) for i in g})
 
-    def on_grouped(self, i: int, role: str, peer: int, request_ids: list[str], num_blocks: int,
+    def on_grouped(self, i: int, role: str, members: tuple[int, ...], request_ids: list[str], num_blocks: int,
                    layer_ids: list[int], now: float) -> None:
         llm = self.llm
         self.dropped[i] = self.model.num_layers - len(layer_ids)
         self.layers[i] = [min(layer_ids), max(layer_ids) + 1]
-        if role == "tail":  # n > 1 requests the tail could not move: re-run them (recompute)
+        if role == "tail":  # n > 1 requests a stage could not move: re-run them (recompute)
             for rid in request_ids:
                 t = llm.by_wid.get(rid)
                 if t is not None:
-                    llm.monitor.on_finish(i, t.rid)
+                    llm.monitor.on_finish(t.instance, t.rid)
                     llm._failover(t)
             return
-        for rid in request_ids:  # the tail's requests now run on the head
+        for rid in request_ids:  # the other members' requests now run on the head
             t = llm.by_wid.get(rid)
-            if t is not None and t.instance == peer:
-                llm.monitor.on_finish(peer, t.rid)
+            if t is not None and t.instance in members and t.instance != i:
+                llm.monitor.on_finish(t.instance, t.rid)
                 llm.monitor.on_dispatch(i, t.rid, now)
                 t.instance = i
         self.waiting_heads.discard(i)
@@ -128,10 +127,10 @@ class DropCoordinator(PressureLog):
             self.ctl.applied(self.executing, now)
             self.executing = None
 
-    def on_exchange_done(self, i: int, peer: int, exchanged: int, moved: int, now: float) -> None:
+    def on_exchange_done(self, i: int, members: tuple[int, ...], exchanged: int, moved: int, now: float) -> None:
         self.exchanging.discard(i)
         if self.ctl is not None:
-            self.ctl.note("exchange-done", now, (i, peer), requests_exchanged=exchanged, requests_moved=moved)
+            self.ctl.note("exchange-done", now, tuple(members), requests_exchanged=exchanged, requests_moved=moved)
 
     def on_restored(self, i: int, role: str, num_blocks: int, layer_ids: list[int], num_back: int,
                     stats: dict[str, Any], now: float) -> None:
@@ -157,18 +156,23 @@ class DropCoordinator(PressureLog):
         layers (it may have noticed first: then the command is a no-op there)."""
         if self.ctl is None:
             return
+        survivors = set(self.ctl.group_of(i))
         if self.executing is not None and any(i in g for g in self.executing.changed):
+            forming = next(g for g in self.executing.changed if i in g)
+            survivors.update(forming)  # the group being formed dissolves, and every group merging into it
+            for m in forming:
+                if m != i and len(self.ctl.group_of(m)) > 1:
+                    self.ctl.on_failure(m, now)
             self.executing = None
             self.waiting_heads.clear()
         if self.restoring is not None and i in self.restoring.group:
             self.restoring = None
         self.exchanging.clear()
-        g = self.ctl.on_failure(i, now)
+        self.ctl.on_failure(i, now)
         self.dropped.pop(i, None)
         self.layers.pop(i, None)
-        for s in g:
-            if s != i:
-                self.llm._send(s, ("ungroup",))
+        for s in sorted(survivors - {i}):
+            self.llm._send(s, ("ungroup",))
 
     def on_ungrouped(self, i: int, lost: list[str], num_blocks: int, now: float) -> None:
         """A survivor restored its layers; the requests it held lost their KV of the peer's layers

@@ -11,15 +11,15 @@ alpha computes; it takes blocks chunk by chunk as the KV lands), ``kv`` (one chu
 import; the last one resumes it), ``finish`` (alpha's sampled tokens and the time of its last
 one: resumes a reserved beta part once all its KV is here), ``unsplit`` (alpha keeps the whole
 request), ``migrate`` (move a running request with its KV, as a hand-off: the Llumnix-like
-baseline, :mod:`tidal.runtime.migrate`), ``drop`` (KunServe: become the head or the tail of a pipeline group,
-:mod:`tidal.runtime.group`), ``shutdown``.
+baseline, :mod:`tidal.runtime.migrate`), ``group`` (KunServe: become the head or a stage of a pipeline group,
+:mod:`tidal.runtime.group`), ``ungroup``, ``restore``, ``shutdown``.
 
 Messages (worker -> front end): ``ready``, ``out`` (RequestOutputs of a step plus the instance's
 status), ``rejected``, ``handoff`` (a prefill instance finished a request's prefill: its
 snapshot; chunks follow), ``kv`` (a chunk written), ``split_done`` (an alpha part reached its
 split point; all its chunks were sent), ``landed`` / ``refused`` (a hand-off's import or a
-reservation), ``unmoved`` (a migration that cannot start), ``grouped`` (a drop took effect: the requests that moved here, the pool, the
-layers held), ``exchange_done`` (every request's KV is where the group needs it), ``fatal``.
+reservation), ``unmoved`` (a migration that cannot start), ``grouped`` (a drop took effect: the requests that moved
+here, the pool, the layers held), ``exchange_done`` (every request's KV is where the group needs it), ``fatal``.
 
 A prefill worker (BucketServe's disaggregation) pauses each request after its first token,
 then writes one KV chunk per loop turn between its steps, so it keeps computing while the
@@ -219,22 +219,26 @@ class Worker:
             self.land_arrived()
         elif kind == "migrate":
             self.migrate(msg[1])
-        elif kind == "drop":  # KunServe Sec. 4.1-4.2: become the head or the tail of a group
-            _, role, peer, address, drop, peer_pid = msg
-            from tidal.runtime.group import GroupHead, GroupTail, PeerLost
+        elif kind == "group":  # KunServe Sec. 4.1-4.2: become the head or a stage of a pipeline group
+            spec = msg[1]
+            from tidal.runtime.group import GroupHead, GroupTail
+            from tidal.runtime.peer import PeerLost
 
             try:
-                if role == "head":
-                    self.head = GroupHead(self, peer, address, drop, peer_pid)
-                    self.send("grouped", role, peer, self.head.moved, e.kv_manager.num_blocks, e.model.layer_ids)
+                pieces = self.leave_group()
+                if spec.head == self.cfg.index:
+                    self.head = GroupHead(self, spec, pieces)
+                    self.send("grouped", "head", spec.members, self.head.moved, e.kv_manager.num_blocks,
+                              e.model.layer_ids)
                 else:
-                    self.tail = GroupTail(self, peer, address, drop, peer_pid)
-                    self.send("grouped", role, peer, self.tail.lost, e.kv_manager.num_blocks, e.model.layer_ids)
+                    self.tail = GroupTail(self, spec, pieces)
+                    self.send("grouped", "tail", spec.members, self.tail.lost, e.kv_manager.num_blocks,
+                              e.model.layer_ids)
             except PeerLost:
                 self.ungroup()
                 return
             self.send("idle", self.status())
-        elif kind == "ungroup":  # the peer failed (the front end saw it)
+        elif kind == "ungroup":  # a member of the group failed (the front end saw it)
             self.ungroup()
         elif kind == "restore":  # KunServe Sec. 4.4: the pressure is gone; overlapped with serving
             if self.head is None or not self.head.begin_restore():
@@ -242,9 +246,21 @@ class Worker:
         elif kind == "shutdown":
             self.running = False
 
+    def leave_group(self) -> dict:
+        """Before joining a new group (Fig. 6 merges groups): a head collapses its group (its
+        stages' KV of its running requests comes back: returned, by request); a stage serves its
+        head until released. Nothing to do for an instance that ran alone."""
+        pieces = {}
+        if self.head is not None:
+            pieces, self.head = self.head.collapse(), None
+        elif self.tail is not None:
+            self.tail.until_handover()
+            self.tail = None
+        return pieces
+
     def ungroup(self) -> None:
-        """KunServe Sec. 4.4's fault tolerance: the group's other member is gone. Every request
-        here lost its KV of the peer's layers: abort them (``ungrouped`` names them; the front end
+        """KunServe Sec. 4.4's fault tolerance: a member of the group is gone. Every request
+        here lost its KV of the other members' layers: abort them (``ungrouped`` names them; the front end
         re-runs them from their streamed tokens); restore the dropped layers from the host copy
         and serve alone. A no-op when this worker is not (or no longer) in a group."""
         e = self.engine
@@ -261,9 +277,10 @@ class Worker:
             self.head.release_pending()
         e.set_stage_link(None)
         if g is not None:
-            g.peer.close()
+            g.close()
         self.head = self.tail = None
-        e.restore_layers(sorted(e.dropped_weight_bytes))
+        if e.dropped_weight_bytes:
+            e.restore_layers(sorted(e.dropped_weight_bytes))
         self.send("ungrouped", lost, e.kv_manager.num_blocks)
         self.send("idle", self.status())
 
@@ -402,7 +419,7 @@ class Worker:
     def run(self) -> None:
         import zmq
 
-        from tidal.runtime.group import PeerLost
+        from tidal.runtime.peer import PeerLost
 
         self.send("ready", self.status())
         poller = zmq.Poller()
@@ -422,7 +439,7 @@ class Worker:
         if self.tail is not None:  # a tail stage: the head's activations and KV, and our commands
             self.tail.serve(0.02)
             if self.tail.dissolved:  # Sec. 4.4: reload the head's layers from the checkpoint, serve alone
-                self.tail.peer.close()
+                self.tail.close()
                 self.tail = None
                 e.restore_layers(sorted(e.dropped_weight_bytes))
                 self.send("restored", "tail", e.kv_manager.num_blocks, e.model.layer_ids, 0, {})
@@ -490,7 +507,7 @@ class Worker:
             self.head.release_pending()
         for g in (self.head, self.tail):
             if g is not None:
-                g.peer.close()
+                g.close()
         # chunks of unfinished hand-offs that were already put are the front end's to release (it holds
         # their handles); the ones not yet put never existed
         self.cmd.close(0)
