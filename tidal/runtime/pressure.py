@@ -86,8 +86,14 @@ class DropCoordinator(PressureLog):
             return
         plan = self.ctl.decide(now)
         if isinstance(plan, RestorePlan):
+            head = plan.group[0]
+            st = llm.monitor.instances[head].status
+            if st.num_blocks - st.num_free_blocks > self.ctl.base_blocks[head]:  # n > 2: not yet on one pool
+                self.ctl.pending = None  # the controller has no withdraw: clearing its pending plan is one
+                self.no_restore_until = now + RETRY_RESTORE_S
+                return
             self.restoring = plan
-            llm._send(plan.group[0], ("restore",))  # the head drives it (tidal.runtime.group)
+            llm._send(head, ("restore",))  # the head drives it and gathers the group (tidal.runtime.group)
             return
         if plan is None:
             return
