@@ -16,6 +16,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Every engine the tests build in this process reuses the parsed and dequantized default GGUF
 # (tidal.engine.loader's opt-in cache; each engine still gets its own copy of the weights).
 os.environ.setdefault("TIDAL_WEIGHT_CACHE_MB", "1024")
+# Under xdist each worker (and the servers and cluster workers it starts) gets its share of the
+# cores as torch threads: two workers each running two threads on two cores spent more time
+# switching (and ~8 % more wall time on the engine modules) than one thread each.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    from tidal.config import affinity_cores
+
+    os.environ.setdefault("TIDAL_CPU_THREADS",
+                          str(max(1, affinity_cores() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)  # absent with -p no:xdist

@@ -269,6 +269,21 @@ def cdiv(a: int, b: int) -> int:
 
 
 def default_cpu_threads() -> int:
+    """The CPU threads an engine uses unless told: ``TIDAL_CPU_THREADS`` when set (a share of the
+    cores, e.g. for several processes side by side), else every core this process may run on."""
+    share = env_str("TIDAL_CPU_THREADS")
+    if share:
+        try:
+            if int(share) >= 1:
+                return int(share)
+        except ValueError:
+            pass
+        raise ConfigError(f"TIDAL_CPU_THREADS must be a positive integer, got {share!r}")
+    return affinity_cores()
+
+
+def affinity_cores() -> int:
+    """The cores this process may run on."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - non-Linux
@@ -277,5 +292,5 @@ def default_cpu_threads() -> int:
 
 __all__ = [
     "DEFAULT_CPU_KV_MEMORY", "CacheConfig", "ConfigError", "activation_reserve_bytes", "kv_pool_blocks", "EngineConfig", "ModelArch", "ModelConfig", "SchedulerConfig",
-    "cdiv", "default_cpu_threads", "env_str", "parse_policy_args", "parse_size",
+    "affinity_cores", "cdiv", "default_cpu_threads", "env_str", "parse_policy_args", "parse_size",
 ]

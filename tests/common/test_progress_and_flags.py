@@ -112,3 +112,18 @@ def test_serve_profile_gives_the_profiled_eq1_to_the_scheduler_config(tmp_path):
         assert "\n" not in str(e.value) and str(e.value).startswith("--profile: ")
     with pytest.raises(ConfigError, match="microbatch_cost must be"):
         EngineConfig.from_kwargs(microbatch_cost=(0.0, 0.0, 1.0))
+
+
+def test_cpu_threads_share_from_the_environment(monkeypatch):
+    from tidal.common.machine import machine_info
+    from tidal.config import affinity_cores, default_cpu_threads
+
+    monkeypatch.setenv("TIDAL_CPU_THREADS", "3")
+    assert default_cpu_threads() == 3
+    assert machine_info()["cores"] == affinity_cores()  # the machine is still reported whole
+    monkeypatch.delenv("TIDAL_CPU_THREADS")
+    assert default_cpu_threads() == affinity_cores()
+    for bad in ("0", "two"):
+        monkeypatch.setenv("TIDAL_CPU_THREADS", bad)
+        with pytest.raises(ConfigError, match="TIDAL_CPU_THREADS must be a positive integer"):
+            default_cpu_threads()

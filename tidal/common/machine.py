@@ -12,7 +12,7 @@ import platform
 import sys
 from typing import Any
 
-from tidal.config import default_cpu_threads
+from tidal.config import affinity_cores
 
 ISA_PREFIXES = ("avx512_bf16", "amx", "avx512f", "avx2")
 
@@ -35,8 +35,9 @@ def cpu_model_and_flags() -> tuple[str, list[str]]:
 
 
 def usable_cores() -> int:
-    """Cores this process may run on (its affinity), the engine's default thread count."""
-    return default_cpu_threads()
+    """Cores this process may run on (its affinity; the engine's default thread count unless
+    ``TIDAL_CPU_THREADS`` gives it a share)."""
+    return affinity_cores()
 
 
 def load_average() -> list[float] | None:
