@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 import sys
 
 import pytest
@@ -12,7 +13,8 @@ from tidal.cli import main
 
 
 def _shm_segments() -> set[str]:
-    return set(glob.glob("/dev/shm/tidal-kv-*"))
+    """The segments this process's transports made (tidal-kv-<pid>-*: other tests' are not ours)."""
+    return set(glob.glob(f"/dev/shm/tidal-kv-{os.getpid()}-*"))
 
 
 def test_kv_transfer_bench_shm_tiny(tmp_path, capsys):

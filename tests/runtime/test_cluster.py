@@ -31,7 +31,10 @@ def reference(make_engine):
 
 
 def shm_segments() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("tidal-kv")} if os.path.isdir("/dev/shm") else set()
+    """The KV segments of the clusters this process runs (their front end names them
+    tidal-kv-<its pid>-*), whatever other tests on the machine make meanwhile."""
+    mine = f"tidal-kv-{os.getpid()}-"
+    return {n for n in os.listdir("/dev/shm") if n.startswith(mine)} if os.path.isdir("/dev/shm") else set()
 
 
 def start(mode: str, prefill: int = 0, prefill_batching: str | None = None, engine: dict | None = None):

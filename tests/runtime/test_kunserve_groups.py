@@ -18,8 +18,7 @@ import time
 
 import pytest
 
-from tests.runtime.test_cluster import wait_gone
-from tests.runtime.test_kunserve_runtime import shm_segments
+from tests.runtime.test_cluster import shm_segments, wait_gone
 from tidal.cluster.dispatch import ClusterLayout
 from tidal.config import EngineConfig
 from tidal.core.sampling import SamplingParams

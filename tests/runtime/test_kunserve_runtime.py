@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.runtime.test_cluster import wait_gone
+from tests.runtime.test_cluster import shm_segments, wait_gone
 from tidal.cluster.dispatch import ClusterLayout
 from tidal.config import ConfigError, EngineConfig
 from tidal.core.sampling import SamplingParams
@@ -46,10 +46,6 @@ def reference(make_engine, smol_tokenizer):
     outs = LLM.from_engine(make_engine(max_num_batched_tokens=64)).generate(
         [{"prompt_token_ids": p} for p in ps + ps[:1]], [PARAMS] * 16 + [LONG])
     return [o.outputs[0].token_ids for o in outs]
-
-
-def shm_segments() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("tidal-kv")} if os.path.isdir("/dev/shm") else set()
 
 
 def _cluster(instances: int = 2, **engine):

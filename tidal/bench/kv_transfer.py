@@ -320,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
                 else:
                     receiver = ShmReceiver()
                 receivers[name] = receiver.description
-                transport = build_transport(name)
+                transport = build_transport(name, str(os.getpid()))  # segments named tidal-kv-<pid>-*
                 for n in tokens:
                     kv, spec = make_chunk(arch, layers, n, args.dtype)
                     chunk_bytes = 2 * layers * n * arch.num_kv_heads * arch.head_dim * elem

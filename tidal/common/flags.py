@@ -92,7 +92,7 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     _flag("--gpu-memory-utilization", type=float, default=None, help="fraction of GPU memory for weights+KV"),
     _flag("--block-size", type=int, default=None, help="tokens per KV block"),
     _flag("--swap-space", default=None, help="host memory for swapped-out KV, e.g. 1GiB"),
-    _flag("--num-threads", type=int, default=None, help="CPU threads for the model (default: all cores)"),
+    _flag("--num-threads", type=int, default=None, help="CPU threads for the model (default: all cores, or $TIDAL_CPU_THREADS)"),
     # dest differs from the workload's --seed, so a command never mistakes one for the other
     _flag("--seed", type=int, default=None, dest="engine_seed", help="engine seed for unseeded sampling"),
 )

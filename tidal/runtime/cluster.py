@@ -69,7 +69,8 @@ class ClusterLLM:
         self.threads = cluster.threads_per_instance or max(1, default_cpu_threads() // n)
         self.engine_kwargs = dict(engine_kwargs)
         self.engine_kwargs.pop("num_threads", None)
-        self.transport = build_transport(cluster.transport)
+        self.transport_tag = str(os.getpid())  # this cluster's shared-memory segments are tidal-kv-<pid>-*
+        self.transport = build_transport(cluster.transport, self.transport_tag)
         self.backend = self._make_backend()
         if cluster.transport == "shm" and not self.backend.single_machine:
             self.backend.shutdown()
@@ -168,7 +169,7 @@ class ClusterLLM:
         role = self.layout.roles()[i]
         return WorkerConfig(i, role, self.role_kwargs(role), self.threads, self.cmd_addresses[i],
                             self.out_address, self.cluster.transport, self.cluster.layers_per_chunk,
-                            self.cluster.tokens_per_chunk, self.generation[i])
+                            self.cluster.tokens_per_chunk, self.generation[i], transport_tag=self.transport_tag)
 
     def now(self) -> float:
         return time.monotonic() - self._t0

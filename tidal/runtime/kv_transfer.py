@@ -184,9 +184,13 @@ class RayTransport(KVTransport):
 TRANSPORTS = {"shm": SharedMemoryTransport, "ray": RayTransport}
 
 
-def build_transport(name: str) -> KVTransport:
+def build_transport(name: str, tag: str = "") -> KVTransport:
+    """``tag``: the shared-memory segments' names carry it (a cluster's front end gives its pid, so
+    the segments of one cluster can be told from another's)."""
     if name not in TRANSPORTS:
         raise ValueError(f"unknown KV transport {name!r}; available: {', '.join(TRANSPORTS)}")
+    if name == "shm" and tag:
+        return SharedMemoryTransport(f"tidal-kv-{tag}")
     return TRANSPORTS[name]()
 
 

@@ -61,6 +61,7 @@ class WorkerConfig:
     tokens_per_chunk: int = 0  # 0: a chunk spans all the request's tokens
     generation: int = 0  # restarts of this instance so far (tags its messages)
     mb_min_tokens: int = 16  # KunServe Fig. 11's MIN: a step of this many tokens or fewer is one microbatch
+    transport_tag: str = ""  # the front end's: names its cluster's shared-memory KV segments
 
 
 @dataclass
@@ -135,7 +136,7 @@ class Worker:
         from tidal.engine.loader import clear_cache
 
         clear_cache()  # a worker builds one engine: a per-process copy of the weights would only cost memory
-        self.transport = build_transport(cfg.transport)
+        self.transport = build_transport(cfg.transport, cfg.transport_tag)
         self.exports: deque[_Export] = deque()
         self.handing_off: set[str] = set()
         self.importing: set[str] = set()  # paused imports whose KV chunks are still arriving
