@@ -233,3 +233,67 @@ def test_a_joined_ray_cluster_listens_on_the_node_address_and_needs_ray_kv_acros
         ClusterLLM(EngineConfig.from_kwargs(**ENGINE), ClusterConfig(layout=ClusterLayout(2), backend="ray",
                                                                      transport="shm"), ENGINE)
     assert shut == [multi]
+
+
+FRONT_END = """
+import os, sys, time
+from tidal.cluster.dispatch import ClusterLayout
+from tidal.config import EngineConfig
+from tidal.runtime.cluster import ClusterConfig, ClusterLLM
+
+if __name__ == "__main__":
+    kw = dict(dtype="float32", num_blocks_override=10)
+    llm = ClusterLLM(EngineConfig.from_kwargs(**kw),
+                     ClusterConfig(layout=ClusterLayout(2, "colocate", 0), threads_per_instance=1), kw)
+    llm.start()
+    print("ready", *[h.pid for h in llm.handles], flush=True)
+    time.sleep(300)
+"""
+
+
+def _process_tree() -> dict[int, list[int]]:
+    """Every process's children, read from /proc."""
+    children: dict[int, list[int]] = {}
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(p))
+    return children
+
+
+def _descendants(tree: dict[int, list[int]], pid: int) -> set[int]:
+    out, todo = set(), [pid]
+    while todo:
+        for c in tree.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process tree from /proc")
+def test_a_sigkilled_front_end_takes_its_forkserver_and_workers_with_it(tmp_path):
+    """The workers are forked from a forkserver (the front end's child): killing the front end by
+    SIGKILL (no cleanup runs) kills the forkserver, and each worker with it -- no orphan."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "front_end.py"
+    script.write_text(FRONT_END)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline().split()
+        assert line and line[0] == "ready", line
+        workers = {int(p) for p in line[1:]}
+        tree = _process_tree()
+        family = _descendants(tree, proc.pid)
+        assert len(workers) == 2 and workers < family and not workers & set(tree[proc.pid])
+        forkservers = [c for c in tree[proc.pid] if workers <= set(tree.get(c, []))]
+        assert len(forkservers) == 1  # both workers are the children of one child of the front end
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+    wait_gone(family)

@@ -8,6 +8,7 @@ readable when a local process dies) and stops it by its own id.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import multiprocessing as mp
 import os
 import signal
@@ -64,9 +65,14 @@ class ProcessBackend:
     name = "process"
 
     def __init__(self) -> None:
-        self.ctx = mp.get_context("spawn")  # a fresh interpreter: no torch threads or locks inherited
+        # forked from a server process that imported torch, the engine and transformers once and
+        # nothing else (no thread, no device): a worker starts without importing them anew, and
+        # inherits no torch threads or locks of the front end (which a plain fork would)
+        self.ctx = mp.get_context("forkserver")
+        self.ctx.set_forkserver_preload(["tidal.runtime.forkserver_preload"])
 
     def start(self, cfg: WorkerConfig) -> ProcessHandle:
+        cfg = dataclasses.replace(cfg, env=dict(os.environ))  # the forkserver's is the front end's when it started
         proc = self.ctx.Process(target=worker_main, args=(cfg,), name=f"tidal-worker-{cfg.index}", daemon=True)
         proc.start()
         return ProcessHandle(proc)

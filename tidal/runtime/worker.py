@@ -62,6 +62,7 @@ class WorkerConfig:
     generation: int = 0  # restarts of this instance so far (tags its messages)
     mb_min_tokens: int = 16  # KunServe Fig. 11's MIN: a step of this many tokens or fewer is one microbatch
     transport_tag: str = ""  # the front end's: names its cluster's shared-memory KV segments
+    env: dict[str, str] | None = None  # a local worker takes the front end's environment as it is now
 
 
 @dataclass
@@ -104,7 +105,7 @@ def instance_status(engine: Any, index: int, step_time_s: float | None = None) -
                           policy=engine.policy.state().to_dict())
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Linux: SIGKILL this process when the front end dies, so no worker is ever orphaned."""
     if not sys.platform.startswith("linux"):
         return
@@ -518,7 +519,10 @@ class Worker:
 
 def worker_main(cfg: WorkerConfig) -> None:
     """Entry point of a worker process."""
-    _die_with_parent()
+    die_with_parent()
+    if cfg.env is not None:  # forked from the forkserver: the environment as the front end has it now
+        os.environ.clear()
+        os.environ.update(cfg.env)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every stack to stderr
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when workers stop
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s worker {cfg.index} %(levelname)s: %(message)s")
