@@ -10,7 +10,6 @@ segment is left behind."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import random
 import signal
@@ -19,6 +18,7 @@ import time
 import pytest
 
 from tests.runtime.test_cluster import shm_segments, wait_gone
+from tests.runtime.test_kunserve_runtime import _serve
 from tidal.cluster.dispatch import ClusterLayout
 from tidal.config import EngineConfig
 from tidal.core.sampling import SamplingParams
@@ -87,21 +87,6 @@ def cluster(engine_kwargs):
     assert shm_segments() <= before
 
 
-def _serve(llm, ps, on_token=None) -> list[list[int]]:
-    async def one(i: int) -> list[int]:
-        toks: list[int] = []
-        async for o in llm.generate(None, PARAMS, f"g{id(ps)}-{i}", prompt_token_ids=ps[i]):
-            toks += o.outputs[0].delta_token_ids
-            if on_token is not None:
-                on_token()
-        return toks
-
-    async def run():
-        return await asyncio.gather(*[one(i) for i in range(len(ps))])
-
-    return asyncio.run(run())
-
-
 def _settle(llm, timeout: float = 60.0) -> dict:
     """The cluster once every instance is alive, ungrouped, whole, with every KV block free."""
     deadline = time.monotonic() + timeout
@@ -130,7 +115,7 @@ def test_pairs_merge_into_a_group_of_four_serve_identically_and_restore(cluster,
         if not seen and any(len(g) == 4 for g in kp["groups"]):
             seen.append({"kp": kp, "total": llm.stats["num_kv_blocks"]})
 
-    assert _serve(llm, ps, watch) == ref
+    assert _serve(llm, ps, watch, PARAMS) == ref
     st = _settle(llm)
     events = list(llm.pressure.events)  # every decision and event so far (the state shows the last 32)
     kinds = [e["kind"] for e in events]
@@ -171,7 +156,7 @@ def test_a_member_killed_in_the_group_of_four_restores_the_rest(cluster, engine_
             killed.append(llm.handles[four[0][1]].pid)
             os.kill(killed[0], signal.SIGKILL)
 
-    assert _serve(llm, ps, kill_a_middle_stage) == ref
+    assert _serve(llm, ps, kill_a_middle_stage, PARAMS) == ref
     assert killed, "the group of four never formed"
     st = _settle(llm)
     failure = [e for e in llm.pressure.events if e["kind"] == "restore" and e.get("reason") == "failure"]
