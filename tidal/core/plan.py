@@ -8,6 +8,7 @@ composition that the controllers and the cost model learn from.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tidal.core.sampling import SamplingParams
@@ -133,7 +134,7 @@ class RequestUpdate:
 
     request_id: str
     new_token_ids: list[int]
-    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    new_logprobs: Sequence[TokenLogprobs] = ()  # one per new token when logprobs were asked for
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None

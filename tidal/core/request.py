@@ -49,6 +49,7 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None  # when its latest output token was sampled (a hand-off carries it)
     finish_time: float | None = None
+    length_limit: int | None = field(default=None, repr=False)  # max_output_tokens, once a token is checked
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -114,11 +115,11 @@ class Request:
                 return FinishReason.STOP, None
             if last in sp.stop_token_ids:
                 return FinishReason.STOP, last
-        # max_output_tokens, inline: this runs for every sampled token
-        limit = sp.max_tokens
-        if self.max_model_len is not None:
-            room = self.max_model_len - len(self.prompt_token_ids)
-            limit = room if limit is None else min(limit, room)
-        if n >= (limit if limit is not None else 1 << 30):
+        # this runs for every sampled token: the limit is computed once (its inputs are fixed once
+        # the scheduler holds the request, which sets max_model_len)
+        limit = self.length_limit
+        if limit is None:
+            limit = self.length_limit = self.max_output_tokens
+        if n >= limit:
             return FinishReason.LENGTH, None
         return None

@@ -324,15 +324,13 @@ class Scheduler:
         if req.first_token_time is None:
             req.first_token_time = now
         req.last_token_time = now
-        upd = RequestUpdate(req.request_id, [token])
-        if lp is not None:
-            upd.new_logprobs.append(lp)
+        upd = RequestUpdate(req.request_id, [token], () if lp is None else [lp])
         stop = req.check_stop()
         if stop is not None:
             reason, stop_reason = stop
             self.finish_request(req.request_id, reason, stop_reason, now=now)
             upd.finished, upd.finish_reason, upd.stop_reason = True, reason.value, stop_reason
-        else:
+        elif req.pause_at is not None:
             self._check_pause(req)
         return upd
 
