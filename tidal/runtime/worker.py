@@ -106,7 +106,8 @@ def instance_status(engine: Any, index: int, step_time_s: float | None = None) -
 
 
 def die_with_parent() -> None:
-    """Linux: SIGKILL this process when the front end dies, so no worker is ever orphaned."""
+    """Linux: SIGKILL this process when its parent dies (a worker's parent is the forkserver, whose
+    parent is the front end: each link dies with the one above), so no worker is ever orphaned."""
     if not sys.platform.startswith("linux"):
         return
     with contextlib.suppress(Exception):
