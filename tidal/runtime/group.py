@@ -129,6 +129,16 @@ class GroupHead:
         self.worker, self.engine, self.spec = worker, e, spec
         self.links = {m: PeerLink(worker.ctx, spec.addresses[m], bind=True, peer_pid=spec.pids.get(m))
                       for m in spec.stages}
+        try:  # a member dying meanwhile: the links close (and queued chunks go) before the worker restores alone
+            self._form(pieces)
+        except BaseException:
+            for item in getattr(self, "queue", ()):
+                worker.transport.release(item[2])
+            self.close()
+            raise
+
+    def _form(self, pieces: dict[str, KV]) -> None:
+        worker, e, spec = self.worker, self.engine, self.spec
         self.queue: deque[tuple[int, str, Any, bool]] = deque()  # (member, request, handle, last), one per turn
         self.expect: dict[str, int] = {}  # paused request -> "ok"s still to come before it resumes
         keep = spec.keeps(spec.head)
@@ -394,6 +404,14 @@ class GroupTail:
         me = worker.cfg.index
         self.worker, self.engine, self.spec = worker, e, spec
         self.peer = PeerLink(worker.ctx, spec.addresses[me], bind=False, peer_pid=spec.pids.get(spec.head))
+        try:  # the head dying meanwhile: the link closes before the worker restores alone
+            self._form(pieces)
+        except BaseException:
+            self.close()
+            raise
+
+    def _form(self, pieces: dict[str, KV]) -> None:
+        worker, e, spec, me = self.worker, self.engine, self.spec, self.worker.cfg.index
         self.local: dict[str, KV] = {}  # moved requests' KV of our layers, until the head places them
         moved, lost = [], []
         for rid, group in list(e._groups.items()):
