@@ -103,11 +103,24 @@ def _fours(events: list[dict]) -> list[dict]:
     return [e for e in events if e["kind"] == "exchange" and len(e["instances"]) == 4]
 
 
+def _bursts(llm, engine_kwargs, seed: int, on_token, done, tries: int = 3) -> dict:
+    """Bursts of the N prompts of ``seed``, ``seed + 1``, ... (each token-identical to one engine,
+    the cluster whole again after each) until ``done()``: whether a burst's throttles grow a
+    group of four depends on when each report lands, so a burst that only made pairs is followed
+    by another. Returns the cluster's state after the last."""
+    for k in range(tries):
+        ps = _prompts(seed + k)
+        ref = _reference(engine_kwargs, ps)
+        assert len({tuple(r) for r in ref}) == N  # the outputs depend on the prompt: a lost KV would show
+        assert _serve(llm, ps, on_token, PARAMS) == ref
+        st = _settle(llm)
+        if done():
+            break
+    return st
+
+
 def test_pairs_merge_into_a_group_of_four_serve_identically_and_restore(cluster, engine_kwargs):
     llm, _ = cluster
-    ps = _prompts(0)
-    ref = _reference(engine_kwargs, ps)
-    assert len({tuple(r) for r in ref}) == N  # the outputs depend on the prompt: a lost KV would show
     seen: list[dict] = []
 
     def watch() -> None:
@@ -115,8 +128,7 @@ def test_pairs_merge_into_a_group_of_four_serve_identically_and_restore(cluster,
         if not seen and any(len(g) == 4 for g in kp["groups"]):
             seen.append({"kp": kp, "total": llm.stats["num_kv_blocks"]})
 
-    assert _serve(llm, ps, watch, PARAMS) == ref
-    st = _settle(llm)
+    st = _bursts(llm, engine_kwargs, 0, watch, lambda: bool(seen))
     events = list(llm.pressure.events)  # every decision and event so far (the state shows the last 32)
     kinds = [e["kind"] for e in events]
     four = _fours(events)
@@ -133,7 +145,8 @@ def test_pairs_merge_into_a_group_of_four_serve_identically_and_restore(cluster,
     # the group's pool: one copy of the weights freed over four members, far above the 40 blocks before
     assert seen[0]["total"] > 40
     # Sec. 4.4: the group of four restores; every instance is whole again with its own 10 blocks
-    assert "restore-done" in kinds and kinds.index("restore-done") > events.index(four[0])
+    restored = [k for k, e in enumerate(events) if e["kind"] == "restore-done" and len(e["instances"]) == 4]
+    assert restored and restored[-1] > events.index(four[0]), kinds  # (a pair may restore before, too)
     assert [r["num_blocks"] for r in st["cluster"]["instances"]] == [10] * 4
     assert st["num_free_kv_blocks"] == st["num_kv_blocks"] == 40
 
@@ -143,8 +156,6 @@ def test_a_member_killed_in_the_group_of_four_restores_the_rest(cluster, engine_
     group's exchange is done; the survivors restore their layers, the head's requests re-run from
     their streamed tokens, the killed instance restarts whole."""
     llm, pids = cluster
-    ps = _prompts(1)
-    ref = _reference(engine_kwargs, ps)
     t0 = max((e["time"] for e in llm.pressure.events), default=float("-inf"))
     killed: list[int] = []
 
@@ -156,9 +167,8 @@ def test_a_member_killed_in_the_group_of_four_restores_the_rest(cluster, engine_
             killed.append(llm.handles[four[0][1]].pid)
             os.kill(killed[0], signal.SIGKILL)
 
-    assert _serve(llm, ps, kill_a_middle_stage, PARAMS) == ref
+    st = _bursts(llm, engine_kwargs, 10, kill_a_middle_stage, lambda: bool(killed))
     assert killed, "the group of four never formed"
-    st = _settle(llm)
     failure = [e for e in llm.pressure.events if e["kind"] == "restore" and e.get("reason") == "failure"]
     assert failure and len(failure[-1]["instances"]) == 4
     assert st["instance_failures"] >= 1 and st["failovers"] >= 1
