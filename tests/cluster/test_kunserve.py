@@ -251,9 +251,14 @@ def test_the_controller_drops_on_throttle_and_restores_when_calm():
     mon.on_status(InstanceStatus(0, 264, 180, 16, 8, 1, 10, None, 0, 10), 3.0)
     restore = ctl.decide(3.0)  # 84 used + 10 queued < 100
     assert isinstance(restore, RestorePlan) and restore.load_bytes == {0: 4 * LB, 1: 4 * LB}
+    ctl.withdraw(plan)  # not the pending plan: nothing changes
+    assert ctl.decide(3.1) is None
+    ctl.withdraw(restore)  # the caller will not run it now: the next decide plans it again
+    restore = ctl.decide(3.2)
+    assert isinstance(restore, RestorePlan)
     ctl.applied(restore, 3.5)
     assert ctl.groups == ((0,), (1,)) and ctl.layers == {0: (0, 8), 1: (0, 8)}
-    assert [d.kind for d in log] == ["throttle", "drop", "restore"]
+    assert [d.kind for d in log] == ["throttle", "drop", "restore", "restore"]
     assert log[1].instances == (0, 1) and log[1].details["freed_bytes"] == 8 * LB
 
 

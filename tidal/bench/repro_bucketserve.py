@@ -39,6 +39,7 @@ from tidal.bench.reproduce import (
     fmt_ratio,
     ratio,
     run_sim,
+    runs_real,
     server_rps,
 )
 from tidal.config import SchedulerConfig
@@ -151,7 +152,7 @@ def reproduce(args: argparse.Namespace, progress: Progress) -> Report:
             cap = capacity_from_sweep([(p["server_rps"], p["attainment"]) for p in pts], TARGET)
             data["online"].setdefault(ds, {})[name] = {"points": pts, "capacity_server_rps": cap}
 
-    if args.real if getattr(args, "real", None) is not None else not quick:
+    if runs_real(args):
         data["real_offline"] = real_offline(12 if quick else 24, 8, 2, progress)
 
     report = Report("bucketserve", "BucketServe (Zheng et al.): bucketed batching against UELLM and DistServe",

@@ -17,7 +17,7 @@ import tempfile
 from typing import Any
 
 from tidal.bench import sim_kunserve as K
-from tidal.bench.reproduce import Claim, Progress, Report, fmt_ratio, run_bench
+from tidal.bench.reproduce import Claim, Progress, Report, fmt_ratio, run_bench, runs_real
 
 REAL = ("not run here: the paper's model (14B) does not fit this 2-core CPU; the same policies on 2 real "
         "CPU instances of the default model run without --quick (or with --real)")
@@ -47,7 +47,7 @@ def reproduce(args: argparse.Namespace, log: Progress) -> Report:
         f"dataset ({', '.join(data['datasets'])}); the same requests for every system. Runs "
         f"`tidal bench sim-kunserve` (its JSON: `kunserve_sim.json`).",
         args.quick, data=_slim(data), figures=[os.path.basename(p) for p in data.get("plots", [])])
-    if args.real if getattr(args, "real", None) is not None else not args.quick:
+    if runs_real(args):
         from tidal.bench import kunserve_real
 
         setup = kunserve_real.RealSetup()

@@ -200,6 +200,12 @@ def write_results_md(path: str, report: Report, figure_dir: str) -> None:
         f.write(text)
 
 
+def runs_real(args: argparse.Namespace) -> bool:
+    """``--real`` / ``--no-real`` as given, else on for a full run and off with ``--quick``."""
+    real = getattr(args, "real", None)
+    return real if real is not None else not args.quick
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("reproduce", help="regenerate a paper's headline result against its baselines (simulator)",
                        description=__doc__.split("\n\n")[0])
@@ -208,8 +214,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output", default="results/reproduce", help="directory for PAPER.json, PAPER.md and figures")
     p.add_argument("--results-md", default=None, help="also write the table and figures into this Markdown file")
     p.add_argument("--real", action=argparse.BooleanOptionalAction, default=None,
-                   help="also run the claims that fit this CPU on the real engine at small scale (bucketserve; "
-                        "default: on, off with --quick)")
+                   help="also run the claims that fit this CPU on the real engine at small scale (bucketserve, "
+                        "kunserve; default: on, off with --quick)")
     p.add_argument("--no-plots", action="store_true", help="write no figures")
     p.add_argument("--no-progress", action="store_true", help="no progress lines")
     p.set_defaults(func=run)

@@ -89,8 +89,7 @@ class DropCoordinator(PressureLog):
             head = plan.group[0]
             st = llm.monitor.instances[head].status
             if st.num_blocks - st.num_free_blocks > self.ctl.base_blocks[head]:  # n > 2: not yet on one pool
-                self.ctl.pending = None  # the controller has no withdraw: clearing its pending plan is one
-                self.no_restore_until = now + RETRY_RESTORE_S
+                self._defer_restore(plan, now)
                 return
             self.restoring = plan
             llm._send(head, ("restore",))  # the head drives it and gathers the group (tidal.runtime.group)
@@ -145,9 +144,7 @@ class DropCoordinator(PressureLog):
         ``stats``: the head's restore, overlapped with serving (seconds and steps) and its stall."""
         plan, ctl = self.restoring, self.ctl
         if role == "refused":
-            if ctl is not None and ctl.pending is plan:
-                ctl.pending = None  # the controller has no withdraw: clearing its pending plan is one
-            self.restoring, self.no_restore_until = None, now + RETRY_RESTORE_S
+            self._defer_restore(plan, now)
             return
         self.dropped.pop(i, None)
         self.layers.pop(i, None)
@@ -156,6 +153,13 @@ class DropCoordinator(PressureLog):
             ctl.note("restore-done", now, plan.group, num_blocks=num_blocks, requests_exchanged_back=num_back,
                      **stats)
             self.restoring = None
+
+    def _defer_restore(self, plan: RestorePlan | None, now: float) -> None:
+        """The restore is not run now (refused, or the group's KV does not fit its head yet): the
+        group stays, and the controller decides again after ``RETRY_RESTORE_S``."""
+        if self.ctl is not None:
+            self.ctl.withdraw(plan)
+        self.restoring, self.no_restore_until = None, now + RETRY_RESTORE_S
 
     def on_failure(self, i: int, now: float) -> None:
         """Worker ``i`` died (Sec. 4.4): its group dissolves; each survivor is told to restore its

@@ -119,6 +119,12 @@ class KunServeController:
                 self.autoscale.on_restore()
         self.monitor.on_groups(self.groups)
 
+    def withdraw(self, plan: Plan | None) -> None:
+        """The caller will not execute ``plan`` (a restore that does not fit yet): nothing changes,
+        and the next ``decide`` may plan again. A no-op for any plan but the pending one."""
+        if plan is not None and plan is self.pending:
+            self.pending = None
+
     def on_failure(self, index: int, now: float) -> tuple[int, ...]:
         """Sec. 4.4's fault tolerance: instance ``index`` failed. Its group dissolves; every member
         holds all layers again (the survivors restore theirs from their host copy, the failed one
