@@ -49,3 +49,31 @@ def test_a_server_that_cannot_start_is_reported_with_its_log(tmp_path, monkeypat
         serve(["--batching", "nope"], [])
     assert "nope" in str(e.value)
     assert not list(tmp_path.iterdir())  # its log is removed once quoted
+
+
+def test_a_server_dies_with_the_experiment_that_started_it(tmp_path):
+    """An experiment killed outright (SIGKILL: no ``finally`` runs) takes its server along: the
+    server gets SIGTERM from the kernel and stops its workers, so nothing is orphaned."""
+    import signal
+    import subprocess
+    import sys
+
+    script = ("import sys, time\nfrom tidal.bench.server_proc import serve\n"
+              "proc, url, log = serve(['--max-num-seqs', '2'], ['--kv-cache-memory', '16MiB'])\n"
+              "print(proc.pid, log, flush=True)\ntime.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        server_pid, log = parent.stdout.readline().split()
+        tree = _process_tree(int(server_pid))
+        assert _alive(int(server_pid))
+    finally:
+        parent.kill()
+        parent.wait(10)
+    deadline = time.monotonic() + 30
+    while [p for p in tree if _alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in tree if _alive(p)]
+    for p in left:  # a failing run cleans up after itself
+        os.kill(p, signal.SIGKILL)
+    os.unlink(log)
+    assert not left

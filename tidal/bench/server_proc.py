@@ -14,16 +14,19 @@ import time
 
 import httpx
 
+from tidal.runtime.worker import die_with_parent
+
 READY = re.compile(r"serving \S+ on (http://[\d.]+:\d+)")
 
 
 def serve(flags: list[str], engine: list[str], timeout_s: float = 600) -> tuple[subprocess.Popen, str, str]:
     """Start ``tidal serve --port 0 ENGINE FLAGS``; returns (process, base URL, log file) once
     ``/health`` answers 200. Raises SystemExit with the log's tail (and removes the log) if it exits
-    or never gets ready."""
+    or never gets ready. The server gets SIGTERM (and stops its workers) if this process dies first."""
     log = tempfile.NamedTemporaryFile("w+", prefix="tidal-serve-", suffix=".log", delete=False)  # noqa: SIM115
     proc = subprocess.Popen([sys.executable, "-m", "tidal.cli", "serve", "--port", "0", *engine, *flags],
-                            stdout=log, stderr=subprocess.STDOUT)
+                            stdout=log, stderr=subprocess.STDOUT,
+                            preexec_fn=lambda: die_with_parent(signal.SIGTERM))
     deadline, text = time.monotonic() + timeout_s, ""
     while time.monotonic() < deadline:
         with open(log.name) as f:

@@ -105,15 +105,16 @@ def instance_status(engine: Any, index: int, step_time_s: float | None = None) -
                           policy=engine.policy.state().to_dict())
 
 
-def die_with_parent() -> None:
-    """Linux: SIGKILL this process when its parent dies (a worker's parent is the forkserver, whose
-    parent is the front end: each link dies with the one above), so no worker is ever orphaned."""
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Linux: send this process ``sig`` when its parent dies (a worker's parent is the forkserver,
+    whose parent is the front end: each link dies with the one above), so no worker is ever orphaned.
+    Also a ``preexec_fn``: the setting survives ``exec``."""
     if not sys.platform.startswith("linux"):
         return
     with contextlib.suppress(Exception):
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
         if os.getppid() == 1:  # the parent is already gone
             os._exit(1)
 
