@@ -10,7 +10,7 @@ dynaserve`` uses them for its real column). Prints a table (capacity, goodput, T
 capacity, splits), writes one JSON and a PNG. Usage::
 
     python benchmarks/dynaserve_serve.py [--workloads dynaserve-2048-512,dynaserve-219-1467] [--scale 4]
-        [--slo tbt=300,ttft=8000] [--num-requests 16] [--max-probes 4]
+        [--slo tbt=300,ttft=8000] [--duration 30] [--max-probes 5]
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ def main() -> int:
     p.add_argument("--scale", type=float, default=d.scale, help="divide the shapes' lengths by this")
     p.add_argument("--slo", default=d.slo)
     p.add_argument("--target", type=float, default=d.target, help="SLO attainment a sustained rate needs")
-    p.add_argument("--num-requests", type=int, default=d.num_requests, help="requests per probe")
+    p.add_argument("--duration", type=float, default=d.duration, help="seconds of arrivals per probe")
+    p.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
+                   help="a request still running this long after a probe's last arrival fails")
     p.add_argument("--search-low", type=float, default=d.search_low)
     p.add_argument("--search-high", type=float, default=d.search_high)
     p.add_argument("--max-probes", type=int, default=d.max_probes)
@@ -47,7 +49,7 @@ def main() -> int:
     rows = run(args.workloads.split(","), args.layouts.split(","), setup, stem, log=lambda m: print(m, flush=True))
 
     print(f"\nmachine: {describe(machine_info())}; SLO {args.slo} for {args.target:.0%} of requests; "
-          f"{args.num_requests} requests per probe; local policy {args.batching}")
+          f"{args.duration:g} s of arrivals per probe; local policy {args.batching}")
     print(f"{'workload':<22}{'layout':<20}{'capacity':>10}{'goodput':>10}{'TBT p99':>9}{'TTFT p50':>10}"
           f"{'split':>7}{'KV MB':>7}")
     for r in rows:

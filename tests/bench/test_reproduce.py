@@ -153,3 +153,29 @@ def test_dynaserve_quick_reads_its_claims_off_the_bench_run(tmp_path):
     assert coloc["holds"] == beats(cap["dynaserve"], cap["coloc-512"])
     assert all(c["real"] == REAL for c in r["claims"])
     assert r["data"]["results"]["qwen-2.5-14b"]["mini-reasoning"]["systems"]["disagg"]["capacity_rps"] == cap["disagg"]
+
+
+def test_dynaserve_real_cells_read_the_real_rows():
+    """The real column from a real run's rows (the run itself takes minutes: benchmarks/dynaserve_serve.py):
+    capacities as searched (a bound when the search hit one), goodput, and the direction of each claim."""
+    from tidal.bench.dynaserve_real import RealSetup
+    from tidal.bench.repro_dynaserve import REAL, REAL_NO_SHAPE, _real_cells
+
+    st = RealSetup()
+
+    def row(layout, cap, good):
+        return {"workload": "dynaserve-219-1467", "layout": layout, "lengths": [55, 367], "capacity_rps": cap,
+                "goodput_tok_s": good}
+
+    real = {"setup": st.__dict__, "rows": [row("colocate", 0.5, 150.0), row("disaggregate", None, 20.0),
+                                           row("split", st.search_high, 160.0)]}
+    vs_coloc, vs_disagg, good = _real_cells(real, "mini-reasoning")
+    assert vs_coloc.startswith(f">= {st.search_high:.2f} vs 0.50 rps: {st.search_high / 0.5:.2f}x")
+    assert vs_coloc.endswith("(direction holds: yes)") and "dynaserve-219-1467 at 55/367 tokens" in vs_coloc
+    assert vs_disagg.startswith(f">= {st.search_high:.2f} vs < {st.search_low:g} rps: n/a")
+    assert vs_disagg.endswith("(direction holds: yes)")  # none passed for 1P1D: any capacity beats it
+    assert good.startswith("160 vs 150 (PD Coloc.) and 20 tok/s") and good.endswith("(direction holds: yes)")
+    real["rows"][0]["goodput_tok_s"] = 158.0  # within the 2 % margin: no win
+    assert _real_cells(real, "mini-reasoning")[2].endswith("(direction holds: **no**)")
+    assert _real_cells(real, "hybrid") == (REAL_NO_SHAPE,) * 3
+    assert _real_cells(None, "mini-reasoning") == (REAL,) * 3

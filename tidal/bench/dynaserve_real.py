@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tidal.bench.server_proc import serve, stop
+from tidal.bench.server_proc import run_client, serve, stop
 from tidal.workload.requests import SHAPES
 
 # layout key -> (what it stands for in the paper, the cluster flags); every instance one thread
@@ -35,10 +34,11 @@ class RealSetup:
     scale: float = 4.0  # the shapes' lengths divided by this
     slo: str = "tbt=300,ttft=8000"
     target: float = 0.9  # SLO attainment a sustained rate needs
-    num_requests: int = 16  # per probe
-    search_low: float = 0.2
-    search_high: float = 2.0
-    max_probes: int = 4
+    duration: float = 30.0  # seconds of Poisson arrivals per probe: long enough for queues to form
+    drain_timeout: float = 60.0  # a request still running this long after the last arrival fails
+    search_low: float = 0.25
+    search_high: float = 6.0
+    max_probes: int = 6
     batching: str = "slo-compose"  # every instance's local policy (DynaServe Alg. 2)
     kv_cache_memory: str = "256MiB"
     max_num_batched_tokens: int = 256
@@ -66,12 +66,13 @@ def run_layout(workload: str, layout: str, setup: RealSetup, out_json: str,
     try:
         cmd = [sys.executable, "-m", "tidal.cli", "bench", "serve", "--base-url", url, "--workload", workload,
                "--max-input-len", str(max_in), "--max-output-len", str(max_out),
-               "--num-requests", str(setup.num_requests), "--capacity-search", "--slo", setup.slo,
+               "--duration", str(setup.duration), "--drain-timeout", str(setup.drain_timeout),
+               "--capacity-search", "--slo", setup.slo,
                "--target-attainment", str(setup.target), "--search-low", str(setup.search_low),
                "--search-high", str(setup.search_high), "--max-probes", str(setup.max_probes),
                "--seed", str(setup.seed), "--no-progress", "--no-plots", "--output", out_json]
         log(f"{workload} ({max_in}/{max_out} tokens), {name}: tidal {' '.join(cmd[3:])}")
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        run_client(cmd)  # its probe lines (stderr) show progress
         with open(out_json) as f:
             r = json.load(f)
     finally:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from tidal.bench.server_proc import serve, stop
+from tidal.bench.server_proc import run_client, serve, stop
 
 SYSTEMS = {
     "preempt": ("vLLM (preempt: recompute)", ["--kv-pressure", "preempt"]),
@@ -94,7 +93,7 @@ def run_system(key: str, setup: RealSetup, out_json: str) -> dict:
                "--burstiness", str(setup.burstiness), "--seed", str(setup.seed), "--slo", setup.slo,
                "--no-progress", "--no-plots", "--output", out_json]
         sampler.start()
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        run_client(cmd)
         sampler.stopped.set()
         sampler.join(5)
         with open(out_json) as f:

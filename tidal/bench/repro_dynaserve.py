@@ -6,20 +6,36 @@ It runs :mod:`tidal.bench.sim_dynaserve` (``tidal bench sim-dynaserve``: capacit
 Poisson rate at which 99 % of the requests keep their own P99 TBT within 100 ms and the median
 TTFT within 2 s, found by search) and reads the claims off its JSON. The full run takes the
 paper's hybrid workload (Table 2) and Mini Reasoning (Fig. 9); ``--quick`` Mini Reasoning only,
-three systems, 40 s windows of at most 200 requests per probe, 3 probes.
+three systems, 40 s windows of at most 200 requests per probe, 3 probes. Without ``--quick`` (or
+with ``--real``) the three layouts also run on 2 real CPU instances of the default model
+(:mod:`tidal.bench.dynaserve_real`), on the shape of each simulated workload that has one.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from typing import Any
 
 from tidal.bench import sim_dynaserve as D
-from tidal.bench.reproduce import Claim, Progress, Report, beats, fmt_rate, fmt_ratio, run_bench
+from tidal.bench.reproduce import (
+    Claim,
+    Progress,
+    Report,
+    beats,
+    fmt_rate,
+    fmt_ratio,
+    ratio,
+    run_bench,
+    runs_real,
+)
 
 REAL = ("not run here: Qwen-2.5-14B does not fit this 2-core CPU; the same three layouts on 2 real CPU "
-        "instances of the default model: `python benchmarks/dynaserve_serve.py` (no result recorded yet)")
+        "instances of the default model run without --quick (or with --real)")
+# the simulated workloads whose shape the real run can serve (lengths scaled down): Mini Reasoning's
+REAL_SHAPES = {"mini-reasoning": "dynaserve-219-1467"}
+REAL_NO_SHAPE = "not run on the real engine: only Mini Reasoning's shape is (a 2-core CPU's time)"
 WHY = ("the calibrated A100 analytic cost model stands in for vLLM on A100s: where a 256-512-token chunk keeps "
        "each colocated step under the SLO at little cost, tuned colocation is hard to beat; splits run a "
        "prompt's prefill on alpha then beta (TTFT), and beta holds a streamed KV copy")
@@ -47,13 +63,63 @@ def reproduce(args: argparse.Namespace, log: Progress) -> Report:
         f"{s['ttft_p50_ms']:g} ms; PD Coloc. = the best of its chunks ({', '.join(n for n in s['systems'] if n in D.COLOC)}). "
         f"Runs `tidal bench sim-dynaserve` (its JSON: `dynaserve_sim.json`).",
         args.quick, data=_slim(data), figures=[os.path.basename(p) for p in data.get("plots", [])])
+    real = _run_real(data, log) if runs_real(args) else None
+    if real is not None:
+        report.data["real"] = real
     for model, by_wl in data["results"].items():
         for wl, res in by_wl.items():
-            report.claims += _claims(model, wl, res["systems"], data["ratios"][model][wl].get("dynaserve", {}))
+            cells = _real_cells(real, wl)
+            report.claims += _claims(model, wl, res["systems"], data["ratios"][model][wl].get("dynaserve", {}), cells)
     return report
 
 
-def _claims(model: str, wl: str, rows: dict[str, Any], r: dict[str, Any]) -> list[Claim]:
+def _run_real(data: dict[str, Any], log: Progress) -> dict[str, Any]:
+    """The three layouts on 2 real CPU instances, on the shape of every simulated workload that has one."""
+    from tidal.bench import dynaserve_real as R
+
+    setup = R.RealSetup()
+    shapes = sorted({REAL_SHAPES[wl] for by_wl in data["results"].values() for wl in by_wl if wl in REAL_SHAPES})
+    with tempfile.TemporaryDirectory(prefix="tidal-dynaserve-real-") as tmp:  # each run's records: not kept
+        rows = R.run(shapes, list(R.LAYOUTS), setup, os.path.join(tmp, "run"), log)
+    return {"setup": setup.__dict__, "engine_flags": setup.engine_flags(), "rows": rows}
+
+
+def _real_cells(real: dict[str, Any] | None, wl: str) -> tuple[str, str, str]:
+    """The real column of the three claims of workload ``wl`` (capacity vs PD Coloc., vs PD Disagg.,
+    goodput), or why there is none."""
+    if real is None:
+        return REAL, REAL, REAL
+    if wl not in REAL_SHAPES:
+        return REAL_NO_SHAPE, REAL_NO_SHAPE, REAL_NO_SHAPE
+    st = real["setup"]
+    by = {r["layout"]: r for r in real["rows"] if r["workload"] == REAL_SHAPES[wl]}
+    split, coloc, disagg = by["split"], by["colocate"], by["disaggregate"]
+    slo = ", ".join(f"{k} <= {v} ms" for k, v in (kv.split("=") for kv in st["slo"].split(",")))
+    where = (f"2 CPU instances of the default model, {REAL_SHAPES[wl]} at {split['lengths'][0]}/{split['lengths'][1]} "
+             f"tokens, {slo} for {st['target']:.0%}, {st['duration']:g} s Poisson probes")
+
+    def cap(row: dict[str, Any]) -> str:
+        c = row["capacity_rps"]
+        if c is None:
+            return f"< {st['search_low']:g}"
+        return f">= {c:.2f}" if c >= st["search_high"] else f"{c:.2f}"
+
+    def cap_cell(base: dict[str, Any]) -> str:
+        gain = ratio(split["capacity_rps"], base["capacity_rps"])
+        holds = beats(split["capacity_rps"], base["capacity_rps"])
+        return (f"{cap(split)} vs {cap(base)} rps: {fmt_ratio(gain)} ({where}) "
+                f"(direction holds: {'yes' if holds else '**no**'})")
+
+    holds = beats(split["goodput_tok_s"], coloc["goodput_tok_s"]) and beats(split["goodput_tok_s"],
+                                                                            disagg["goodput_tok_s"])
+    good = (f"{split['goodput_tok_s']:.0f} vs {coloc['goodput_tok_s']:.0f} (PD Coloc.) and "
+            f"{disagg['goodput_tok_s']:.0f} tok/s (PD Disagg.), each at its own capacity ({where}) "
+            f"(direction holds: {'yes' if holds else '**no**'})")
+    return cap_cell(coloc), cap_cell(disagg), good
+
+
+def _claims(model: str, wl: str, rows: dict[str, Any], r: dict[str, Any],
+            real: tuple[str, str, str] = (REAL, REAL, REAL)) -> list[Claim]:
     cap = {k: v["capacity_rps"] for k, v in rows.items()}
     good = {k: v["max_goodput"] for k, v in rows.items()}
     coloc_name, coloc = r["capacity_rps"]["coloc"], None
@@ -65,10 +131,11 @@ def _claims(model: str, wl: str, rows: dict[str, Any], r: dict[str, Any]) -> lis
     out = [
         Claim(f"{model} {wl}: capacity, DynaServe above tuned PD Coloc.", paper_cap,
               f"{fmt_rate(cap.get('dynaserve'))} vs {fmt_rate(coloc)} rps ({coloc_name}): "
-              f"{fmt_ratio(r['capacity_rps']['vs_coloc'])}", beats(cap.get("dynaserve"), coloc), WHY, REAL),
+              f"{fmt_ratio(r['capacity_rps']['vs_coloc'])}", beats(cap.get("dynaserve"), coloc), WHY, real[0]),
         Claim(f"{model} {wl}: capacity, DynaServe above PD Disagg. (1P1D)", paper_cap,
               f"{fmt_rate(cap.get('dynaserve'))} vs {fmt_rate(cap.get('disagg'))} rps: "
-              f"{fmt_ratio(r['capacity_rps']['vs_disagg'])}", beats(cap.get("dynaserve"), cap.get("disagg")), WHY, REAL),
+              f"{fmt_ratio(r['capacity_rps']['vs_disagg'])}", beats(cap.get("dynaserve"), cap.get("disagg")), WHY,
+              real[1]),
     ]
     g_coloc = r["max_goodput"]["coloc"]
     out.append(Claim(
@@ -79,7 +146,7 @@ def _claims(model: str, wl: str, rows: dict[str, Any], r: dict[str, Any]) -> lis
         f"{_tok(good.get('disagg'))} tok/s (the highest over the probes that kept up)",
         beats(good.get("dynaserve"), good.get(g_coloc) if g_coloc else None) and beats(good.get("dynaserve"),
                                                                                         good.get("disagg")),
-        WHY, REAL))
+        WHY, real[2]))
     return out
 
 

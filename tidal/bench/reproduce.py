@@ -215,7 +215,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--results-md", default=None, help="also write the table and figures into this Markdown file")
     p.add_argument("--real", action=argparse.BooleanOptionalAction, default=None,
                    help="also run the claims that fit this CPU on the real engine at small scale (bucketserve, "
-                        "kunserve; default: on, off with --quick)")
+                        "kunserve, dynaserve; default: on, off with --quick)")
     p.add_argument("--no-plots", action="store_true", help="write no figures")
     p.add_argument("--no-progress", action="store_true", help="no progress lines")
     p.set_defaults(func=run)

@@ -43,6 +43,12 @@ def serve(flags: list[str], engine: list[str], timeout_s: float = 600) -> tuple[
     raise SystemExit(f"server did not start in {timeout_s:.0f} s:\n{text[-2000:]}")
 
 
+def run_client(cmd: list[str]) -> None:
+    """Run a load client (``tidal bench serve ...``) to its end, its stdout dropped (its progress
+    lines go to stderr); like the server, it gets SIGTERM if this process dies first."""
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+
+
 def stop(proc: subprocess.Popen) -> None:
     """SIGTERM (the server stops its workers), then SIGKILL after 60 s."""
     proc.send_signal(signal.SIGTERM)
