@@ -179,3 +179,25 @@ def test_dynaserve_real_cells_read_the_real_rows():
     assert _real_cells(real, "mini-reasoning")[2].endswith("(direction holds: **no**)")
     assert _real_cells(real, "hybrid") == (REAL_NO_SHAPE,) * 3
     assert _real_cells(None, "mini-reasoning") == (REAL,) * 3
+
+
+def test_dynaserve_real_column_from_a_recorded_run(tmp_path):
+    """--real-json: the rows and setup of a recorded benchmarks/dynaserve_serve.py run; a run that lacks
+    a layout of the shape is refused, naming it."""
+    from tidal.bench.repro_dynaserve import _real_cells, _recorded_real
+
+    rows = [{"workload": "dynaserve-219-1467", "layout": lay, "lengths": [55, 367], "capacity_rps": cap,
+             "goodput_tok_s": good} for lay, cap, good in (("colocate", 4.0, 540.0), ("disaggregate", 1.5, 300.0),
+                                                           ("split", 3.0, 500.0))]
+    path = tmp_path / "real.json"
+    path.write_text(json.dumps({"command": "benchmarks/dynaserve_serve.py --search-high 8", "rows": rows,
+                                "args": {"search_high": 8.0, "duration": 20.0, "output": "x.json"}}))
+    real = _recorded_real(str(path))
+    assert real["setup"]["search_high"] == 8.0 and real["setup"]["duration"] == 20.0 and "output" not in real["setup"]
+    vs_coloc, vs_disagg, good = _real_cells(real, "mini-reasoning")
+    assert vs_coloc.startswith("3.00 vs 4.00 rps: 0.75x") and vs_coloc.endswith("(direction holds: **no**)")
+    assert vs_disagg.startswith("3.00 vs 1.50 rps: 2.00x") and "20 s Poisson probes" in vs_disagg
+    assert good.endswith("(direction holds: **no**)")
+    path.write_text(json.dumps({"command": "x", "rows": rows[:2], "args": {}}))
+    with pytest.raises(ValueError, match="lacks the layouts \\['split'\\]"):
+        _recorded_real(str(path))

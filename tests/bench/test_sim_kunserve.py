@@ -32,7 +32,7 @@ def test_workloads_have_the_papers_lengths():
 def test_one_short_run_writes_every_system_and_the_ratios(tmp_path, capsys):
     out = tmp_path / "k.json"
     args = build_parser().parse_args(["bench", "sim-kunserve", "--datasets", "longbench", "--duration", "30",
-                                      "--rate", "6", "--output", str(out), "--no-plots", "--no-progress"])
+                                      "--rate", "6", "--jobs", "2", "--output", str(out), "--no-plots", "--no-progress"])
     assert args.func(args) == 0
     r = json.loads(out.read_text())
     d = r["datasets"]["longbench"]

@@ -8,10 +8,12 @@ import glob
 import math
 import multiprocessing
 import os
+import pickle
 import secrets
 import subprocess
 import sys
 import textwrap
+import time
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
@@ -488,3 +490,57 @@ def test_transferred_request_continues_with_identical_tokens(transport, two_engi
     assert finish(b)[rid] == reference
     assert b.kv_manager.num_free_blocks == b.kv_manager.num_blocks
     assert a.kv_manager.num_free_blocks == a.kv_manager.num_blocks
+
+
+def test_a_released_chunk_reads_as_gone_not_as_a_crash():
+    """A receiver that reads a chunk its owner already released (an aborted request's chunk whose
+    ``kv`` message was still queued) gets KVChunkGone, which the worker handles by dropping the import."""
+    import torch
+
+    from tidal.cluster.handoff import ChunkSpec
+    from tidal.runtime.kv_transfer import KVChunkGone, SharedMemoryTransport
+
+    tr = SharedMemoryTransport(f"tidal-kv-test{os.getpid()}")
+    kv = {0: (torch.ones(2, 1, 4), torch.zeros(2, 1, 4))}
+    h = tr.put(kv, ChunkSpec((0,), 0, 2))
+    tr.release(h)
+    with pytest.raises(KVChunkGone, match="released before it was read"):
+        tr.get(h)
+    tr.release(h)  # releasing twice stays harmless
+
+
+def test_the_front_ends_outbox_never_blocks_on_a_worker_that_cannot_take_a_command():
+    """A PUSH socket with no worker connected blocks a send, and the cluster's lock with it (a
+    worker that died, or one still starting). The outbox drops what is for a dead worker and keeps,
+    in order, what is for a live one until it connects."""
+    import types
+    from collections import deque
+
+    import zmq
+
+    from tidal.runtime.cluster import ClusterLLM
+
+    ctx = zmq.Context()
+    socks = [ctx.socket(zmq.PUSH) for _ in range(2)]
+    for i, s in enumerate(socks):
+        s.setsockopt(zmq.LINGER, 0)
+        s.bind(f"inproc://outbox-{i}")
+    alive = types.SimpleNamespace(alive=lambda: True)
+    dead = types.SimpleNamespace(alive=lambda: False)
+    stub = types.SimpleNamespace(cmd_socks=socks, handles=[dead, alive],
+                                 _outbox=deque([(0, ("abort", "a")), (1, ("abort", "b")), (1, ("abort", "c"))]))
+    try:
+        ClusterLLM._flush_outbox(stub)  # returns: nothing blocks
+        assert list(stub._outbox) == [(1, ("abort", "b")), (1, ("abort", "c"))]
+        pull = ctx.socket(zmq.PULL)
+        pull.connect("inproc://outbox-1")
+        deadline = time.monotonic() + 5
+        while stub._outbox and time.monotonic() < deadline:
+            ClusterLLM._flush_outbox(stub)
+            time.sleep(0.01)
+        assert [pickle.loads(pull.recv()) for _ in range(2)] == [("abort", "b"), ("abort", "c")]
+        pull.close(0)
+    finally:
+        for s in socks:
+            s.close(0)
+        ctx.term()

@@ -10,6 +10,7 @@ exercised; the real planner (DynaServe Alg. 1) is tested on its own in tests/clu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
 
 import pytest
@@ -155,3 +156,38 @@ def test_sigkill_of_beta_under_16_split_streams(split_cluster, reference):
     settle(llm)
     no_leak(llm)
     assert all(not r["reserved_blocks"] for r in llm.stats["cluster"]["instances"])
+
+
+def test_aborts_while_kv_chunks_are_in_flight_leave_beta_serving(split_cluster, reference):
+    """Clients that give up mid-split (the load client's time limit, a disconnect): the front end
+    releases the request's chunks while their ``kv`` messages may still be queued at beta. Beta
+    drops such an import instead of failing on the missing chunk: no instance fails, nothing is
+    left in use, and the next requests still get one engine's tokens."""
+    llm, _ = split_cluster
+    failures = llm.stats["instance_failures"]
+    before = shm_segments()
+
+    from tidal.core.sampling import SamplingParams
+
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)  # keeps both instances stepping
+
+    async def give_up(k: int, i: int) -> None:
+        async def consume():
+            async for o in llm.generate(PROMPTS[i] * (1 + k % 4), long, f"r{k}"):
+                if o.outputs[0].token_ids and k % 3 == 0:
+                    return  # after its first token (closing the stream aborts the request)
+
+        with contextlib.suppress(TimeoutError):  # or a little later
+            await asyncio.wait_for(consume(), timeout=0.05 * (k % 9) + 0.05)
+
+    async def run():
+        for rnd in range(3):
+            await asyncio.gather(*[give_up(100 + 16 * rnd + i, i) for i in range(len(PROMPTS))])
+        return await asyncio.gather(*[stream(llm, i) for i in range(len(PROMPTS))])
+
+    assert asyncio.run(run()) == reference
+    settle(llm)
+    no_leak(llm)
+    assert llm.stats["instance_failures"] == failures
+    assert all(not r["reserved_blocks"] for r in llm.stats["cluster"]["instances"])
+    assert shm_segments() <= before

@@ -14,6 +14,7 @@ with ``--real``) the three layouts also run on 2 real CPU instances of the defau
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tempfile
 from typing import Any
@@ -63,9 +64,16 @@ def reproduce(args: argparse.Namespace, log: Progress) -> Report:
         f"{s['ttft_p50_ms']:g} ms; PD Coloc. = the best of its chunks ({', '.join(n for n in s['systems'] if n in D.COLOC)}). "
         f"Runs `tidal bench sim-dynaserve` (its JSON: `dynaserve_sim.json`).",
         args.quick, data=_slim(data), figures=[os.path.basename(p) for p in data.get("plots", [])])
-    real = _run_real(data, log) if runs_real(args) else None
+    real = None
+    if getattr(args, "real_json", None):
+        real = _recorded_real(args.real_json)
+    elif runs_real(args):
+        real = _run_real(data, log)
     if real is not None:
         report.data["real"] = real
+        how = (f"recorded earlier by `{real['command']}` (read from {args.real_json})" if getattr(args, "real_json", None)
+               else f"run by this command, as `{real['command']}` runs it")
+        report.setup += f" Real column: {how}."
     for model, by_wl in data["results"].items():
         for wl, res in by_wl.items():
             cells = _real_cells(real, wl)
@@ -81,7 +89,23 @@ def _run_real(data: dict[str, Any], log: Progress) -> dict[str, Any]:
     shapes = sorted({REAL_SHAPES[wl] for by_wl in data["results"].values() for wl in by_wl if wl in REAL_SHAPES})
     with tempfile.TemporaryDirectory(prefix="tidal-dynaserve-real-") as tmp:  # each run's records: not kept
         rows = R.run(shapes, list(R.LAYOUTS), setup, os.path.join(tmp, "run"), log)
-    return {"setup": setup.__dict__, "engine_flags": setup.engine_flags(), "rows": rows}
+    command = f"python benchmarks/dynaserve_serve.py --workloads {','.join(shapes)}"
+    return {"setup": setup.__dict__, "engine_flags": setup.engine_flags(), "rows": rows, "command": command}
+
+
+def _recorded_real(path: str) -> dict[str, Any]:
+    """The real column from a recorded ``benchmarks/dynaserve_serve.py`` run's JSON (its runs take
+    about 10 minutes a layout): its setup, rows and command, checked for every layout of each shape."""
+    from tidal.bench import dynaserve_real as R
+
+    with open(path) as f:
+        rec = json.load(f)
+    st = {**R.RealSetup().__dict__, **{k: v for k, v in rec["args"].items() if k in R.RealSetup().__dict__}}
+    for wl in REAL_SHAPES.values():
+        missing = set(R.LAYOUTS) - {r["layout"] for r in rec["rows"] if r["workload"] == wl}
+        if missing and any(r["workload"] == wl for r in rec["rows"]):
+            raise ValueError(f"{path}: {wl} lacks the layouts {sorted(missing)}")
+    return {"setup": st, "rows": rec["rows"], "command": rec["command"], "machine": rec.get("machine")}
 
 
 def _real_cells(real: dict[str, Any] | None, wl: str) -> tuple[str, str, str]:
@@ -89,10 +113,10 @@ def _real_cells(real: dict[str, Any] | None, wl: str) -> tuple[str, str, str]:
     goodput), or why there is none."""
     if real is None:
         return REAL, REAL, REAL
-    if wl not in REAL_SHAPES:
+    by = {r["layout"]: r for r in real["rows"] if r["workload"] == REAL_SHAPES.get(wl)}
+    if not by:
         return REAL_NO_SHAPE, REAL_NO_SHAPE, REAL_NO_SHAPE
     st = real["setup"]
-    by = {r["layout"]: r for r in real["rows"] if r["workload"] == REAL_SHAPES[wl]}
     split, coloc, disagg = by["split"], by["colocate"], by["disaggregate"]
     slo = ", ".join(f"{k} <= {v} ms" for k, v in (kv.split("=") for kv in st["slo"].split(",")))
     where = (f"2 CPU instances of the default model, {REAL_SHAPES[wl]} at {split['lengths'][0]}/{split['lengths'][1]} "

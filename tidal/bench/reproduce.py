@@ -216,6 +216,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--real", action=argparse.BooleanOptionalAction, default=None,
                    help="also run the claims that fit this CPU on the real engine at small scale (bucketserve, "
                         "kunserve, dynaserve; default: on, off with --quick)")
+    p.add_argument("--real-json", default=None, metavar="PATH",
+                   help="dynaserve: the real column from a recorded `python benchmarks/dynaserve_serve.py` run's "
+                        "JSON instead of running it again (about 10 minutes a layout)")
     p.add_argument("--no-plots", action="store_true", help="write no figures")
     p.add_argument("--no-progress", action="store_true", help="no progress lines")
     p.set_defaults(func=run)

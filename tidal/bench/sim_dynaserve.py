@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from tidal import workload as W
+from tidal.bench.parallel import default_jobs, run_all
 from tidal.common import flags as F
 from tidal.common.machine import machine_info
 from tidal.common.results import command_line, write_result
@@ -214,6 +215,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-stream-lead", type=int, default=None,
                    help="every DynaServe system: alpha starts pushing a request's KV this many tokens before its "
                         "split point (default: dynaserve from its first chunk, Sec. 4.3; dynaserve-lead 64 before)")
+    p.add_argument("--jobs", type=F.positive_int, default=1,
+                   help=f"capacity searches at once, each a process of its own (this machine: {default_jobs()} cores)")
     F.add_workload_flags(p, only=("num_requests", "seed"), defaults={"num_requests": 2000})
     F.add_output_flags(p, "results/sim_dynaserve.json")
     p.set_defaults(func=run)
@@ -263,9 +266,11 @@ def run(args: argparse.Namespace) -> int:
             stats = W.length_stats(base)
             print(f"\n== {model} (tp {MODELS[model]}) x 2 instances, {wl}: {len(base)} requests, input mean "
                   f"{stats['input_mean']:.0f}, output mean {stats['output_mean']:.0f}", flush=True)
-            rows: dict[str, dict[str, Any]] = {}
+            # each system's search is independent of the others': --jobs of them at once
+            found = run_all(capacity, [(model, SYSTEMS[name], base, args, f"{model} {wl} {name}") for name in systems],
+                            args.jobs)
+            rows: dict[str, dict[str, Any]] = dict(zip(systems, found, strict=True))
             for name in systems:
-                rows[name] = capacity(model, SYSTEMS[name], base, args, f"{model} {wl} {name}")
                 print(f"  -> {name}: capacity {rows[name]['capacity_rps']} req/s", flush=True)
             report["results"][model][wl] = {"workload": stats, "systems": rows}
             report["ratios"][model][wl] = {d: ratios(rows, d) for d in DYNA if d in rows}

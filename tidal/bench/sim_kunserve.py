@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from tidal.bench.parallel import default_jobs, run_all
 from tidal.common import flags as F
 from tidal.common.machine import machine_info
 from tidal.common.results import command_line, write_result
@@ -133,7 +134,7 @@ def mean_demand(timelines: list[dict[str, Any]]) -> float:
     return float(np.mean(vals)) if vals else 0.0
 
 
-def calibrate(dataset: str, duration_s: float, seed: int, log: Any) -> tuple[float, float]:
+def calibrate(dataset: str, duration_s: float, seed: int, progress: bool = True) -> tuple[float, float]:
     """The mean rate at which vLLM's average KV demand is ``TARGET_DEMAND`` +- 0.05: scaled by
     target / demand (at most 2x a probe) until bracketed, then bisected; at most ``PROBES`` runs."""
     rate, demand = INITIAL_RATE[dataset], 0.0
@@ -142,7 +143,9 @@ def calibrate(dataset: str, duration_s: float, seed: int, log: Any) -> tuple[flo
     best = (math.inf, rate, demand)
     for probe in range(PROBES):
         demand = simulate(base, workload(dataset, duration_s, rate, seed), duration_s / 200)["mean_kv_demand"]
-        log(f"calibrate {dataset}: rate {rate:.2f} req/s -> vLLM's mean KV demand {demand:.1%} (probe {probe + 1})")
+        if progress:
+            print(f"  calibrate {dataset}: rate {rate:.2f} req/s -> vLLM's mean KV demand {demand:.1%} "
+                  f"(probe {probe + 1})", flush=True)
         best = min(best, (abs(demand - TARGET_DEMAND), rate, demand))
         if abs(demand - TARGET_DEMAND) <= 0.05:
             break
@@ -164,6 +167,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--duration", type=F.positive_float, default=300.0, help="seconds of arrivals")
     p.add_argument("--rate", type=F.positive_float, default=None,
                    help="mean request rate (default: calibrated to ~50%% average KV demand per dataset)")
+    p.add_argument("--jobs", type=F.positive_int, default=1,
+                   help=f"simulator runs at once, each a process of its own (this machine: {default_jobs()} cores)")
     F.add_workload_flags(p, only=("seed",))
     F.add_output_flags(p, "results/sim_kunserve.json")
     p.set_defaults(func=run)
@@ -195,18 +200,24 @@ def run(args: argparse.Namespace) -> int:
                                         "arrivals": f"Gamma(burstiness {BURSTINESS}), rate x Gamma({RATE_SHAPE}) "
                                                     f"per {WINDOW_S:g} s window", "seed": args.seed},
                               "datasets": {}}
-    for ds in names:
-        if args.rate is not None:
-            rate, demand = args.rate, None
-        else:
-            rate, demand = calibrate(ds, args.duration, args.seed, log)
-        specs = workload(ds, args.duration, rate, args.seed)
+    # every dataset's rate first (its own calibration runs), then every (dataset, system) run: each
+    # batch of independent simulator runs goes to --jobs processes
+    if args.rate is not None:
+        rates = [(args.rate, None)] * len(names)
+    else:
+        rates = run_all(calibrate, [(ds, args.duration, args.seed, not args.no_progress) for ds in names], args.jobs)
+    specs_of = {ds: workload(ds, args.duration, rate, args.seed) for ds, (rate, _) in zip(names, rates, strict=True)}
+    runs = [(ds, label) for ds in names for label in SYSTEMS]
+    outs = dict(zip(runs, run_all(simulate, [(SYSTEMS[label], specs_of[ds], args.duration / 400) for ds, label in runs],
+                                  args.jobs), strict=True))
+    for ds, (rate, demand) in zip(names, rates, strict=True):
+        specs = specs_of[ds]
         mean_in = float(np.mean([s.prompt_len for s in specs]))
         mean_out = float(np.mean([s.output_len for s in specs]))
         log(f"{ds}: {len(specs)} requests at {rate:.2f} req/s mean (input {mean_in:.0f}, output {mean_out:.0f})")
         rows: dict[str, Any] = {}
-        for label, system in SYSTEMS.items():
-            out = simulate(system, specs, args.duration / 400)
+        for label in SYSTEMS:
+            out = outs[(ds, label)]
             rows[label] = out
             counts = {k: v for k, v in out["pressure"].get("counts", {}).items() if k in ("throttle", "migrate", "drop",
                                                                                            "restore", "autoscale")}

@@ -390,6 +390,28 @@ class ClusterLLM:
     def _deliver(self, t: Tracked, item: Any) -> None:
         t.loop.call_soon_threadsafe(t.queue.put_nowait, item)
 
+    def _flush_outbox(self) -> None:
+        """Send the queued commands without ever blocking (under the lock): a PUSH socket whose
+        worker is gone, or not yet connected, blocks a send, and the lock with it. A command for a
+        dead worker is dropped (its failure handling covers its requests); one for a live worker that
+        cannot take it yet waits, with every later one for that worker, for the next turn."""
+        held, waiting = set(), deque()
+        while self._outbox:
+            i, msg = self._outbox.popleft()
+            if i in held:
+                waiting.append((i, msg))
+                continue
+            try:
+                self.cmd_socks[i].send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), zmq.NOBLOCK)
+            except zmq.Again:
+                h = self.handles[i]
+                if h is not None and h.alive():
+                    held.add(i)
+                    waiting.append((i, msg))
+            except zmq.ZMQError:
+                pass
+        self._outbox.extend(waiting)
+
     def _io_loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self.out, zmq.POLLIN)
@@ -406,10 +428,7 @@ class ClusterLLM:
                     with contextlib.suppress(BlockingIOError, OSError):
                         os.read(self._wake_r, 4096)
                 with self._lock:
-                    while self._outbox:
-                        i, msg = self._outbox.popleft()
-                        with contextlib.suppress(zmq.ZMQError):
-                            self.cmd_socks[i].send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+                    self._flush_outbox()
                 while True:
                     try:
                         raw = self.out.recv(zmq.NOBLOCK)

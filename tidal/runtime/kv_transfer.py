@@ -44,6 +44,11 @@ class KVHandle:
     nbytes: int
 
 
+class KVChunkGone(LookupError):
+    """The chunk was released before it was read: whoever owned it gave up on it (the front end
+    released the chunks of a request it aborted, while its ``kv`` messages were still on their way)."""
+
+
 class KVTransport:
     name = "base"
 
@@ -120,7 +125,10 @@ class SharedMemoryTransport(KVTransport):
         dtype = _dtype(handle.dtype)
         per = math.prod(handle.shape)
         count = 2 * len(handle.spec.layers) * per
-        shm = shared_memory.SharedMemory(name=handle.ref)
+        try:
+            shm = shared_memory.SharedMemory(name=handle.ref)
+        except FileNotFoundError:
+            raise KVChunkGone(f"KV chunk {handle.ref} was released before it was read") from None
         _untrack(shm)
         try:
             if not count:

@@ -295,6 +295,8 @@ class Worker:
         that has landed); a chunk with no room waits (retried after each step) and so does what
         came after it for that request. The last chunk of a hand-off, or a beta part's
         ``finish``, resumes the request."""
+        from tidal.runtime.kv_transfer import KVChunkGone
+
         e = self.engine
         for rid, q in list(self.waiting_kv.items()):
             while q:
@@ -303,7 +305,12 @@ class Worker:
                     handle, last = msg[2], msg[3]
                     if not e.grow_import(rid, handle.spec.end):
                         break
-                    e.import_kv(rid, self.transport.get(handle), handle.spec.start)
+                    try:
+                        kv = self.transport.get(handle)
+                    except KVChunkGone as gone:  # the request was aborted: its abort is on its way
+                        self._give_back_import(rid, str(gone))
+                        break
+                    e.import_kv(rid, kv, handle.spec.start)
                     self.transport.release(handle)
                     q.popleft()
                     if not last:
@@ -321,11 +328,15 @@ class Worker:
         """Nothing here can free blocks (no request runs or waits, no export drains) and arrived
         KV still has no room: partly grown imports would wait on each other forever. Give the
         youngest one back (``refused``: its alpha keeps the request, or it is recomputed)."""
-        rid = next(reversed(self.waiting_kv))
-        del self.waiting_kv[rid]  # the front end releases its chunks' handles
+        self._give_back_import(next(reversed(self.waiting_kv)), "no room in the KV cache for the rest of its KV")
+
+    def _give_back_import(self, rid: str, why: str) -> None:
+        """Drop a paused import and what arrived for it, and say so (``refused``; the front end
+        ignores it for a request it already aborted, and releases the chunks' handles otherwise)."""
+        self.waiting_kv.pop(rid, None)
         self.importing.discard(rid)
         self.engine.abort_request(rid)
-        self.send("refused", rid, "no room in the KV cache for the rest of its KV")
+        self.send("refused", rid, why)
 
     # ---------------------------------------------------------------- hand-offs (prefill role)
     def start_handoffs(self, outs: list) -> None:
