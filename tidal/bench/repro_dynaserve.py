@@ -20,6 +20,7 @@ import tempfile
 from typing import Any
 
 from tidal.bench import sim_dynaserve as D
+from tidal.bench.parallel import default_jobs
 from tidal.bench.reproduce import (
     Claim,
     Progress,
@@ -47,7 +48,9 @@ QUICK = ["--workloads", "mini-reasoning", "--systems", "coloc-512,disagg,dynaser
 
 
 def _bench_argv(args: argparse.Namespace) -> list[str]:
-    argv = ["bench", "sim-dynaserve", "--no-progress", *(QUICK if args.quick else FULL)]
+    argv = ["bench", "sim-dynaserve", *(QUICK if args.quick else [*FULL, "--jobs", str(default_jobs())])]
+    if args.no_progress:  # otherwise the bench's own lines (one per probe) show the progress
+        argv.append("--no-progress")
     if args.no_plots:
         argv.append("--no-plots")
     return argv

@@ -17,6 +17,7 @@ import tempfile
 from typing import Any
 
 from tidal.bench import sim_kunserve as K
+from tidal.bench.parallel import default_jobs
 from tidal.bench.reproduce import Claim, Progress, Report, fmt_ratio, run_bench, runs_real
 
 REAL = ("not run here: the paper's model (14B) does not fit this 2-core CPU; the same policies on 2 real "
@@ -29,11 +30,15 @@ WHY = ("the analytic A100-class cost model (calibrated to Vidur's A100 profiles)
 
 
 def _bench_argv(args: argparse.Namespace) -> list[str]:
-    argv = ["bench", "sim-kunserve", "--no-progress"]
+    argv = ["bench", "sim-kunserve"]
+    if args.no_progress:  # otherwise the bench's own lines (one per run) show the progress
+        argv.append("--no-progress")
     if args.no_plots:
         argv.append("--no-plots")
     if args.quick:
         argv += ["--datasets", "longbench", "--duration", "60", "--rate", "7"]
+    else:  # the full run's simulator runs on every core
+        argv += ["--jobs", str(default_jobs())]
     return argv
 
 
