@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from tidal.bench.parallel import default_jobs, run_all
 from tidal.common import flags as F
 from tidal.common.machine import machine_info
 from tidal.common.progress import progress_bar
@@ -133,10 +134,32 @@ def capacity(sc: Scenario, policy: dict[str, Any], specs: list[RequestSpec], low
     return search.capacity, (best[1] if best else None), search.report()["probes"]
 
 
+def policy_row(scenario: str, label: str, pname: str, num_requests: int, seed: int, bar: bool) -> dict[str, Any]:
+    """One policy's row of a scenario's workload: its offline run (if the scenario has one) and its
+    capacity search (a progress bar when ``bar``)."""
+    sc = SCENARIOS[scenario]
+    pol = sc.policies[pname]
+    specs = workload(sc, label, num_requests, seed)
+    row: dict[str, Any] = {"policy": pname, "config": pol}
+    progress = progress_bar(MAX_PROBES + sc.offline, pname, "run", bar, leave=False)
+    if sc.offline:
+        off = run_sim(sc, pol, [replace(s, arrival_s=0.0) for s in specs])
+        progress.update(1)
+        row["offline_tok_s"] = off["output_throughput"]
+        row["offline"] = {k: off[k] for k in ("output_throughput", "request_throughput", "duration_s",
+                                              "num_preemptions")}
+    cap, at, probes = capacity(sc, pol, specs, 0.05, 200.0, on_probe=progress.update)
+    progress.close()
+    row.update({"capacity_rps": cap, "at_capacity": at, "probes": probes})
+    return row
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sim-policies", help="the batching policies at cluster scale in the simulator",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--scenarios", default="bucketserve,pang-sla", help=f"of {', '.join(SCENARIOS)}")
+    p.add_argument("--jobs", type=F.positive_int, default=default_jobs(),
+                   help="policies run at once, each a process of its own (default: this machine's cores)")
     F.add_workload_flags(p, only=("num_requests", "seed"), defaults={"num_requests": 1000})
     F.add_output_flags(p, "results/sim_policies.json")
     p.set_defaults(func=run)
@@ -198,21 +221,13 @@ def run(args: argparse.Namespace) -> int:
             specs = workload(sc, label, args.num_requests, args.seed)
             print(f"\n== {name}: {sc.model} on {sc.instances} x {sc.hardware} (tp {sc.tp}), workload {label}, "
                   f"{len(specs)} requests, SLO {sc.slo.describe()}, target {sc.target:.0%}", flush=True)
-            rows = []
-            for pname, pol in sc.policies.items():
-                row: dict[str, Any] = {"policy": pname, "config": pol}
-                bar = progress_bar(MAX_PROBES + sc.offline, pname, "run", not args.no_progress, leave=False)
-                if sc.offline:
-                    off = run_sim(sc, pol, [replace(s, arrival_s=0.0) for s in specs])
-                    bar.update(1)
-                    row["offline_tok_s"] = off["output_throughput"]
-                    row["offline"] = {k: off[k] for k in ("output_throughput", "request_throughput", "duration_s",
-                                                          "num_preemptions")}
-                cap, at, probes = capacity(sc, pol, specs, 0.05, 200.0, on_probe=bar.update)
-                bar.close()
-                row.update({"capacity_rps": cap, "at_capacity": at, "probes": probes})
-                rows.append(row)
-                print(f"  {pname}: capacity {cap if cap is None else round(cap, 3)} req/s"
+            # each policy's runs are independent of the others': --jobs of them at once
+            calls = [(name, label, pname, args.num_requests, args.seed, not args.no_progress and args.jobs <= 1)
+                     for pname in sc.policies]
+            rows = run_all(policy_row, calls, args.jobs)
+            for row in rows:
+                cap = row["capacity_rps"]
+                print(f"  {row['policy']}: capacity {cap if cap is None else round(cap, 3)} req/s"
                       + (f", offline {row['offline_tok_s']:.0f} tok/s" if sc.offline else ""), flush=True)
             report["scenarios"][name][label] = rows
             _table(rows, "static" if "static" in sc.policies else next(iter(sc.policies)))
