@@ -5,10 +5,11 @@ and 1P1D disaggregation (PD Disagg.), two A100-80G instances of Qwen-2.5-14B.
 It runs :mod:`tidal.bench.sim_dynaserve` (``tidal bench sim-dynaserve``: capacity = the highest
 Poisson rate at which 99 % of the requests keep their own P99 TBT within 100 ms and the median
 TTFT within 2 s, found by search) and reads the claims off its JSON. The full run takes the
-paper's hybrid workload (Table 2) and Mini Reasoning (Fig. 9); ``--quick`` Mini Reasoning only,
-three systems, 40 s windows of at most 200 requests per probe, 3 probes. Without ``--quick`` (or
-with ``--real``) the three layouts also run on 2 real CPU instances of the default model
-(:mod:`tidal.bench.dynaserve_real`), on the shape of each simulated workload that has one.
+paper's hybrid workload (Table 2) and Mini Reasoning (Fig. 9) with the bench's own windows and
+search; ``--quick`` Mini Reasoning only, three systems, 40 s windows of at most 200 requests per
+probe, 3 probes. Without ``--quick`` (or with ``--real``) the three layouts also run on 2 real CPU
+instances of the default model (:mod:`tidal.bench.dynaserve_real`), on the shape of each simulated
+workload that has one; ``--real-json`` reads a recorded run of them instead.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ WHY_REAL = ("real: a 135M model on 1 CPU thread per instance, not vLLM on A100s;
 WHY = ("the calibrated A100 analytic cost model stands in for vLLM on A100s: where a 256-512-token chunk keeps "
        "each colocated step under the SLO at little cost, tuned colocation is hard to beat; splits run a "
        "prompt's prefill on alpha then beta (TTFT), and beta holds a streamed KV copy")
-FULL = ["--workloads", "hybrid,mini-reasoning", "--systems", "coloc-256,coloc-512,coloc-2048,disagg,dynaserve",
-        "--num-requests", "600", "--window", "120", "--max-probes", "7"]
+# the bench's own windows (240 s, at most 2000 requests) and search (10 probes, 4 % bracket)
+FULL = ["--workloads", "hybrid,mini-reasoning", "--systems", "coloc-256,coloc-512,coloc-2048,disagg,dynaserve"]
 QUICK = ["--workloads", "mini-reasoning", "--systems", "coloc-512,disagg,dynaserve", "--num-requests", "200",
          "--window", "40", "--max-probes", "3", "--rate-low", "1", "--rate-high", "16"]
 
