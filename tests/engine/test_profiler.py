@@ -164,7 +164,7 @@ def test_cli_writes_the_profile(tmp_path, monkeypatch, capsys, smol_ckpt, smol_t
 def test_eq1_profile_of_a_tiny_model_has_positive_coefficients(tmp_path, make_engine, smol_tokenizer):
     """A real run of :func:`profiler.profile_eq1` on a random-weight 3-layer model shaped so that
     attention over a 1K prefix and the MLP cost about the same per token (both stand out of the
-    timing noise)."""
+    timing noise), and the fit explains the grid's times (r2)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -182,7 +182,9 @@ def test_eq1_profile_of_a_tiny_model_has_positive_coefficients(tmp_path, make_en
         fit = profiler.profile_eq1(engine, grid, repeats=3, warmup=1)
     finally:
         torch.set_num_threads(before)
-    assert fit["alpha"] > 0 and fit["beta"] > 0 and fit["gamma"] > 0, fit
+    # attention and the per-token work stand out of the noise; a layer's fixed cost (gamma, a few us)
+    # does not under a busy neighbour (a suite run fitted 0.0, the fit's lower bound): not asserted
+    assert fit["alpha"] > 0 and fit["beta"] > 0, fit
     assert fit["num_layers"] == 3 and fit["per"] == "decoder layer" and len(fit["points"]) == len(grid)
     assert fit["r2"] > 0.8, fit
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
