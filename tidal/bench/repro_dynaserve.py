@@ -105,7 +105,7 @@ def _run_real(data: dict[str, Any], log: Progress) -> dict[str, Any]:
 
 def _recorded_real(path: str) -> dict[str, Any]:
     """The real column from a recorded ``benchmarks/dynaserve_serve.py`` run's JSON (its runs take
-    about 10 minutes a layout): its setup, rows and command, checked for every layout of each shape."""
+    about 7 minutes a layout here): its setup, rows and command, checked for every layout of each shape."""
     from tidal.bench import dynaserve_real as R
 
     with open(path) as f:
