@@ -40,9 +40,10 @@ REAL = ("not run here: Qwen-2.5-14B does not fit this 2-core CPU; the same three
 REAL_SHAPES = {"mini-reasoning": "dynaserve-219-1467"}
 REAL_NO_SHAPE = "not run on the real engine: only Mini Reasoning's shape is (a 2-core CPU's time)"
 WHY_REAL = ("real: a 135M model on 1 CPU thread per instance, not vLLM on A100s; PD Coloc. there is one chunk size "
-            "(256 tokens) with the same slo-compose local policy as the other two; each split copies its KV through "
-            "shared memory and imports it on beta (KV moved per request, TBT and TTFT at capacity: the real rows of "
-            "dynaserve.json); what limits split below colocation on the CPU is not profiled yet")
+            "(256 tokens) with the same slo-compose local policy as the other two; split's failing probes end with "
+            "requests still unfinished after the drain rather than TBT misses among finished ones: beta holds a "
+            "streamed copy of alpha's KV (Sec. 4.3), so the two pools fill sooner than colocation's, likely its "
+            "limit here (not profiled)")
 WHY = ("the calibrated A100 analytic cost model stands in for vLLM on A100s: where a 256-512-token chunk keeps "
        "each colocated step under the SLO at little cost, tuned colocation is hard to beat; splits run a "
        "prompt's prefill on alpha then beta (TTFT), and beta holds a streamed KV copy")
