@@ -201,3 +201,31 @@ def test_dynaserve_real_column_from_a_recorded_run(tmp_path):
     path.write_text(json.dumps({"command": "x", "rows": rows[:2], "args": {}}))
     with pytest.raises(ValueError, match="lacks the layouts \\['split'\\]"):
         _recorded_real(str(path))
+
+
+def test_dynaserve_real_row_says_why_each_probe_failed(tmp_path, monkeypatch):
+    """A real layout's row (from the load client's JSON; the server and client are stood in for):
+    its capacity, and per probe how many requests were left unfinished and how the finished did."""
+    from tidal.bench import dynaserve_real as R
+
+    def probe(rate, att, done, left):
+        return {"rate": rate, "attainment": att, "passed": att >= 0.9,
+                "summary": {"completed": done, "failed": left, "slo_attainment_by_metric": {"tbt": att}}}
+
+    out = tmp_path / "run.json"
+    out.write_text(json.dumps({
+        "capacity_search": {"capacity_rps": 1.5, "note": "stopped after 2 probes",
+                            "probes": [probe(1.5, 1.0, 40, 0), probe(3.0, 0.5, 45, 45)]},
+        "requests": [{"placement": {"whole_on": None, "kv_bytes": 2e6}}, {"placement": {"whole_on": 0, "kv_bytes": 0}}],
+        "goodput": {"output_throughput": 200.0}, "slo_attainment": 1.0, "itl_ms": {"p99": 120.0},
+        "ttft_ms": {"p50": 80.0, "p99": 300.0}}))
+    log = tmp_path / "server.log"
+    log.write_text("")
+    monkeypatch.setattr(R, "serve", lambda flags, engine: (None, "http://127.0.0.1:1", str(log)))
+    monkeypatch.setattr(R, "run_client", lambda cmd: None)
+    monkeypatch.setattr(R, "stop", lambda proc: None)
+    row = R.run_layout("dynaserve-219-1467", "split", R.RealSetup(), str(out), log=lambda m: None)
+    assert row["capacity_rps"] == 1.5 and row["system"] == "DynaServe (split)" and row["lengths"] == [55, 367]
+    assert row["probe_failures"][1] == {"rate": 3.0, "unfinished": 45, "finished": 45, "by_metric": {"tbt": 0.5}}
+    assert row["split_fraction"] == 0.5 and row["kv_mb_per_request"] == 1.0
+    assert not log.exists()  # the server's log is removed once the run is read

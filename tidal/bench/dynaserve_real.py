@@ -86,7 +86,12 @@ def run_layout(workload: str, layout: str, setup: RealSetup, out_json: str,
             "tbt_p99_ms": r["itl_ms"]["p99"], "ttft_p50_ms": r["ttft_ms"]["p50"], "ttft_p99_ms": r["ttft_ms"]["p99"],
             "split_fraction": (sum(s["whole_on"] is None for s in splits) / len(splits)) if splits else None,
             "kv_mb_per_request": (sum(s["kv_bytes"] for s in splits) / len(splits) / 1e6) if splits else None,
-            "probes": [(q["rate"], q["attainment"]) for q in search["probes"]]}
+            "probes": [(q["rate"], q["attainment"]) for q in search["probes"]],
+            # why a probe failed: requests left unfinished after the drain, or SLO misses among the finished
+            "probe_failures": [{"rate": q["rate"], "unfinished": q["summary"]["failed"],
+                                "finished": q["summary"]["completed"],
+                                "by_metric": q["summary"].get("slo_attainment_by_metric")}
+                               for q in search["probes"] if "summary" in q]}
 
 
 def run(workloads: list[str], layouts: list[str], setup: RealSetup, stem: str,
