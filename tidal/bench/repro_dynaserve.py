@@ -21,7 +21,6 @@ import tempfile
 from typing import Any
 
 from tidal.bench import sim_dynaserve as D
-from tidal.bench.parallel import default_jobs
 from tidal.bench.reproduce import (
     Claim,
     Progress,
@@ -33,6 +32,7 @@ from tidal.bench.reproduce import (
     run_bench,
     runs_real,
 )
+from tidal.common.machine import usable_cores
 
 REAL = ("not run here: Qwen-2.5-14B does not fit this 2-core CPU; the same three layouts on 2 real CPU "
         "instances of the default model run without --quick (or with --real)")
@@ -54,7 +54,7 @@ QUICK = ["--workloads", "mini-reasoning", "--systems", "coloc-512,disagg,dynaser
 
 
 def _bench_argv(args: argparse.Namespace) -> list[str]:
-    argv = ["bench", "sim-dynaserve", *(QUICK if args.quick else [*FULL, "--jobs", str(default_jobs())])]
+    argv = ["bench", "sim-dynaserve", *(QUICK if args.quick else [*FULL, "--jobs", str(usable_cores())])]
     if args.no_progress:  # otherwise the bench's own lines (one per probe) show the progress
         argv.append("--no-progress")
     if args.no_plots:
@@ -73,14 +73,14 @@ def reproduce(args: argparse.Namespace, log: Progress) -> Report:
         f"{s['ttft_p50_ms']:g} ms; PD Coloc. = the best of its chunks ({', '.join(n for n in s['systems'] if n in D.COLOC)}). "
         f"Runs `tidal bench sim-dynaserve` (its JSON: `dynaserve_sim.json`).",
         args.quick, data=_slim(data), figures=[os.path.basename(p) for p in data.get("plots", [])])
-    real = None
-    if getattr(args, "real_json", None):
-        real = _recorded_real(args.real_json)
+    recorded, real = getattr(args, "real_json", None), None
+    if recorded:
+        real = _recorded_real(recorded)
     elif runs_real(args):
         real = _run_real(data, log)
     if real is not None:
         report.data["real"] = real
-        how = (f"recorded earlier by `{real['command']}` (read from {args.real_json})" if getattr(args, "real_json", None)
+        how = (f"recorded earlier by `{real['command']}` (read from {recorded})" if recorded
                else f"run by this command, as `{real['command']}` runs it")
         report.setup += f" Real column: {how}."
     for model, by_wl in data["results"].items():

@@ -17,8 +17,8 @@ import tempfile
 from typing import Any
 
 from tidal.bench import sim_kunserve as K
-from tidal.bench.parallel import default_jobs
 from tidal.bench.reproduce import Claim, Progress, Report, beats, fmt_ratio, run_bench, runs_real
+from tidal.common.machine import usable_cores
 
 REAL = ("not run here: the paper's model (14B) does not fit this 2-core CPU; the same policies on 2 real "
         "CPU instances of the default model run without --quick (or with --real)")
@@ -41,7 +41,7 @@ def _bench_argv(args: argparse.Namespace) -> list[str]:
     if args.quick:
         argv += ["--datasets", "longbench", "--duration", "60", "--rate", "7"]
     else:  # the full run's simulator runs on every core
-        argv += ["--jobs", str(default_jobs())]
+        argv += ["--jobs", str(usable_cores())]
     return argv
 
 

@@ -19,6 +19,11 @@ from tidal.runtime.worker import die_with_parent
 READY = re.compile(r"serving \S+ on (http://[\d.]+:\d+)")
 
 
+def _die_with_us() -> None:
+    """``preexec_fn`` of every child started here: SIGTERM when this process dies first."""
+    die_with_parent(signal.SIGTERM)
+
+
 def serve(flags: list[str], engine: list[str], timeout_s: float = 600) -> tuple[subprocess.Popen, str, str]:
     """Start ``tidal serve --port 0 ENGINE FLAGS``; returns (process, base URL, log file) once
     ``/health`` answers 200. Raises SystemExit with the log's tail (and removes the log) if it exits
@@ -26,7 +31,7 @@ def serve(flags: list[str], engine: list[str], timeout_s: float = 600) -> tuple[
     log = tempfile.NamedTemporaryFile("w+", prefix="tidal-serve-", suffix=".log", delete=False)  # noqa: SIM115
     proc = subprocess.Popen([sys.executable, "-m", "tidal.cli", "serve", "--port", "0", *engine, *flags],
                             stdout=log, stderr=subprocess.STDOUT,
-                            preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+                            preexec_fn=_die_with_us)
     deadline, text = time.monotonic() + timeout_s, ""
     while time.monotonic() < deadline:
         with open(log.name) as f:
@@ -46,7 +51,7 @@ def serve(flags: list[str], engine: list[str], timeout_s: float = 600) -> tuple[
 def run_client(cmd: list[str]) -> None:
     """Run a load client (``tidal bench serve ...``) to its end, its stdout dropped (its progress
     lines go to stderr); like the server, it gets SIGTERM if this process dies first."""
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, preexec_fn=_die_with_us)
 
 
 def stop(proc: subprocess.Popen) -> None:

@@ -42,9 +42,9 @@ from typing import Any
 import numpy as np
 
 from tidal import workload as W
-from tidal.bench.parallel import default_jobs, run_all
+from tidal.bench.parallel import run_all
 from tidal.common import flags as F
-from tidal.common.machine import machine_info
+from tidal.common.machine import machine_info, usable_cores
 from tidal.common.results import command_line, write_result
 from tidal.metrics import CapacitySearch, RequestRecord, summarize
 
@@ -216,7 +216,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="every DynaServe system: alpha starts pushing a request's KV this many tokens before its "
                         "split point (default: dynaserve from its first chunk, Sec. 4.3; dynaserve-lead 64 before)")
     p.add_argument("--jobs", type=F.positive_int, default=1,
-                   help=f"capacity searches at once, each a process of its own (this machine: {default_jobs()} cores)")
+                   help=f"capacity searches at once, each a process of its own (this machine: {usable_cores()} cores)")
     F.add_workload_flags(p, only=("num_requests", "seed"), defaults={"num_requests": 2000})
     F.add_output_flags(p, "results/sim_dynaserve.json")
     p.set_defaults(func=run)

@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from tidal.bench.parallel import default_jobs, run_all
+from tidal.bench.parallel import run_all
 from tidal.common import flags as F
-from tidal.common.machine import machine_info
+from tidal.common.machine import machine_info, usable_cores
 from tidal.common.results import command_line, write_result
 from tidal.metrics import summarize
 
@@ -168,7 +168,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rate", type=F.positive_float, default=None,
                    help="mean request rate (default: calibrated to ~50%% average KV demand per dataset)")
     p.add_argument("--jobs", type=F.positive_int, default=1,
-                   help=f"simulator runs at once, each a process of its own (this machine: {default_jobs()} cores)")
+                   help=f"simulator runs at once, each a process of its own (this machine: {usable_cores()} cores)")
     F.add_workload_flags(p, only=("seed",))
     F.add_output_flags(p, "results/sim_kunserve.json")
     p.set_defaults(func=run)

@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from tidal.bench.parallel import default_jobs, run_all
+from tidal.bench.parallel import run_all
 from tidal.common import flags as F
-from tidal.common.machine import machine_info
+from tidal.common.machine import machine_info, usable_cores
 from tidal.common.progress import progress_bar
 from tidal.common.results import command_line, write_result
 from tidal.metrics import SLO, CapacitySearch, summarize
@@ -158,7 +158,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sim-policies", help="the batching policies at cluster scale in the simulator",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--scenarios", default="bucketserve,pang-sla", help=f"of {', '.join(SCENARIOS)}")
-    p.add_argument("--jobs", type=F.positive_int, default=default_jobs(),
+    p.add_argument("--jobs", type=F.positive_int, default=usable_cores(),
                    help="policies run at once, each a process of its own (default: this machine's cores)")
     F.add_workload_flags(p, only=("num_requests", "seed"), defaults={"num_requests": 1000})
     F.add_output_flags(p, "results/sim_policies.json")
@@ -218,10 +218,10 @@ def run(args: argparse.Namespace) -> int:
         report["scenarios"][name] = {}
         labels = ["mixed"] if sc.mix else list(sc.workloads)
         for label in labels:
-            specs = workload(sc, label, args.num_requests, args.seed)
             print(f"\n== {name}: {sc.model} on {sc.instances} x {sc.hardware} (tp {sc.tp}), workload {label}, "
-                  f"{len(specs)} requests, SLO {sc.slo.describe()}, target {sc.target:.0%}", flush=True)
-            # each policy's runs are independent of the others': --jobs of them at once
+                  f"{args.num_requests} requests, SLO {sc.slo.describe()}, target {sc.target:.0%}", flush=True)
+            # each policy's runs are independent of the others': --jobs of them at once, each making
+            # the workload (``workload``: exactly num_requests, the same for a seed) where it runs
             calls = [(name, label, pname, args.num_requests, args.seed, not args.no_progress and args.jobs <= 1)
                      for pname in sc.policies]
             rows = run_all(policy_row, calls, args.jobs)
