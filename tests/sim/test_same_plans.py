@@ -1,9 +1,14 @@
 """Same code, same plans: the engine and the simulator, fed the same requests and the same step
 times (recorded from the engine), produce the same sequence of step plans.
 
-The engine runs the real model on a virtual clock that advances by each step's measured time;
-the simulator replays those times through :class:`ReplayCostModel`. Adaptive policies learn
-from the step times, so they see the same inputs in both shells.
+The engine runs a model on a virtual clock that advances by each step's measured time; the
+simulator replays those times through :class:`ReplayCostModel`. Adaptive policies learn from the
+step times, so they see the same inputs in both shells.
+
+A plan depends on token counts and step times, not on the weights (every request runs to its
+``max_tokens``), so the engine runs a 2-layer random-weight Llama with the default model's
+vocabulary, and its measured step times are scaled by ``TIME_SCALE`` into the default model's
+range (tens of ms), where the SLA policies' 40 ms target binds.
 """
 
 from __future__ import annotations
@@ -28,15 +33,36 @@ def _workload(n: int = 12, seed: int = 3) -> list[RequestSpec]:
     return [RequestSpec(float(t[i]), int(rng.integers(20, 140)), int(rng.integers(3, 20))) for i in range(n)]
 
 
-def _run_engine(make_engine, specs: list[RequestSpec], engine_kwargs: dict):
+TIME_SCALE = 20.0
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory, smol_ckpt):
+    """A random-weight 2-layer Llama (safetensors) with the default model's vocabulary."""
+    import torch
+    import transformers
+
+    from tidal.engine.loader import load_checkpoint
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=smol_ckpt.arch.vocab_size,
+                                   max_position_embeddings=2048)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(path), safe_serialization=True)
+    return load_checkpoint(str(path))
+
+
+def _run_engine(make_engine, ckpt, tokenizer, specs: list[RequestSpec], engine_kwargs: dict):
     vclock = [0.0]
-    engine = make_engine(**engine_kwargs)
+    engine = make_engine(ckpt=ckpt, tokenizer=tokenizer, **engine_kwargs)
     engine.clock = lambda: vclock[0]
     plans, times = [], []
     execute = engine.runner.execute
 
     def timed(plan):
         res = execute(plan)
+        res.step_time_s *= TIME_SCALE  # the policies inside the engine observe the scaled time too
         if plan.chunks:  # an empty plan costs nothing in the simulator either
             plans.append(plan.describe())
             times.append(res.step_time_s)
@@ -84,10 +110,10 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_engine_and_simulator_make_the_same_plans(make_engine, case):
+def test_engine_and_simulator_make_the_same_plans(make_engine, tiny_llama, smol_tokenizer, case):
     kwargs = dict(CASES[case])
     specs = _workload()
-    engine, engine_plans, times = _run_engine(make_engine, specs, kwargs)
+    engine, engine_plans, times = _run_engine(make_engine, tiny_llama, smol_tokenizer, specs, kwargs)
     assert len(engine_plans) > 10
     sc = engine.config.scheduler
     model = _Recording(times)
