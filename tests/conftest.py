@@ -93,6 +93,36 @@ def make_engine(smol_ckpt, smol_tokenizer):
 
 
 @pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, smol_ckpt):
+    """A random-weight 4-layer Llama (safetensors) with the default model's vocabulary, for tests of
+    the engine's mechanics (plans, preemption, KV moves), whose outcome does not depend on the
+    weights: ~100x less compute per token than SmolLM2. Weights drawn with std 0.5 (not HF's 0.02)
+    so that greedy picks are far apart (a flat random model's near-ties could flip on float32
+    rounding between batch shapes)."""
+    import torch
+    import transformers
+
+    from tidal.engine.loader import load_checkpoint
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    cfg = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=smol_ckpt.arch.vocab_size,
+                                   max_position_embeddings=2048, initializer_range=0.5)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(path), safe_serialization=True)
+    return load_checkpoint(str(path))
+
+
+@pytest.fixture(scope="session")
+def make_tiny_engine(make_engine, tiny_llama, smol_tokenizer):
+    """``make_engine`` on :func:`tiny_llama` (with the default model's tokenizer)."""
+    def build(**kwargs):
+        return make_engine(ckpt=tiny_llama, tokenizer=smol_tokenizer, **kwargs)
+
+    return build
+
+
+@pytest.fixture(scope="session")
 def hf_smol(smol_ckpt):
     """transformers' own model on the same GGUF weights (the reference implementation)."""
     import functools

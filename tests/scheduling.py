@@ -44,7 +44,6 @@ HEAVY_FIRST = (
     "tests/engine/test_quant.py",
     "tests/common/test_progress_and_flags.py",
     "tests/test_cli.py",
-    "tests/sim/test_same_plans.py",
     "tests/engine/test_engine.py",
     "tests/sim/test_sim_cli.py",
     "tests/runtime/test_kv_transfer.py",

@@ -6,9 +6,9 @@ simulator replays those times through :class:`ReplayCostModel`. Adaptive policie
 step times, so they see the same inputs in both shells.
 
 A plan depends on token counts and step times, not on the weights (every request runs to its
-``max_tokens``), so the engine runs a 2-layer random-weight Llama with the default model's
-vocabulary, and its measured step times are scaled by ``TIME_SCALE`` into the default model's
-range (tens of ms), where the SLA policies' 40 ms target binds.
+``max_tokens``), so the engine runs a 4-layer random-weight Llama (conftest's ``tiny_llama``), and
+its measured step times are scaled by ``TIME_SCALE`` into the default model's range (tens of ms),
+where the SLA policies' 40 ms target binds.
 """
 
 from __future__ import annotations
@@ -36,26 +36,9 @@ def _workload(n: int = 12, seed: int = 3) -> list[RequestSpec]:
 TIME_SCALE = 20.0
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory, smol_ckpt):
-    """A random-weight 2-layer Llama (safetensors) with the default model's vocabulary."""
-    import torch
-    import transformers
-
-    from tidal.engine.loader import load_checkpoint
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=smol_ckpt.arch.vocab_size,
-                                   max_position_embeddings=2048)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(str(path), safe_serialization=True)
-    return load_checkpoint(str(path))
-
-
-def _run_engine(make_engine, ckpt, tokenizer, specs: list[RequestSpec], engine_kwargs: dict):
+def _run_engine(make_engine, specs: list[RequestSpec], engine_kwargs: dict):
     vclock = [0.0]
-    engine = make_engine(ckpt=ckpt, tokenizer=tokenizer, **engine_kwargs)
+    engine = make_engine(**engine_kwargs)
     engine.clock = lambda: vclock[0]
     plans, times = [], []
     execute = engine.runner.execute
@@ -110,10 +93,10 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_engine_and_simulator_make_the_same_plans(make_engine, tiny_llama, smol_tokenizer, case):
+def test_engine_and_simulator_make_the_same_plans(make_tiny_engine, case):
     kwargs = dict(CASES[case])
     specs = _workload()
-    engine, engine_plans, times = _run_engine(make_engine, tiny_llama, smol_tokenizer, specs, kwargs)
+    engine, engine_plans, times = _run_engine(make_tiny_engine, specs, kwargs)
     assert len(engine_plans) > 10
     sc = engine.config.scheduler
     model = _Recording(times)
