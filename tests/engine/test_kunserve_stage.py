@@ -2,7 +2,8 @@
 restore shrinks it back, and a head + tail pair after a drop (layers [0, L/2) and [L/2, L), the
 tail's KV a mirror at the head's block ids, lookahead microbatches of Sec. 4.3) gives the same
 greedy tokens as one engine with every layer -- for requests that started before the drop on
-either member (KV exchanged, Sec. 4.2, no recompute) and for new ones."""
+either member (KV exchanged, Sec. 4.2, no recompute) and for new ones. The engines run conftest's
+random-weight ``tiny_llama`` (4 layers): none of this depends on the weights' values."""
 
 from __future__ import annotations
 
@@ -31,9 +32,9 @@ def prompts(smol_tokenizer):
 
 
 @pytest.fixture(scope="module")
-def reference(make_engine, prompts):
+def reference(make_tiny_engine, prompts):
     """Greedy outputs of one engine with every layer and a pool large enough for everything."""
-    outs = LLM.from_engine(make_engine(max_num_batched_tokens=64)).generate(
+    outs = LLM.from_engine(make_tiny_engine(max_num_batched_tokens=64)).generate(
         [{"prompt_token_ids": p} for p in prompts], GREEDY)
     return [o.outputs[0].token_ids for o in outs]
 
@@ -42,8 +43,8 @@ def _layer_bytes(engine, i):
     return sum(p.numel() * p.element_size() for p in engine.model.layers[str(i)].parameters())
 
 
-def test_drop_grows_the_pool_by_the_freed_bytes_and_restore_shrinks_it_back(make_engine):
-    e = make_engine(num_blocks_override=100, block_size=16)
+def test_drop_grows_the_pool_by_the_freed_bytes_and_restore_shrinks_it_back(make_tiny_engine):
+    e = make_tiny_engine(num_blocks_override=100, block_size=16)
     a = e.arch
     L = a.num_layers
     kv_layer_block = 2 * 16 * a.num_kv_heads * a.head_dim * 4  # K and V of one layer, one block, fp32
@@ -102,9 +103,9 @@ def _outputs(engine, done):
 
 
 @pytest.mark.parametrize("restore", [False, True])
-def test_head_tail_pair_after_a_drop_matches_one_engine(make_engine, prompts, reference, restore):
-    head = make_engine(max_num_batched_tokens=64, num_blocks_override=60)
-    tail = make_engine(max_num_batched_tokens=64, num_blocks_override=60)
+def test_head_tail_pair_after_a_drop_matches_one_engine(make_tiny_engine, prompts, reference, restore):
+    head = make_tiny_engine(max_num_batched_tokens=64, num_blocks_override=60)
+    tail = make_tiny_engine(max_num_batched_tokens=64, num_blocks_override=60)
     L = head.arch.num_layers
     head_layers, tail_layers = list(range(L // 2)), list(range(L // 2, L))
     # before the drop: prompts 0-2 on the head, 3-4 on the tail, each some way into its work
@@ -160,10 +161,10 @@ def test_head_tail_pair_after_a_drop_matches_one_engine(make_engine, prompts, re
     head.kv_manager.check_invariants()
 
 
-def test_layers_staged_while_serving_restore_to_the_same_weights_and_pool(make_engine):
+def test_layers_staged_while_serving_restore_to_the_same_weights_and_pool(make_tiny_engine):
     """Sec. 4.4 overlapped: layers loaded one at a time beside the model (never run until put in)
     give back exactly the weights and the pool of a restore that loads them at once."""
-    e = make_engine(num_blocks_override=100, block_size=16)
+    e = make_tiny_engine(num_blocks_override=100, block_size=16)
     L = e.arch.num_layers
     before = {n: p.clone() for n, p in e.model.named_parameters() if n.startswith(f"layers.{L - 1}.")}
     dropped = list(range(L // 2, L))
