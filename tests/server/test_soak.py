@@ -1,4 +1,4 @@
-"""``tidal bench soak``, short: 30 s at 3x the measured capacity of a real server (small batch
+"""``tidal bench soak``, short: 10 s at 3x the measured capacity of a real server (small batch
 and queue bound, so it is overloaded and refuses), with client disconnects and malformed requests
 mixed in. The server must come out of it with 0 failed requests, 0 KV blocks in use once idle
 and /health 200 at every sample."""
@@ -24,7 +24,7 @@ def soak_server():
 
 def test_short_soak_is_clean(soak_server, tmp_path, capsys):
     out = tmp_path / "soak.json"
-    code = main(["bench", "soak", "--base-url", soak_server.url, "--duration", "15", "--max-tokens", "8",
+    code = main(["bench", "soak", "--base-url", soak_server.url, "--duration", "10", "--max-tokens", "8",
                  "--measure-requests", "12", "--health-interval", "0.25", "--progress-interval", "5",
                  "--disconnect-fraction", "0.2", "--malformed-fraction", "0.15", "--output", str(out)])
     printed = capsys.readouterr()
@@ -32,7 +32,7 @@ def test_short_soak_is_clean(soak_server, tmp_path, capsys):
     r = json.loads(out.read_text())
     assert r["failed"] == 0, r["errors"]
     assert r["idle"] and r["leaked_kv_blocks"] == 0
-    assert r["health_always_200"] and r["health_samples"] >= 30  # sampled throughout the ~25 s
+    assert r["health_always_200"] and r["health_samples"] >= 30  # sampled throughout (10 s of arrivals alone give 40)
     assert code == 0 and r["clean"] and "verdict: CLEAN" in printed.out
     # it did what it says: real traffic of every kind, every request accounted for
     assert r["completed"] > 0 and r["disconnected"] > 0 and r["malformed_sent"] > 0
