@@ -514,34 +514,33 @@ def test_the_front_ends_outbox_never_blocks_on_a_worker_that_cannot_take_a_comma
     """A PUSH socket with no worker connected blocks a send, and the cluster's lock with it (a
     worker that died, or one still starting). The outbox drops what is for a dead worker and keeps,
     in order, what is for a live one until it connects."""
-    import types
-    from collections import deque
-
     import zmq
 
-    from tidal.runtime.cluster import ClusterLLM
+    from tidal.runtime.outbox import Outbox
 
     ctx = zmq.Context()
     socks = [ctx.socket(zmq.PUSH) for _ in range(2)]
     for i, s in enumerate(socks):
         s.setsockopt(zmq.LINGER, 0)
         s.bind(f"inproc://outbox-{i}")
-    alive = types.SimpleNamespace(alive=lambda: True)
-    dead = types.SimpleNamespace(alive=lambda: False)
-    stub = types.SimpleNamespace(cmd_socks=socks, handles=[dead, alive],
-                                 _outbox=deque([(0, ("abort", "a")), (1, ("abort", "b")), (1, ("abort", "c"))]))
+    box = Outbox()
+    for i, msg in ((0, ("abort", "a")), (1, ("abort", "b")), (1, ("abort", "c"))):
+        box.put(i, msg)
+    alive = [False, True].__getitem__  # worker 0 died, worker 1 still starts
     try:
-        ClusterLLM._flush_outbox(stub)  # returns: nothing blocks
-        assert list(stub._outbox) == [(1, ("abort", "b")), (1, ("abort", "c"))]
+        box.flush(socks, alive)  # returns: nothing blocks
+        assert list(box.queue) == [(1, ("abort", "b")), (1, ("abort", "c"))]
         pull = ctx.socket(zmq.PULL)
         pull.connect("inproc://outbox-1")
         deadline = time.monotonic() + 5
-        while stub._outbox and time.monotonic() < deadline:
-            ClusterLLM._flush_outbox(stub)
+        while box.queue and time.monotonic() < deadline:
+            box.flush(socks, alive)
             time.sleep(0.01)
         assert [pickle.loads(pull.recv()) for _ in range(2)] == [("abort", "b"), ("abort", "c")]
         pull.close(0)
+        box.clear_wakeups()  # the puts' wake-ups are read without blocking
     finally:
+        box.close()
         for s in socks:
             s.close(0)
         ctx.term()

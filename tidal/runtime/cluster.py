@@ -46,6 +46,7 @@ from tidal.engine.async_engine import EngineDeadError, QueueFullError
 from tidal.engine.llm_engine import RequestSnapshot, dtype_name
 from tidal.engine.outputs import RequestOutput
 from tidal.runtime.kv_transfer import build_transport
+from tidal.runtime.outbox import Outbox
 from tidal.runtime.records import ClusterConfig, FrontEngine, Handoff, Tracked
 from tidal.runtime.split_front import SplitCoordinator
 from tidal.runtime.worker import WorkerConfig
@@ -99,9 +100,8 @@ class ClusterLLM:
         self.kv_bytes_moved = 0
         self.requests: dict[str, Tracked] = {}  # by the client's request id
         self.by_wid: dict[str, Tracked] = {}  # by the id its current run has on the workers (Tracked.wid)
-        self._outbox: deque[tuple[int, tuple]] = deque()
+        self.outbox = Outbox()
         self._lock = threading.RLock()
-        self._wake_r, self._wake_w = os.pipe()
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -191,7 +191,7 @@ class ClusterLLM:
 
     def shutdown(self) -> None:
         self._stop.set()
-        self._wake()
+        self.outbox.wake()
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
@@ -209,8 +209,7 @@ class ClusterLLM:
             s.close(0)
         self.ctx.term()
         self.backend.shutdown()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self.outbox.close()
         with contextlib.suppress(OSError):
             for name in os.listdir(self._ipc_dir):
                 os.unlink(os.path.join(self._ipc_dir, name))
@@ -380,42 +379,19 @@ class ClusterLLM:
 
     # ---------------------------------------------------------------- I/O thread
     def _send(self, i: int, msg: tuple) -> None:
-        self._outbox.append((i, msg))
-        self._wake()
-
-    def _wake(self) -> None:
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"x")
+        self.outbox.put(i, msg)
 
     def _deliver(self, t: Tracked, item: Any) -> None:
         t.loop.call_soon_threadsafe(t.queue.put_nowait, item)
 
-    def _flush_outbox(self) -> None:
-        """Send the queued commands without ever blocking (under the lock): a PUSH socket whose
-        worker is gone, or not yet connected, blocks a send, and the lock with it. A command for a
-        dead worker is dropped (its failure handling covers its requests); one for a live worker that
-        cannot take it yet waits, with every later one for that worker, for the next turn."""
-        held, waiting = set(), deque()
-        while self._outbox:
-            i, msg = self._outbox.popleft()
-            if i in held:
-                waiting.append((i, msg))
-                continue
-            try:
-                self.cmd_socks[i].send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), zmq.NOBLOCK)
-            except zmq.Again:
-                h = self.handles[i]
-                if h is not None and h.alive():
-                    held.add(i)
-                    waiting.append((i, msg))
-            except zmq.ZMQError:
-                pass
-        self._outbox.extend(waiting)
+    def _alive(self, i: int) -> bool:
+        h = self.handles[i]
+        return h is not None and h.alive()
 
     def _io_loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self.out, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self.outbox.wake_r, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 sentinels = {h.sentinel: i for i, h in enumerate(self.handles) if h is not None and h.sentinel}
@@ -424,11 +400,10 @@ class ClusterLLM:
                 events = dict(poller.poll(500))
                 for fd in sentinels:
                     poller.unregister(fd)
-                if self._wake_r in events:
-                    with contextlib.suppress(BlockingIOError, OSError):
-                        os.read(self._wake_r, 4096)
+                if self.outbox.wake_r in events:
+                    self.outbox.clear_wakeups()
                 with self._lock:
-                    self._flush_outbox()
+                    self.outbox.flush(self.cmd_socks, self._alive)
                 while True:
                     try:
                         raw = self.out.recv(zmq.NOBLOCK)
