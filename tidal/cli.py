@@ -66,12 +66,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if layout.instances == 1 and args.backend == "process":
         from tidal.engine.async_engine import AsyncLLM
         from tidal.engine.llm_engine import LLMEngine
-        from tidal.engine.quant import describe_quantization
 
         llm = AsyncLLM(LLMEngine(cfg))
-        e = llm.engine
-        print(f"engine: {str(e.dtype).removeprefix('torch.')}, weights: {describe_quantization(e.quantization)}",
-              file=sys.stderr, flush=True)
+        print(f"engine: {llm.engine.describe_weights()}", file=sys.stderr, flush=True)
     else:
         from tidal.runtime.cluster import ClusterConfig, ClusterLLM
 
@@ -93,6 +90,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                 for srv in self.servers:
                     for sock in srv.sockets:
                         port = sock.getsockname()[1]
+                for i, w in enumerate(getattr(llm, "weights", ())):  # each instance's own start-up choice
+                    print(f"instance {i} engine: {w}", file=sys.stderr, flush=True)
                 print(f"serving {name} on http://{args.host}:{port}", file=sys.stderr, flush=True)
 
         async def shutdown(self, sockets=None) -> None:

@@ -62,6 +62,11 @@ def test_instances_show_in_metrics_and_admin_state(cluster_server):
     state = httpx.get(f"{cluster_server.url}/admin/state", timeout=10).json()
     inst = state["cluster"]["instances"]
     assert [i["index"] for i in inst] == [0, 1] and all(i["alive"] for i in inst)
+    # each worker reports what runs its model; start-up prints it per instance
+    weights = state["cluster"]["weights"]
+    assert len(weights) == 2 and all(w.startswith("float32, weights: ") for w in weights), weights
+    printed = [ln for ln in cluster_server.output().splitlines() if ln.startswith("instance ")]
+    assert printed == [f"instance {i} engine: {w}" for i, w in enumerate(weights)], printed
     assert state["cluster"]["num_dispatched"] >= 1
     lines = httpx.get(f"{cluster_server.url}/metrics", timeout=10).text.splitlines()
     for i in (0, 1):

@@ -152,6 +152,10 @@ class LLMEngine:
                  ckpt.path, self.device, self.dtype, num_blocks, cc.block_size, self.max_model_len,
                  describe_quantization(self.quantization))
 
+    def describe_weights(self) -> str:
+        """What runs the model, as start-up prints it: ``"bfloat16, weights: int4 for ..."``."""
+        return f"{str(self.dtype).removeprefix('torch.')}, weights: {describe_quantization(self.quantization)}"
+
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> LLMEngine:
         return cls(EngineConfig.from_kwargs(**kwargs))

@@ -98,6 +98,7 @@ class ClusterLLM:
         # --mode split (or a given planner): DynaServe's coordinator (else None)
         self.split = SplitCoordinator(self, splitter) if splitter is not None or self.layout.split else None
         self.kv_bytes_moved = 0
+        self.weights: list[str | None] = [None] * n  # what each worker runs (its ready message says)
         self.requests: dict[str, Tracked] = {}  # by the client's request id
         self.by_wid: dict[str, Tracked] = {}  # by the id its current run has on the workers (Tracked.wid)
         self.outbox = Outbox()
@@ -302,7 +303,8 @@ class ClusterLLM:
                 "failovers": self.num_failovers,
                 "splits": self.split.num_splits if self.split is not None else 0, "kv_bytes_moved": self.kv_bytes_moved,
                 "cluster": {"mode": self.layout.mode, "router": self.cluster.router, "backend": self.cluster.backend,
-                            "threads_per_instance": self.threads, **self.monitor.snapshot(self.now()),
+                            "threads_per_instance": self.threads, "weights": list(self.weights),
+                            **self.monitor.snapshot(self.now()),
                             **({"kv_pressure": self.pressure.snapshot()} if self.pressure is not None else {})},
             }
 
@@ -431,6 +433,7 @@ class ClusterLLM:
             return  # from a worker that has since died
         now = self.now()
         if kind == "ready":
+            self.weights[i] = rest[1]
             rec = self.monitor.instances[i]
             if rec.failures:
                 self.monitor.on_restart(rest[0], now)

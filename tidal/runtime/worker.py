@@ -436,7 +436,7 @@ class Worker:
 
         from tidal.runtime.peer import PeerLost
 
-        self.send("ready", self.status())
+        self.send("ready", self.status(), self.engine.describe_weights())
         poller = zmq.Poller()
         poller.register(self.cmd, zmq.POLLIN)
         while self.running:
