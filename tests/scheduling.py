@@ -45,6 +45,7 @@ HEAVY_FIRST = (
     "tests/common/test_progress_and_flags.py",
     "tests/test_cli.py",
     "tests/engine/test_engine.py",
+    "tests/engine/test_compiled.py",
     "tests/sim/test_sim_cli.py",
     "tests/runtime/test_kv_transfer.py",
     "tests/workload/test_workloads.py",

@@ -117,8 +117,11 @@ class ModelConfig:
     num_threads: int | None = None  # CPU intra-op threads; default: all cores
     layer_range: tuple[int, int] | None = None  # build only layers [start, end) (a pipeline stage)
     quantization: str = "auto"  # int4 kernels for 4-bit stored weights: auto (where faster) | none | int4
+    compile: bool = False  # a step of one decode as one torch.compile graph (tidal.engine.compiled)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.compile, bool):
+            raise ConfigError(f"compile must be true or false; got {self.compile!r}")
         if self.quantization not in QUANTIZATION:
             raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATION)}; got {self.quantization!r}")
         if self.dtype not in DTYPES:

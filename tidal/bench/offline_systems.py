@@ -20,7 +20,7 @@ from typing import Any
 
 from tidal.common.machine import machine_info as report_machine_info
 
-ALL_SYSTEMS = ("tidal", "tidal-float", "hf", "hf-cb", "llamacpp")
+ALL_SYSTEMS = ("tidal", "tidal-float", "tidal-compile", "hf", "hf-cb", "llamacpp")
 PEERS = ("hf", "hf-cb", "llamacpp")
 ALL_WORKLOADS = ("a", "b", "c")
 DEFAULT_WORKLOADS = ("a", "b", "c")
@@ -32,6 +32,7 @@ _DESCRIPTION = ("Offline throughput of tidal vs transformers (generate, generate
 SYSTEM_LABELS = {
     "tidal": "tidal (LLM engine)",
     "tidal-float": "tidal with dequantized float weights (--quantization none)",
+    "tidal-compile": "tidal with its one-decode step compiled (--compile)",
     "hf": "transformers generate (padded batch)",
     "hf-cb": "transformers generate_batch (continuous batching)",
     "llamacpp": "llama.cpp (llama-cpp-python, sequential)",
@@ -229,6 +230,7 @@ class TidalRunner(SystemRunner):
     name = "tidal"
     notes = "continuous batching, paged KV"
     quantization = "auto"
+    compile = False
 
     def __init__(self, ctx: BenchContext):
         super().__init__(ctx)
@@ -254,7 +256,7 @@ class TidalRunner(SystemRunner):
         self.kwargs = dict(
             dtype=self.ctx.dtype, device=self.ctx.device, max_num_seqs=max(64, self.ctx.max_requests),
             max_num_batched_tokens=self.ctx.max_num_batched_tokens, kv_cache_memory=self._kv_bytes(),
-            num_threads=self.ctx.num_threads, quantization=self.quantization)
+            num_threads=self.ctx.num_threads, quantization=self.quantization, compile=self.compile)
         self.llm = LLM(model=self.ctx.model_path, **self.kwargs)
 
     def settings(self) -> dict[str, Any]:
@@ -266,7 +268,7 @@ class TidalRunner(SystemRunner):
                 "max_num_batched_tokens": sc.max_num_batched_tokens, "kv_cache_memory": cc.kv_cache_memory,
                 "num_kv_blocks": self.llm.engine.kv_manager.num_blocks, "block_size": cc.block_size,
                 "batching": sc.batching, "num_threads": self.ctx.num_threads,
-                "weights": describe_quantization(self.llm.engine.quantization)}
+                "weights": describe_quantization(self.llm.engine.quantization), "compile": self.compile}
 
     def generate(self, prompts: list[list[int]], output_len: int) -> RunOutput:
         from tidal import SamplingParams
@@ -347,6 +349,14 @@ class TidalFloatRunner(TidalRunner):
     name = "tidal-float"
     notes = "as tidal, dequantized float weights"
     quantization = "none"
+
+
+class TidalCompileRunner(TidalRunner):
+    """tidal with ``--compile``: what compiling the one-decode step gains, side by side in one run."""
+
+    name = "tidal-compile"
+    notes = "as tidal, one-decode step compiled"
+    compile = True
 
 
 class HFRunner(SystemRunner):
@@ -491,7 +501,7 @@ class LlamaCppRunner(SystemRunner):
 
 
 RUNNERS: dict[str, type[SystemRunner]] = {
-    "tidal": TidalRunner, "tidal-float": TidalFloatRunner, "hf": HFRunner, "hf-cb": HFCBRunner, "llamacpp": LlamaCppRunner,
+    "tidal": TidalRunner, "tidal-float": TidalFloatRunner, "tidal-compile": TidalCompileRunner, "hf": HFRunner, "hf-cb": HFCBRunner, "llamacpp": LlamaCppRunner,
 }
 
 

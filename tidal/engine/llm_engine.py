@@ -139,6 +139,11 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(num_blocks, cc.block_size, num_host)
         self.scheduler = Scheduler(sc, self.kv_manager, self.policy, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv_cache, seed=mc.seed)
+        if mc.compile:
+            from tidal.engine.compiled import CompiledDecode
+
+            self.runner.compiled = CompiledDecode(self.model, self.kv_cache)
+            self.runner.compiled.warm_up()
         self.pool_spare_bytes = 0  # KV memory too small for one more block (after a drop / restore)
         self.dropped_weight_bytes: dict[int, int] = {}  # dropped layer -> its weights' bytes
         self.eos_token_ids = tuple(arch.eos_token_ids) or (
@@ -154,7 +159,8 @@ class LLMEngine:
 
     def describe_weights(self) -> str:
         """What runs the model, as start-up prints it: ``"bfloat16, weights: int4 for ..."``."""
-        return f"{str(self.dtype).removeprefix('torch.')}, weights: {describe_quantization(self.quantization)}"
+        compiled = "; one-decode step compiled (--compile)" if self.runner.compiled is not None else ""
+        return f"{str(self.dtype).removeprefix('torch.')}, weights: {describe_quantization(self.quantization)}{compiled}"
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> LLMEngine:

@@ -22,6 +22,7 @@ import torch
 
 from tidal.cluster.pressure.lookahead import ChunkCost
 from tidal.core.plan import ScheduledChunk, StepPlan, StepResult
+from tidal.engine.compiled import CompiledDecode
 from tidal.engine.kv_cache import PagedKVCache
 from tidal.engine.model import AttentionBatch, DecodeGroup, KVLayer, LlamaModel, PrefillSeq
 from tidal.engine.sampler import Sampler
@@ -43,6 +44,7 @@ class ModelRunner:
         self.mb_min_tokens = 1  # Fig. 11's MIN: a step of this many tokens or fewer stays whole
         self.padded_tokens_computed = 0  # padding run through the model so far
         self._scratch: dict[int, KVLayer] | None = None
+        self.compiled: CompiledDecode | None = None  # --compile (set by the engine)
 
     # ------------------------------------------------------------------ batch layout
     def _build_batch(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, AttentionBatch]:
@@ -181,15 +183,21 @@ class ModelRunner:
                    + [c for c in plan.chunks if not c.is_decode])
         if plan.composition.num_padded_tokens and self.link is None:  # (a pipeline group never pads)
             self._run_padding(ordered, plan.composition.num_padded_tokens)
+        logits = None
         if self.link is None:
             input_ids, batch = self._build_batch(ordered)
-            h = self.model(self.model.embed(input_ids), batch, self.kv.layers)
-            rows, sampling = self._sample_rows(ordered)
-            h = h[torch.tensor(rows, device=self.device)] if rows else h
+            if self.compiled is not None and self.compiled.takes(ordered):
+                logits = self.compiled.logits(input_ids, batch)
+                sampling = [ordered[0]]
+            else:
+                h = self.model(self.model.embed(input_ids), batch, self.kv.layers)
+                rows, sampling = self._sample_rows(ordered)
+                h = h[torch.tensor(rows, device=self.device)] if rows else h
         else:
             h, sampling = self._execute_pipelined(plan.step_id, ordered)
         if sampling:
-            logits = self.model.compute_logits(h)
+            if logits is None:
+                logits = self.model.compute_logits(h)
             if self.keep_logits:
                 self.last_logits = {c.request_id: logits[i].cpu() for i, c in enumerate(sampling)}
             tokens, lps = self.sampler.sample(

@@ -1,0 +1,74 @@
+"""``--compile``: the one-decode step runs as a torch.compile graph and gives eager's tokens (float32,
+on conftest's random-weight ``tiny_llama``); any other step, and a model whose layers were dropped,
+runs eager."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from tidal import LLM, SamplingParams
+from tidal.config import ConfigError, EngineConfig
+
+# Inductor's CPU backend builds C++: without a compiler --compile says so at start-up
+needs_cxx = pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="no C++ compiler")
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def compiled_engine(make_tiny_engine):
+    return make_tiny_engine(compile=True, max_num_batched_tokens=64)
+
+
+@needs_cxx
+def test_one_decode_compiled_gives_eager_tokens(compiled_engine, make_tiny_engine, smol_tokenizer):
+    eager = LLM.from_engine(make_tiny_engine(max_num_batched_tokens=64))
+    llm = LLM.from_engine(compiled_engine)
+    compiled = compiled_engine.runner.compiled
+    # 5 tokens (one block: the width is padded to two), 30 (crosses a block while decoding), 100
+    prompts = [smol_tokenizer.encode("The tide")[:5], list(range(300, 330)), list(range(500, 600))]
+    for p in prompts:
+        before = compiled.calls
+        ours = llm.generate([{"prompt_token_ids": p}], GREEDY)[0].outputs[0].token_ids
+        assert ours == eager.generate([{"prompt_token_ids": p}], GREEDY)[0].outputs[0].token_ids
+        assert compiled.calls - before == GREEDY.max_tokens - 1  # every decode step of the lone request
+    # two requests together: their steps are batches, which run eager
+    before = compiled.calls
+    both = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], GREEDY)
+    ref = eager.generate([{"prompt_token_ids": p} for p in prompts[1:]], GREEDY)
+    assert [o.outputs[0].token_ids for o in both] == [o.outputs[0].token_ids for o in ref]
+    assert compiled.calls - before < 2 * (GREEDY.max_tokens - 1)  # only the tail after one finished
+    assert compiled_engine.kv_manager.num_free_blocks == compiled_engine.kv_manager.num_blocks
+    assert "one-decode step compiled" in compiled_engine.describe_weights()
+
+
+@needs_cxx
+def test_a_model_with_dropped_layers_runs_eager(compiled_engine, tiny_llama):
+    e = compiled_engine
+    before = e.runner.compiled.calls
+    e.model.drop_layers([3])
+    e.kv_cache.drop_layers([3])
+    try:
+        e.add_request("d", None, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                      prompt_token_ids=list(range(100, 120)))
+        while e.has_unfinished_requests():
+            e.step()
+        assert e.runner.compiled.calls == before  # its one-decode steps ran eager on layers 0-2
+    finally:
+        e.model.restore_layers([3], tiny_llama.weights())
+        e.kv_cache.add_layers([3])
+    assert e.kv_manager.num_free_blocks == e.kv_manager.num_blocks
+
+
+def test_compile_is_a_boolean_flag():
+    from tidal.cli import build_parser
+    from tidal.common import flags as F
+
+    args = build_parser().parse_args(["serve", "--compile"])
+    assert F.engine_kwargs(args)["compile"] is True
+    assert "compile" not in F.engine_kwargs(build_parser().parse_args(["serve"]))
+    assert EngineConfig.from_kwargs(compile=True).model.compile is True
+    with pytest.raises(ConfigError):
+        EngineConfig.from_kwargs(compile="yes")
