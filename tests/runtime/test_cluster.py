@@ -297,3 +297,32 @@ def test_a_sigkilled_front_end_takes_its_forkserver_and_workers_with_it(tmp_path
         proc.wait()
         proc.stdout.close()
     wait_gone(family)
+
+
+def test_a_worker_that_cannot_start_fails_the_start_with_its_reason_not_a_restart_loop():
+    """A worker whose engine cannot be built (a KV budget too small for one block: the workers
+    build the pools, the front end does not) dies before it is ready. After START_ATTEMPTS such
+    deaths in a row it is not restarted, and start() fails at once, naming it, with nothing left
+    running (it used to be restarted until the 600 s start timeout, ~11 times a second)."""
+    from tidal.engine.async_engine import EngineDeadError
+    from tidal.runtime.cluster import START_ATTEMPTS, ClusterConfig, ClusterLLM
+
+    kw = dict(dtype="float32", kv_cache_memory="1KiB")
+    llm = ClusterLLM(EngineConfig.from_kwargs(**kw),
+                     ClusterConfig(layout=ClusterLayout(2, "colocate", 0), threads_per_instance=1), kw)
+    seen: list[int] = []
+    start = llm.backend.start
+
+    def counted(cfg):
+        h = start(cfg)
+        seen.append(h.pid)
+        return h
+
+    llm.backend.start = counted
+    t0 = time.monotonic()
+    with pytest.raises(EngineDeadError, match=f"died {START_ATTEMPTS} times before it was ready"):
+        llm.start()
+    assert time.monotonic() - t0 < 120
+    assert len(seen) <= 2 * START_ATTEMPTS
+    assert max(llm.unready_deaths) == START_ATTEMPTS
+    wait_gone(set(seen))

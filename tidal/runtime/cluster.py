@@ -52,6 +52,7 @@ from tidal.runtime.split_front import SplitCoordinator
 from tidal.runtime.worker import WorkerConfig
 
 log = logging.getLogger("tidal.cluster")
+START_ATTEMPTS = 3  # a worker that dies this many times in a row before it is ready is not restarted
 
 
 class ClusterLLM:
@@ -110,6 +111,7 @@ class ClusterLLM:
         self.dead: BaseException | None = None
         self.num_failures = 0
         self.num_restarts = 0
+        self.unready_deaths = [0] * n  # per instance: deaths in a row before its ready message
         self.num_failovers = 0
         self._t0 = time.monotonic()
 
@@ -183,7 +185,11 @@ class ClusterLLM:
             self.handles[i] = self.backend.start(self._worker_config(i))
         self._thread = threading.Thread(target=self._io_loop, name="tidal-cluster-io", daemon=True)
         self._thread.start()
-        if not self.wait_ready():
+        ready = self.wait_ready()
+        if self.dead is not None:  # a worker could not start (_on_worker_death said why)
+            self.shutdown()
+            raise self.dead
+        if not ready:
             raise EngineDeadError(f"the instances did not all start within {self.cluster.start_timeout_s:.0f} s")
 
     def wait_ready(self, timeout: float | None = None) -> bool:
@@ -434,6 +440,7 @@ class ClusterLLM:
         now = self.now()
         if kind == "ready":
             self.weights[i] = rest[1]
+            self.unready_deaths[i] = 0
             rec = self.monitor.instances[i]
             if rec.failures:
                 self.monitor.on_restart(rest[0], now)
@@ -552,6 +559,8 @@ class ClusterLLM:
         if not self.monitor.instances[i].alive and self.handles[i] is None:
             return
         log.warning("instance %d died (%s); re-running its requests elsewhere", i, why)
+        if not self.monitor.instances[i].alive:
+            self.unready_deaths[i] += 1
         self.num_failures += 1
         if self.pressure is not None:  # KunServe Sec. 4.4: its pipeline group dissolves
             self.pressure.on_failure(i, self.now())
@@ -571,7 +580,13 @@ class ClusterLLM:
                         self._send(j, ("abort", t.wid))
                         self.monitor.on_finish(j, t.rid)
             self._failover(t)
-        if self.cluster.restart and not self._stop.is_set():
+        if self.unready_deaths[i] >= START_ATTEMPTS:  # it cannot start (its error is in the log above)
+            log.error("instance %d died %d times before it was ready; not restarting it", i, self.unready_deaths[i])
+            if not self._ready.is_set():  # the cluster is starting: start() fails with this
+                self.dead = EngineDeadError(f"instance {i} died {self.unready_deaths[i]} times before it was ready "
+                                            f"({why}); its error is in the log above")
+                self._ready.set()
+        elif self.cluster.restart and not self._stop.is_set():
             self.handles[i] = self.backend.start(self._worker_config(i))
             self.num_restarts += 1
 
