@@ -186,11 +186,11 @@ class ClusterLLM:
         self._thread = threading.Thread(target=self._io_loop, name="tidal-cluster-io", daemon=True)
         self._thread.start()
         ready = self.wait_ready()
-        if self.dead is not None:  # a worker could not start (_on_worker_death said why)
-            self.shutdown()
-            raise self.dead
-        if not ready:
-            raise EngineDeadError(f"the instances did not all start within {self.cluster.start_timeout_s:.0f} s")
+        if ready and self.dead is None:
+            return
+        # a worker could not start (_on_worker_death said why), or the time ran out: stop what did
+        self.shutdown()
+        raise self.dead or EngineDeadError(f"the instances did not all start within {self.cluster.start_timeout_s:.0f} s")
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until every instance reported ready once (or ``timeout``)."""
