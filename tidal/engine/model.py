@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidal.config import ConfigError, ModelArch
+from tidal.engine import native
 from tidal.engine.quant import (
     GROUP,
     GroupedInt8Weight,
@@ -191,9 +192,9 @@ def _decode_attention(q: torch.Tensor, kv: KVLayer, group: DecodeGroup, scale: f
 
 # ------------------------------------------------------------------------------------ layers
 class Linear(nn.Linear):
-    """nn.Linear that runs an int4 copy of its weight for steps of few tokens (see engine/quant.py)."""
+    """nn.Linear that runs a 4-bit copy of its weight for steps of few tokens (see engine/quant.py)."""
 
-    int4: Int4Weight | None = None
+    int4: Int4Weight | native.Q4_1Weight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self.int4
@@ -263,7 +264,8 @@ class LlamaModel(nn.Module):
         self.quantization = "none"  # set by set_quantization(), before load_weights
         self._int4_tokens: dict[tuple[int, int], int] = {}  # matrix shape -> measured crossover
         self._head_tokens = 0  # the same for the LM head's grouped int8
-        self.head_int8: GroupedInt8Weight | None = None
+        self.head_int8: GroupedInt8Weight | native.Q8_0Weight | None = None
+        self.kernels = "torch"  # whose 4/8-bit kernels: torch's, or "tidal" (engine/native.py: float32 on CPU)
 
     # ----------------------------------------------------------------- int4 weights
     def set_quantization(self, mode: str) -> str | None:
@@ -271,8 +273,13 @@ class LlamaModel(nn.Module):
         int4 copy. ``auto``: used up to the step size where timing here found the int4 kernel faster
         on that matrix shape (measured now, on synthetic weights of each shape; if it never was, no
         copies are made); ``int4``: for every step; ``none``: no copy. An LM head stored as Q8_0 gets a
-        grouped int8 copy the same way. Returns why neither will run, or None."""
-        why = int4_supported(self.device, self.dtype) if mode != "none" else None
+        grouped int8 copy the same way. In float32 on CPU the kernels are tidal's own (engine/native.py,
+        built at first use), else torch's. Returns why neither will run, or None."""
+        self.kernels, why = "torch", None
+        if mode != "none" and self.device.type == "cpu" and self.dtype == torch.float32 and native.load() is None:
+            self.kernels = "tidal"  # torch's int4 kernel has no fast float32 path on CPUs without AVX-512
+        elif mode != "none":
+            why = int4_supported(self.device, self.dtype)
         self.quantization = mode if why is None else "none"
         self._int4_tokens, self._head_tokens = {}, 0
         if self.quantization != "none":
@@ -280,10 +287,11 @@ class LlamaModel(nn.Module):
                 shape = tuple(getattr(self.layers[str(self.start)], name).weight.shape)
                 if shape not in self._int4_tokens:
                     self._int4_tokens[shape] = 0 if not int4_shape_ok(*shape) else \
-                        (1 << 30) if mode == "int4" else measure_crossover(*shape, self.dtype)
+                        (1 << 30) if mode == "int4" else measure_crossover(*shape, self.dtype, kernels=self.kernels)
             if self.is_last:  # the LM head, if stored as Q8_0 groups
                 vocab, hidden = self.arch.vocab_size, self.arch.hidden_size
-                self._head_tokens = (1 << 30) if mode == "int4" else measure_int8_crossover(vocab, hidden, self.dtype)
+                self._head_tokens = (1 << 30) if mode == "int4" else \
+                    measure_int8_crossover(vocab, hidden, self.dtype, kernels=self.kernels)
             if not any(self._int4_tokens.values()) and not self._head_tokens:  # skip the grid checks at load
                 self.quantization = "none"
                 return f"the int4/int8 kernels were not faster than {str(self.dtype).removeprefix('torch.')} " \
@@ -294,12 +302,12 @@ class LlamaModel(nn.Module):
         tokens = self._int4_tokens.get(tuple(lin.weight.shape), 0)
         lin.int4 = None
         if grid is not None and tokens > 0:
-            lin.int4 = pack_int4(*grid, self.dtype)
+            lin.int4 = native.Q4_1Weight.pack(*grid) if self.kernels == "tidal" else pack_int4(*grid, self.dtype)
             lin.int4.max_tokens = tokens
 
     def quantization_report(self) -> dict:
         """Which decoder matrices have an int4 copy, and up to which step size it runs."""
-        report = {"int4_matrices": 0, "float_matrices": 0, "int4_max_tokens": {},
+        report = {"int4_matrices": 0, "float_matrices": 0, "int4_max_tokens": {}, "kernels": self.kernels,
                   "head_int8_max_tokens": self.head_int8.max_tokens if self.head_int8 is not None else 0}
         for i in self.layer_ids:
             for name in LINEARS:
@@ -361,8 +369,10 @@ class LlamaModel(nn.Module):
                 self._stage_grid(grids, mod, rows, tensor, fresh=cur.is_meta)
             if self._head_tokens and pname == "weight" and self.is_last and \
                     mod is (self.lm_head if self.lm_head is not None else self.embed_tokens):
-                grid = int8_grid(tensor.float())
-                self.head_int8 = GroupedInt8Weight.pack(*grid, self.dtype) if grid is not None else None
+                w32 = tensor.float()
+                grid = int8_grid(w32)
+                self.head_int8 = None if grid is None else native.Q8_0Weight.pack(*grid, weight=w32) \
+                    if self.kernels == "tidal" else GroupedInt8Weight.pack(*grid, self.dtype)
                 if self.head_int8 is not None:
                     self.head_int8.max_tokens = self._head_tokens
             if key not in staged:
@@ -402,7 +412,10 @@ class LlamaModel(nn.Module):
                 entry[0] = None
         part = rows if rows is not None else slice(None)
         entry[3] -= len(range(*part.indices(n)))
-        grid = int4_grid(tensor.float()) if entry[0] is not None and tensor.dim() == 2 else None
+        w32 = tensor.float()
+        grid = int4_grid(w32) if entry[0] is not None and tensor.dim() == 2 else None
+        if grid is not None and self.kernels == "tidal" and not native.q4_1_exact(w32, *grid):
+            grid = None  # its scales are not float16 as GGUF's: the float16 (d, m) would round the weights
         if grid is None:
             entry[:3] = [None, None, None]
         else:

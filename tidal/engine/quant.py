@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tidal.engine import native
+
 GROUP = 32  # Q4_0 / Q4_1 block size
 _TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)  # step sizes timed at start-up
 
@@ -148,54 +150,77 @@ _crossovers: dict[tuple, int] = {}  # measured once per process (tests and tools
 
 def _cached(fn):
     @functools.wraps(fn)
-    def measure(n: int, k: int, dtype: torch.dtype, repeats: int = 7) -> int:
+    def measure(n: int, k: int, dtype: torch.dtype, repeats: int = 7, kernels: str = "torch") -> int:
         # the whole shape: a smaller stand-in that fits in cache favours the float matmul
-        key = (fn.__name__, n, k, dtype, repeats, torch.get_num_threads())
+        key = (fn.__name__, n, k, dtype, repeats, kernels, torch.get_num_threads())
         if key not in _crossovers:
-            _crossovers[key] = fn(n, k, dtype, repeats)
+            _crossovers[key] = fn(n, k, dtype, repeats, kernels)
         return _crossovers[key]
 
     return measure
 
 
-def _largest_win(packed, weight: torch.Tensor, g: torch.Generator, repeats: int) -> int:
-    """The largest of ``_TOKENS`` up to which ``packed.matmul`` beat ``F.linear(x, weight)``, timed
-    here; stops at the first size where float wins (0 if it wins at once)."""
+WORKING_SET = 64 << 20  # bytes of float weights a timing cycles through (more than a CPU's cache)
+
+
+def _copies(n: int, k: int, dtype: torch.dtype) -> int:
+    """How many copies of an [n, k] matrix a timing cycles through: a step of the model streams every
+    layer's weights from memory, and a matrix timed alone would sit in cache and favour the float
+    matmul (here: 3x its in-cache time for the float32 matrices of SmolLM2-135M)."""
+    return max(1, min(64, -(-WORKING_SET // (n * k * torch.finfo(dtype).bits // 8))))
+
+
+def _largest_win(packed: list, weights: list[torch.Tensor], g: torch.Generator, repeats: int) -> int:
+    """The largest of ``_TOKENS`` up to which ``packed[i].matmul`` beat ``F.linear(x, weights[i])``,
+    each timed cycling through its copies; stops at the first size where float wins (0 if at once)."""
     best = 0
+
+    def cycle(fn, mats, x):
+        for m in mats:
+            fn(x, m)
+
     with torch.inference_mode():
         for m in _TOKENS:
-            x = torch.randn(m, weight.shape[1], generator=g).to(weight.dtype)
-            if _median_time(functools.partial(packed.matmul, x), repeats) >= \
-                    _median_time(functools.partial(F.linear, x, weight), repeats):
+            x = torch.randn(m, weights[0].shape[1], generator=g).to(weights[0].dtype)
+            if _median_time(functools.partial(cycle, lambda x, p: p.matmul(x), packed, x), repeats) >= \
+                    _median_time(functools.partial(cycle, F.linear, weights, x), repeats):
                 break
             best = m
     return best
 
 
 @_cached
-def measure_crossover(n: int, k: int, dtype: torch.dtype, repeats: int = 7) -> int:
-    """The largest step size (tokens) up to which the int4 kernel beat the float matmul on an
-    ``[n, k]`` matrix of ``dtype``, timed here on synthetic weights; 0 if it never did."""
+def measure_crossover(n: int, k: int, dtype: torch.dtype, repeats: int = 7, kernels: str = "torch") -> int:
+    """The largest step size (tokens) up to which the 4-bit kernel (``kernels``: torch's int4, or
+    ``tidal``'s Q4_1 of engine/native.py) beat the float matmul on an ``[n, k]`` matrix of ``dtype``,
+    timed here on synthetic weights; 0 if it never did."""
     if not int4_shape_ok(n, k):
         return 0
     g = torch.Generator().manual_seed(0)
-    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-    step = torch.rand(n, k // GROUP, generator=g) * 0.01
-    lo = -8 * step
-    weight = (q.float().view(n, -1, GROUP) * step.unsqueeze(-1) + lo.unsqueeze(-1)).view(n, k).to(dtype)
-    return _largest_win(pack_int4(q, step, lo, dtype), weight, g, repeats)
+    packed, weights = [], []
+    for _ in range(_copies(n, k, dtype)):
+        q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+        step = (torch.rand(n, k // GROUP, generator=g) * 0.01).half().float()
+        lo = -8 * step
+        weights.append((q.float().view(n, -1, GROUP) * step.unsqueeze(-1) + lo.unsqueeze(-1)).view(n, k).to(dtype))
+        packed.append(native.Q4_1Weight.pack(q, step, lo) if kernels == "tidal" else pack_int4(q, step, lo, dtype))
+    return _largest_win(packed, weights, g, repeats)
 
 
 @_cached
-def measure_int8_crossover(n: int, k: int, dtype: torch.dtype, repeats: int = 7) -> int:
-    """As :func:`measure_crossover`, for a :class:`GroupedInt8Weight` (the LM head's shape)."""
+def measure_int8_crossover(n: int, k: int, dtype: torch.dtype, repeats: int = 7, kernels: str = "torch") -> int:
+    """As :func:`measure_crossover`, for the LM head's 8-bit groups (:class:`GroupedInt8Weight`, or
+    ``tidal``'s Q8_0 kernel)."""
     if k % GROUP:
         return 0
     g = torch.Generator().manual_seed(0)
-    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
-    d = torch.rand(n, k // GROUP, generator=g) * 0.01
-    weight = (q.float().view(n, -1, GROUP) * d.unsqueeze(-1)).view(n, k).to(dtype)
-    return _largest_win(GroupedInt8Weight.pack(q, d, dtype), weight, g, repeats)
+    packed, weights = [], []
+    for _ in range(_copies(n, k, dtype)):
+        q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        d = (torch.rand(n, k // GROUP, generator=g) * 0.01).half().float()
+        weights.append((q.float().view(n, -1, GROUP) * d.unsqueeze(-1)).view(n, k).to(dtype))
+        packed.append(native.Q8_0Weight.pack(q, d) if kernels == "tidal" else GroupedInt8Weight.pack(q, d, dtype))
+    return _largest_win(packed, weights, g, repeats)
 
 
 def describe_quantization(report: dict) -> str:
@@ -206,7 +231,8 @@ def describe_quantization(report: dict) -> str:
     n4, nf = report["int4_matrices"], report["float_matrices"]
     head = report.get("head_int8_max_tokens")
     head = f"; LM head as Q8_0 groups for <= {head if head < (1 << 30) else 'any'} rows" if head else ""
+    kernels = " (tidal's Q4_1/Q8_0 kernels)" if report.get("kernels") == "tidal" else ""
     if not n4:
-        return f"float ({nf} decoder matrices; none stored as 4-bit groups){head}"
+        return f"float ({nf} decoder matrices; none stored as 4-bit groups){head}{kernels}"
     tokens = ", ".join(f"{k} <= {v if v < (1 << 30) else 'any'}" for k, v in report["int4_max_tokens"].items())
-    return f"int4 for {n4} of {n4 + nf} decoder matrices (steps of tokens: {tokens}){head}, float otherwise"
+    return f"int4 for {n4} of {n4 + nf} decoder matrices (steps of tokens: {tokens}){head}, float otherwise{kernels}"

@@ -1,0 +1,137 @@
+"""tidal's own Q4_1/Q8_0 kernels (tidal/engine/native.py): the same matmul as the dequantized float32
+weights for every row count and block count (the SIMD path and the portable one), errors named,
+and the engine in float32 picks them and falls back to torch's kernels when they cannot be built."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tidal.engine import native
+from tidal.engine.quant import GROUP, int4_grid, int8_grid
+
+pytestmark = pytest.mark.skipif(native.load() is not None, reason=f"kernels not built: {native.load()}")
+
+
+def q4_1(n: int, k: int, seed: int = 0):
+    """A Q4_1 matrix as GGUF dequantizes it: float16 d and m, w = q * d + m in float32."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    q[:, ::GROUP], q[:, 1::GROUP] = 0, 15
+    d = (torch.rand(n, k // GROUP, generator=g) * 0.05 + 1e-3).half().float()
+    m = (-torch.rand(n, k // GROUP, generator=g) * 0.4).half().float()
+    w = (q.float().view(n, -1, GROUP) * d.unsqueeze(-1) + m.unsqueeze(-1)).view(n, k)
+    return w, q, d, m
+
+
+def q8_0(n: int, k: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    q[:, ::GROUP] = 127
+    d = (torch.rand(n, k // GROUP, generator=g) * 0.01 + 1e-4).half().float()
+    return (q.float().view(n, -1, GROUP) * d.unsqueeze(-1)).view(n, k), q, d
+
+
+# K/32 of 3, 8 and 9 blocks: the float16 scales convert eight at a time plus a tail
+@pytest.mark.parametrize("n,k", [(48, 96), (40, 256), (33, 288)])
+def test_q4_1_equals_the_dequantized_matmul(n, k):
+    w, q, d, m = q4_1(n, k)
+    grid = int4_grid(w)
+    assert grid is not None and native.q4_1_exact(w, *grid)
+    packed = native.Q4_1Weight.pack(*grid)
+    assert packed.nbytes == n * k // 2 + 2 * 2 * n * k // GROUP
+    g = torch.Generator().manual_seed(1)
+    for rows in (1, 2, 3, 4, 5, 7, 9):  # whole tiles of four and every remainder
+        x = torch.randn(rows, k, generator=g)
+        got = packed.matmul(x)
+        assert got.shape == (rows, n) and got.dtype == torch.float32
+        torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, F.linear(x.double(), w.double()).float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n,k", [(48, 96), (40, 288)])
+def test_q8_0_equals_the_dequantized_matmul(n, k):
+    w, q, d = q8_0(n, k)
+    grid = int8_grid(w)
+    assert grid is not None
+    packed = native.Q8_0Weight.pack(*grid, weight=w)
+    assert packed is not None and packed.nbytes == n * k + 2 * n * k // GROUP
+    g = torch.Generator().manual_seed(2)
+    for rows in (1, 4, 6):
+        x = torch.randn(rows, k, generator=g)
+        torch.testing.assert_close(packed.matmul(x), F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+def test_scales_that_float16_would_round_are_refused():
+    w, q, d, m = q4_1(16, 64)
+    off = (q.float().view(16, -1, GROUP) * (d * (1 + 1e-4)).unsqueeze(-1) + m.unsqueeze(-1)).view(16, 64)
+    grid = int4_grid(off)  # on a 4-bit grid, but its step is not a float16
+    assert grid is not None and not native.q4_1_exact(off, *grid)
+    w8, q8, d8 = q8_0(16, 64)
+    scaled = w8 * (1 + 1e-4)
+    assert native.Q8_0Weight.pack(*int8_grid(scaled), weight=scaled) is None
+
+
+def test_bad_inputs_are_named():
+    w, q, d, m = q4_1(32, 64)
+    packed = native.Q4_1Weight.pack(q, d, m)
+    with pytest.raises(RuntimeError, match="float32"):
+        packed.matmul(torch.randn(2, 64, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="columns"):
+        torch.ops.tidal.q4_1_mm(torch.randn(2, 96), packed.qs, packed.dm, 32, 64)
+    with pytest.raises(RuntimeError, match="wrong type or size"):
+        torch.ops.tidal.q4_1_mm(torch.randn(2, 64), packed.qs[:8], packed.dm, 32, 64)
+
+
+def test_the_portable_build_computes_the_same():
+    """Built without AVX2 flags (``TIDAL_NATIVE_SIMD=0``: another library, in a fresh process), the
+    plain C++ loops give the same result."""
+    code = (
+        "import torch, torch.nn.functional as F\n"
+        "from tidal.engine import native\n"
+        "assert native._simd_flags() == [], native._simd_flags()\n"
+        "assert native.load() is None, native.load()\n"
+        "from tests.engine.test_native import q4_1, q8_0\n"
+        "w, q, d, m = q4_1(40, 288); x = torch.randn(5, 288)\n"
+        "torch.testing.assert_close(native.Q4_1Weight.pack(q, d, m).matmul(x), F.linear(x, w), rtol=1e-5, atol=1e-5)\n"
+        "w, q, d = q8_0(40, 288)\n"
+        "torch.testing.assert_close(native.Q8_0Weight.pack(q, d).matmul(x), F.linear(x, w), rtol=1e-5, atol=1e-4)\n"
+        "print('ok')\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TIDAL_NATIVE_SIMD": "0"})
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_compile_traces_through_the_ops():
+    """``--compile`` puts the ops inside one graph: their fake implementations give the shapes."""
+    w, q, d, m = q4_1(32, 64)
+    packed = native.Q4_1Weight.pack(q, d, m)
+    fn = torch.compile(lambda x: packed.matmul(x) * 2, fullgraph=True, backend="eager")
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(fn(x), 2 * F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_float32_engine_uses_them_and_falls_back(tmp_path, monkeypatch):
+    """In float32 on CPU a GGUF model's 4-bit matrices go to tidal's kernels; when they cannot be
+    built, to torch's (and the report says which)."""
+    from gguf import GGMLQuantizationType as QT
+
+    from .test_quant import _tiny_model
+
+    types = dict.fromkeys(("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"), QT.Q4_1)
+    model, _ = _tiny_model(tmp_path, types, "int4")
+    assert model.kernels == "tidal" and isinstance(model.layers["0"].qkv_proj.int4, native.Q4_1Weight)
+    assert model.quantization_report()["kernels"] == "tidal"
+    x = torch.randn(2, 64)
+    lin = model.layers["0"].gate_up_proj
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight), rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(native, "_state", {"ok": False, "why": "no compiler"})
+    torch_model, _ = _tiny_model(tmp_path, types, "int4")
+    assert torch_model.kernels == "torch" and not isinstance(torch_model.layers["0"].qkv_proj.int4, native.Q4_1Weight)
+    torch.testing.assert_close(torch_model.layers["0"].gate_up_proj(x), lin(x), rtol=1e-4, atol=1e-4)

@@ -1,0 +1,226 @@
+// Weight-only matmuls over GGUF's own 4-bit (Q4_1) and 8-bit (Q8_0) blocks, float32 activations.
+//
+// Built at first use by tidal/engine/native.py (torch.utils.cpp_extension, -O3 -march=native) and
+// registered as torch.ops.tidal.q4_1_mm / q8_0_mm. A step of few tokens is bound by reading the
+// weights; these read 0.625 (Q4_1) and 1.06 (Q8_0) bytes a weight instead of float32's 4, and unpack
+// in registers. Activations stay float32 (no Q8 activation rounding as llama.cpp's dot products do):
+// a Q4_1 block of 32 weights w = q * d + m gives sum_i w_i x_i = d * sum_i q_i x_i + m * sum_i x_i,
+// so the result differs from a float matmul over the dequantized weights only in rounding order.
+//
+// Layouts (tidal/engine/native.py packs them):
+//   q4_1: qs uint8 [N, K/32, 16], byte j of a block = q_j | q_{j+16} << 4 (GGUF's order);
+//         dm float16 [N, 2, K/32]: each row's d of every block, then its m
+//   q8_0: qs int8 [N, K], d float16 [N, K/32]
+// AVX2 + FMA + F16C when the compiler targets them, portable C++ otherwise.
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TIDAL_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kRowTile = 4;  // activation rows sharing one unpacked weight block
+
+// n float16 values to float32 (F16C eight at a time where compiled for it)
+inline void halves_to_floats(const c10::Half* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+#ifdef TIDAL_AVX2
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline __m256 u8x8_to_ps(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)); }
+inline __m256 i8x8_to_ps(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)); }
+#endif
+
+// out[r, n] for rows r in [r0, r0 + NR) and outputs n in [n0, n1); sc: scratch for 2 * K/32 floats.
+// NR is a compile-time count so that the accumulators stay in registers.
+template <int64_t NR>
+void q4_1_rows(const float* x, const float* xsum, const uint8_t* qs, const c10::Half* dm, float* out,
+               int64_t K, int64_t N, int64_t r0, int64_t n0, int64_t n1, float* sc) {
+  constexpr int64_t nr = NR;
+  const int64_t G = K / kBlock;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* qn = qs + n * G * 16;
+    halves_to_floats(dm + n * G * 2, sc, 2 * G);  // sc[g] = d, sc[G + g] = m of block g
+    const float* d = sc;
+    const float* m = sc + G;
+#ifdef TIDAL_AVX2
+    __m256 acc[kRowTile];
+    for (int64_t r = 0; r < nr; ++r) acc[r] = _mm256_setzero_ps();
+    const __m128i low = _mm_set1_epi8(0x0F);
+    for (int64_t g = 0; g < G; ++g) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + g * 16));
+      const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+      const __m256 w0 = u8x8_to_ps(lo), w1 = u8x8_to_ps(_mm_srli_si128(lo, 8));
+      const __m256 w2 = u8x8_to_ps(hi), w3 = u8x8_to_ps(_mm_srli_si128(hi, 8));
+      const __m256 dg = _mm256_broadcast_ss(d + g);
+      for (int64_t r = 0; r < nr; ++r) {
+        const float* xg = x + (r0 + r) * K + g * kBlock;
+        __m256 s = _mm256_mul_ps(w0, _mm256_loadu_ps(xg));
+        s = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg + 8), s);
+        s = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xg + 16), s);
+        s = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg + 24), s);
+        acc[r] = _mm256_fmadd_ps(dg, s, acc[r]);
+      }
+    }
+    for (int64_t r = 0; r < nr; ++r) {
+      float msum = 0.f;
+      const float* xs = xsum + (r0 + r) * G;
+      for (int64_t g = 0; g < G; ++g) msum += m[g] * xs[g];
+      out[(r0 + r) * N + n] = hsum(acc[r]) + msum;
+    }
+#else
+    for (int64_t r = 0; r < nr; ++r) {
+      const float* xr = x + (r0 + r) * K;
+      const float* xs = xsum + (r0 + r) * G;
+      float total = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* b = qn + g * 16;
+        float s = 0.f;
+        for (int j = 0; j < 16; ++j) s += (b[j] & 0x0F) * xr[g * kBlock + j] + (b[j] >> 4) * xr[g * kBlock + 16 + j];
+        total += d[g] * s + m[g] * xs[g];
+      }
+      out[(r0 + r) * N + n] = total;
+    }
+#endif
+  }
+}
+
+template <int64_t NR>
+void q8_0_rows(const float* x, const int8_t* qs, const c10::Half* dq, float* out, int64_t K, int64_t N,
+               int64_t r0, int64_t n0, int64_t n1, float* sc) {
+  constexpr int64_t nr = NR;
+  const int64_t G = K / kBlock;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* qn = qs + n * K;
+    halves_to_floats(dq + n * G, sc, G);
+    const float* d = sc;
+#ifdef TIDAL_AVX2
+    __m256 acc[kRowTile];
+    for (int64_t r = 0; r < nr; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + g * kBlock));
+      const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + g * kBlock + 16));
+      const __m256 w0 = i8x8_to_ps(b0), w1 = i8x8_to_ps(_mm_srli_si128(b0, 8));
+      const __m256 w2 = i8x8_to_ps(b1), w3 = i8x8_to_ps(_mm_srli_si128(b1, 8));
+      const __m256 dg = _mm256_broadcast_ss(d + g);
+      for (int64_t r = 0; r < nr; ++r) {
+        const float* xg = x + (r0 + r) * K + g * kBlock;
+        __m256 s = _mm256_mul_ps(w0, _mm256_loadu_ps(xg));
+        s = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg + 8), s);
+        s = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xg + 16), s);
+        s = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg + 24), s);
+        acc[r] = _mm256_fmadd_ps(dg, s, acc[r]);
+      }
+    }
+    for (int64_t r = 0; r < nr; ++r) out[(r0 + r) * N + n] = hsum(acc[r]);
+#else
+    for (int64_t r = 0; r < nr; ++r) {
+      const float* xr = x + (r0 + r) * K;
+      float total = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        float s = 0.f;
+        for (int j = 0; j < kBlock; ++j) s += qn[g * kBlock + j] * xr[g * kBlock + j];
+        total += d[g] * s;
+      }
+      out[(r0 + r) * N + n] = total;
+    }
+#endif
+  }
+}
+
+void check(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales, int64_t n, int64_t k,
+           at::ScalarType qtype, const char* name) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+              name, ": x must be a contiguous 2-d float32 CPU tensor");
+  TORCH_CHECK(k % kBlock == 0 && x.size(1) == k, name, ": x has ", x.size(1), " columns, the weight ", k);
+  TORCH_CHECK(qs.scalar_type() == qtype && qs.is_contiguous() && qs.numel() == n * k / (qtype == at::kByte ? 2 : 1),
+              name, ": packed weights of the wrong type or size");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous(), name, ": scales must be float16");
+}
+
+// outputs split over threads; each thread walks its outputs once per tile of activation rows
+template <typename F>
+void run_tiles(int64_t M, int64_t N, int64_t scratch, F&& rows) {
+  const int64_t grain = std::max<int64_t>(16, N / (4 * std::max<int64_t>(1, at::get_num_threads())));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    std::vector<float> sc(scratch);
+    for (int64_t r0 = 0; r0 < M; r0 += kRowTile) rows(r0, std::min(kRowTile, M - r0), n0, n1, sc.data());
+  });
+}
+
+at::Tensor q4_1_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& dm, int64_t n, int64_t k) {
+  check(x, qs, dm, n, k, at::kByte, "q4_1_mm");
+  TORCH_CHECK(dm.numel() == n * (k / kBlock) * 2, "q4_1_mm: dm must hold (d, m) per block");
+  const int64_t M = x.size(0), G = k / kBlock;
+  at::Tensor out = at::empty({M, n}, x.options());
+  at::Tensor xsum = x.view({M, G, kBlock}).sum(-1).contiguous();  // [M, G]: sum_i x_i per block
+  const float* xp = x.data_ptr<float>();
+  const float* sp = xsum.data_ptr<float>();
+  const uint8_t* qp = qs.data_ptr<uint8_t>();
+  const c10::Half* dp = dm.data_ptr<c10::Half>();
+  float* op = out.data_ptr<float>();
+  run_tiles(M, n, 2 * G, [&](int64_t r0, int64_t nr, int64_t n0, int64_t n1, float* sc) {
+    switch (nr) {
+      case 1: q4_1_rows<1>(xp, sp, qp, dp, op, k, n, r0, n0, n1, sc); break;
+      case 2: q4_1_rows<2>(xp, sp, qp, dp, op, k, n, r0, n0, n1, sc); break;
+      case 3: q4_1_rows<3>(xp, sp, qp, dp, op, k, n, r0, n0, n1, sc); break;
+      default: q4_1_rows<kRowTile>(xp, sp, qp, dp, op, k, n, r0, n0, n1, sc);
+    }
+  });
+  return out;
+}
+
+at::Tensor q8_0_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, int64_t n, int64_t k) {
+  check(x, qs, d, n, k, at::kChar, "q8_0_mm");
+  TORCH_CHECK(d.numel() == n * (k / kBlock), "q8_0_mm: d must hold a scale per block");
+  const int64_t M = x.size(0);
+  at::Tensor out = at::empty({M, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const int8_t* qp = qs.data_ptr<int8_t>();
+  const c10::Half* dp = d.data_ptr<c10::Half>();
+  float* op = out.data_ptr<float>();
+  run_tiles(M, n, k / kBlock, [&](int64_t r0, int64_t nr, int64_t n0, int64_t n1, float* sc) {
+    switch (nr) {
+      case 1: q8_0_rows<1>(xp, qp, dp, op, k, n, r0, n0, n1, sc); break;
+      case 2: q8_0_rows<2>(xp, qp, dp, op, k, n, r0, n0, n1, sc); break;
+      case 3: q8_0_rows<3>(xp, qp, dp, op, k, n, r0, n0, n1, sc); break;
+      default: q8_0_rows<kRowTile>(xp, qp, dp, op, k, n, r0, n0, n1, sc);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tidal, m) {
+  m.def("q4_1_mm(Tensor x, Tensor qs, Tensor dm, int n, int k) -> Tensor");
+  m.def("q8_0_mm(Tensor x, Tensor qs, Tensor d, int n, int k) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tidal, CPU, m) {
+  m.impl("q4_1_mm", &q4_1_mm);
+  m.impl("q8_0_mm", &q8_0_mm);
+}

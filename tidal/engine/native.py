@@ -1,0 +1,168 @@
+"""tidal's own weight-only kernels (``kernels/qmatmul.cpp``): matmuls that read GGUF's Q4_1 and Q8_0
+blocks as stored, for float32 activations.
+
+Why: where ``auto`` picks float32 (a CPU without native bf16), torch's int4 kernel
+(``_weight_int4pack_mm_for_cpu``) has no fast path and loses to the float32 matmul at every step
+size, so one decode read the whole float32 model (~540 MB for SmolLM2-135M) per token. These read
+Q4_1 at 0.625 bytes a weight (16 bytes of nibbles and two float16 scales per block of 32) and Q8_0
+at 1.06, and unpack in registers (AVX2/FMA/F16C where the CPU has them).
+
+The source is compiled at first use with torch's extension tooling (a C++ compiler and ninja;
+about a minute, once per machine: the build is cached under ``TORCH_EXTENSIONS_DIR``), with a line on
+stderr before and after. Without a compiler :func:`load` says why and the engine keeps torch's
+kernels. The ops are ``torch.ops.tidal.q4_1_mm`` and ``torch.ops.tidal.q8_0_mm``, with fake
+(shape-only) implementations so that ``--compile`` traces through them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+GROUP = 32
+SOURCE = Path(__file__).with_name("kernels") / "qmatmul.cpp"
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "ok": bool, "why": str
+
+
+def _simd_flags() -> list[str]:
+    """AVX2 + FMA + F16C when torch found AVX2 (or better) on this CPU; portable code otherwise, or
+    when ``TIDAL_NATIVE_SIMD=0`` (the tests build both)."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    simd = cap in ("AVX2", "AVX512") and os.environ.get("TIDAL_NATIVE_SIMD", "1") != "0"
+    return ["-mavx2", "-mfma", "-mf16c"] if simd else []
+
+
+def load() -> str | None:
+    """Build (first time on this machine) and load the kernels; None when loaded, else why not."""
+    with _lock:
+        if "ok" not in _state:
+            _state["ok"], _state["why"] = _build()
+        return None if _state["ok"] else str(_state["why"])
+
+
+def _build() -> tuple[bool, str]:
+    if os.environ.get("TIDAL_NO_NATIVE"):
+        return False, "TIDAL_NO_NATIVE is set"
+    flags = ["-O3", *_simd_flags()]
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    name = f"tidal_qmatmul_{digest}"
+    try:
+        from torch.utils import cpp_extension
+
+        _ninja_on_path()
+        build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+        built = any(build_dir.glob(f"{name}*.so"))
+        if not built:
+            print(f"engine: building tidal's Q4_1/Q8_0 matmul kernels ({' '.join(flags)}; once per machine, "
+                  "about a minute) ...", file=sys.stderr, flush=True)
+        # -fopenmp: at::parallel_for is an OpenMP region compiled into this library (without the flag it
+        # runs on one thread); libgomp.so.1 resolves to the copy torch has already loaded
+        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=[*flags, "-fopenmp"],
+                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        if not built:
+            print("engine: kernels built", file=sys.stderr, flush=True)
+    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: all mean "use torch's"
+        first = " ".join(str(e).split())[:200] or type(e).__name__
+        return False, f"tidal's kernels could not be built ({first})"
+    _register_fakes()
+    return True, ""
+
+
+def _ninja_on_path() -> None:
+    """torch runs ``ninja`` from PATH: the pip package's binary is there only in an activated venv."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    bin_dir = getattr(ninja, "BIN_DIR", None)
+    if bin_dir and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
+
+
+def _register_fakes() -> None:
+    @torch.library.register_fake("tidal::q4_1_mm")
+    def _q4(x, qs, dm, n, k):
+        return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake("tidal::q8_0_mm")
+    def _q8(x, qs, d, n, k):
+        return x.new_empty(x.shape[0], n)
+
+
+# ------------------------------------------------------------------------------ packed weights
+@dataclass
+class Q4_1Weight:
+    """A Q4_1 matrix as the kernel reads it: nibbles [N, K/32, 16] (byte j = q_j | q_{j+16} << 4) and
+    (d, m) float16 [N, 2, K/32]."""
+
+    qs: torch.Tensor
+    dm: torch.Tensor
+    n: int
+    k: int
+    max_tokens: int = 0  # steps with at most this many tokens use it (set by measurement)
+
+    @property
+    def nbytes(self) -> int:
+        return self.qs.numel() + self.dm.numel() * 2
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.tidal.q4_1_mm(x.contiguous(), self.qs, self.dm, self.n, self.k)
+
+    @classmethod
+    def pack(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Q4_1Weight:
+        """From a grid ``w = q * d + m`` (q uint8 [N, K], d and m [N, K/32]), the scales kept as float16
+        as GGUF stores them (:func:`q4_1_exact` checks that this loses nothing)."""
+        n, k = q.shape
+        d16, m16 = d.to(torch.float16), m.to(torch.float16)
+        g = q.view(n, k // GROUP, 2, GROUP // 2)
+        qs = (g[:, :, 0] | (g[:, :, 1] << 4)).contiguous()  # [N, K/32, 16]
+        return cls(qs, torch.stack([d16, m16], dim=1).contiguous(), n, k)
+
+
+@dataclass
+class Q8_0Weight:
+    """A Q8_0 matrix: int8 [N, K] and d float16 [N, K/32]."""
+
+    qs: torch.Tensor
+    d: torch.Tensor
+    n: int
+    k: int
+    max_tokens: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.qs.numel() + self.d.numel() * 2
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.tidal.q8_0_mm(x.contiguous(), self.qs, self.d, self.n, self.k)
+
+    @classmethod
+    def pack(cls, q: torch.Tensor, d: torch.Tensor, weight: torch.Tensor | None = None) -> Q8_0Weight | None:
+        n, k = q.shape
+        d16 = d.to(torch.float16)
+        if weight is not None and not _exact(weight, q, d16, None):
+            return None
+        return cls(q.contiguous(), d16.contiguous(), n, k)
+
+
+def q4_1_exact(weight: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> bool:
+    """Whether the grid with its scales rounded to float16 rebuilds ``weight`` exactly."""
+    return _exact(weight, q, d.to(torch.float16), m.to(torch.float16))
+
+
+def _exact(weight: torch.Tensor, q: torch.Tensor, d16: torch.Tensor, m16: torch.Tensor | None) -> bool:
+    """Whether the float16 scales rebuild ``weight`` (float32, as dequantized) bit for bit, as GGUF's
+    own dequantization computes it: ``q * d + m`` in float32."""
+    n, k = q.shape
+    w = q.view(n, k // GROUP, GROUP).float() * d16.float().unsqueeze(-1)
+    if m16 is not None:
+        w = w + m16.float().unsqueeze(-1)
+    return bool(torch.equal(w.view(n, k), weight))
