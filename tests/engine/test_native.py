@@ -90,7 +90,7 @@ def test_bad_inputs_are_named():
 
 def test_the_portable_build_computes_the_same():
     """Built without AVX2 flags (``TIDAL_NATIVE_SIMD=0``: another library, in a fresh process), the
-    plain C++ loops give the same result."""
+    plain C++ loops give the same results, matmuls and attention."""
     code = (
         "import torch, torch.nn.functional as F\n"
         "from tidal.engine import native\n"
@@ -101,6 +101,8 @@ def test_the_portable_build_computes_the_same():
         "torch.testing.assert_close(native.Q4_1Weight.pack(q, d, m).matmul(x), F.linear(x, w), rtol=1e-5, atol=1e-5)\n"
         "w, q, d = q8_0(40, 288)\n"
         "torch.testing.assert_close(native.Q8_0Weight.pack(q, d).matmul(x), F.linear(x, w), rtol=1e-5, atol=1e-4)\n"
+        "from tests.engine.test_native import test_paged_attention_equals_the_gathered_sdpa as attn\n"
+        "attn(9, 3, 64); attn(4, 4, 36)\n"
         "print('ok')\n")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
@@ -135,3 +137,56 @@ def test_float32_engine_uses_them_and_falls_back(tmp_path, monkeypatch):
     torch_model, _ = _tiny_model(tmp_path, types, "int4")
     assert torch_model.kernels == "torch" and not isinstance(torch_model.layers["0"].qkv_proj.int4, native.Q4_1Weight)
     torch.testing.assert_close(torch_model.layers["0"].gate_up_proj(x), lin(x), rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------ paged decode attention
+def _paged(n: int, heads: int, kv_heads: int, d: int, block_size: int, positions: list[int], seed: int = 0):
+    """A shuffled KV pool, each decode's table pointing at its own blocks, padded with block 0."""
+    from tidal.engine.model import KVLayer
+
+    g = torch.Generator().manual_seed(seed)
+    width = max(p // block_size + 1 for p in positions) + 1
+    blocks = torch.randperm(n * width + 3, generator=g)
+    k = torch.randn(n * width + 3, block_size, kv_heads, d, generator=g)
+    v = torch.randn(n * width + 3, block_size, kv_heads, d, generator=g)
+    tables = torch.zeros(n, width, dtype=torch.long)
+    for i, p in enumerate(positions):
+        used = p // block_size + 1
+        tables[i, :used] = blocks[i * width:i * width + used]
+    q = torch.randn(n, heads, d, generator=g)
+    return q, KVLayer(k, v), tables, torch.tensor(positions)
+
+
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 36), (8, 2, 16)])
+def test_paged_attention_equals_the_gathered_sdpa(heads, kv_heads, d):
+    """Against the eager path (every block gathered, padded, masked SDPA): grouped-query heads, a
+    head size that is not a multiple of 8, positions at 0, at a block's edge and mid-block."""
+    from tidal.engine.model import AttentionBatch, DecodeGroup, _decode_attention
+
+    bs = 4
+    positions = [0, 3, 4, 17, 9]
+    q, kv, tables, pos = _paged(len(positions), heads, kv_heads, d, bs, positions)
+    width = tables.shape[1]
+    mask = (torch.arange(width * bs).unsqueeze(0) <= pos.unsqueeze(1)).view(len(positions), 1, 1, width * bs)
+    group = DecodeGroup(0, len(positions), tables, mask)
+    batch = AttentionBatch(positions=pos, slot_mapping=pos, num_decodes=len(positions), decode_groups=[group],
+                           prefills=[], block_size=bs)
+    want = _decode_attention(q, kv, batch, group, d ** -0.5)
+    batch.native_attention = True
+    got = _decode_attention(q, kv, batch, group, d ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_attention_refuses_what_it_cannot_read():
+    q, kv, tables, pos = _paged(2, 4, 2, 16, 4, [5, 2])
+    op = torch.ops.tidal.paged_decode_attention
+    with pytest.raises(RuntimeError, match="outside the 3 blocks"):
+        op(q, kv.k, kv.v, tables, torch.tensor([5, 12]), 0.25)
+    bad = tables.clone()
+    bad[0, 0] = kv.k.shape[0]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        op(q, kv.k, kv.v, bad, pos, 0.25)
+    with pytest.raises(RuntimeError, match="float32"):
+        op(q.bfloat16(), kv.k, kv.v, tables, pos, 0.25)
+    with pytest.raises(RuntimeError, match="heads"):
+        op(torch.randn(2, 3, 16), kv.k, kv.v, tables, pos, 0.25)

@@ -124,6 +124,7 @@ class AttentionBatch:
     prefills: list[PrefillSeq]
     block_size: int
     rope: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, sin) of `positions`, set by the model
+    native_attention: bool = False  # decodes attend with tidal's paged kernel (set by the model)
 
 
 class KVLayer:
@@ -160,10 +161,10 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k
     kv.v.view(nb * bs, KVH, D).index_copy_(0, batch.slot_mapping, v_new)
     nd = batch.num_decodes
     if nd and not batch.prefills and len(batch.decode_groups) == 1:
-        return _decode_attention(q, kv, batch.decode_groups[0], scale)
+        return _decode_attention(q, kv, batch, batch.decode_groups[0], scale)
     out = torch.empty_like(q)
     for g in batch.decode_groups:
-        out[g.offset:g.offset + g.num] = _decode_attention(q[g.offset:g.offset + g.num], kv, g, scale)
+        out[g.offset:g.offset + g.num] = _decode_attention(q[g.offset:g.offset + g.num], kv, batch, g, scale)
     for p in batch.prefills:
         n = p.num_tokens
         qp = q[p.offset:p.offset + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
@@ -180,7 +181,12 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k
     return out
 
 
-def _decode_attention(q: torch.Tensor, kv: KVLayer, group: DecodeGroup, scale: float) -> torch.Tensor:
+def _decode_attention(q: torch.Tensor, kv: KVLayer, batch: AttentionBatch, group: DecodeGroup,
+                      scale: float) -> torch.Tensor:
+    if batch.native_attention:  # reads the blocks in place (engine/native.py); a decode sees 0..its position
+        return torch.ops.tidal.paged_decode_attention(q.contiguous(), kv.k, kv.v, group.block_tables,
+                                                      batch.positions[group.offset:group.offset + group.num],
+                                                      scale)
     nd, H, D = q.shape
     KVH = kv.k.shape[2]
     k = _gather(kv.k, group.block_tables).transpose(1, 2)  # [nd, KVH, ctx, D]
@@ -265,6 +271,7 @@ class LlamaModel(nn.Module):
         self._int4_tokens: dict[tuple[int, int], int] = {}  # matrix shape -> measured crossover
         self._head_tokens = 0  # the same for the LM head's grouped int8
         self.head_int8: GroupedInt8Weight | native.Q8_0Weight | None = None
+        self.native_attention = native.attention_available(device, dtype)  # tidal's paged decode attention
         self.kernels = "torch"  # whose 4/8-bit kernels: torch's, or "tidal" (engine/native.py: float32 on CPU)
 
     # ----------------------------------------------------------------- int4 weights
@@ -434,11 +441,16 @@ class LlamaModel(nn.Module):
         """Delete the parameters of these layers in place; returns the bytes freed."""
         freed = 0
         for i in layer_ids:
-            layer = self.layers[str(i)]
-            freed += sum(p.numel() * p.element_size() for p in layer.parameters())
-            freed += sum(lin.int4.nbytes for lin in (getattr(layer, n) for n in LINEARS) if lin.int4 is not None)
+            freed += self.layer_weight_bytes(i)
             del self.layers[str(i)]
         return freed
+
+    def layer_weight_bytes(self, i: int | None = None) -> int:
+        """The bytes dropping layer ``i`` (default: the first present) frees: its parameters and its
+        4-bit copies."""
+        layer = self.layers[str(self.layer_ids[0] if i is None else i)]
+        return (sum(p.numel() * p.element_size() for p in layer.parameters())
+                + sum(lin.int4.nbytes for lin in (getattr(layer, n) for n in LINEARS) if lin.int4 is not None))
 
     def restore_layers(self, layer_ids: Iterable[int], weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Rebuild dropped layers and load their weights (from the checkpoint or a peer)."""
@@ -477,6 +489,7 @@ class LlamaModel(nn.Module):
                 layer_ids: Iterable[int] | None = None) -> torch.Tensor:
         """Run the present layers (or ``layer_ids``) on hidden states ``h`` [T, hidden]."""
         batch.rope = self.rotary.tables(batch.positions, h.dtype)
+        batch.native_attention = self.native_attention
         for i in (self.layer_ids if layer_ids is None else layer_ids):
             h = self.layers[str(i)](h, kv_caches[i], batch)
         return h

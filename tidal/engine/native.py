@@ -1,5 +1,6 @@
-"""tidal's own weight-only kernels (``kernels/qmatmul.cpp``): matmuls that read GGUF's Q4_1 and Q8_0
-blocks as stored, for float32 activations.
+"""tidal's own CPU kernels for float32: matmuls that read GGUF's Q4_1 and Q8_0 blocks as stored
+(``kernels/qmatmul.cpp``), and decode attention over the paged KV cache without gathering it
+(``kernels/paged_attention.cpp``).
 
 Why: where ``auto`` picks float32 (a CPU without native bf16), torch's int4 kernel
 (``_weight_int4pack_mm_for_cpu``) has no fast path and loses to the float32 matmul at every step
@@ -7,11 +8,14 @@ size, so one decode read the whole float32 model (~540 MB for SmolLM2-135M) per 
 Q4_1 at 0.625 bytes a weight (16 bytes of nibbles and two float16 scales per block of 32) and Q8_0
 at 1.06, and unpack in registers (AVX2/FMA/F16C where the CPU has them).
 
+The attention kernel replaces, per layer, the gather of every decode's blocks into one padded tensor
+and a masked SDPA call (see the source's header).
+
 The source is compiled at first use with torch's extension tooling (a C++ compiler and ninja;
 about a minute, once per machine: the build is cached under ``TORCH_EXTENSIONS_DIR``), with a line on
 stderr before and after. Without a compiler :func:`load` says why and the engine keeps torch's
-kernels. The ops are ``torch.ops.tidal.q4_1_mm`` and ``torch.ops.tidal.q8_0_mm``, with fake
-(shape-only) implementations so that ``--compile`` traces through them.
+kernels. The ops are ``torch.ops.tidal.q4_1_mm``, ``q8_0_mm`` and ``paged_decode_attention``, with
+fake (shape-only) implementations so that ``--compile`` traces through them.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from pathlib import Path
 import torch
 
 GROUP = 32
-SOURCE = Path(__file__).with_name("kernels") / "qmatmul.cpp"
+SOURCES = [Path(__file__).with_name("kernels") / f for f in ("qmatmul.cpp", "paged_attention.cpp")]
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "why": str
@@ -52,8 +56,8 @@ def _build() -> tuple[bool, str]:
     if os.environ.get("TIDAL_NO_NATIVE"):
         return False, "TIDAL_NO_NATIVE is set"
     flags = ["-O3", *_simd_flags()]
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
-    name = f"tidal_qmatmul_{digest}"
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES) + " ".join(flags).encode()).hexdigest()[:12]
+    name = f"tidal_kernels_{digest}"
     try:
         from torch.utils import cpp_extension
 
@@ -61,11 +65,11 @@ def _build() -> tuple[bool, str]:
         build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
         built = any(build_dir.glob(f"{name}*.so"))
         if not built:
-            print(f"engine: building tidal's Q4_1/Q8_0 matmul kernels ({' '.join(flags)}; once per machine, "
+            print(f"engine: building tidal's CPU kernels ({' '.join(flags)}; once per machine, "
                   "about a minute) ...", file=sys.stderr, flush=True)
         # -fopenmp: at::parallel_for is an OpenMP region compiled into this library (without the flag it
         # runs on one thread); libgomp.so.1 resolves to the copy torch has already loaded
-        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=[*flags, "-fopenmp"],
+        cpp_extension.load(name=name, sources=[str(f) for f in SOURCES], extra_cflags=[*flags, "-fopenmp"],
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         if not built:
             print("engine: kernels built", file=sys.stderr, flush=True)
@@ -95,6 +99,15 @@ def _register_fakes() -> None:
     @torch.library.register_fake("tidal::q8_0_mm")
     def _q8(x, qs, d, n, k):
         return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake("tidal::paged_decode_attention")
+    def _attn(q, k_cache, v_cache, block_tables, positions, scale):
+        return torch.empty_like(q)
+
+
+def attention_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether decode attention runs on tidal's kernel here (float32 on CPU, kernels built)."""
+    return device.type == "cpu" and dtype == torch.float32 and load() is None
 
 
 # ------------------------------------------------------------------------------ packed weights

@@ -440,6 +440,8 @@ class ClusterLLM:
         now = self.now()
         if kind == "ready":
             self.weights[i] = rest[1]
+            if self.pressure is not None and hasattr(self.pressure, "on_layer_bytes"):
+                self.pressure.on_layer_bytes(rest[2])
             self.unready_deaths[i] = 0
             rec = self.monitor.instances[i]
             if rec.failures:

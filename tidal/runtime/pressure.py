@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 from tidal.cluster.pressure import (
@@ -72,6 +73,14 @@ class DropCoordinator(PressureLog):
         self.microbatch_cost = "profiled" if llm.config.scheduler.microbatch_cost is not None else "FLOP ratios"
         log.info("--kv-pressure drop: a group's microbatch split uses %s Eq. 1 coefficients%s", self.microbatch_cost,
                  f" {llm.config.scheduler.microbatch_cost}" if self.microbatch_cost == "profiled" else "")
+
+    def on_layer_bytes(self, layer_bytes: int) -> None:
+        """A worker's ready message: what dropping one of its layers really frees (its parameters and
+        any 4-bit copies, which ``params x dtype`` misses). Taken before the controller is built."""
+        if self.ctl is None and layer_bytes > 0 and layer_bytes != self.model.layer_bytes:
+            log.info("--kv-pressure drop: a decoder layer frees %d bytes (parameters %d + 4-bit copies)",
+                     layer_bytes, self.model.layer_bytes)
+            self.model = replace(self.model, layer_bytes=layer_bytes)
 
     def tick(self, now: float) -> None:
         """After a report (under the front end's lock): decide, and execute a new plan."""

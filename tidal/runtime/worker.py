@@ -436,7 +436,7 @@ class Worker:
 
         from tidal.runtime.peer import PeerLost
 
-        self.send("ready", self.status(), self.engine.describe_weights())
+        self.send("ready", self.status(), self.engine.describe_weights(), self.engine.model.layer_weight_bytes())
         poller = zmq.Poller()
         poller.register(self.cmd, zmq.POLLIN)
         while self.running:
