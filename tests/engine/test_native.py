@@ -38,7 +38,7 @@ def q8_0(n: int, k: int, seed: int = 0):
 
 
 # K/32 of 3, 8 and 9 blocks: the float16 scales convert eight at a time plus a tail
-@pytest.mark.parametrize("n,k", [(48, 96), (40, 256), (33, 288)])
+@pytest.mark.parametrize("n,k", [(48, 96), (40, 256), (8, 288)])
 def test_q4_1_equals_the_dequantized_matmul(n, k):
     w, q, d, m = q4_1(n, k)
     grid = int4_grid(w)
@@ -85,7 +85,9 @@ def test_bad_inputs_are_named():
     with pytest.raises(RuntimeError, match="columns"):
         torch.ops.tidal.q4_1_mm(torch.randn(2, 96), packed.qs, packed.dm, 32, 64)
     with pytest.raises(RuntimeError, match="wrong type or size"):
-        torch.ops.tidal.q4_1_mm(torch.randn(2, 64), packed.qs[:8], packed.dm, 32, 64)
+        torch.ops.tidal.q4_1_mm(torch.randn(2, 64), packed.qs.flatten()[:8], packed.dm, 32, 64)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        native.Q4_1Weight.pack(*q4_1(36, 64)[1:])
 
 
 def test_the_portable_build_computes_the_same():

@@ -113,8 +113,8 @@ def attention_available(device: torch.device, dtype: torch.dtype) -> bool:
 # ------------------------------------------------------------------------------ packed weights
 @dataclass
 class Q4_1Weight:
-    """A Q4_1 matrix as the kernel reads it: nibbles [N, K/32, 16] (byte j = q_j | q_{j+16} << 4) and
-    (d, m) float16 [N, 2, K/32]."""
+    """A Q4_1 matrix as the kernel reads it, eight output rows to a tile: nibbles [N/8, K/32, 16, 8]
+    (byte (j, c) = q_j | q_{j+16} << 4 of the tile's row c) and (d, m) float16 [N/8, K/32, 2, 8]."""
 
     qs: torch.Tensor
     dm: torch.Tensor
@@ -135,9 +135,15 @@ class Q4_1Weight:
         as GGUF stores them (:func:`q4_1_exact` checks that this loses nothing)."""
         n, k = q.shape
         d16, m16 = d.to(torch.float16), m.to(torch.float16)
-        g = q.view(n, k // GROUP, 2, GROUP // 2)
-        qs = (g[:, :, 0] | (g[:, :, 1] << 4)).contiguous()  # [N, K/32, 16]
-        return cls(qs, torch.stack([d16, m16], dim=1).contiguous(), n, k)
+        if n % 8:
+            raise ValueError(f"a Q4_1 matrix for tidal's kernel needs a multiple of 8 output rows, not {n}")
+        g = q.view(n // 8, 8, k // GROUP, 2, GROUP // 2)
+        qs = (g[:, :, :, 0] | (g[:, :, :, 1] << 4)).permute(0, 2, 3, 1).contiguous()  # [N/8, K/32, 16, 8]
+
+        def tiles(t: torch.Tensor) -> torch.Tensor:  # [N, K/32] -> [N/8, K/32, 8]
+            return t.view(n // 8, 8, k // GROUP).permute(0, 2, 1)
+
+        return cls(qs, torch.stack([tiles(d16), tiles(m16)], dim=2).contiguous(), n, k)
 
 
 @dataclass

@@ -101,6 +101,23 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
         for (int64_t j = 0; j < ctx; ++j) s[j] *= inv;
         std::fill(op + (i * H + h * G + g) * D, op + (i * H + h * G + g + 1) * D, 0.f);
       }
+#ifdef TIDAL_AVX2
+      if (D == 64) {  // the common head size: each query head's output stays in eight registers
+        for (int64_t g = 0; g < G; ++g) {
+          __m256 acc[8];
+          for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+          const float* s = scores.data() + g * ctx;
+          for (int64_t j = 0; j < ctx; ++j) {
+            const float* vj = vp + ((tables[i * W + j / bs] * bs + j % bs) * KVH + h) * D;
+            const __m256 p = _mm256_set1_ps(s[j]);
+            for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * u), acc[u]);
+          }
+          float* o = op + (i * H + h * G + g) * D;
+          for (int u = 0; u < 8; ++u) _mm256_storeu_ps(o + 8 * u, acc[u]);
+        }
+        continue;
+      }
+#endif
       for (int64_t j = 0; j < ctx; ++j) {
         const float* vj = vp + ((tables[i * W + j / bs] * bs + j % bs) * KVH + h) * D;
         for (int64_t g = 0; g < G; ++g) axpy(scores[g * ctx + j], vj, op + (i * H + h * G + g) * D, D);

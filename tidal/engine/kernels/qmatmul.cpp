@@ -1,6 +1,6 @@
 // Weight-only matmuls over GGUF's own 4-bit (Q4_1) and 8-bit (Q8_0) blocks, float32 activations.
 //
-// Built at first use by tidal/engine/native.py (torch.utils.cpp_extension, -O3 -march=native) and
+// Built at first use by tidal/engine/native.py (torch.utils.cpp_extension, -O3 and -mavx2 -mfma -mf16c where torch found AVX2) and
 // registered as torch.ops.tidal.q4_1_mm / q8_0_mm. A step of few tokens is bound by reading the
 // weights; these read 0.625 (Q4_1) and 1.06 (Q8_0) bytes a weight instead of float32's 4, and unpack
 // in registers. Activations stay float32 (no Q8 activation rounding as llama.cpp's dot products do):
@@ -8,8 +8,8 @@
 // so the result differs from a float matmul over the dequantized weights only in rounding order.
 //
 // Layouts (tidal/engine/native.py packs them):
-//   q4_1: qs uint8 [N, K/32, 16], byte j of a block = q_j | q_{j+16} << 4 (GGUF's order);
-//         dm float16 [N, 2, K/32]: each row's d of every block, then its m
+//   q4_1: eight output rows make a tile: qs uint8 [N/8, K/32, 16, 8], byte (j, c) of a block = q_j | q_{j+16} << 4
+//         of the tile's row c; dm float16 [N/8, K/32, 2, 8]: the tile's eight d of the block, then its eight m
 //   q8_0: qs int8 [N, K], d float16 [N, K/32]
 // AVX2 + FMA + F16C when the compiler targets them, portable C++ otherwise.
 #include <ATen/Parallel.h>
@@ -54,55 +54,57 @@ inline __m256 u8x8_to_ps(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_e
 inline __m256 i8x8_to_ps(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)); }
 #endif
 
-// out[r, n] for rows r in [r0, r0 + NR) and outputs n in [n0, n1); sc: scratch for 2 * K/32 floats.
-// NR is a compile-time count so that the accumulators stay in registers.
+// Q4_1, eight output rows at a time (a tile): each nibble pair, widened once, serves every activation
+// row of the tile as an 8-wide vector over the outputs (no horizontal sums; the activation is a
+// broadcast). out[r, 8t..8t+8) for rows r in [r0, r0 + NR) and tiles t in [t0, t1); NR is a
+// compile-time count so that the accumulators stay in registers.
 template <int64_t NR>
-void q4_1_rows(const float* x, const float* xsum, const uint8_t* qs, const c10::Half* dm, float* out,
-               int64_t K, int64_t N, int64_t r0, int64_t n0, int64_t n1, float* sc) {
-  constexpr int64_t nr = NR;
+void q4_1_tiles(const float* x, const float* xsum, const uint8_t* qs, const c10::Half* dm, float* out,
+                int64_t K, int64_t N, int64_t r0, int64_t t0, int64_t t1) {
   const int64_t G = K / kBlock;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* qn = qs + n * G * 16;
-    halves_to_floats(dm + n * G * 2, sc, 2 * G);  // sc[g] = d, sc[G + g] = m of block g
-    const float* d = sc;
-    const float* m = sc + G;
+  for (int64_t t = t0; t < t1; ++t) {
 #ifdef TIDAL_AVX2
-    __m256 acc[kRowTile];
-    for (int64_t r = 0; r < nr; ++r) acc[r] = _mm256_setzero_ps();
-    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m256i low = _mm256_set1_epi32(0x0F);
+    __m256 acc[NR];
+    for (int64_t r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + g * 16));
-      const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
-      const __m256 w0 = u8x8_to_ps(lo), w1 = u8x8_to_ps(_mm_srli_si128(lo, 8));
-      const __m256 w2 = u8x8_to_ps(hi), w3 = u8x8_to_ps(_mm_srli_si128(hi, 8));
-      const __m256 dg = _mm256_broadcast_ss(d + g);
-      for (int64_t r = 0; r < nr; ++r) {
-        const float* xg = x + (r0 + r) * K + g * kBlock;
-        __m256 s = _mm256_mul_ps(w0, _mm256_loadu_ps(xg));
-        s = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg + 8), s);
-        s = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xg + 16), s);
-        s = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg + 24), s);
-        acc[r] = _mm256_fmadd_ps(dg, s, acc[r]);
+      const uint8_t* b = qs + (t * G + g) * 128;
+      const c10::Half* h = dm + (t * G + g) * 16;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 8)));
+      __m256 slo[NR], shi[NR];  // sum_j q_j x_j over the block's first and second halves
+      for (int64_t r = 0; r < NR; ++r) slo[r] = shi[r] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < 16; ++j) {
+        const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + j * 8)));
+        const __m256 wlo = _mm256_cvtepi32_ps(_mm256_and_si256(w, low));
+        const __m256 whi = _mm256_cvtepi32_ps(_mm256_srli_epi32(w, 4));
+        for (int64_t r = 0; r < NR; ++r) {
+          const float* xr = x + (r0 + r) * K + g * kBlock;
+          slo[r] = _mm256_fmadd_ps(wlo, _mm256_broadcast_ss(xr + j), slo[r]);
+          shi[r] = _mm256_fmadd_ps(whi, _mm256_broadcast_ss(xr + 16 + j), shi[r]);
+        }
+      }
+      for (int64_t r = 0; r < NR; ++r) {  // + d * sum q x + m * sum x
+        acc[r] = _mm256_fmadd_ps(d, _mm256_add_ps(slo[r], shi[r]), acc[r]);
+        acc[r] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xsum + (r0 + r) * G + g), acc[r]);
       }
     }
-    for (int64_t r = 0; r < nr; ++r) {
-      float msum = 0.f;
-      const float* xs = xsum + (r0 + r) * G;
-      for (int64_t g = 0; g < G; ++g) msum += m[g] * xs[g];
-      out[(r0 + r) * N + n] = hsum(acc[r]) + msum;
-    }
+    for (int64_t r = 0; r < NR; ++r) _mm256_storeu_ps(out + (r0 + r) * N + t * 8, acc[r]);
 #else
-    for (int64_t r = 0; r < nr; ++r) {
-      const float* xr = x + (r0 + r) * K;
-      const float* xs = xsum + (r0 + r) * G;
-      float total = 0.f;
-      for (int64_t g = 0; g < G; ++g) {
-        const uint8_t* b = qn + g * 16;
-        float s = 0.f;
-        for (int j = 0; j < 16; ++j) s += (b[j] & 0x0F) * xr[g * kBlock + j] + (b[j] >> 4) * xr[g * kBlock + 16 + j];
-        total += d[g] * s + m[g] * xs[g];
+    float dm_f[16];
+    for (int64_t r = 0; r < NR; ++r)
+      for (int64_t c = 0; c < 8; ++c) out[(r0 + r) * N + t * 8 + c] = 0.f;
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* b = qs + (t * G + g) * 128;
+      halves_to_floats(dm + (t * G + g) * 16, dm_f, 16);
+      for (int64_t r = 0; r < NR; ++r) {
+        const float* xr = x + (r0 + r) * K + g * kBlock;
+        for (int64_t c = 0; c < 8; ++c) {
+          float s = 0.f;
+          for (int64_t j = 0; j < 16; ++j) s += (b[j * 8 + c] & 0x0F) * xr[j] + (b[j * 8 + c] >> 4) * xr[16 + j];
+          out[(r0 + r) * N + t * 8 + c] += dm_f[c] * s + dm_f[8 + c] * xsum[(r0 + r) * G + g];
+        }
       }
-      out[(r0 + r) * N + n] = total;
     }
 #endif
   }
@@ -173,21 +175,30 @@ void run_tiles(int64_t M, int64_t N, int64_t scratch, F&& rows) {
 
 at::Tensor q4_1_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& dm, int64_t n, int64_t k) {
   check(x, qs, dm, n, k, at::kByte, "q4_1_mm");
+  TORCH_CHECK(n % 8 == 0, "q4_1_mm: the output size must be a multiple of 8");
   TORCH_CHECK(dm.numel() == n * (k / kBlock) * 2, "q4_1_mm: dm must hold (d, m) per block");
-  const int64_t M = x.size(0), G = k / kBlock;
+  const int64_t M = x.size(0), G = k / kBlock, T = n / 8;
   at::Tensor out = at::empty({M, n}, x.options());
-  at::Tensor xsum = x.view({M, G, kBlock}).sum(-1).contiguous();  // [M, G]: sum_i x_i per block
   const float* xp = x.data_ptr<float>();
-  const float* sp = xsum.data_ptr<float>();
+  std::vector<float> xsum(M * G);  // sum_i x_i per block and row
+  for (int64_t b = 0; b < M * G; ++b) {
+    float t = 0.f;
+    for (int64_t j = 0; j < kBlock; ++j) t += xp[b * kBlock + j];
+    xsum[b] = t;
+  }
+  const float* sp = xsum.data();
   const uint8_t* qp = qs.data_ptr<uint8_t>();
   const c10::Half* dp = dm.data_ptr<c10::Half>();
   float* op = out.data_ptr<float>();
-  run_tiles(M, n, 2 * G, [&](int64_t r0, int64_t nr, int64_t n0, int64_t n1, float* sc) {
-    switch (nr) {
-      case 1: q4_1_rows<1>(xp, sp, qp, dp, op, k, n, r0, n0, n1, sc); break;
-      case 2: q4_1_rows<2>(xp, sp, qp, dp, op, k, n, r0, n0, n1, sc); break;
-      case 3: q4_1_rows<3>(xp, sp, qp, dp, op, k, n, r0, n0, n1, sc); break;
-      default: q4_1_rows<kRowTile>(xp, sp, qp, dp, op, k, n, r0, n0, n1, sc);
+  const int64_t grain = std::max<int64_t>(2, T / (4 * std::max<int64_t>(1, at::get_num_threads())));
+  at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
+    int64_t r0 = 0;
+    for (; r0 + kRowTile <= M; r0 += kRowTile) q4_1_tiles<kRowTile>(xp, sp, qp, dp, op, k, n, r0, t0, t1);
+    switch (M - r0) {
+      case 1: q4_1_tiles<1>(xp, sp, qp, dp, op, k, n, r0, t0, t1); break;
+      case 2: q4_1_tiles<2>(xp, sp, qp, dp, op, k, n, r0, t0, t1); break;
+      case 3: q4_1_tiles<3>(xp, sp, qp, dp, op, k, n, r0, t0, t1); break;
+      default: break;
     }
   });
   return out;
