@@ -88,6 +88,8 @@ def test_bad_inputs_are_named():
         torch.ops.tidal.q4_1_mm(torch.randn(2, 64), packed.qs.flatten()[:8], packed.dm, 32, 64)
     with pytest.raises(ValueError, match="multiple of 8"):
         native.Q4_1Weight.pack(*q4_1(36, 64)[1:])
+    with pytest.raises(ValueError, match="multiple of 8"):
+        native.Q8_0Weight.pack(*q8_0(36, 64)[1:])
 
 
 def test_the_portable_build_computes_the_same():

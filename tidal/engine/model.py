@@ -378,6 +378,8 @@ class LlamaModel(nn.Module):
                     mod is (self.lm_head if self.lm_head is not None else self.embed_tokens):
                 w32 = tensor.float()
                 grid = int8_grid(w32)
+                if self.kernels == "tidal" and w32.shape[0] % 8:
+                    grid = None  # tidal's kernel takes whole tiles of eight rows
                 self.head_int8 = None if grid is None else native.Q8_0Weight.pack(*grid, weight=w32) \
                     if self.kernels == "tidal" else GroupedInt8Weight.pack(*grid, self.dtype)
                 if self.head_int8 is not None:

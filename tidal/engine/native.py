@@ -1,4 +1,5 @@
-"""tidal's own CPU kernels for float32: matmuls that read GGUF's Q4_1 and Q8_0 blocks as stored
+"""tidal's own CPU kernels for float32: matmuls over GGUF's Q4_1 and Q8_0 blocks (their codes and float16
+scales, unchanged; Q4_1 regrouped in tiles of eight output rows)
 (``kernels/qmatmul.cpp``), and decode attention over the paged KV cache without gathering it
 (``kernels/paged_attention.cpp``).
 
@@ -148,7 +149,8 @@ class Q4_1Weight:
 
 @dataclass
 class Q8_0Weight:
-    """A Q8_0 matrix: int8 [N, K] and d float16 [N, K/32]."""
+    """A Q8_0 matrix in the same tiles of eight output rows: int8 [N/8, K/32, 32, 8] (byte (j, c) =
+    q_j of the tile's row c) and d float16 [N/8, K/32, 8]."""
 
     qs: torch.Tensor
     d: torch.Tensor
@@ -165,11 +167,16 @@ class Q8_0Weight:
 
     @classmethod
     def pack(cls, q: torch.Tensor, d: torch.Tensor, weight: torch.Tensor | None = None) -> Q8_0Weight | None:
+        """From ``w = q * d`` (q int8 [N, K], d [N, K/32]); with ``weight`` given, None unless the
+        float16 ``d`` rebuilds it exactly."""
         n, k = q.shape
+        if n % 8:
+            raise ValueError(f"a Q8_0 matrix for tidal's kernel needs a multiple of 8 output rows, not {n}")
         d16 = d.to(torch.float16)
         if weight is not None and not _exact(weight, q, d16, None):
             return None
-        return cls(q.contiguous(), d16.contiguous(), n, k)
+        qs = q.view(n // 8, 8, k // GROUP, GROUP).permute(0, 2, 3, 1).contiguous()
+        return cls(qs, d16.view(n // 8, 8, k // GROUP).permute(0, 2, 1).contiguous(), n, k)
 
 
 def q4_1_exact(weight: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> bool:

@@ -210,8 +210,8 @@ def measure_crossover(n: int, k: int, dtype: torch.dtype, repeats: int = 7, kern
 @_cached
 def measure_int8_crossover(n: int, k: int, dtype: torch.dtype, repeats: int = 7, kernels: str = "torch") -> int:
     """As :func:`measure_crossover`, for the LM head's 8-bit groups (:class:`GroupedInt8Weight`, or
-    ``tidal``'s Q8_0 kernel)."""
-    if k % GROUP:
+    ``tidal``'s Q8_0 kernel, which takes whole tiles of eight output rows)."""
+    if k % GROUP or (kernels == "tidal" and n % 8):
         return 0
     g = torch.Generator().manual_seed(0)
     packed, weights = [], []

@@ -10,7 +10,7 @@
 // Layouts (tidal/engine/native.py packs them):
 //   q4_1: eight output rows make a tile: qs uint8 [N/8, K/32, 16, 8], byte (j, c) of a block = q_j | q_{j+16} << 4
 //         of the tile's row c; dm float16 [N/8, K/32, 2, 8]: the tile's eight d of the block, then its eight m
-//   q8_0: qs int8 [N, K], d float16 [N, K/32]
+//   q8_0: the same tiles: qs int8 [N/8, K/32, 32, 8] (byte (j, c) = q_j of row c), d float16 [N/8, K/32, 8]
 // AVX2 + FMA + F16C when the compiler targets them, portable C++ otherwise.
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -44,13 +44,6 @@ inline void halves_to_floats(const c10::Half* src, float* dst, int64_t n) {
 }
 
 #ifdef TIDAL_AVX2
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-inline __m256 u8x8_to_ps(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)); }
 inline __m256 i8x8_to_ps(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)); }
 #endif
 
@@ -110,44 +103,47 @@ void q4_1_tiles(const float* x, const float* xsum, const uint8_t* qs, const c10:
   }
 }
 
+// Q8_0 in the same tiles of eight output rows: out[r, 8t..8t+8) for rows [r0, r0 + NR), tiles [t0, t1)
 template <int64_t NR>
-void q8_0_rows(const float* x, const int8_t* qs, const c10::Half* dq, float* out, int64_t K, int64_t N,
-               int64_t r0, int64_t n0, int64_t n1, float* sc) {
-  constexpr int64_t nr = NR;
+void q8_0_tiles(const float* x, const int8_t* qs, const c10::Half* dq, float* out, int64_t K, int64_t N,
+                int64_t r0, int64_t t0, int64_t t1) {
   const int64_t G = K / kBlock;
-  for (int64_t n = n0; n < n1; ++n) {
-    const int8_t* qn = qs + n * K;
-    halves_to_floats(dq + n * G, sc, G);
-    const float* d = sc;
+  for (int64_t t = t0; t < t1; ++t) {
 #ifdef TIDAL_AVX2
-    __m256 acc[kRowTile];
-    for (int64_t r = 0; r < nr; ++r) acc[r] = _mm256_setzero_ps();
+    __m256 acc[NR];
+    for (int64_t r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
-      const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + g * kBlock));
-      const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + g * kBlock + 16));
-      const __m256 w0 = i8x8_to_ps(b0), w1 = i8x8_to_ps(_mm_srli_si128(b0, 8));
-      const __m256 w2 = i8x8_to_ps(b1), w3 = i8x8_to_ps(_mm_srli_si128(b1, 8));
-      const __m256 dg = _mm256_broadcast_ss(d + g);
-      for (int64_t r = 0; r < nr; ++r) {
-        const float* xg = x + (r0 + r) * K + g * kBlock;
-        __m256 s = _mm256_mul_ps(w0, _mm256_loadu_ps(xg));
-        s = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg + 8), s);
-        s = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xg + 16), s);
-        s = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg + 24), s);
-        acc[r] = _mm256_fmadd_ps(dg, s, acc[r]);
+      const int8_t* b = qs + (t * G + g) * 256;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dq + (t * G + g) * 8)));
+      __m256 s0[NR], s1[NR];  // even and odd columns: two dependency chains
+      for (int64_t r = 0; r < NR; ++r) s0[r] = s1[r] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < kBlock; j += 2) {
+        const __m256 w0 = i8x8_to_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + j * 8)));
+        const __m256 w1 = i8x8_to_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + j * 8 + 8)));
+        for (int64_t r = 0; r < NR; ++r) {
+          const float* xr = x + (r0 + r) * K + g * kBlock;
+          s0[r] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(xr + j), s0[r]);
+          s1[r] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(xr + j + 1), s1[r]);
+        }
       }
+      for (int64_t r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(d, _mm256_add_ps(s0[r], s1[r]), acc[r]);
     }
-    for (int64_t r = 0; r < nr; ++r) out[(r0 + r) * N + n] = hsum(acc[r]);
+    for (int64_t r = 0; r < NR; ++r) _mm256_storeu_ps(out + (r0 + r) * N + t * 8, acc[r]);
 #else
-    for (int64_t r = 0; r < nr; ++r) {
-      const float* xr = x + (r0 + r) * K;
-      float total = 0.f;
-      for (int64_t g = 0; g < G; ++g) {
-        float s = 0.f;
-        for (int j = 0; j < kBlock; ++j) s += qn[g * kBlock + j] * xr[g * kBlock + j];
-        total += d[g] * s;
+    float d[8];
+    for (int64_t r = 0; r < NR; ++r)
+      for (int64_t c = 0; c < 8; ++c) out[(r0 + r) * N + t * 8 + c] = 0.f;
+    for (int64_t g = 0; g < G; ++g) {
+      const int8_t* b = qs + (t * G + g) * 256;
+      halves_to_floats(dq + (t * G + g) * 8, d, 8);
+      for (int64_t r = 0; r < NR; ++r) {
+        const float* xr = x + (r0 + r) * K + g * kBlock;
+        for (int64_t c = 0; c < 8; ++c) {
+          float s = 0.f;
+          for (int64_t j = 0; j < kBlock; ++j) s += b[j * 8 + c] * xr[j];
+          out[(r0 + r) * N + t * 8 + c] += d[c] * s;
+        }
       }
-      out[(r0 + r) * N + n] = total;
     }
 #endif
   }
@@ -163,15 +159,38 @@ void check(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales, 
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous(), name, ": scales must be float16");
 }
 
-// outputs split over threads; each thread walks its outputs once per tile of activation rows
-template <typename F>
-void run_tiles(int64_t M, int64_t N, int64_t scratch, F&& rows) {
-  const int64_t grain = std::max<int64_t>(16, N / (4 * std::max<int64_t>(1, at::get_num_threads())));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    std::vector<float> sc(scratch);
-    for (int64_t r0 = 0; r0 < M; r0 += kRowTile) rows(r0, std::min(kRowTile, M - r0), n0, n1, sc.data());
+// tiles of eight outputs split over threads; each thread walks its tiles once per kRowTile activation
+// rows, then once for the remainder (NR a compile-time count for each)
+template <template <int64_t> class K, typename... A>
+void run_tiles(int64_t M, int64_t T, A... args) {
+  const int64_t grain = std::max<int64_t>(2, T / (4 * std::max<int64_t>(1, at::get_num_threads())));
+  at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
+    int64_t r0 = 0;
+    for (; r0 + kRowTile <= M; r0 += kRowTile) K<kRowTile>::run(args..., r0, t0, t1);
+    switch (M - r0) {
+      case 1: K<1>::run(args..., r0, t0, t1); break;
+      case 2: K<2>::run(args..., r0, t0, t1); break;
+      case 3: K<3>::run(args..., r0, t0, t1); break;
+      default: break;
+    }
   });
 }
+
+template <int64_t NR>
+struct Q4Tiles {
+  static void run(const float* x, const float* xs, const uint8_t* q, const c10::Half* dm, float* o, int64_t k,
+                  int64_t n, int64_t r0, int64_t t0, int64_t t1) {
+    q4_1_tiles<NR>(x, xs, q, dm, o, k, n, r0, t0, t1);
+  }
+};
+
+template <int64_t NR>
+struct Q8Tiles {
+  static void run(const float* x, const int8_t* q, const c10::Half* d, float* o, int64_t k, int64_t n, int64_t r0,
+                  int64_t t0, int64_t t1) {
+    q8_0_tiles<NR>(x, q, d, o, k, n, r0, t0, t1);
+  }
+};
 
 at::Tensor q4_1_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& dm, int64_t n, int64_t k) {
   check(x, qs, dm, n, k, at::kByte, "q4_1_mm");
@@ -190,37 +209,17 @@ at::Tensor q4_1_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& 
   const uint8_t* qp = qs.data_ptr<uint8_t>();
   const c10::Half* dp = dm.data_ptr<c10::Half>();
   float* op = out.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(2, T / (4 * std::max<int64_t>(1, at::get_num_threads())));
-  at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
-    int64_t r0 = 0;
-    for (; r0 + kRowTile <= M; r0 += kRowTile) q4_1_tiles<kRowTile>(xp, sp, qp, dp, op, k, n, r0, t0, t1);
-    switch (M - r0) {
-      case 1: q4_1_tiles<1>(xp, sp, qp, dp, op, k, n, r0, t0, t1); break;
-      case 2: q4_1_tiles<2>(xp, sp, qp, dp, op, k, n, r0, t0, t1); break;
-      case 3: q4_1_tiles<3>(xp, sp, qp, dp, op, k, n, r0, t0, t1); break;
-      default: break;
-    }
-  });
+  run_tiles<Q4Tiles>(M, T, xp, sp, qp, dp, op, k, n);
   return out;
 }
 
 at::Tensor q8_0_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, int64_t n, int64_t k) {
   check(x, qs, d, n, k, at::kChar, "q8_0_mm");
+  TORCH_CHECK(n % 8 == 0, "q8_0_mm: the output size must be a multiple of 8");
   TORCH_CHECK(d.numel() == n * (k / kBlock), "q8_0_mm: d must hold a scale per block");
-  const int64_t M = x.size(0);
-  at::Tensor out = at::empty({M, n}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const int8_t* qp = qs.data_ptr<int8_t>();
-  const c10::Half* dp = d.data_ptr<c10::Half>();
-  float* op = out.data_ptr<float>();
-  run_tiles(M, n, k / kBlock, [&](int64_t r0, int64_t nr, int64_t n0, int64_t n1, float* sc) {
-    switch (nr) {
-      case 1: q8_0_rows<1>(xp, qp, dp, op, k, n, r0, n0, n1, sc); break;
-      case 2: q8_0_rows<2>(xp, qp, dp, op, k, n, r0, n0, n1, sc); break;
-      case 3: q8_0_rows<3>(xp, qp, dp, op, k, n, r0, n0, n1, sc); break;
-      default: q8_0_rows<kRowTile>(xp, qp, dp, op, k, n, r0, n0, n1, sc);
-    }
-  });
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  run_tiles<Q8Tiles>(x.size(0), n / 8, x.data_ptr<float>(), qs.data_ptr<int8_t>(), d.data_ptr<c10::Half>(),
+                     out.data_ptr<float>(), k, n);
   return out;
 }
 
