@@ -271,7 +271,7 @@ class LlamaModel(nn.Module):
         self._int4_tokens: dict[tuple[int, int], int] = {}  # matrix shape -> measured crossover
         self._head_tokens = 0  # the same for the LM head's grouped int8
         self.head_int8: GroupedInt8Weight | native.Q8_0Weight | None = None
-        self.native_attention = native.attention_available(device, dtype)  # tidal's paged decode attention
+        self.native_attention = native.available(device, dtype)  # tidal's paged decode attention
         self.kernels = "torch"  # whose 4/8-bit kernels: torch's, or "tidal" (engine/native.py: float32 on CPU)
 
     # ----------------------------------------------------------------- int4 weights
@@ -283,7 +283,7 @@ class LlamaModel(nn.Module):
         grouped int8 copy the same way. In float32 on CPU the kernels are tidal's own (engine/native.py,
         built at first use), else torch's. Returns why neither will run, or None."""
         self.kernels, why = "torch", None
-        if mode != "none" and self.device.type == "cpu" and self.dtype == torch.float32 and native.load() is None:
+        if mode != "none" and native.available(self.device, self.dtype):
             self.kernels = "tidal"  # torch's int4 kernel has no fast float32 path on CPUs without AVX-512
         elif mode != "none":
             why = int4_supported(self.device, self.dtype)
@@ -421,8 +421,8 @@ class LlamaModel(nn.Module):
                 entry[0] = None
         part = rows if rows is not None else slice(None)
         entry[3] -= len(range(*part.indices(n)))
-        w32 = tensor.float()
-        grid = int4_grid(w32) if entry[0] is not None and tensor.dim() == 2 else None
+        w32 = tensor.float() if entry[0] is not None and tensor.dim() == 2 else None
+        grid = int4_grid(w32) if w32 is not None else None
         if grid is not None and self.kernels == "tidal" and not native.q4_1_exact(w32, *grid):
             grid = None  # its scales are not float16 as GGUF's: the float16 (d, m) would round the weights
         if grid is None:

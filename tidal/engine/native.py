@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-GROUP = 32
+GROUP = 32  # weights per GGUF Q4_1 / Q8_0 block
 SOURCES = [Path(__file__).with_name("kernels") / f for f in ("qmatmul.cpp", "paged_attention.cpp")]
 
 _lock = threading.Lock()
@@ -63,8 +63,7 @@ def _build() -> tuple[bool, str]:
         from torch.utils import cpp_extension
 
         _ninja_on_path()
-        build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
-        built = any(build_dir.glob(f"{name}*.so"))
+        built = _built(cpp_extension, name)
         if not built:
             print(f"engine: building tidal's CPU kernels ({' '.join(flags)}; once per machine, "
                   "about a minute) ...", file=sys.stderr, flush=True)
@@ -79,6 +78,15 @@ def _build() -> tuple[bool, str]:
         return False, f"tidal's kernels could not be built ({first})"
     _register_fakes()
     return True, ""
+
+
+def _built(cpp_extension, name: str) -> bool:
+    """Whether an earlier process built this library (only to say so on stderr): the probe uses a
+    private torch helper, so any failure of it just means "not known to be built"."""
+    try:
+        return any(Path(cpp_extension._get_build_directory(name, verbose=False)).glob(f"{name}*.so"))
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def _ninja_on_path() -> None:
@@ -106,8 +114,8 @@ def _register_fakes() -> None:
         return torch.empty_like(q)
 
 
-def attention_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether decode attention runs on tidal's kernel here (float32 on CPU, kernels built)."""
+def available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether tidal's kernels run here: float32 on CPU, and the kernels built."""
     return device.type == "cpu" and dtype == torch.float32 and load() is None
 
 

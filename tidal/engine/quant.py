@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from tidal.engine import native
 
-GROUP = 32  # Q4_0 / Q4_1 block size
+GROUP = native.GROUP  # Q4_0 / Q4_1 / Q8_0 block size
 _TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)  # step sizes timed at start-up
 
 
