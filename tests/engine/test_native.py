@@ -106,7 +106,7 @@ def test_the_portable_build_computes_the_same():
         "w, q, d = q8_0(40, 288)\n"
         "torch.testing.assert_close(native.Q8_0Weight.pack(q, d).matmul(x), F.linear(x, w), rtol=1e-5, atol=1e-4)\n"
         "from tests.engine.test_native import test_paged_attention_equals_the_gathered_sdpa as attn\n"
-        "attn(9, 3, 64); attn(4, 4, 36)\n"
+        "attn(9, 3, 64, [0, 3, 4, 17, 9], 2); attn(4, 4, 36, [130, 5, 300], 1); attn(9, 3, 64, [700], 2)\n"
         "print('ok')\n")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
@@ -161,23 +161,31 @@ def _paged(n: int, heads: int, kv_heads: int, d: int, block_size: int, positions
     return q, KVLayer(k, v), tables, torch.tensor(positions)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("positions", [[0, 3, 4, 17, 9], [700], [130, 5, 300]])
 @pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 36), (8, 2, 16)])
-def test_paged_attention_equals_the_gathered_sdpa(heads, kv_heads, d):
+def test_paged_attention_equals_the_gathered_sdpa(heads, kv_heads, d, positions, threads):
     """Against the eager path (every block gathered, padded, masked SDPA): grouped-query heads, a
-    head size that is not a multiple of 8, positions at 0, at a block's edge and mid-block."""
+    head size that is not a multiple of 8, positions at 0, at a block's edge and mid-block; long
+    contexts of a few decodes, which the kernel splits into spans merged afterwards (how many
+    depends on the thread count)."""
     from tidal.engine.model import AttentionBatch, DecodeGroup, _decode_attention
 
     bs = 4
-    positions = [0, 3, 4, 17, 9]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     q, kv, tables, pos = _paged(len(positions), heads, kv_heads, d, bs, positions)
     width = tables.shape[1]
     mask = (torch.arange(width * bs).unsqueeze(0) <= pos.unsqueeze(1)).view(len(positions), 1, 1, width * bs)
     group = DecodeGroup(0, len(positions), tables, mask)
     batch = AttentionBatch(positions=pos, slot_mapping=pos, num_decodes=len(positions), decode_groups=[group],
                            prefills=[], block_size=bs)
-    want = _decode_attention(q, kv, batch, group, d ** -0.5)
-    batch.native_attention = True
-    got = _decode_attention(q, kv, batch, group, d ** -0.5)
+    try:
+        want = _decode_attention(q, kv, batch, group, d ** -0.5)
+        batch.native_attention = True
+        got = _decode_attention(q, kv, batch, group, d ** -0.5)
+    finally:
+        torch.set_num_threads(before)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 

@@ -3,7 +3,12 @@
 // The eager path gathers every decode's blocks into one padded [n, ctx, KVH, D] tensor per layer
 // and calls SDPA with a mask; this reads each token's K and V where the block table says they are,
 // once per KV head for all the query heads that share it (grouped-query attention), with no copy
-// and no padding. Softmax is exact (scores kept, max subtracted, float32), as SDPA computes it.
+// and no padding. Softmax is exact up to rounding (max subtracted, float32 throughout).
+//
+// Work is split into tasks of (decode, KV head, span of the context) so that a lone decode still
+// keeps every core busy; each span returns its running max, its sum of exponentials and its
+// unnormalized output, and the spans are merged as in split-K ("flash-decoding") attention:
+//   m = max_c m_c,  out = sum_c e^{m_c - m} o_c / sum_c e^{m_c - m} l_c.
 //
 //   q            [n, H, D]                 float32
 //   k, v cache   [blocks, bs, KVH, D]      float32
@@ -16,6 +21,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
+#include <tuple>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -25,28 +32,151 @@
 
 namespace {
 
+constexpr int64_t kMinSpan = 64;  // tokens: a shorter span costs more to merge than it saves
+
+#ifdef TIDAL_AVX2
+inline float hsum(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
+// the eight lane sums of a[0..7] as one vector (three rounds of pairwise adds, not eight reductions)
+inline __m256 hsum8(const __m256* a) {
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  // lanes: [0..3 low halves | 0..3 high halves] for keys 0-3 and 4-7
+  const __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20), hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
+  return _mm256_add_ps(lo, hi);
+}
+
+// e^x for x <= 0: x = n ln2 + r (|r| <= ln2/2), e^r by a degree-6 polynomial, 2^n by the exponent bits;
+// relative error ~2 ulp; below -87 it returns 0 (float's own e^x is then a denormal or 0)
+inline __m256 exp_nonpos(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+#endif
+
 inline float dot(const float* a, const float* b, int64_t d) {
   int64_t i = 0;
   float s = 0.f;
 #ifdef TIDAL_AVX2
   __m256 acc = _mm256_setzero_ps();
   for (; i + 8 <= d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  s = _mm_cvtss_f32(h);
+  s = hsum(acc);
 #endif
   for (; i < d; ++i) s += a[i] * b[i];
   return s;
 }
 
-inline void axpy(float p, const float* x, float* y, int64_t d) {  // y += p * x
-  int64_t i = 0;
+struct Span {  // one task's share: keys [j0, j1) of decode i under KV head h
+  const float *k, *v;
+  const int64_t* table;
+  int64_t bs, KVH, D, G, h, j0, j1;
+  const float* row(const float* cache, int64_t j) const { return cache + ((table[j / bs] * bs + j % bs) * KVH + h) * D; }
+};
+
+// scores s[g * L + j - j0] = scale * q_g . k_j for the G query heads of the span's KV head
+void span_scores(const Span& sp, const float* q, float scale, float* s) {
+  const int64_t L = sp.j1 - sp.j0, D = sp.D;
+  int64_t j = sp.j0;
 #ifdef TIDAL_AVX2
-  const __m256 pv = _mm256_set1_ps(p);
-  for (; i + 8 <= d; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  if (D % 8 == 0) {
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (; j + 8 <= sp.j1; j += 8) {  // eight keys at once: eight lane-wise dots, reduced together
+      const float* kr[8];
+      for (int u = 0; u < 8; ++u) kr[u] = sp.row(sp.k, j + u);
+      for (int64_t g = 0; g < sp.G; ++g) {
+        const float* qg = q + g * D;
+        __m256 acc[8];
+        for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) {
+          const __m256 qv = _mm256_loadu_ps(qg + d);
+          for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[u] + d), acc[u]);
+        }
+        _mm256_storeu_ps(s + g * L + (j - sp.j0), _mm256_mul_ps(sc, hsum8(acc)));
+      }
+    }
+  }
 #endif
-  for (; i < d; ++i) y[i] += p * x[i];
+  for (; j < sp.j1; ++j) {
+    const float* kj = sp.row(sp.k, j);
+    for (int64_t g = 0; g < sp.G; ++g) s[g * L + (j - sp.j0)] = scale * dot(q + g * D, kj, D);
+  }
+}
+
+// s <- e^{s - max} in place; returns (max, sum)
+std::pair<float, float> span_softmax(float* s, int64_t L) {
+  const float mx = *std::max_element(s, s + L);
+  float sum = 0.f;
+  int64_t j = 0;
+#ifdef TIDAL_AVX2
+  const __m256 mv = _mm256_set1_ps(mx);
+  __m256 acc = _mm256_setzero_ps();
+  for (; j + 8 <= L; j += 8) {
+    const __m256 e = exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+    _mm256_storeu_ps(s + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  sum = hsum(acc);
+#endif
+  for (; j < L; ++j) sum += (s[j] = std::exp(s[j] - mx));
+  return {mx, sum};
+}
+
+// o[g * D + d] = sum_j p[g * L + j] v_j[d], every V row read once for all G heads
+void span_values(const Span& sp, const float* p, float* o) {
+  const int64_t L = sp.j1 - sp.j0, D = sp.D, G = sp.G;
+  std::fill(o, o + G * D, 0.f);
+#ifdef TIDAL_AVX2
+  if (D % 32 == 0) {
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+      for (int64_t g0 = 0; g0 < G; g0 += 3) {  // up to three heads x 32 outputs in twelve registers
+        const int64_t ng = std::min<int64_t>(3, G - g0);
+        __m256 acc[3][4];
+        for (int a = 0; a < 3; ++a)
+          for (int u = 0; u < 4; ++u) acc[a][u] = _mm256_setzero_ps();
+        for (int64_t j = sp.j0; j < sp.j1; ++j) {
+          const float* vj = sp.row(sp.v, j) + d0;
+          __m256 vv[4];
+          for (int u = 0; u < 4; ++u) vv[u] = _mm256_loadu_ps(vj + 8 * u);
+          for (int64_t a = 0; a < ng; ++a) {
+            const __m256 pv = _mm256_set1_ps(p[(g0 + a) * L + (j - sp.j0)]);
+            for (int u = 0; u < 4; ++u) acc[a][u] = _mm256_fmadd_ps(pv, vv[u], acc[a][u]);
+          }
+        }
+        for (int64_t a = 0; a < ng; ++a)
+          for (int u = 0; u < 4; ++u) _mm256_storeu_ps(o + (g0 + a) * D + d0 + 8 * u, acc[a][u]);
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t j = sp.j0; j < sp.j1; ++j) {
+    const float* vj = sp.row(sp.v, j);
+    for (int64_t g = 0; g < G; ++g) {
+      const float pj = p[g * L + (j - sp.j0)];
+      float* og = o + g * D;
+      for (int64_t d = 0; d < D; ++d) og[d] += pj * vj[d];
+    }
+  }
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -68,62 +198,81 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const int64_t W = block_tables.size(1), G = H / KVH;
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* pos = positions.data_ptr<int64_t>();
+  int64_t max_ctx = 0;
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(pos[i] >= 0 && pos[i] < W * bs, "paged_decode_attention: position ", pos[i], " is outside the ",
                 W, " blocks of its table");
     for (int64_t b = 0; b <= pos[i] / bs; ++b)
       TORCH_CHECK(tables[i * W + b] >= 0 && tables[i * W + b] < nblocks, "paged_decode_attention: block ",
                   tables[i * W + b], " is outside the cache's ", nblocks);
+    max_ctx = std::max(max_ctx, pos[i] + 1);
   }
   at::Tensor out = at::empty_like(q);
+  if (n == 0) return out;
+  // spans per (decode, KV head): enough tasks for four per thread, none shorter than kMinSpan tokens
+  const int64_t want = 4 * at::get_num_threads();
+  const int64_t C = std::max<int64_t>(1, std::min((want + n * KVH - 1) / (n * KVH), max_ctx / kMinSpan));
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  // one task per (decode, KV head): its G query heads read each K and V row once
-  at::parallel_for(0, n * KVH, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores;
+  // a span's partial result: G x (D outputs, max, sum); only when a context is split
+  std::vector<float> part(C > 1 ? n * KVH * C * G * (D + 2) : 0);
+  at::parallel_for(0, n * KVH * C, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> s, o, mx(G), sum(G);
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t i = t / KVH, h = t % KVH, ctx = pos[i] + 1;
-      scores.assign(G * ctx, 0.f);
-      const float* qi = qp + (i * H + h * G) * D;
-      for (int64_t j = 0; j < ctx; ++j) {
-        const float* kj = kp + ((tables[i * W + j / bs] * bs + j % bs) * KVH + h) * D;
-        for (int64_t g = 0; g < G; ++g) scores[g * ctx + j] = sc * dot(qi + g * D, kj, D);
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        float* s = scores.data() + g * ctx;
-        const float mx = *std::max_element(s, s + ctx);
-        float sum = 0.f;
-        for (int64_t j = 0; j < ctx; ++j) sum += (s[j] = std::exp(s[j] - mx));
-        const float inv = 1.f / sum;
-        for (int64_t j = 0; j < ctx; ++j) s[j] *= inv;
-        std::fill(op + (i * H + h * G + g) * D, op + (i * H + h * G + g + 1) * D, 0.f);
-      }
-#ifdef TIDAL_AVX2
-      if (D == 64) {  // the common head size: each query head's output stays in eight registers
+      const int64_t i = t / (KVH * C), h = (t / C) % KVH, c = t % C, ctx = pos[i] + 1;
+      const int64_t len = (ctx + C - 1) / C, j0 = std::min(ctx, c * len), j1 = std::min(ctx, j0 + len);
+      float* res = C > 1 ? part.data() + t * G * (D + 2) : nullptr;
+      if (j0 >= j1) {  // an empty span (a short context): no keys, nothing to add
         for (int64_t g = 0; g < G; ++g) {
-          __m256 acc[8];
-          for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
-          const float* s = scores.data() + g * ctx;
-          for (int64_t j = 0; j < ctx; ++j) {
-            const float* vj = vp + ((tables[i * W + j / bs] * bs + j % bs) * KVH + h) * D;
-            const __m256 p = _mm256_set1_ps(s[j]);
-            for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * u), acc[u]);
-          }
-          float* o = op + (i * H + h * G + g) * D;
-          for (int u = 0; u < 8; ++u) _mm256_storeu_ps(o + 8 * u, acc[u]);
+          res[g * (D + 2) + D] = -std::numeric_limits<float>::infinity();
+          res[g * (D + 2) + D + 1] = 0.f;
         }
         continue;
       }
-#endif
-      for (int64_t j = 0; j < ctx; ++j) {
-        const float* vj = vp + ((tables[i * W + j / bs] * bs + j % bs) * KVH + h) * D;
-        for (int64_t g = 0; g < G; ++g) axpy(scores[g * ctx + j], vj, op + (i * H + h * G + g) * D, D);
+      const Span sp{k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tables + i * W, bs, KVH, D, G, h, j0, j1};
+      const int64_t L = j1 - j0;
+      s.resize(G * L);
+      o.resize(G * D);
+      span_scores(sp, qp + (i * H + h * G) * D, sc, s.data());
+      for (int64_t g = 0; g < G; ++g) std::tie(mx[g], sum[g]) = span_softmax(s.data() + g * L, L);
+      span_values(sp, s.data(), o.data());
+      for (int64_t g = 0; g < G; ++g) {
+        const float* og = o.data() + g * D;
+        if (res == nullptr) {  // the whole context: normalize in place
+          float* dst = op + (i * H + h * G + g) * D;
+          const float inv = 1.f / sum[g];
+          for (int64_t d = 0; d < D; ++d) dst[d] = og[d] * inv;
+        } else {
+          std::copy(og, og + D, res + g * (D + 2));
+          res[g * (D + 2) + D] = mx[g];
+          res[g * (D + 2) + D + 1] = sum[g];
+        }
       }
     }
   });
+  if (C > 1) {  // merge the spans of each (decode, query head)
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t h = 0; h < KVH; ++h)
+        for (int64_t g = 0; g < G; ++g) {
+          const float* r0 = part.data() + ((i * KVH + h) * C) * G * (D + 2) + g * (D + 2);
+          const int64_t stride = G * (D + 2);
+          float m = -std::numeric_limits<float>::infinity();
+          for (int64_t c = 0; c < C; ++c) m = std::max(m, r0[c * stride + D]);
+          float* dst = op + (i * H + h * G + g) * D;
+          std::fill(dst, dst + D, 0.f);
+          float l = 0.f;
+          for (int64_t c = 0; c < C; ++c) {
+            const float* r = r0 + c * stride;
+            if (r[D + 1] == 0.f) continue;
+            const float w = std::exp(r[D] - m);
+            l += w * r[D + 1];
+            for (int64_t d = 0; d < D; ++d) dst[d] += w * r[d];
+          }
+          const float inv = 1.f / l;
+          for (int64_t d = 0; d < D; ++d) dst[d] *= inv;
+        }
+  }
   return out;
 }
 
