@@ -46,7 +46,9 @@ def test_q4_1_equals_the_dequantized_matmul(n, k):
     packed = native.Q4_1Weight.pack(*grid)
     assert packed.nbytes == n * k // 2 + 2 * 2 * n * k // GROUP
     g = torch.Generator().manual_seed(1)
-    for rows in (1, 2, 3, 4, 5, 7, 9):  # whole tiles of four and every remainder
+    # few rows: whole tiles of four and every remainder; many rows (the panel kernels, from 16): whole
+    # groups of six and every remainder, an odd number of output tiles (n=40) included
+    for rows in (1, 2, 3, 4, 5, 7, 9, 16, 17, 18, 19, 20, 23, 37):
         x = torch.randn(rows, k, generator=g)
         got = packed.matmul(x)
         assert got.shape == (rows, n) and got.dtype == torch.float32
@@ -62,7 +64,7 @@ def test_q8_0_equals_the_dequantized_matmul(n, k):
     packed = native.Q8_0Weight.pack(*grid, weight=w)
     assert packed is not None and packed.nbytes == n * k + 2 * n * k // GROUP
     g = torch.Generator().manual_seed(2)
-    for rows in (1, 4, 6):
+    for rows in (1, 4, 6, 16, 21, 33):
         x = torch.randn(rows, k, generator=g)
         torch.testing.assert_close(packed.matmul(x), F.linear(x, w), rtol=1e-5, atol=1e-4)
 

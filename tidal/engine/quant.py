@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from tidal.engine import native
 
 GROUP = native.GROUP  # Q4_0 / Q4_1 / Q8_0 block size
-_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)  # step sizes timed at start-up
+_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # step sizes timed at start-up (512: the default step budget)
 
 
 @dataclass

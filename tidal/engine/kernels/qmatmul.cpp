@@ -18,6 +18,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -149,6 +150,103 @@ void q8_0_tiles(const float* x, const int8_t* qs, const c10::Half* dq, float* ou
   }
 }
 
+#ifdef TIDAL_AVX2
+// Steps of many rows: a panel of two tiles (16 outputs) is dequantized once into a float32 buffer
+// [K, 16] that stays in cache, then a register-blocked GEMM micro-kernel (MR activation rows x 16
+// outputs: 2 * MR accumulators, per k two panel loads and MR broadcasts for 2 * MR FMAs) runs every
+// row over it. The dequantization (q * d + m per weight, as the float weights were made) is paid once
+// per panel, not once per row group, so the FMAs run near the core's float peak.
+void q4_1_panel(const uint8_t* qs, const c10::Half* dm, int64_t K, int64_t t, int64_t nt, float* P) {
+  const int64_t G = K / kBlock;
+  const __m256i low = _mm256_set1_epi32(0x0F);
+  for (int64_t u = 0; u < 2; ++u) {
+    if (u >= nt) {  // an odd last tile: the panel's second half is zeros
+      for (int64_t k = 0; k < K; ++k) _mm256_storeu_ps(P + k * 16 + 8, _mm256_setzero_ps());
+      continue;
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const c10::Half* h = dm + ((t + u) * G + g) * 16;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 8)));
+      const uint8_t* b = qs + ((t + u) * G + g) * 128;
+      float* dst = P + g * kBlock * 16 + u * 8;
+      for (int64_t j = 0; j < 16; ++j) {
+        const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + j * 8)));
+        _mm256_storeu_ps(dst + j * 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(w, low)), d, m));
+        _mm256_storeu_ps(dst + (j + 16) * 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(w, 4)), d, m));
+      }
+    }
+  }
+}
+
+void q8_0_panel(const int8_t* qs, const c10::Half* dq, int64_t K, int64_t t, int64_t nt, float* P) {
+  const int64_t G = K / kBlock;
+  for (int64_t u = 0; u < 2; ++u) {
+    if (u >= nt) {
+      for (int64_t k = 0; k < K; ++k) _mm256_storeu_ps(P + k * 16 + 8, _mm256_setzero_ps());
+      continue;
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dq + ((t + u) * G + g) * 8)));
+      const int8_t* b = qs + ((t + u) * G + g) * 256;
+      float* dst = P + g * kBlock * 16 + u * 8;
+      for (int64_t j = 0; j < kBlock; ++j)
+        _mm256_storeu_ps(dst + j * 16,
+                         _mm256_mul_ps(i8x8_to_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + j * 8))), d));
+    }
+  }
+}
+
+// out[r0 .. r0 + MR, 16 outputs at column c0] = x[r0 .. r0 + MR, :] @ P (P: [K, 16]); nt tiles (1 or 2) kept
+template <int64_t MR>
+void panel_rows(const float* x, const float* P, float* out, int64_t K, int64_t N, int64_t r0, int64_t c0, int64_t nt) {
+  __m256 acc[2 * MR];
+#pragma GCC unroll 16
+  for (int64_t i = 0; i < 2 * MR; ++i) acc[i] = _mm256_setzero_ps();
+  const float* xr = x + r0 * K;
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(P + k * 16), b1 = _mm256_loadu_ps(P + k * 16 + 8);
+#pragma GCC unroll 8
+    for (int64_t r = 0; r < MR; ++r) {
+      const __m256 a = _mm256_broadcast_ss(xr + r * K + k);
+      acc[2 * r] = _mm256_fmadd_ps(a, b0, acc[2 * r]);
+      acc[2 * r + 1] = _mm256_fmadd_ps(a, b1, acc[2 * r + 1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int64_t r = 0; r < MR; ++r) {
+    _mm256_storeu_ps(out + (r0 + r) * N + c0, acc[2 * r]);
+    if (nt == 2) _mm256_storeu_ps(out + (r0 + r) * N + c0 + 8, acc[2 * r + 1]);
+  }
+}
+
+constexpr int64_t kPanelRows = 6;  // MR of the micro-kernel: 12 accumulators, 2 panel vectors, a broadcast
+
+// every row of x against tiles [t0, t1), a panel of two tiles at a time; dequant(t, nt, P) fills a panel
+template <class Dequant>
+void run_panels(const float* x, float* out, int64_t M, int64_t K, int64_t N, int64_t t0, int64_t t1,
+                const Dequant& dequant) {
+  std::vector<float> panel(K * 16);
+  float* P = panel.data();
+  for (int64_t t = t0; t < t1; t += 2) {
+    const int64_t nt = std::min<int64_t>(2, t1 - t);
+    dequant(t, nt, P);
+    // the rows in ceil(M / 6) groups of near-equal size: 32 rows as 5+5+5+5+6+6, not 6+6+6+6+6+2 (a group
+    // of two has four accumulator chains, too few to hide the FMA latency)
+    const int64_t groups = (M + kPanelRows - 1) / kPanelRows;
+    for (int64_t gi = 0, r0 = 0; gi < groups; ++gi) {
+      const int64_t rows = (M - r0) / (groups - gi);
+      switch (rows) {  // M >= kPanelMinRows (16) makes groups of 4 to 6
+        case 4: panel_rows<4>(x, P, out, K, N, r0, t * 8, nt); break;
+        case 5: panel_rows<5>(x, P, out, K, N, r0, t * 8, nt); break;
+        default: panel_rows<kPanelRows>(x, P, out, K, N, r0, t * 8, nt); break;
+      }
+      r0 += rows;
+    }
+  }
+}
+#endif
+
 void check(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales, int64_t n, int64_t k,
            at::ScalarType qtype, const char* name) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
@@ -159,37 +257,65 @@ void check(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales, 
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous(), name, ": scales must be float16");
 }
 
-// tiles of eight outputs split over threads; each thread walks its tiles once per kRowTile activation
-// rows, then once for the remainder (NR a compile-time count for each)
-template <template <int64_t> class K, typename... A>
+constexpr int64_t kPanelMinRows = 16;  // a step of at least this many rows runs the panel kernels
+static_assert(kPanelMinRows >= 16, "run_panels' row groups assume at least four rows each");
+
+// tiles of eight outputs split over threads (pairs kept together for the panels); each thread walks
+// its tiles in chunks of kTileChunk, each chunk once per group of rows (NR a compile-time count, so
+// that the accumulators stay in registers), or with the panel kernels for a step of many rows
+constexpr int64_t kTileChunk = 8;
+
+template <class K, typename... A>
 void run_tiles(int64_t M, int64_t T, A... args) {
-  const int64_t grain = std::max<int64_t>(2, T / (4 * std::max<int64_t>(1, at::get_num_threads())));
+  int64_t grain = std::max<int64_t>(2, T / (4 * std::max<int64_t>(1, at::get_num_threads())));
+  grain += grain % 2;
   at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
-    int64_t r0 = 0;
-    for (; r0 + kRowTile <= M; r0 += kRowTile) K<kRowTile>::run(args..., r0, t0, t1);
-    switch (M - r0) {
-      case 1: K<1>::run(args..., r0, t0, t1); break;
-      case 2: K<2>::run(args..., r0, t0, t1); break;
-      case 3: K<3>::run(args..., r0, t0, t1); break;
-      default: break;
+#ifdef TIDAL_AVX2
+    if (M >= kPanelMinRows) {
+      K::panels(args..., M, t0, t1);
+      return;
+    }
+#endif
+    for (int64_t tc = t0; tc < t1; tc += kTileChunk) {
+      const int64_t te = std::min(tc + kTileChunk, t1);
+      int64_t r0 = 0;
+      for (; r0 + kRowTile <= M; r0 += kRowTile) K::template narrow<kRowTile>(args..., r0, tc, te);
+      switch (M - r0) {
+        case 1: K::template narrow<1>(args..., r0, tc, te); break;
+        case 2: K::template narrow<2>(args..., r0, tc, te); break;
+        case 3: K::template narrow<3>(args..., r0, tc, te); break;
+        default: break;
+      }
     }
   });
 }
 
-template <int64_t NR>
 struct Q4Tiles {
-  static void run(const float* x, const float* xs, const uint8_t* q, const c10::Half* dm, float* o, int64_t k,
-                  int64_t n, int64_t r0, int64_t t0, int64_t t1) {
+  template <int64_t NR>
+  static void narrow(const float* x, const float* xs, const uint8_t* q, const c10::Half* dm, float* o, int64_t k,
+                     int64_t n, int64_t r0, int64_t t0, int64_t t1) {
     q4_1_tiles<NR>(x, xs, q, dm, o, k, n, r0, t0, t1);
   }
+#ifdef TIDAL_AVX2
+  static void panels(const float* x, const float*, const uint8_t* q, const c10::Half* dm, float* o, int64_t k,
+                     int64_t n, int64_t M, int64_t t0, int64_t t1) {
+    run_panels(x, o, M, k, n, t0, t1, [&](int64_t t, int64_t nt, float* P) { q4_1_panel(q, dm, k, t, nt, P); });
+  }
+#endif
 };
 
-template <int64_t NR>
 struct Q8Tiles {
-  static void run(const float* x, const int8_t* q, const c10::Half* d, float* o, int64_t k, int64_t n, int64_t r0,
-                  int64_t t0, int64_t t1) {
+  template <int64_t NR>
+  static void narrow(const float* x, const int8_t* q, const c10::Half* d, float* o, int64_t k, int64_t n, int64_t r0,
+                     int64_t t0, int64_t t1) {
     q8_0_tiles<NR>(x, q, d, o, k, n, r0, t0, t1);
   }
+#ifdef TIDAL_AVX2
+  static void panels(const float* x, const int8_t* q, const c10::Half* d, float* o, int64_t k, int64_t n, int64_t M,
+                     int64_t t0, int64_t t1) {
+    run_panels(x, o, M, k, n, t0, t1, [&](int64_t t, int64_t nt, float* P) { q8_0_panel(q, d, k, t, nt, P); });
+  }
+#endif
 };
 
 at::Tensor q4_1_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& dm, int64_t n, int64_t k) {
