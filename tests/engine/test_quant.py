@@ -219,3 +219,18 @@ def test_float_checkpoints_skip_the_start_up_timing(tmp_path, monkeypatch, smol_
     q = engine.quantization
     assert q["int4_matrices"] == 0 and q["head_int8_max_tokens"] == 0 and "float" in q["why_not"]
     assert describe_quantization(q).startswith("float (quantization auto: ")
+
+
+@pytest.mark.parametrize("upto,want", [(1, 1), (100, 128), (512, 512), (5000, 2048)])
+def test_the_timing_stops_at_the_largest_step_the_engine_runs(monkeypatch, upto, want):
+    """With a kernel that always wins, the probe stops at the first timed size >= ``upto`` (the step
+    budget or the most sequences a step holds) or at the largest it times; one that never wins gives 0."""
+    from tidal.engine import quant
+
+    monkeypatch.setattr(quant, "_crossovers", {})
+    monkeypatch.setattr(quant, "_median_time", lambda fn, repeats: 1.0 if fn.args[0] is F.linear else 0.5)
+    assert measure_crossover(64, 64, torch.float32, repeats=1, upto=upto) == want
+    assert measure_int8_crossover(64, 64, torch.float32, repeats=1, upto=upto) == want
+    monkeypatch.setattr(quant, "_crossovers", {})
+    monkeypatch.setattr(quant, "_median_time", lambda fn, repeats: 0.5 if fn.args[0] is F.linear else 1.0)
+    assert measure_crossover(64, 64, torch.float32, repeats=1, upto=upto) == 0

@@ -125,7 +125,7 @@ class LLMEngine:
         self.max_model_len = min(mc.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
         self.model = LlamaModel(arch, self.dtype, self.device, mc.layer_range, max_positions=self.max_model_len)
         if ckpt.format == "gguf" or mc.quantization == "none":
-            why_not_int4 = self.model.set_quantization(mc.quantization)
+            why_not_int4 = self.model.set_quantization(mc.quantization, sc.max_num_batched_tokens, sc.max_num_seqs)
         else:  # no start-up timing: safetensors hold float weights, never 4-bit or Q8_0 groups
             why_not_int4 = self.model.set_quantization("none") or "the checkpoint's weights are float, not GGUF groups"
         self.model.load_weights(ckpt.weights())

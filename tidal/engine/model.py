@@ -275,13 +275,15 @@ class LlamaModel(nn.Module):
         self.kernels = "torch"  # whose 4/8-bit kernels: torch's, or "tidal" (engine/native.py: float32 on CPU)
 
     # ----------------------------------------------------------------- int4 weights
-    def set_quantization(self, mode: str) -> str | None:
+    def set_quantization(self, mode: str, max_step_tokens: int = 512, max_head_rows: int = 64) -> str | None:
         """Before :meth:`load_weights`: linear layers whose weights arrive as 4-bit groups (Q4_1) get an
         int4 copy. ``auto``: used up to the step size where timing here found the int4 kernel faster
         on that matrix shape (measured now, on synthetic weights of each shape; if it never was, no
         copies are made); ``int4``: for every step; ``none``: no copy. An LM head stored as Q8_0 gets a
         grouped int8 copy the same way. In float32 on CPU the kernels are tidal's own (engine/native.py,
-        built at first use), else torch's. Returns why neither will run, or None."""
+        built at first use), else torch's. The timing goes up to the largest step the engine will run:
+        ``max_step_tokens`` rows for the decoder matrices, ``max_head_rows`` (one per sequence) for the
+        LM head. Returns why neither will run, or None."""
         self.kernels, why = "torch", None
         if mode != "none" and native.available(self.device, self.dtype):
             self.kernels = "tidal"  # torch's int4 kernel has no fast float32 path on CPUs without AVX-512
@@ -294,11 +296,12 @@ class LlamaModel(nn.Module):
                 shape = tuple(getattr(self.layers[str(self.start)], name).weight.shape)
                 if shape not in self._int4_tokens:
                     self._int4_tokens[shape] = 0 if not int4_shape_ok(*shape) else \
-                        (1 << 30) if mode == "int4" else measure_crossover(*shape, self.dtype, kernels=self.kernels)
+                        (1 << 30) if mode == "int4" else measure_crossover(*shape, self.dtype, kernels=self.kernels,
+                                                                           upto=max_step_tokens)
             if self.is_last:  # the LM head, if stored as Q8_0 groups
                 vocab, hidden = self.arch.vocab_size, self.arch.hidden_size
                 self._head_tokens = (1 << 30) if mode == "int4" else \
-                    measure_int8_crossover(vocab, hidden, self.dtype, kernels=self.kernels)
+                    measure_int8_crossover(vocab, hidden, self.dtype, kernels=self.kernels, upto=max_head_rows)
             if not any(self._int4_tokens.values()) and not self._head_tokens:  # skip the grid checks at load
                 self.quantization = "none"
                 return f"the int4/int8 kernels were not faster than {str(self.dtype).removeprefix('torch.')} " \

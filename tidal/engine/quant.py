@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from tidal.engine import native
 
 GROUP = native.GROUP  # Q4_0 / Q4_1 / Q8_0 block size
-_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # step sizes timed at start-up (512: the default step budget)
+_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)  # step sizes timed at start-up, up to the engine's
+# largest step (``upto``: the step budget for decoder matrices, the most sequences a step holds for the LM head)
 
 
 @dataclass
@@ -150,11 +151,11 @@ _crossovers: dict[tuple, int] = {}  # measured once per process (tests and tools
 
 def _cached(fn):
     @functools.wraps(fn)
-    def measure(n: int, k: int, dtype: torch.dtype, repeats: int = 7, kernels: str = "torch") -> int:
+    def measure(n: int, k: int, dtype: torch.dtype, repeats: int = 7, kernels: str = "torch", upto: int = 128) -> int:
         # the whole shape: a smaller stand-in that fits in cache favours the float matmul
-        key = (fn.__name__, n, k, dtype, repeats, kernels, torch.get_num_threads())
+        key = (fn.__name__, n, k, dtype, repeats, kernels, upto, torch.get_num_threads())
         if key not in _crossovers:
-            _crossovers[key] = fn(n, k, dtype, repeats, kernels)
+            _crossovers[key] = fn(n, k, dtype, repeats, kernels, upto)
         return _crossovers[key]
 
     return measure
@@ -170,9 +171,11 @@ def _copies(n: int, k: int, dtype: torch.dtype) -> int:
     return max(1, min(64, -(-WORKING_SET // (n * k * torch.finfo(dtype).bits // 8))))
 
 
-def _largest_win(packed: list, weights: list[torch.Tensor], g: torch.Generator, repeats: int) -> int:
+def _largest_win(packed: list, weights: list[torch.Tensor], g: torch.Generator, repeats: int, upto: int) -> int:
     """The largest of ``_TOKENS`` up to which ``packed[i].matmul`` beat ``F.linear(x, weights[i])``,
-    each timed cycling through its copies; stops at the first size where float wins (0 if at once)."""
+    each timed cycling through its copies; stops at the first size where float wins (0 if at once),
+    or at the first size >= ``upto`` (no step is larger). Beyond 64 tokens a matmul is bound by
+    arithmetic, not by reading its weights, so fewer copies are cycled (the timing stays short)."""
     best = 0
 
     def cycle(fn, mats, x):
@@ -182,15 +185,19 @@ def _largest_win(packed: list, weights: list[torch.Tensor], g: torch.Generator, 
     with torch.inference_mode():
         for m in _TOKENS:
             x = torch.randn(m, weights[0].shape[1], generator=g).to(weights[0].dtype)
-            if _median_time(functools.partial(cycle, lambda x, p: p.matmul(x), packed, x), repeats) >= \
-                    _median_time(functools.partial(cycle, F.linear, weights, x), repeats):
+            keep = max(1, len(packed) * 64 // max(m, 64))
+            if _median_time(functools.partial(cycle, lambda x, p: p.matmul(x), packed[:keep], x), repeats) >= \
+                    _median_time(functools.partial(cycle, F.linear, weights[:keep], x), repeats):
                 break
             best = m
+            if m >= upto:
+                break
     return best
 
 
 @_cached
-def measure_crossover(n: int, k: int, dtype: torch.dtype, repeats: int = 7, kernels: str = "torch") -> int:
+def measure_crossover(n: int, k: int, dtype: torch.dtype, repeats: int = 7, kernels: str = "torch",
+                      upto: int = 128) -> int:
     """The largest step size (tokens) up to which the 4-bit kernel (``kernels``: torch's int4, or
     ``tidal``'s Q4_1 of engine/native.py) beat the float matmul on an ``[n, k]`` matrix of ``dtype``,
     timed here on synthetic weights; 0 if it never did."""
@@ -204,11 +211,12 @@ def measure_crossover(n: int, k: int, dtype: torch.dtype, repeats: int = 7, kern
         lo = -8 * step
         weights.append((q.float().view(n, -1, GROUP) * step.unsqueeze(-1) + lo.unsqueeze(-1)).view(n, k).to(dtype))
         packed.append(native.Q4_1Weight.pack(q, step, lo) if kernels == "tidal" else pack_int4(q, step, lo, dtype))
-    return _largest_win(packed, weights, g, repeats)
+    return _largest_win(packed, weights, g, repeats, upto)
 
 
 @_cached
-def measure_int8_crossover(n: int, k: int, dtype: torch.dtype, repeats: int = 7, kernels: str = "torch") -> int:
+def measure_int8_crossover(n: int, k: int, dtype: torch.dtype, repeats: int = 7, kernels: str = "torch",
+                           upto: int = 128) -> int:
     """As :func:`measure_crossover`, for the LM head's 8-bit groups (:class:`GroupedInt8Weight`, or
     ``tidal``'s Q8_0 kernel, which takes whole tiles of eight output rows)."""
     if k % GROUP or (kernels == "tidal" and n % 8):
@@ -220,7 +228,7 @@ def measure_int8_crossover(n: int, k: int, dtype: torch.dtype, repeats: int = 7,
         d = (torch.rand(n, k // GROUP, generator=g) * 0.01).half().float()
         weights.append((q.float().view(n, -1, GROUP) * d.unsqueeze(-1)).view(n, k).to(dtype))
         packed.append(native.Q8_0Weight.pack(q, d) if kernels == "tidal" else GroupedInt8Weight.pack(q, d, dtype))
-    return _largest_win(packed, weights, g, repeats)
+    return _largest_win(packed, weights, g, repeats, upto)
 
 
 def describe_quantization(report: dict) -> str:
