@@ -72,3 +72,30 @@ def test_compile_is_a_boolean_flag():
     assert EngineConfig.from_kwargs(compile=True).model.compile is True
     with pytest.raises(ConfigError):
         EngineConfig.from_kwargs(compile="yes")
+
+
+@needs_cxx
+def test_guards_are_skipped_only_in_a_state_already_checked(compiled_engine, make_tiny_engine):
+    """Steps of a context width already run in the same state skip Dynamo's guard evaluation; a pool
+    resize (new KV tensors) sends the first step of each width through the guards again; the tokens
+    stay eager's throughout."""
+    e, eager = compiled_engine, LLM.from_engine(make_tiny_engine(max_num_batched_tokens=64))
+    compiled, llm = e.runner.compiled, LLM.from_engine(e)
+    prompt = {"prompt_token_ids": list(range(700, 740))}  # decodes at positions 40-78: three widths
+    want = eager.generate([prompt], GREEDY)[0].outputs[0].token_ids
+
+    def run() -> tuple[int, int]:
+        before, skipped = compiled.calls, compiled.unguarded
+        assert llm.generate([prompt], GREEDY)[0].outputs[0].token_ids == want
+        return compiled.calls - before, compiled.unguarded - skipped
+
+    ran, fast = run()
+    assert ran == GREEDY.max_tokens - 1 and 0 < fast < ran
+    assert run() == (ran, ran)  # every width seen: no guards at all
+    blocks = e.kv_manager.num_blocks
+    e.resize_pool(blocks - 8)  # new K/V tensors
+    try:
+        ran, fast = run()
+        assert len(compiled.checked) >= 3 and ran - fast == len(compiled.checked)
+    finally:
+        e.resize_pool(blocks)
