@@ -40,7 +40,10 @@ class CompiledDecode:
         self.model, self.kv = model, kv_cache
         self.block_size = kv_cache.block_size
         self.layer_ids = tuple(model.layer_ids)  # the model it was compiled for
-        self.fn = torch.compile(self._forward, dynamic=True, fullgraph=True)
+        # static shapes except the context width (marked on each call): with dynamic=True every tensor
+        # the graph reads (the 4-bit weights' too) got symbolic sizes, guards and per-call size checks,
+        # and duck sizing tied a weight dimension of 2 to the warm-up's width of 2 (a recompile)
+        self.fn = torch.compile(self._forward, dynamic=False, fullgraph=True, options={"size_asserts": False})
         self.calls = 0  # steps it ran
         self.state: tuple = ()  # the state of the last step (_state)
         self.checked: set[int] = set()  # context widths whose steps passed Dynamo's guards in that state
@@ -81,10 +84,16 @@ class CompiledDecode:
         if width in self.checked:
             self.unguarded += 1
             with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                return self.fn(*args)
-        out = self.fn(*args)
+                return self._call(*args)
+        out = self._call(*args)
         self.checked.add(width)
         return out
+
+    def _call(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+              mask: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.mark_dynamic(tables, 1)  # the context width, the one dynamic size
+        torch._dynamo.mark_dynamic(mask, 3)
+        return self.fn(ids, positions, slots, tables, mask)
 
     @torch.inference_mode()
     def warm_up(self) -> float:
@@ -94,12 +103,13 @@ class CompiledDecode:
               file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         dev = self.kv.device
-        zero = torch.zeros(1, dtype=torch.long, device=dev)
+        ids, positions, slots = (torch.zeros(1, dtype=torch.long, device=dev) for _ in range(3))  # three tensors:
+        # one passed three times would compile a graph for inputs that alias (a recompile at the first step)
         tables = torch.zeros(1, MIN_WIDTH, dtype=torch.long, device=dev)
         mask = torch.zeros(1, 1, 1, MIN_WIDTH * self.block_size, dtype=torch.bool, device=dev)
         mask[..., 0] = True
         try:
-            self.fn(zero, zero, zero, tables, mask)
+            self._call(ids, positions, slots, tables, mask)
         except Exception as e:  # noqa: BLE001 - Inductor's errors are many; the start-up names the cause
             first = " ".join(str(e).split())[:300] or type(e).__name__
             raise RuntimeError(f"--compile: torch.compile failed ({first}); on CPU Inductor needs a C++ "

@@ -66,20 +66,31 @@ void q4_1_tiles(const float* x, const float* xsum, const uint8_t* qs, const c10:
       const c10::Half* h = dm + (t * G + g) * 16;
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
       const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 8)));
-      __m256 slo[NR], shi[NR];  // sum_j q_j x_j over the block's first and second halves
-      for (int64_t r = 0; r < NR; ++r) slo[r] = shi[r] = _mm256_setzero_ps();
-      for (int64_t j = 0; j < 16; ++j) {
-        const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + j * 8)));
-        const __m256 wlo = _mm256_cvtepi32_ps(_mm256_and_si256(w, low));
-        const __m256 whi = _mm256_cvtepi32_ps(_mm256_srli_epi32(w, 4));
-        for (int64_t r = 0; r < NR; ++r) {
-          const float* xr = x + (r0 + r) * K + g * kBlock;
-          slo[r] = _mm256_fmadd_ps(wlo, _mm256_broadcast_ss(xr + j), slo[r]);
-          shi[r] = _mm256_fmadd_ps(whi, _mm256_broadcast_ss(xr + 16 + j), shi[r]);
+      // sum_j q_j x_j over the block's first and second halves, in NC interleaved chains per row: with one
+      // or two rows, two chains would wait on the FMA latency, not on the loads
+      constexpr int64_t NC = NR <= 2 ? 2 : 1;
+      __m256 slo[NC][NR], shi[NC][NR];
+      for (int64_t c = 0; c < NC; ++c)
+        for (int64_t r = 0; r < NR; ++r) slo[c][r] = shi[c][r] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < 16; j += NC) {
+        for (int64_t c = 0; c < NC; ++c) {
+          const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + (j + c) * 8)));
+          const __m256 wlo = _mm256_cvtepi32_ps(_mm256_and_si256(w, low));
+          const __m256 whi = _mm256_cvtepi32_ps(_mm256_srli_epi32(w, 4));
+          for (int64_t r = 0; r < NR; ++r) {
+            const float* xr = x + (r0 + r) * K + g * kBlock;
+            slo[c][r] = _mm256_fmadd_ps(wlo, _mm256_broadcast_ss(xr + j + c), slo[c][r]);
+            shi[c][r] = _mm256_fmadd_ps(whi, _mm256_broadcast_ss(xr + 16 + j + c), shi[c][r]);
+          }
         }
       }
+      for (int64_t c = 1; c < NC; ++c)
+        for (int64_t r = 0; r < NR; ++r) {
+          slo[0][r] = _mm256_add_ps(slo[0][r], slo[c][r]);
+          shi[0][r] = _mm256_add_ps(shi[0][r], shi[c][r]);
+        }
       for (int64_t r = 0; r < NR; ++r) {  // + d * sum q x + m * sum x
-        acc[r] = _mm256_fmadd_ps(d, _mm256_add_ps(slo[r], shi[r]), acc[r]);
+        acc[r] = _mm256_fmadd_ps(d, _mm256_add_ps(slo[0][r], shi[0][r]), acc[r]);
         acc[r] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xsum + (r0 + r) * G + g), acc[r]);
       }
     }
@@ -116,18 +127,21 @@ void q8_0_tiles(const float* x, const int8_t* qs, const c10::Half* dq, float* ou
     for (int64_t g = 0; g < G; ++g) {
       const int8_t* b = qs + (t * G + g) * 256;
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dq + (t * G + g) * 8)));
-      __m256 s0[NR], s1[NR];  // even and odd columns: two dependency chains
-      for (int64_t r = 0; r < NR; ++r) s0[r] = s1[r] = _mm256_setzero_ps();
-      for (int64_t j = 0; j < kBlock; j += 2) {
-        const __m256 w0 = i8x8_to_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + j * 8)));
-        const __m256 w1 = i8x8_to_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + j * 8 + 8)));
-        for (int64_t r = 0; r < NR; ++r) {
-          const float* xr = x + (r0 + r) * K + g * kBlock;
-          s0[r] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(xr + j), s0[r]);
-          s1[r] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(xr + j + 1), s1[r]);
+      // NC interleaved chains per row (columns j mod NC): four with one or two rows, else two
+      constexpr int64_t NC = NR <= 2 ? 4 : 2;
+      __m256 sc[NC][NR];
+      for (int64_t c = 0; c < NC; ++c)
+        for (int64_t r = 0; r < NR; ++r) sc[c][r] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < kBlock; j += NC) {
+        for (int64_t c = 0; c < NC; ++c) {
+          const __m256 w = i8x8_to_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + (j + c) * 8)));
+          for (int64_t r = 0; r < NR; ++r)
+            sc[c][r] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(x + (r0 + r) * K + g * kBlock + j + c), sc[c][r]);
         }
       }
-      for (int64_t r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(d, _mm256_add_ps(s0[r], s1[r]), acc[r]);
+      for (int64_t c = 1; c < NC; ++c)
+        for (int64_t r = 0; r < NR; ++r) sc[0][r] = _mm256_add_ps(sc[0][r], sc[c][r]);
+      for (int64_t r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(d, sc[0][r], acc[r]);
     }
     for (int64_t r = 0; r < NR; ++r) _mm256_storeu_ps(out + (r0 + r) * N + t * 8, acc[r]);
 #else
