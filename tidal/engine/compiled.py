@@ -12,12 +12,13 @@ nearly tie.
 
 Any other step, a pipeline stage (KunServe's head) or a model whose layers were dropped runs eager.
 
-Dynamo checks its guards before every call: here ~1.3 ms of a ~12 ms step (chiefly that no two of
-the ~60 KV tensors and the inputs alias). A step whose inputs and state match one already run with
-the guards checked (same context width, the same KV tensors of the same shapes, the same layers,
-threads and grad mode: :meth:`CompiledDecode._state`) runs with guard evaluation skipped
-(``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``); anything new goes through the guards
-once (and recompiles if they fail), as a pool resize or a KunServe drop does.
+Shapes are static except that width (marked dynamic on each call). Dynamo checks its guards before
+every call (among them that no two of the ~60 KV tensors and the inputs alias): 0.26 ms of a ~9.4 ms
+forward on a 2-core AVX2 EPYC in float32, median of 12 paired timings. A step whose state matches
+one already run with the guards checked (same context width, the same KV tensors of the same shapes,
+the same layer modules, threads and grad mode: :meth:`CompiledDecode._state`) runs with guard
+evaluation skipped (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``); anything new goes
+through the guards once (and recompiles if they fail), as a pool resize or a KunServe restore does.
 """
 
 from __future__ import annotations
