@@ -7,10 +7,14 @@ Why: where ``auto`` picks float32 (a CPU without native bf16), torch's int4 kern
 (``_weight_int4pack_mm_for_cpu``) has no fast path and loses to the float32 matmul at every step
 size, so one decode read the whole float32 model (~540 MB for SmolLM2-135M) per token. These read
 Q4_1 at 0.625 bytes a weight (16 bytes of nibbles and two float16 scales per block of 32) and Q8_0
-at 1.06, and unpack in registers (AVX2/FMA/F16C where the CPU has them).
+at 1.06, and unpack in registers (AVX2/FMA/F16C where the CPU has them). Steps of 16 rows or more
+dequantize a panel of 16 outputs at a time into a float32 buffer and run a register-blocked GEMM
+micro-kernel over it, so that prefill chunks and batches of decodes also run on the 4-bit weights
+(where the start-up timing finds them faster than the float32 matmul).
 
 The attention kernel replaces, per layer, the gather of every decode's blocks into one padded tensor
-and a masked SDPA call (see the source's header).
+and a masked SDPA call; a decode's context is split into spans merged afterwards (split-K), so a
+lone decode keeps every core busy (see the source's header).
 
 The source is compiled at first use with torch's extension tooling (a C++ compiler and ninja;
 about a minute, once per machine: the build is cached under ``TORCH_EXTENSIONS_DIR``), with a line on

@@ -6,6 +6,9 @@
 // in registers. Activations stay float32 (no Q8 activation rounding as llama.cpp's dot products do):
 // a Q4_1 block of 32 weights w = q * d + m gives sum_i w_i x_i = d * sum_i q_i x_i + m * sum_i x_i,
 // so the result differs from a float matmul over the dequantized weights only in rounding order.
+// Steps of 16 rows or more (prefill chunks, batches of decodes) are bound by arithmetic instead: there
+// a panel of 16 outputs is dequantized once into a float32 buffer and a register-blocked GEMM
+// micro-kernel runs every row over it (the panel kernels below), near the core's float peak.
 //
 // Layouts (tidal/engine/native.py packs them):
 //   q4_1: eight output rows make a tile: qs uint8 [N/8, K/32, 16, 8], byte (j, c) of a block = q_j | q_{j+16} << 4
