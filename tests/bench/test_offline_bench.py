@@ -54,6 +54,23 @@ def test_ratios_pick_best_peer():
     assert r["best_peer"] == "hf-cb" and r["tidal_over_best_peer"] == 1.25
 
 
+def test_a_run_of_tidal_variants_alone_has_ratios_but_no_best_peer():
+    """``--systems tidal,tidal-compile``: the report gives tidal/tidal-compile and names no peer."""
+    from tidal.bench.offline_report import format_report
+
+    rows = {"tidal": {"status": "ok", "output_tok_s": 100.0, "decode_tok_s_est": None},
+            "tidal-compile": {"status": "ok", "output_tok_s": 125.0, "decode_tok_s_est": None}}
+    r = ob._ratios(rows)
+    assert r["output_tok_s"] == {"tidal-compile": 0.8} and "best_peer" not in r
+    report = {"command": "x", "machine": {"cpu_model": "cpu", "cores": 2, "num_threads": 2, "torch": "t",
+                                          "dtype": "float32", "isa": []},
+              "model": {"path": "m", "architecture": "llama", "num_params": 1, "linear_params": 1},
+              "systems": {}, "workloads": {"b": {"description": "d", "prompt_tokens": 4, "expected_output_tokens": 4,
+                                                 "results": {}, "ratios": r}}}
+    text = format_report(report)
+    assert "b: tidal/tidal-compile 0.80x" in text and "best peer" not in text
+
+
 def test_unknown_system_is_an_error():
     with pytest.raises(ValueError):
         ob.resolve_systems(["tidal", "vllm"])

@@ -77,7 +77,8 @@ def format_report(report: dict[str, Any]) -> str:
         for peer, x in r["output_tok_s"].items():
             d = r["decode_tok_s_est"].get(peer)
             parts.append(f"tidal/{peer} {x:.2f}x" + (f" [{d:.2f}x]" if d else ""))
-        parts.append(f"tidal/best peer ({r['best_peer']}) {r['tidal_over_best_peer']:.2f}x")
+        if "best_peer" in r:  # none when every other system is a tidal variant (tidal-compile, tidal-float)
+            parts.append(f"tidal/best peer ({r['best_peer']}) {r['tidal_over_best_peer']:.2f}x")
         lines.append(f"  {wname}: " + ";  ".join(parts))
     lines.append("")
     pk = report.get("peak")
