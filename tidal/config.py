@@ -117,7 +117,7 @@ class ModelConfig:
     num_threads: int | None = None  # CPU intra-op threads; default: all cores
     layer_range: tuple[int, int] | None = None  # build only layers [start, end) (a pipeline stage)
     quantization: str = "auto"  # int4 kernels for 4-bit stored weights: auto (where faster) | none | int4
-    compile: bool = False  # a step of one decode as one torch.compile graph (tidal.engine.compiled)
+    compile: bool = False  # steps of decodes as torch.compile graphs (tidal.engine.compiled)
 
     def __post_init__(self) -> None:
         if not isinstance(self.compile, bool):

@@ -1,6 +1,6 @@
-"""``--compile``: the one-decode step runs as a torch.compile graph and gives eager's tokens (float32,
-on conftest's random-weight ``tiny_llama``); any other step, and a model whose layers were dropped,
-runs eager."""
+"""``--compile``: steps of decodes (one, or a batch) run as torch.compile graphs and give eager's
+tokens (float32, on conftest's random-weight ``tiny_llama``); a step with a prefill, and a model
+whose layers were dropped, run eager."""
 
 from __future__ import annotations
 
@@ -34,14 +34,18 @@ def test_one_decode_compiled_gives_eager_tokens(compiled_engine, make_tiny_engin
         ours = llm.generate([{"prompt_token_ids": p}], GREEDY)[0].outputs[0].token_ids
         assert ours == eager.generate([{"prompt_token_ids": p}], GREEDY)[0].outputs[0].token_ids
         assert compiled.calls - before == GREEDY.max_tokens - 1  # every decode step of the lone request
-    # two requests together: their steps are batches, which run eager
-    before = compiled.calls
-    both = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], GREEDY)
-    ref = eager.generate([{"prompt_token_ids": p} for p in prompts[1:]], GREEDY)
+    # three requests together: their decode steps are batches (of three, then two after one finishes),
+    # the compiled batch graph; steps with a prefill run eager
+    short = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
+    reqs = [({"prompt_token_ids": p}, sp) for p, sp in zip(prompts, (GREEDY, short, GREEDY), strict=True)]
+    before, batched = compiled.calls, compiled.batches
+    both = llm.generate([r for r, _ in reqs], [sp for _, sp in reqs])
+    ref = eager.generate([r for r, _ in reqs], [sp for _, sp in reqs])
     assert [o.outputs[0].token_ids for o in both] == [o.outputs[0].token_ids for o in ref]
-    assert compiled.calls - before < 2 * (GREEDY.max_tokens - 1)  # only the tail after one finished
+    assert compiled.calls - before == GREEDY.max_tokens - 1  # every step after the prefills
+    assert compiled.batches - batched >= short.max_tokens - 1  # of which batches while all three ran, and more
     assert compiled_engine.kv_manager.num_free_blocks == compiled_engine.kv_manager.num_blocks
-    assert "one-decode step compiled" in compiled_engine.describe_weights()
+    assert "decode steps compiled" in compiled_engine.describe_weights()
 
 
 @needs_cxx
@@ -55,7 +59,7 @@ def test_a_model_with_dropped_layers_runs_eager(compiled_engine, tiny_llama):
                       prompt_token_ids=list(range(100, 120)))
         while e.has_unfinished_requests():
             e.step()
-        assert e.runner.compiled.calls == before  # its one-decode steps ran eager on layers 0-2
+        assert e.runner.compiled.calls == before  # its decode steps ran eager on layers 0-2
     finally:
         e.model.restore_layers([3], tiny_llama.weights())
         e.kv_cache.add_layers([3])

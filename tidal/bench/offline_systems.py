@@ -32,7 +32,7 @@ _DESCRIPTION = ("Offline throughput of tidal vs transformers (generate, generate
 SYSTEM_LABELS = {
     "tidal": "tidal (LLM engine)",
     "tidal-float": "tidal with dequantized float weights (--quantization none)",
-    "tidal-compile": "tidal with its one-decode step compiled (--compile)",
+    "tidal-compile": "tidal with its decode steps compiled (--compile)",
     "hf": "transformers generate (padded batch)",
     "hf-cb": "transformers generate_batch (continuous batching)",
     "llamacpp": "llama.cpp (llama-cpp-python, sequential)",
@@ -352,10 +352,10 @@ class TidalFloatRunner(TidalRunner):
 
 
 class TidalCompileRunner(TidalRunner):
-    """tidal with ``--compile``: what compiling the one-decode step gains, side by side in one run."""
+    """tidal with ``--compile``: what compiling the decode steps gains, side by side in one run."""
 
     name = "tidal-compile"
-    notes = "as tidal, one-decode step compiled"
+    notes = "as tidal, decode steps compiled"
     compile = True
 
 

@@ -88,8 +88,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
           help="weights stored as 4-bit groups (GGUF Q4_1) run int4 kernels: auto = for the step sizes where "
                "start-up timing finds them faster than float; int4 = always; none = dequantized float only"),
     _flag("--compile", action="store_true", default=None,
-          help="run a step of one decode (a request generating alone) as one torch.compile graph, compiled "
-               "at start-up (~30-60 s on a 2-core CPU)"),
+          help="run steps of decodes (one request, or a batch) as torch.compile graphs, compiled at start-up "
+               "(~1-2 min on a 2-core CPU, seconds when Inductor's cache has them)"),
     _flag("--max-model-len", type=int, default=None, help="context length (default: the model's)"),
     _flag("--kv-cache-memory", default=None, help="KV pool size on CPU or CUDA, e.g. 512MiB"),
     _flag("--gpu-memory-utilization", type=float, default=None, help="fraction of GPU memory for weights+KV"),

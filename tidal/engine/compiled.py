@@ -1,21 +1,21 @@
-"""``--compile``: a step of one decode (one request generating alone: the latency-bound case) runs
-as one ``torch.compile`` graph (Inductor), from the embedding to the logits.
+"""``--compile``: steps of decodes run as ``torch.compile`` graphs (Inductor), from the embedding to
+the logits: one graph for a lone decode (the latency-bound case), one for a batch of them (the
+number of decodes dynamic). A step with a prefill, a pipeline stage (KunServe's head) or a model
+whose layers were dropped runs eager.
 
-On CPU one decode is bound by per-op dispatch, not arithmetic: fused into one graph its forward
-was 1.34x faster than eager here (``benchmarks/compile_decode.py``: 8.3-9.5 ms against 6.6 ms on a
-2-core AVX-512 EPYC, bf16 with the int4 weights), while batches of 4 and 32 gained 1.09x and 1.13x,
-so only the single decode is compiled. The graph has a dynamic context width (the block-table
-width, at least 2 blocks so that a width of 1 never specializes a second graph) and is compiled
-once, at start-up. Inductor rounds fused bf16 arithmetic once rather than per op, so the logits
-differ from eager's in the last bits (float32: ~1e-3); a greedy pick can move where two tokens
-nearly tie.
+On CPU a decode step is bound by per-op dispatch as much as by arithmetic (~750 small ops a step for
+SmolLM2-135M). Fused, one decode ran 9.2-10 ms against 11-12.6 eager (float32, 2-core AVX2 EPYC),
+and ``tidal bench offline`` workload (b) (batches of 32) gave 1.14x the eager engine's out tok/s. The
+context width (the block-table width, at least 2 blocks so that a width of 1 never specializes a
+graph) is dynamic; both graphs compile at start-up. Inductor rounds fused arithmetic once rather than
+per op, so the logits differ from eager's in the last bits (float32: ~1e-3; more in bf16); a greedy
+pick can move where two tokens nearly tie.
 
-Any other step, a pipeline stage (KunServe's head) or a model whose layers were dropped runs eager.
-
-Shapes are static except that width (marked dynamic on each call). Dynamo checks its guards before
-every call (among them that no two of the ~60 KV tensors and the inputs alias): 0.26 ms of a ~9.4 ms
-forward on a 2-core AVX2 EPYC in float32, median of 12 paired timings. A step whose state matches
-one already run with the guards checked (same context width, the same KV tensors of the same shapes,
+Shapes are static except that width and a batch's size (marked dynamic on each call). Dynamo checks
+its guards before every call (among them that no two of the ~60 KV tensors and the inputs alias):
+0.26 ms of a ~9.4 ms forward on a 2-core AVX2 EPYC in float32, median of 12 paired timings. A step
+whose state matches one already run with the guards checked (the same graph and context width, the
+same KV tensors of the same shapes,
 the same layer modules, threads and grad mode: :meth:`CompiledDecode._state`) runs with guard
 evaluation skipped (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``); anything new goes
 through the guards once (and recompiles if they fail), as a pool resize or a KunServe restore does.
@@ -46,6 +46,7 @@ class CompiledDecode:
         # and duck sizing tied a weight dimension of 2 to the warm-up's width of 2 (a recompile)
         self.fn = torch.compile(self._forward, dynamic=False, fullgraph=True, options={"size_asserts": False})
         self.calls = 0  # steps it ran
+        self.batches = 0  # of which steps of several decodes
         self.state: tuple = ()  # the state of the last step (_state)
         self.checked: set[int] = set()  # context widths whose steps passed Dynamo's guards in that state
         self.unguarded = 0  # steps run with guard evaluation skipped
@@ -61,13 +62,15 @@ class CompiledDecode:
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
                  mask: torch.Tensor) -> torch.Tensor:
-        batch = AttentionBatch(positions=positions, slot_mapping=slots, num_decodes=1,
-                               decode_groups=[DecodeGroup(0, 1, tables, mask)], prefills=[], block_size=self.block_size)
+        n = ids.shape[0]
+        batch = AttentionBatch(positions=positions, slot_mapping=slots, num_decodes=n,
+                               decode_groups=[DecodeGroup(0, n, tables, mask)], prefills=[], block_size=self.block_size)
         return self.model.compute_logits(self.model(self.model.embed(ids), batch, self.kv.layers))
 
-    def takes(self, chunks: list[ScheduledChunk]) -> bool:
-        """Whether this step is one sampled decode on the model as compiled."""
-        return (len(chunks) == 1 and chunks[0].is_decode and chunks[0].sample
+    def takes(self, chunks: list[ScheduledChunk], batch: AttentionBatch) -> bool:
+        """Whether this step is sampled decodes only, in one decode group (one padded width), on the
+        model as compiled."""
+        return (len(batch.decode_groups) == 1 and all(c.is_decode and c.sample for c in chunks)
                 and tuple(self.model.layer_ids) == self.layer_ids)
 
     def logits(self, input_ids: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
@@ -78,39 +81,45 @@ class CompiledDecode:
             tables = F.pad(tables, (0, pad))
             mask = F.pad(mask, (0, pad * self.block_size), value=False)
         self.calls += 1
+        self.batches += input_ids.shape[0] > 1
         args = (input_ids, batch.positions, batch.slot_mapping, tables, mask)
-        state, width = self._state(), tables.shape[1]
+        state, shape = self._state(), (min(input_ids.shape[0], 2), tables.shape[1])  # (one or a batch, width)
         if state != self.state:
             self.state, self.checked = state, set()
-        if width in self.checked:
+        if shape in self.checked:
             self.unguarded += 1
             with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
                 return self._call(*args)
         out = self._call(*args)
-        self.checked.add(width)
+        self.checked.add(shape)
         return out
 
     def _call(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
               mask: torch.Tensor) -> torch.Tensor:
-        torch._dynamo.mark_dynamic(tables, 1)  # the context width, the one dynamic size
+        torch._dynamo.mark_dynamic(tables, 1)  # the context width
         torch._dynamo.mark_dynamic(mask, 3)
+        if ids.shape[0] > 1:  # a batch: the number of decodes too (one decode has a graph of its own)
+            for t in (ids, positions, slots, tables, mask):
+                torch._dynamo.mark_dynamic(t, 0)
         return self.fn(ids, positions, slots, tables, mask)
 
     @torch.inference_mode()
     def warm_up(self) -> float:
-        """Compile now (a decode at position 0 of block 0, before any request holds a block), with a
-        line before and after on stderr; returns the seconds it took."""
-        print("engine: compiling the one-decode step (torch.compile; once, may take a minute) ...",
+        """Compile now, both graphs (one decode, and a batch: decodes at positions 0 of block 0, before
+        any request holds a block), with a line before and after on stderr; returns the seconds it took."""
+        print("engine: compiling the decode steps (torch.compile; once, may take a minute) ...",
               file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         dev = self.kv.device
-        ids, positions, slots = (torch.zeros(1, dtype=torch.long, device=dev) for _ in range(3))  # three tensors:
-        # one passed three times would compile a graph for inputs that alias (a recompile at the first step)
-        tables = torch.zeros(1, MIN_WIDTH, dtype=torch.long, device=dev)
-        mask = torch.zeros(1, 1, 1, MIN_WIDTH * self.block_size, dtype=torch.bool, device=dev)
-        mask[..., 0] = True
         try:
-            self._call(ids, positions, slots, tables, mask)
+            for n in (1, 2):
+                # ids, positions and slots are three tensors: one passed three times would compile a
+                # graph for inputs that alias (a recompile at the first step)
+                ids, positions, slots = (torch.zeros(n, dtype=torch.long, device=dev) for _ in range(3))
+                tables = torch.zeros(n, MIN_WIDTH, dtype=torch.long, device=dev)
+                mask = torch.zeros(n, 1, 1, MIN_WIDTH * self.block_size, dtype=torch.bool, device=dev)
+                mask[..., 0] = True
+                self._call(ids, positions, slots, tables, mask)
         except Exception as e:  # noqa: BLE001 - Inductor's errors are many; the start-up names the cause
             first = " ".join(str(e).split())[:300] or type(e).__name__
             raise RuntimeError(f"--compile: torch.compile failed ({first}); on CPU Inductor needs a C++ "

@@ -159,7 +159,7 @@ class LLMEngine:
 
     def describe_weights(self) -> str:
         """What runs the model, as start-up prints it: ``"bfloat16, weights: int4 for ..."``."""
-        compiled = "; one-decode step compiled (--compile)" if self.runner.compiled is not None else ""
+        compiled = "; decode steps compiled (--compile)" if self.runner.compiled is not None else ""
         attention = "; decode attention: tidal's paged kernel" if self.model.native_attention else ""
         return (f"{str(self.dtype).removeprefix('torch.')}, weights: {describe_quantization(self.quantization)}"
                 f"{attention}{compiled}")

@@ -85,7 +85,10 @@ class ModelRunner:
 
     def _group_bounds(self, decodes: list[ScheduledChunk]) -> list[tuple[int, int]]:
         """Split decodes (sorted by context, longest first) where padding to the group's longest
-        context would waste more than a third of the gathered KV."""
+        context would waste more than a third of the gathered KV. tidal's paged attention kernel
+        gathers nothing (each decode reads its own blocks, however long): one group."""
+        if self.model.native_attention:
+            return [(0, len(decodes))] if decodes else []
         bounds, start = [], 0
         for i in range(1, len(decodes) + 1):
             last = i == len(decodes)
@@ -186,9 +189,9 @@ class ModelRunner:
         logits = None
         if self.link is None:
             input_ids, batch = self._build_batch(ordered)
-            if self.compiled is not None and self.compiled.takes(ordered):
+            if self.compiled is not None and self.compiled.takes(ordered, batch):
                 logits = self.compiled.logits(input_ids, batch)
-                sampling = [ordered[0]]
+                sampling = ordered
             else:
                 h = self.model(self.model.embed(input_ids), batch, self.kv.layers)
                 rows, sampling = self._sample_rows(ordered)
