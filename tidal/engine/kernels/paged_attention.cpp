@@ -20,6 +20,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <tuple>
@@ -217,9 +218,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const float sc = static_cast<float>(scale);
   // a span's partial result: G x (D outputs, max, sum); only when a context is split
   std::vector<float> part(C > 1 ? n * KVH * C * G * (D + 2) : 0);
-  at::parallel_for(0, n * KVH * C, 1, [&](int64_t t0, int64_t t1) {
+  // tasks are handed out one at a time (a shared counter), not in one contiguous range per thread:
+  // the engine sorts decodes longest context first, so a static split would give one thread the
+  // long contexts; taken in that order the tasks balance as longest-first list scheduling
+  const int64_t T = n * KVH * C;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(T, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     std::vector<float> s, o, mx(G), sum(G);
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < T;) {
       const int64_t i = t / (KVH * C), h = (t / C) % KVH, c = t % C, ctx = pos[i] + 1;
       const int64_t len = (ctx + C - 1) / C, j0 = std::min(ctx, c * len), j1 = std::min(ctx, j0 + len);
       float* res = C > 1 ? part.data() + t * G * (D + 2) : nullptr;
