@@ -176,11 +176,7 @@ void q8_0_tiles(const float* x, const int8_t* qs, const c10::Half* dq, float* ou
 void q4_1_panel(const uint8_t* qs, const c10::Half* dm, int64_t K, int64_t t, int64_t nt, float* P) {
   const int64_t G = K / kBlock;
   const __m256i low = _mm256_set1_epi32(0x0F);
-  for (int64_t u = 0; u < 2; ++u) {
-    if (u >= nt) {  // an odd last tile: the panel's second half is zeros
-      for (int64_t k = 0; k < K; ++k) _mm256_storeu_ps(P + k * 16 + 8, _mm256_setzero_ps());
-      continue;
-    }
+  for (int64_t u = 0; u < nt; ++u) {
     for (int64_t g = 0; g < G; ++g) {
       const c10::Half* h = dm + ((t + u) * G + g) * 16;
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
@@ -198,11 +194,7 @@ void q4_1_panel(const uint8_t* qs, const c10::Half* dm, int64_t K, int64_t t, in
 
 void q8_0_panel(const int8_t* qs, const c10::Half* dq, int64_t K, int64_t t, int64_t nt, float* P) {
   const int64_t G = K / kBlock;
-  for (int64_t u = 0; u < 2; ++u) {
-    if (u >= nt) {
-      for (int64_t k = 0; k < K; ++k) _mm256_storeu_ps(P + k * 16 + 8, _mm256_setzero_ps());
-      continue;
-    }
+  for (int64_t u = 0; u < nt; ++u) {
     for (int64_t g = 0; g < G; ++g) {
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dq + ((t + u) * G + g) * 8)));
       const int8_t* b = qs + ((t + u) * G + g) * 256;
@@ -239,7 +231,9 @@ void panel_rows(const float* x, const float* P, float* out, int64_t K, int64_t N
 
 constexpr int64_t kPanelRows = 6;  // MR of the micro-kernel: 12 accumulators, 2 panel vectors, a broadcast
 
-// every row of x against tiles [t0, t1), a panel of two tiles at a time; dequant(t, nt, P) fills a panel
+// every row of x against tiles [t0, t1), a panel of two tiles at a time; dequant(t, nt, P) fills the
+// panel's first nt tiles. After an odd last tile the second half keeps the previous panel's weights
+// (or the buffer's initial zeros): finite values whose products panel_rows computes but never stores.
 template <class Dequant>
 void run_panels(const float* x, float* out, int64_t M, int64_t K, int64_t N, int64_t t0, int64_t t1,
                 const Dequant& dequant) {
