@@ -124,6 +124,12 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 # ------------------------------------------------------------------------------ packed weights
+def _tiles(scales: torch.Tensor) -> torch.Tensor:
+    """Per-block scales [N, K/32] in tiles of eight output rows: [N/8, K/32, 8]."""
+    n, blocks = scales.shape
+    return scales.view(n // 8, 8, blocks).permute(0, 2, 1)
+
+
 @dataclass
 class Q4_1Weight:
     """A Q4_1 matrix as the kernel reads it, eight output rows to a tile: nibbles [N/8, K/32, 16, 8]
@@ -152,11 +158,7 @@ class Q4_1Weight:
             raise ValueError(f"a Q4_1 matrix for tidal's kernel needs a multiple of 8 output rows, not {n}")
         g = q.view(n // 8, 8, k // GROUP, 2, GROUP // 2)
         qs = (g[:, :, :, 0] | (g[:, :, :, 1] << 4)).permute(0, 2, 3, 1).contiguous()  # [N/8, K/32, 16, 8]
-
-        def tiles(t: torch.Tensor) -> torch.Tensor:  # [N, K/32] -> [N/8, K/32, 8]
-            return t.view(n // 8, 8, k // GROUP).permute(0, 2, 1)
-
-        return cls(qs, torch.stack([tiles(d16), tiles(m16)], dim=2).contiguous(), n, k)
+        return cls(qs, torch.stack([_tiles(d16), _tiles(m16)], dim=2).contiguous(), n, k)
 
 
 @dataclass
@@ -188,7 +190,7 @@ class Q8_0Weight:
         if weight is not None and not _exact(weight, q, d16, None):
             return None
         qs = q.view(n // 8, 8, k // GROUP, GROUP).permute(0, 2, 3, 1).contiguous()
-        return cls(qs, d16.view(n // 8, 8, k // GROUP).permute(0, 2, 1).contiguous(), n, k)
+        return cls(qs, _tiles(d16).contiguous(), n, k)
 
 
 def q4_1_exact(weight: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> bool:
