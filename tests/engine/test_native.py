@@ -204,3 +204,55 @@ def test_paged_attention_refuses_what_it_cannot_read():
         op(q.bfloat16(), kv.k, kv.v, tables, pos, 0.25)
     with pytest.raises(RuntimeError, match="heads"):
         op(torch.randn(2, 3, 16), kv.k, kv.v, tables, pos, 0.25)
+
+
+# ------------------------------------------------------------------------------ one layer in C++
+_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "mixed", "float"])
+def test_decode_layer_equals_the_python_layers(tmp_path, monkeypatch, kind):
+    """A step of decodes runs each layer as one C++ call (``torch.ops.tidal.decode_layer``): the same
+    hidden states and the same KV writes, bit for bit, as the Python layers. Qwen2 (a QKV bias);
+    matrices on tidal's Q4_1 kernel, float ones, a mix, and one whose 4-bit copy stops at 2 rows."""
+    from gguf import GGMLQuantizationType as QT
+
+    from tidal.engine.model import AttentionBatch, DecodeGroup, DecoderLayer, KVLayer
+
+    from .test_quant import _tiny_model
+
+    types = {"q4_1": dict.fromkeys(_MATRICES, QT.Q4_1), "float": dict.fromkeys(_MATRICES, QT.F16),
+             "mixed": {**dict.fromkeys(_MATRICES, QT.Q4_1), "attn_q": QT.Q8_0, "ffn_down": QT.F16}}[kind]
+    (tmp_path / kind).mkdir()
+    model, _ = _tiny_model(tmp_path / kind, types, "int4")
+    assert model.native_attention
+    if kind != "float":
+        model.layers["1"].gate_up_proj.int4.max_tokens = 2  # 3 decodes: that matrix runs the float matmul
+    layer0 = model.layers["0"]
+    assert (layer0.qkv_proj.int4 is None) == (kind != "q4_1") and layer0.qkv_proj.bias is not None
+    bs, positions = 16, [5, 17, 40]
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randperm(12, generator=g)
+    tables = blocks[:9].view(3, 3)
+    pos = torch.tensor(positions)
+    slots = tables[torch.arange(3), pos // bs] * bs + pos % bs
+    mask = (torch.arange(3 * bs) <= pos[:, None]).view(3, 1, 1, -1)
+    kvh, d = 2, 16
+    k0, v0 = torch.randn(12, bs, kvh, d, generator=g), torch.randn(12, bs, kvh, d, generator=g)
+    h0 = torch.randn(3, 64, generator=g)
+
+    def run():
+        batch = AttentionBatch(positions=pos, slot_mapping=slots, num_decodes=3,
+                               decode_groups=[DecodeGroup(0, 3, tables, mask)], prefills=[], block_size=bs)
+        kv = {i: KVLayer(k0.clone(), v0.clone()) for i in model.layer_ids}
+        with torch.inference_mode():
+            return model.forward(h0.clone(), batch, kv), kv
+
+    fused, fused_kv = run()
+    assert all(isinstance(model.layers[str(i)]._native, tuple) for i in model.layer_ids)  # the C++ layers ran
+    monkeypatch.setattr(DecoderLayer, "native_args", lambda self: None)
+    python, python_kv = run()
+    assert torch.equal(fused, python)
+    for i in model.layer_ids:
+        assert torch.equal(fused_kv[i].k, python_kv[i].k) and torch.equal(fused_kv[i].v, python_kv[i].v)
+    assert not torch.equal(fused_kv[0].k, k0)  # the step wrote its keys

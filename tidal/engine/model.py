@@ -211,6 +211,7 @@ class Linear(nn.Linear):
 
 
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # a decoder layer's matrices
+_NONE = torch.empty(0)  # decode_layer's "no 4-bit copy"
 
 
 class DecoderLayer(nn.Module):
@@ -226,6 +227,26 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
         self.scale = arch.head_dim ** -0.5
+        self._native: tuple | bool | None = None  # decode_layer's weight arguments (None: not built yet)
+
+    def native_args(self) -> tuple | None:
+        """The weight arguments of ``torch.ops.tidal.decode_layer`` for this layer, built once; None when
+        a matrix's 4-bit copy is torch's (the op runs tidal's Q4_1 kernel or the float matmul only)."""
+        if self._native is None:
+            ws, qs, dm, shapes = [], [], [], []
+            for name in LINEARS:
+                lin = getattr(self, name)
+                q = lin.int4
+                if q is not None and not isinstance(q, native.Q4_1Weight):
+                    self._native = False
+                    return None
+                ws.append(lin.weight)
+                qs.append(q.qs if q is not None else _NONE)
+                dm.append(q.dm if q is not None else _NONE)
+                shapes += [q.n, q.k, q.max_tokens] if q is not None else [*lin.weight.shape, 0]
+            self._native = (self.input_layernorm.weight, self.post_attention_layernorm.weight, ws, qs, dm, shapes,
+                            self.qkv_proj.bias)
+        return self._native or None
 
     def forward(self, h: torch.Tensor, kv: KVLayer, batch: AttentionBatch) -> torch.Tensor:
         T = h.shape[0]
@@ -407,6 +428,8 @@ class LlamaModel(nn.Module):
         if partial:  # name the first fused matrix some of whose rows no weight wrote
             n, p = next((n, p) for n, p in self.named_parameters() if p.data_ptr() in partial)
             raise ConfigError(f"weight {n} was only partly loaded (rows {min(partial[p.data_ptr()])}.. missing)")
+        for layer in self.layers.values():  # new Parameters and 4-bit copies: decode_layer's arguments anew
+            layer._native = None
 
     def _stage_grid(self, grids: dict[int, list], mod: Linear, rows: slice | None, tensor: torch.Tensor,
                     fresh: bool) -> None:
@@ -495,8 +518,20 @@ class LlamaModel(nn.Module):
         """Run the present layers (or ``layer_ids``) on hidden states ``h`` [T, hidden]."""
         batch.rope = self.rotary.tables(batch.positions, h.dtype)
         batch.native_attention = self.native_attention
+        # a step of decodes only, eager: each layer as one C++ call (engine/kernels/decode_layer.cpp, the
+        # same ATen calls as DecoderLayer.forward); under --compile Inductor fuses the Python layers instead
+        fused = (self.native_attention and not batch.prefills and len(batch.decode_groups) == 1
+                 and not torch.compiler.is_compiling())
         for i in (self.layer_ids if layer_ids is None else layer_ids):
-            h = self.layers[str(i)](h, kv_caches[i], batch)
+            layer = self.layers[str(i)]
+            args = layer.native_args() if fused else None
+            if args is None:
+                h = layer(h, kv_caches[i], batch)
+                continue
+            kv = kv_caches[i]
+            h = torch.ops.tidal.decode_layer(h, *args, *batch.rope, kv.k, kv.v, batch.slot_mapping,
+                                             batch.decode_groups[0].block_tables, batch.positions, layer.num_heads,
+                                             layer.num_kv_heads, layer.input_layernorm.eps, layer.scale)
         return h
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:

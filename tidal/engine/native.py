@@ -35,7 +35,9 @@ from pathlib import Path
 import torch
 
 GROUP = 32  # weights per GGUF Q4_1 / Q8_0 block
-SOURCES = [Path(__file__).with_name("kernels") / f for f in ("qmatmul.cpp", "paged_attention.cpp")]
+_DIR = Path(__file__).with_name("kernels")
+SOURCES = [_DIR / f for f in ("qmatmul.cpp", "paged_attention.cpp", "decode_layer.cpp")]
+HEADERS = [_DIR / "kernels.h"]
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "why": str
@@ -61,7 +63,7 @@ def _build() -> tuple[bool, str]:
     if os.environ.get("TIDAL_NO_NATIVE"):
         return False, "TIDAL_NO_NATIVE is set"
     flags = ["-O3", *_simd_flags()]
-    digest = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES) + " ".join(flags).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES + HEADERS) + " ".join(flags).encode()).hexdigest()[:12]
     name = f"tidal_kernels_{digest}"
     try:
         from torch.utils import cpp_extension

@@ -15,6 +15,8 @@
 //   block_tables [n, W] int64              (W * bs >= each context)
 //   positions    [n] int64                 the decode's position: it attends to tokens 0..position
 // Returns [n, H, D].
+#include "kernels.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -211,6 +213,10 @@ void span_values(const Span& sp, const float* p, float* o) {
   }
 }
 
+}  // namespace
+
+namespace tidal {
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& positions, double scale) {
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 3 && q.is_contiguous(),
@@ -312,11 +318,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
-}  // namespace
+}  // namespace tidal
 
 TORCH_LIBRARY_FRAGMENT(tidal, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor positions, "
         "float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tidal, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(tidal, CPU, m) { m.impl("paged_decode_attention", &tidal::paged_decode_attention); }

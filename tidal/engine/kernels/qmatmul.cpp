@@ -19,6 +19,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -329,6 +331,20 @@ struct Q8Tiles {
 #endif
 };
 
+at::Tensor q8_0_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, int64_t n, int64_t k) {
+  check(x, qs, d, n, k, at::kChar, "q8_0_mm");
+  TORCH_CHECK(n % 8 == 0, "q8_0_mm: the output size must be a multiple of 8");
+  TORCH_CHECK(d.numel() == n * (k / kBlock), "q8_0_mm: d must hold a scale per block");
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  run_tiles<Q8Tiles>(x.size(0), n / 8, x.data_ptr<float>(), qs.data_ptr<int8_t>(), d.data_ptr<c10::Half>(),
+                     out.data_ptr<float>(), k, n);
+  return out;
+}
+
+}  // namespace
+
+namespace tidal {
+
 at::Tensor q4_1_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& dm, int64_t n, int64_t k) {
   check(x, qs, dm, n, k, at::kByte, "q4_1_mm");
   TORCH_CHECK(n % 8 == 0, "q4_1_mm: the output size must be a multiple of 8");
@@ -350,17 +366,7 @@ at::Tensor q4_1_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& 
   return out;
 }
 
-at::Tensor q8_0_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, int64_t n, int64_t k) {
-  check(x, qs, d, n, k, at::kChar, "q8_0_mm");
-  TORCH_CHECK(n % 8 == 0, "q8_0_mm: the output size must be a multiple of 8");
-  TORCH_CHECK(d.numel() == n * (k / kBlock), "q8_0_mm: d must hold a scale per block");
-  at::Tensor out = at::empty({x.size(0), n}, x.options());
-  run_tiles<Q8Tiles>(x.size(0), n / 8, x.data_ptr<float>(), qs.data_ptr<int8_t>(), d.data_ptr<c10::Half>(),
-                     out.data_ptr<float>(), k, n);
-  return out;
-}
-
-}  // namespace
+}  // namespace tidal
 
 TORCH_LIBRARY(tidal, m) {
   m.def("q4_1_mm(Tensor x, Tensor qs, Tensor dm, int n, int k) -> Tensor");
@@ -368,6 +374,6 @@ TORCH_LIBRARY(tidal, m) {
 }
 
 TORCH_LIBRARY_IMPL(tidal, CPU, m) {
-  m.impl("q4_1_mm", &q4_1_mm);
+  m.impl("q4_1_mm", &tidal::q4_1_mm);
   m.impl("q8_0_mm", &q8_0_mm);
 }
