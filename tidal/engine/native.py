@@ -16,11 +16,17 @@ The attention kernel replaces, per layer, the gather of every decode's blocks in
 and a masked SDPA call; a decode's context is split into spans merged afterwards (split-K), so a
 lone decode keeps every core busy (see the source's header).
 
-The source is compiled at first use with torch's extension tooling (a C++ compiler and ninja;
+A step of decodes (eager) runs each decoder layer as one C++ call, ``decode_layer``
+(``kernels/decode_layer.cpp``): the ATen calls of ``DecoderLayer.forward`` in the same order, so the
+same result bit for bit, without ~30 calls a layer from Python, which at one decode cost more than
+the layer's arithmetic.
+
+The sources are compiled at first use with torch's extension tooling (a C++ compiler and ninja;
 about a minute, once per machine: the build is cached under ``TORCH_EXTENSIONS_DIR``), with a line on
 stderr before and after. Without a compiler :func:`load` says why and the engine keeps torch's
-kernels. The ops are ``torch.ops.tidal.q4_1_mm``, ``q8_0_mm`` and ``paged_decode_attention``, with
-fake (shape-only) implementations so that ``--compile`` traces through them.
+kernels. The ops are ``torch.ops.tidal.q4_1_mm``, ``q8_0_mm``, ``paged_decode_attention`` (with fake,
+shape-only implementations so that ``--compile`` traces through them) and ``decode_layer`` (never
+traced: compiled steps run the Python layers).
 """
 
 from __future__ import annotations
