@@ -213,8 +213,9 @@ _MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", 
 @pytest.mark.parametrize("kind", ["q4_1", "mixed", "float"])
 def test_decode_layer_equals_the_python_layers(tmp_path, monkeypatch, kind):
     """A step of decodes runs each layer as one C++ call (``torch.ops.tidal.decode_layer``): the same
-    hidden states and the same KV writes, bit for bit, as the Python layers. Qwen2 (a QKV bias);
-    matrices on tidal's Q4_1 kernel, float ones, a mix, and one whose 4-bit copy stops at 2 rows."""
+    hidden states and KV writes as the Python layers, to float32 rounding (its loops sum and round in
+    another order). Qwen2 (a QKV bias); matrices on tidal's Q4_1 kernel, float ones, a mix, and one
+    whose 4-bit copy stops at 2 rows."""
     from gguf import GGMLQuantizationType as QT
 
     from tidal.engine.model import AttentionBatch, DecodeGroup, DecoderLayer, KVLayer
@@ -252,7 +253,10 @@ def test_decode_layer_equals_the_python_layers(tmp_path, monkeypatch, kind):
     assert all(isinstance(model.layers[str(i)]._native, tuple) for i in model.layer_ids)  # the C++ layers ran
     monkeypatch.setattr(DecoderLayer, "native_args", lambda self: None)
     python, python_kv = run()
-    assert torch.equal(fused, python)
+    torch.testing.assert_close(fused, python, rtol=1e-5, atol=1e-5)
     for i in model.layer_ids:
-        assert torch.equal(fused_kv[i].k, python_kv[i].k) and torch.equal(fused_kv[i].v, python_kv[i].v)
-    assert not torch.equal(fused_kv[0].k, k0)  # the step wrote its keys
+        torch.testing.assert_close(fused_kv[i].k, python_kv[i].k, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fused_kv[i].v, python_kv[i].v, rtol=1e-5, atol=1e-5)
+    written = fused_kv[0].k.view(-1, kvh, d)[slots]
+    assert not torch.allclose(written, k0.view(-1, kvh, d)[slots])  # the step wrote its keys
+    assert (fused - h0).abs().max() > 0.1  # and the layers changed the hidden states

@@ -518,8 +518,8 @@ class LlamaModel(nn.Module):
         """Run the present layers (or ``layer_ids``) on hidden states ``h`` [T, hidden]."""
         batch.rope = self.rotary.tables(batch.positions, h.dtype)
         batch.native_attention = self.native_attention
-        # a step of decodes only, eager: each layer as one C++ call (engine/kernels/decode_layer.cpp, the
-        # same ATen calls as DecoderLayer.forward); under --compile Inductor fuses the Python layers instead
+        # a step of decodes only, eager: each layer as one C++ call (engine/kernels/decode_layer.cpp, what
+        # DecoderLayer.forward computes); under --compile Inductor fuses the Python layers instead
         fused = (self.native_attention and not batch.prefills and len(batch.decode_groups) == 1
                  and not torch.compiler.is_compiling())
         for i in (self.layer_ids if layer_ids is None else layer_ids):

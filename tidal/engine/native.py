@@ -17,9 +17,9 @@ and a masked SDPA call; a decode's context is split into spans merged afterwards
 lone decode keeps every core busy (see the source's header).
 
 A step of decodes (eager) runs each decoder layer as one C++ call, ``decode_layer``
-(``kernels/decode_layer.cpp``): the ATen calls of ``DecoderLayer.forward`` in the same order, so the
-same result bit for bit, without ~30 calls a layer from Python, which at one decode cost more than
-the layer's arithmetic.
+(``kernels/decode_layer.cpp``): the kernels above, with the norms, RoPE, KV writes, SiLU and residuals
+as loops over the rows instead of ~35 torch calls a layer from Python, which at one decode cost more
+than the layer's arithmetic (the same values to float32 rounding).
 
 The sources are compiled at first use with torch's extension tooling (a C++ compiler and ninja;
 about a minute, once per machine: the build is cached under ``TORCH_EXTENSIONS_DIR``), with a line on

@@ -28,23 +28,16 @@
 #include <tuple>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define TIDAL_AVX2 1
-#endif
-
 namespace {
+
+#ifdef TIDAL_AVX2
+using tidal::exp_nonpos;
+using tidal::hsum;
+#endif
 
 constexpr int64_t kMinSpan = 64;  // tokens: a shorter span costs more to merge than it saves
 
 #ifdef TIDAL_AVX2
-inline float hsum(__m256 v) {
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  return _mm_cvtss_f32(h);
-}
-
 // the eight lane sums of a[0..7] as one vector (three rounds of pairwise adds, not eight reductions)
 inline __m256 hsum8(const __m256* a) {
   const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
@@ -55,26 +48,6 @@ inline __m256 hsum8(const __m256* a) {
   return _mm256_add_ps(lo, hi);
 }
 
-// e^x for x <= 0: x = n ln2 + r (|r| <= ln2/2), e^r by a degree-6 polynomial, 2^n by the exponent bits;
-// relative error ~2 ulp; below -87 it returns 0 (float's own e^x is then a denormal or 0)
-inline __m256 exp_nonpos(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.0f);
-  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, lo);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
 #endif
 
 inline float dot(const float* a, const float* b, int64_t d) {

@@ -30,9 +30,6 @@
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define TIDAL_AVX2 1
-#endif
 
 namespace {
 
