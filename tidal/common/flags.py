@@ -89,7 +89,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
                "start-up timing finds them faster than float; int4 = always; none = dequantized float only"),
     _flag("--compile", action="store_true", default=None,
           help="run steps of decodes (one request, or a batch) as torch.compile graphs, compiled at start-up "
-               "(~1-2 min on a 2-core CPU, seconds when Inductor's cache has them)"),
+               "(~1-2 min on a 2-core CPU, seconds when Inductor's cache has them); in float32 on CPU, where "
+               "tidal's kernels run each layer of a decode step as one C++ call, it gains nothing"),
     _flag("--max-model-len", type=int, default=None, help="context length (default: the model's)"),
     _flag("--kv-cache-memory", default=None, help="KV pool size on CPU or CUDA, e.g. 512MiB"),
     _flag("--gpu-memory-utilization", type=float, default=None, help="fraction of GPU memory for weights+KV"),
