@@ -6,8 +6,9 @@
 // and no padding. Softmax is exact up to rounding (max subtracted, float32 throughout).
 //
 // Work is split into tasks of (decode, span of the context), all heads in one task (so it reads its
-// blocks front to back), enough spans that a lone decode still keeps every core busy; each span returns its running max, its sum of exponentials and its
-// unnormalized output, and the spans are merged as in split-K ("flash-decoding") attention:
+// blocks front to back), with enough spans that a lone decode still keeps every core busy; each span
+// returns its running max, its sum of exponentials and its unnormalized output, and the spans are
+// merged as in split-K ("flash-decoding") attention:
 //   m = max_c m_c,  out = sum_c e^{m_c - m} o_c / sum_c e^{m_c - m} l_c.
 //
 //   q            [n, H, D]                 float32
