@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from tidal.engine import native
 from tidal.engine.quant import GROUP, int4_grid, int8_grid
 
+_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")  # GGUF names
+
 pytestmark = pytest.mark.skipif(native.load() is not None, reason=f"kernels not built: {native.load()}")
 
 
@@ -132,7 +134,7 @@ def test_float32_engine_uses_them_and_falls_back(tmp_path, monkeypatch):
 
     from .test_quant import _tiny_model
 
-    types = dict.fromkeys(("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"), QT.Q4_1)
+    types = dict.fromkeys(_MATRICES, QT.Q4_1)
     model, _ = _tiny_model(tmp_path, types, "int4")
     assert model.kernels == "tidal" and isinstance(model.layers["0"].qkv_proj.int4, native.Q4_1Weight)
     assert model.quantization_report()["kernels"] == "tidal"
@@ -207,7 +209,6 @@ def test_paged_attention_refuses_what_it_cannot_read():
 
 
 # ------------------------------------------------------------------------------ one layer in C++
-_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "mixed", "float"])

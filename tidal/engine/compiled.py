@@ -41,9 +41,10 @@ class CompiledDecode:
         self.model, self.kv = model, kv_cache
         self.block_size = kv_cache.block_size
         self.layer_ids = tuple(model.layer_ids)  # the model it was compiled for
-        # static shapes except the context width and a batch's size (marked on each call): with dynamic=True every tensor
-        # the graph reads (the 4-bit weights' too) got symbolic sizes, guards and per-call size checks,
-        # and duck sizing tied a weight dimension of 2 to the warm-up's width of 2 (a recompile)
+        # static shapes except the context width and a batch's size (marked on each call): with
+        # dynamic=True every tensor the graph reads (the 4-bit weights' too) got symbolic sizes, guards
+        # and per-call size checks, and duck sizing tied a weight dimension of 2 to the warm-up's width
+        # of 2 (a recompile)
         self.fn = torch.compile(self._forward, dynamic=False, fullgraph=True, options={"size_asserts": False})
         self.calls = 0  # steps it ran
         self.batches = 0  # of which steps of several decodes
@@ -53,8 +54,9 @@ class CompiledDecode:
 
     def _state(self) -> tuple:
         """What Dynamo's guards depend on besides the graph, the context width and the facts every call
-        shares by construction (int64 ids, positions, slots and tables; a mask of width * block_size): the layer modules (a KunServe restore builds new ones), threads, grad mode
-        and every KV tensor (a resize makes new ones)."""
+        shares by construction (int64 ids, positions, slots and tables; a mask of width * block_size):
+        the layer modules (a KunServe restore builds new ones), threads, grad mode and every KV tensor
+        (a resize makes new ones)."""
         return (tuple((k, id(m)) for k, m in self.model.layers.items()), torch.get_num_threads(), torch.is_grad_enabled(),
                 torch.is_inference_mode_enabled(),
                 tuple((id(kv.k), id(kv.v), tuple(kv.k.shape), kv.k.dtype) for kv in self.kv.layers.values()))

@@ -92,10 +92,10 @@ struct Cursor {
 void span_scores(const Span& sp, const float* q, float scale, float* s) {
   const int64_t L = sp.j1 - sp.j0, D = sp.D, H = sp.KVH * sp.G;
   int64_t j = sp.j0;
+  Cursor cur(sp, sp.k, j);
 #ifdef TIDAL_AVX2
   if (D % 8 == 0) {
     const __m256 sc = _mm256_set1_ps(scale);
-    Cursor cur(sp, sp.k, j);
     for (; j + 8 <= sp.j1; j += 8) {  // eight keys at once: eight lane-wise dots, reduced together
       const float* kr[8];
       for (int u = 0; u < 8; ++u) kr[u] = cur.next();
@@ -114,7 +114,7 @@ void span_scores(const Span& sp, const float* q, float scale, float* s) {
   }
 #endif
   for (; j < sp.j1; ++j) {
-    const float* kj = sp.tok(sp.k, j);
+    const float* kj = cur.next();
     for (int64_t hq = 0; hq < H; ++hq) s[hq * L + (j - sp.j0)] = scale * dot(q + hq * D, kj + (hq / sp.G) * D, D);
   }
 }
@@ -145,10 +145,10 @@ void span_values(const Span& sp, const float* p, float* o) {
   std::fill(o, o + H * D, 0.f);
   for (int64_t b0 = sp.j0; b0 < sp.j1;) {
     const int64_t b1 = sp.block_end(b0);
+    const float* base = sp.tok(sp.v, b0);  // the block's tokens b0..b1-1 are contiguous
+    const int64_t stride = sp.KVH * D;
 #ifdef TIDAL_AVX2
     if (D % 32 == 0) {
-      const float* base = sp.tok(sp.v, b0);  // the block's tokens b0..b1-1 are contiguous
-      const int64_t stride = sp.KVH * D;
       for (int64_t h = 0; h < sp.KVH; ++h)
         for (int64_t d0 = 0; d0 < D; d0 += 32)
           for (int64_t g0 = 0; g0 < G; g0 += 3) {  // up to three heads x 32 outputs in twelve registers
@@ -175,7 +175,7 @@ void span_values(const Span& sp, const float* p, float* o) {
     }
 #endif
     for (int64_t j = b0; j < b1; ++j) {
-      const float* vj = sp.tok(sp.v, j);
+      const float* vj = base + (j - b0) * stride;
       for (int64_t hq = 0; hq < H; ++hq) {
         const float pj = p[hq * L + (j - sp.j0)];
         const float* vh = vj + (hq / G) * D;
