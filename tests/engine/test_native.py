@@ -211,15 +211,18 @@ def test_paged_attention_refuses_what_it_cannot_read():
 # ------------------------------------------------------------------------------ one layer in C++
 
 
+@pytest.mark.parametrize("step", ["decodes", "prefills"])
 @pytest.mark.parametrize("kind", ["q4_1", "mixed", "float"])
-def test_decode_layer_equals_the_python_layers(tmp_path, monkeypatch, kind):
-    """A step of decodes runs each layer as one C++ call (``torch.ops.tidal.decode_layer``): the same
-    hidden states and KV writes as the Python layers, to float32 rounding (its loops sum and round in
+def test_decode_layer_equals_the_python_layers(tmp_path, monkeypatch, kind, step):
+    """A step of decodes runs each layer as one C++ call (``torch.ops.tidal.decode_layer``), a step with
+    prefills its two halves around the Python attention (``layer_attn_in``/``layer_attn_out``): the same
+    hidden states and KV writes as the Python layers, to float32 rounding (the loops sum and round in
     another order). Qwen2 (a QKV bias); matrices on tidal's Q4_1 kernel, float ones, a mix, and one
-    whose 4-bit copy stops at 2 rows."""
+    whose 4-bit copy stops at 2 rows. The step with prefills has 2 decodes, a prompt's first chunk and a
+    chunk after 20 cached tokens."""
     from gguf import GGMLQuantizationType as QT
 
-    from tidal.engine.model import AttentionBatch, DecodeGroup, DecoderLayer, KVLayer
+    from tidal.engine.model import AttentionBatch, DecodeGroup, DecoderLayer, KVLayer, PrefillSeq
 
     from .test_quant import _tiny_model
 
@@ -229,23 +232,31 @@ def test_decode_layer_equals_the_python_layers(tmp_path, monkeypatch, kind):
     model, _ = _tiny_model(tmp_path / kind, types, "int4")
     assert model.native_attention
     if kind != "float":
-        model.layers["1"].gate_up_proj.int4.max_tokens = 2  # 3 decodes: that matrix runs the float matmul
+        model.layers["1"].gate_up_proj.int4.max_tokens = 2  # 3+ tokens: that matrix runs the float matmul
     layer0 = model.layers["0"]
     assert (layer0.qkv_proj.int4 is None) == (kind != "q4_1") and layer0.qkv_proj.bias is not None
-    bs, positions = 16, [5, 17, 40]
+    bs = 16
     g = torch.Generator().manual_seed(0)
-    blocks = torch.randperm(12, generator=g)
-    tables = blocks[:9].view(3, 3)
-    pos = torch.tensor(positions)
-    slots = tables[torch.arange(3), pos // bs] * bs + pos % bs
-    mask = (torch.arange(3 * bs) <= pos[:, None]).view(3, 1, 1, -1)
+    tables = torch.randperm(12, generator=g).view(4, 3)
+    if step == "decodes":
+        seqs, prefills = [0, 1, 2], []
+        pos = torch.tensor([5, 17, 40])
+    else:
+        seqs = [0, 1] + [2] * 6 + [3] * 4
+        pos = torch.tensor([5, 17, *range(6), *range(20, 24)])
+        prefix_mask = torch.arange(24)[None] <= pos[8:, None]
+        prefills = [PrefillSeq(2, 6, 0, tables[2], None), PrefillSeq(8, 4, 20, tables[3], prefix_mask)]
+    nd = 3 if step == "decodes" else 2
+    slots = tables[seqs, pos // bs] * bs + pos % bs
+    mask = (torch.arange(3 * bs) <= pos[:nd, None]).view(nd, 1, 1, -1)
     kvh, d = 2, 16
     k0, v0 = torch.randn(12, bs, kvh, d, generator=g), torch.randn(12, bs, kvh, d, generator=g)
-    h0 = torch.randn(3, 64, generator=g)
+    h0 = torch.randn(len(seqs), 64, generator=g)
 
     def run():
-        batch = AttentionBatch(positions=pos, slot_mapping=slots, num_decodes=3,
-                               decode_groups=[DecodeGroup(0, 3, tables, mask)], prefills=[], block_size=bs)
+        batch = AttentionBatch(positions=pos, slot_mapping=slots, num_decodes=nd,
+                               decode_groups=[DecodeGroup(0, nd, tables[:nd], mask)], prefills=prefills,
+                               block_size=bs)
         kv = {i: KVLayer(k0.clone(), v0.clone()) for i in model.layer_ids}
         with torch.inference_mode():
             return model.forward(h0.clone(), batch, kv), kv

@@ -153,12 +153,17 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k
     query heads sharing a KV head is folded into the query-length axis of that head, so K/V are
     gathered once and never repeated; prefills use SDPA's grouped-query mode.
     """
-    T, H, D = q.shape
-    KVH = k_new.shape[1]
-    G = H // KVH
-    nb, bs = kv.k.shape[0], kv.k.shape[1]
+    nb, bs, KVH, D = kv.k.shape
     kv.k.view(nb * bs, KVH, D).index_copy_(0, batch.slot_mapping, k_new)
     kv.v.view(nb * bs, KVH, D).index_copy_(0, batch.slot_mapping, v_new)
+    return attend(q, k_new, v_new, kv, batch, scale)
+
+
+def attend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, kv: KVLayer, batch: AttentionBatch,
+           scale: float) -> torch.Tensor:
+    """paged_attention once the new K/V are in their slots (a prefill with no cached prefix reads them from
+    k_new and v_new, everything else from the cache)."""
+    G = q.shape[1] // k_new.shape[1]
     nd = batch.num_decodes
     if nd and not batch.prefills and len(batch.decode_groups) == 1:
         return _decode_attention(q, kv, batch, batch.decode_groups[0], scale)
@@ -247,6 +252,18 @@ class DecoderLayer(nn.Module):
             self._native = (self.input_layernorm.weight, self.post_attention_layernorm.weight, ws, qs, dm, shapes,
                             self.qkv_proj.bias)
         return self._native or None
+
+    def native_forward(self, h: torch.Tensor, kv: KVLayer, batch: AttentionBatch, args: tuple) -> torch.Tensor:
+        """forward with the two halves around the attention in C++ (engine/kernels/decode_layer.cpp)."""
+        norm1, norm2, ws, qs, dm, shapes, bias = args
+        eps = self.input_layernorm.eps
+        qkv = torch.ops.tidal.layer_attn_in(h, norm1, ws, qs, dm, shapes, bias, *batch.rope, kv.k, kv.v,
+                                            batch.slot_mapping, self.num_heads, self.num_kv_heads, eps)
+        T, q, kvs = h.shape[0], self.q_size, self.kv_size
+        a = attend(qkv[:, :q].view(T, self.num_heads, self.head_dim),
+                   qkv[:, q:q + kvs].view(T, self.num_kv_heads, self.head_dim),
+                   qkv[:, q + kvs:].view(T, self.num_kv_heads, self.head_dim), kv, batch, self.scale)
+        return torch.ops.tidal.layer_attn_out(a, h, norm2, ws, qs, dm, shapes, eps)
 
     def forward(self, h: torch.Tensor, kv: KVLayer, batch: AttentionBatch) -> torch.Tensor:
         T = h.shape[0]
@@ -520,18 +537,22 @@ class LlamaModel(nn.Module):
         batch.native_attention = self.native_attention
         # a step of decodes only, eager: each layer as one C++ call (engine/kernels/decode_layer.cpp, what
         # DecoderLayer.forward computes); under --compile Inductor fuses the Python layers instead
-        fused = (self.native_attention and not batch.prefills and len(batch.decode_groups) == 1
-                 and not torch.compiler.is_compiling())
+        # the same for a step with prefills, its attention in Python between the two halves of the layer
+        native = self.native_attention and not torch.compiler.is_compiling()
+        decodes_only = not batch.prefills and len(batch.decode_groups) == 1
         for i in (self.layer_ids if layer_ids is None else layer_ids):
             layer = self.layers[str(i)]
-            args = layer.native_args() if fused else None
-            if args is None:
-                h = layer(h, kv_caches[i], batch)
-                continue
+            args = layer.native_args() if native else None
             kv = kv_caches[i]
-            h = torch.ops.tidal.decode_layer(h, *args, *batch.rope, kv.k, kv.v, batch.slot_mapping,
-                                             batch.decode_groups[0].block_tables, batch.positions, layer.num_heads,
-                                             layer.num_kv_heads, layer.input_layernorm.eps, layer.scale)
+            if args is None:
+                h = layer(h, kv, batch)
+            elif decodes_only:
+                h = torch.ops.tidal.decode_layer(h, *args, *batch.rope, kv.k, kv.v, batch.slot_mapping,
+                                                 batch.decode_groups[0].block_tables, batch.positions,
+                                                 layer.num_heads, layer.num_kv_heads, layer.input_layernorm.eps,
+                                                 layer.scale)
+            else:
+                h = layer.native_forward(h, kv, batch, args)
         return h
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
-// One decoder layer for a step of decodes, in C++ (torch.ops.tidal.decode_layer).
+// A decoder layer in C++: torch.ops.tidal.decode_layer for a step of decodes, and its two halves around
+// the attention, layer_attn_in and layer_attn_out, for steps with prefills (the attention stays in Python).
 //
-// What DecoderLayer.forward in engine/model.py computes when every token is a decode: RMSNorm, QKV,
-// rotate-half RoPE, KV write, paged attention, output projection, residual, RMSNorm, gate/up,
+// What DecoderLayer.forward in engine/model.py computes: RMSNorm, QKV, rotate-half RoPE, KV write,
+// attention (decode_layer: tidal's paged kernel), output projection, residual, RMSNorm, gate/up,
 // SiLU(gate) * up, down, residual. The matmuls and the attention are tidal's kernels (or at::linear
 // for a matrix without a Q4_1 copy); the elementwise steps are plain loops over each row, in place
 // where they can be, instead of ~35 ATen calls a layer: those calls (and the Python around them)
@@ -65,7 +66,7 @@ void rms_norm(const float* x, const float* w, float* y, int64_t T, int64_t C, fl
 // rotate-half RoPE in place on the first `heads` heads of each row: [x1 c - x2 s, x2 c + x1 s]
 void rope(float* qkv, int64_t row_stride, const float* cos, const float* sin, int64_t T, int64_t heads, int64_t D) {
   const int64_t half = D / 2;
-  for (int64_t r = 0; r < T; ++r) {
+  rows(T, heads * D, [&](int64_t r) {
     const float* c = cos + r * half;
     const float* s = sin + r * half;
     for (int64_t h = 0; h < heads; ++h) {
@@ -76,7 +77,7 @@ void rope(float* qkv, int64_t row_stride, const float* cos, const float* sin, in
         x[i + half] = x2 * c[i] + x1 * s[i];
       }
     }
-  }
+  });
 }
 
 // out[r, :I] = silu(gu[r, :I]) * gu[r, I:]
@@ -101,50 +102,76 @@ void silu_mul(const float* gu, float* out, int64_t T, int64_t I) {
   });
 }
 
+// the first half of a layer: RMSNorm, QKV (+ bias), RoPE on q and k, the new K and V into their slots.
+// Returns qkv [T, (H + 2 KVH) D] with q and k rotated; attention reads q (and, for a prefill, k and v) from it
+at::Tensor attn_in(const at::Tensor& h, const at::Tensor& norm1, at::TensorList weights, at::TensorList qs,
+                   at::TensorList dm, at::IntArrayRef shapes, const std::optional<at::Tensor>& qkv_bias,
+                   const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+                   const at::Tensor& slots, int64_t num_heads, int64_t num_kv_heads, double eps) {
+  TORCH_CHECK(weights.size() == 4 && qs.size() == 4 && dm.size() == 4 && shapes.size() == 12,
+              "decoder layer: four matrices (qkv, o, gate_up, down), each with (outputs, inputs, max_tokens)");
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == at::kFloat && k_cache.dim() == 4 &&
+                  k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
+              "decoder layer: h must be a contiguous float32 [tokens, hidden], the caches contiguous float32 4-d");
+  const int64_t T = h.size(0), C = h.size(1), D = k_cache.size(3), H = num_heads, KVH = num_kv_heads;
+  const int64_t q_size = H * D, kv_size = KVH * D, width = q_size + 2 * kv_size;
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * D / 2 && sin.numel() == T * D / 2 &&
+                  slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T &&
+                  k_cache.size(2) == KVH,
+              "decoder layer: cos/sin [tokens, 1, head_dim/2], one int64 slot per token, the caches' KV heads");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t slots_total = k_cache.size(0) * k_cache.size(1);
+  for (int64_t r = 0; r < T; ++r)  // checked before anything is written
+    TORCH_CHECK(sl[r] >= 0 && sl[r] < slots_total, "decoder layer: slot ", sl[r], " is outside the cache");
+  at::Tensor x = at::empty_like(h);
+  rms_norm(h.data_ptr<float>(), norm1.data_ptr<float>(), x.data_ptr<float>(), T, C, static_cast<float>(eps));
+  at::Tensor qkv = linear(x, 0, weights, qs, dm, shapes, qkv_bias).contiguous();
+  TORCH_CHECK(qkv.size(1) == width, "decoder layer: QKV has ", qkv.size(1), " outputs, heads need ", width);
+  float* qkvp = qkv.data_ptr<float>();
+  rope(qkvp, width, cos.data_ptr<float>(), sin.data_ptr<float>(), T, H + KVH, D);
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  rows(T, 2 * kv_size, [&](int64_t r) {
+    const float* row = qkvp + r * width;
+    std::memcpy(kc + sl[r] * kv_size, row + q_size, kv_size * sizeof(float));
+    std::memcpy(vc + sl[r] * kv_size, row + q_size + kv_size, kv_size * sizeof(float));
+  });
+  return qkv;
+}
+
+// the second half: output projection + residual, RMSNorm, gate/up, SiLU(gate) * up, down + residual
+at::Tensor attn_out(const at::Tensor& a, const at::Tensor& h, const at::Tensor& norm2, at::TensorList weights,
+                    at::TensorList qs, at::TensorList dm, at::IntArrayRef shapes, double eps) {
+  TORCH_CHECK(weights.size() == 4 && qs.size() == 4 && dm.size() == 4 && shapes.size() == 12,
+              "decoder layer: four matrices (qkv, o, gate_up, down), each with (outputs, inputs, max_tokens)");
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == at::kFloat && a.scalar_type() == at::kFloat &&
+                  a.size(0) == h.size(0),
+              "decoder layer: h must be a contiguous float32 [tokens, hidden] and the attention one row per token");
+  const int64_t T = h.size(0), C = h.size(1);
+  at::Tensor hs = linear(a.reshape({T, -1}).contiguous(), 1, weights, qs, dm, shapes, std::nullopt).add_(h);
+  at::Tensor x = at::empty_like(h);
+  rms_norm(hs.data_ptr<float>(), norm2.data_ptr<float>(), x.data_ptr<float>(), T, C, static_cast<float>(eps));
+  at::Tensor gu = linear(x, 2, weights, qs, dm, shapes, std::nullopt).contiguous();
+  const int64_t I = gu.size(1) / 2;
+  at::Tensor y = at::empty({T, I}, h.options());
+  silu_mul(gu.data_ptr<float>(), y.data_ptr<float>(), T, I);
+  return linear(y, 3, weights, qs, dm, shapes, std::nullopt).add_(hs);
+}
+
+// a whole layer for a step of decodes: attn_in, tidal's paged decode attention, attn_out
 at::Tensor decode_layer(const at::Tensor& h, const at::Tensor& norm1, const at::Tensor& norm2, at::TensorList weights,
                         at::TensorList qs, at::TensorList dm, at::IntArrayRef shapes,
                         const std::optional<at::Tensor>& qkv_bias, const at::Tensor& cos, const at::Tensor& sin,
                         at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
                         const at::Tensor& block_tables, const at::Tensor& positions, int64_t num_heads,
                         int64_t num_kv_heads, double eps, double scale) {
-  TORCH_CHECK(weights.size() == 4 && qs.size() == 4 && dm.size() == 4 && shapes.size() == 12,
-              "decode_layer: four matrices (qkv, o, gate_up, down), each with (outputs, inputs, max_tokens)");
-  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == at::kFloat && k_cache.dim() == 4 &&
-                  k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "decode_layer: h must be a contiguous float32 [tokens, hidden], the caches contiguous 4-d");
-  const int64_t T = h.size(0), C = h.size(1), D = k_cache.size(3), H = num_heads, KVH = num_kv_heads;
-  const int64_t q_size = H * D, kv_size = KVH * D, width = q_size + 2 * kv_size;
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * D / 2 && sin.numel() == T * D / 2 &&
-                  slots.numel() == T && k_cache.size(2) == KVH,
-              "decode_layer: cos/sin [tokens, 1, head_dim/2], one slot per token, the caches' KV heads");
-  const float e = static_cast<float>(eps);
-  at::Tensor x = at::empty_like(h);
-  rms_norm(h.data_ptr<float>(), norm1.data_ptr<float>(), x.data_ptr<float>(), T, C, e);
-  at::Tensor qkv = linear(x, 0, weights, qs, dm, shapes, qkv_bias).contiguous();
-  TORCH_CHECK(qkv.size(1) == width, "decode_layer: QKV has ", qkv.size(1), " outputs, heads need ", width);
-  float* qkvp = qkv.data_ptr<float>();
-  rope(qkvp, width, cos.data_ptr<float>(), sin.data_ptr<float>(), T, H + KVH, D);
-  // the new K and V into their slots, q into a contiguous [T, H, D]
-  const int64_t* sl = slots.data_ptr<int64_t>();
-  const int64_t slots_total = k_cache.size(0) * k_cache.size(1);
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
-  at::Tensor q = at::empty({T, H, D}, h.options());
-  for (int64_t r = 0; r < T; ++r) {
-    TORCH_CHECK(sl[r] >= 0 && sl[r] < slots_total, "decode_layer: slot ", sl[r], " is outside the cache");
-    const float* row = qkvp + r * width;
-    std::memcpy(q.data_ptr<float>() + r * q_size, row, q_size * sizeof(float));
-    std::memcpy(kc + sl[r] * kv_size, row + q_size, kv_size * sizeof(float));
-    std::memcpy(vc + sl[r] * kv_size, row + q_size + kv_size, kv_size * sizeof(float));
-  }
-  at::Tensor a = tidal::paged_decode_attention(q, k_cache, v_cache, block_tables, positions, scale);
-  at::Tensor hs = linear(a.view({T, q_size}), 1, weights, qs, dm, shapes, std::nullopt).add_(h);  // + residual
-  rms_norm(hs.data_ptr<float>(), norm2.data_ptr<float>(), x.data_ptr<float>(), T, C, e);
-  at::Tensor gu = linear(x, 2, weights, qs, dm, shapes, std::nullopt).contiguous();
-  const int64_t I = gu.size(1) / 2;
-  at::Tensor y = at::empty({T, I}, h.options());
-  silu_mul(gu.data_ptr<float>(), y.data_ptr<float>(), T, I);
-  return linear(y, 3, weights, qs, dm, shapes, std::nullopt).add_(hs);
+  const at::Tensor qkv = attn_in(h, norm1, weights, qs, dm, shapes, qkv_bias, cos, sin, k_cache, v_cache, slots,
+                                 num_heads, num_kv_heads, eps);
+  const int64_t T = h.size(0), D = k_cache.size(3);
+  const at::Tensor q = qkv.narrow(1, 0, num_heads * D).contiguous().view({T, num_heads, D});
+  const at::Tensor a = tidal::paged_decode_attention(q, k_cache, v_cache, block_tables, positions, scale);
+  return attn_out(a, h, norm2, weights, qs, dm, shapes, eps);
 }
 
 }  // namespace
@@ -154,6 +181,15 @@ TORCH_LIBRARY_FRAGMENT(tidal, m) {
         "int[] shapes, Tensor? qkv_bias, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slots, Tensor block_tables, Tensor positions, int num_heads, int num_kv_heads, float eps, "
         "float scale) -> Tensor");
+  m.def("layer_attn_in(Tensor h, Tensor norm1, Tensor[] weights, Tensor[] qs, Tensor[] dm, int[] shapes, "
+        "Tensor? qkv_bias, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
+        "int num_heads, int num_kv_heads, float eps) -> Tensor");
+  m.def("layer_attn_out(Tensor a, Tensor h, Tensor norm2, Tensor[] weights, Tensor[] qs, Tensor[] dm, int[] shapes, "
+        "float eps) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tidal, CPU, m) { m.impl("decode_layer", &decode_layer); }
+TORCH_LIBRARY_IMPL(tidal, CPU, m) {
+  m.impl("decode_layer", &decode_layer);
+  m.impl("layer_attn_in", &attn_in);
+  m.impl("layer_attn_out", &attn_out);
+}
