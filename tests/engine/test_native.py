@@ -98,7 +98,7 @@ def test_bad_inputs_are_named():
 
 def test_the_portable_build_computes_the_same():
     """Built without AVX2 flags (``TIDAL_NATIVE_SIMD=0``: another library, in a fresh process), the
-    plain C++ loops give the same results, matmuls and attention."""
+    plain C++ loops give the same results, matmuls and attention (decode and prefill)."""
     code = (
         "import torch, torch.nn.functional as F\n"
         "from tidal.engine import native\n"
@@ -111,6 +111,8 @@ def test_the_portable_build_computes_the_same():
         "torch.testing.assert_close(native.Q8_0Weight.pack(q, d).matmul(x), F.linear(x, w), rtol=1e-5, atol=1e-4)\n"
         "from tests.engine.test_native import test_paged_attention_equals_the_gathered_sdpa as attn\n"
         "attn(9, 3, 64, [0, 3, 4, 17, 9], 2); attn(4, 4, 36, [130, 5, 300], 1); attn(9, 3, 64, [700], 2)\n"
+        "from tests.engine.test_native import test_prefill_attention_equals_masked_sdpa as pre\n"
+        "pre(9, 3, 64, 130, 0, 0, 2); pre(6, 1, 32, 33, 5, 3, 1)\n"
         "print('ok')\n")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
@@ -206,6 +208,51 @@ def test_paged_attention_refuses_what_it_cannot_read():
         op(q.bfloat16(), kv.k, kv.v, tables, pos, 0.25)
     with pytest.raises(RuntimeError, match="heads"):
         op(torch.randn(2, 3, 16), kv.k, kv.v, tables, pos, 0.25)
+
+
+# ------------------------------------------------------------------------------ prefill attention
+def _causal_sdpa(q, k, v, offset, scale):
+    n, m = q.shape[0], k.shape[0]
+    mask = torch.arange(m)[None] <= (offset + torch.arange(n))[:, None]
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                       attn_mask=mask, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n,offset,extra", [(1, 0, 0), (7, 0, 0), (130, 0, 0), (33, 5, 3), (70, 200, 0)])
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 36), (8, 2, 16), (6, 1, 32)])
+def test_prefill_attention_equals_masked_sdpa(heads, kv_heads, d, n, offset, extra, threads):
+    """tidal's tiled causal kernel against SDPA with the mask "query i sees keys 0..offset + i": one
+    token, a part of a tile, several query blocks and key tiles, a cached prefix (offset) with keys past
+    the last query, grouped-query heads, head sizes on the SIMD path (multiples of 16) and off it, rows
+    read in place from a step's QKV rows (strided)."""
+    g = torch.Generator().manual_seed(n + offset)
+    m = offset + n + extra
+    qs, kvs = heads * d, kv_heads * d
+    qkv = torch.randn(max(n, m), qs + 2 * kvs, generator=g) * 2
+    q = qkv[:n, :qs].view(n, heads, d)
+    k, v = qkv[:m, qs:qs + kvs].view(m, kv_heads, d), qkv[:m, qs + kvs:].view(m, kv_heads, d)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = torch.ops.tidal.prefill_attention(q, k, v, offset, d ** -0.5)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, _causal_sdpa(q, k, v, offset, d ** -0.5), rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_attention_refuses_what_it_cannot_read():
+    op = torch.ops.tidal.prefill_attention
+    q, k = torch.randn(4, 4, 16), torch.randn(6, 2, 16)
+    with pytest.raises(RuntimeError, match="need keys up to there; there are 6"):
+        op(q, k, k, 3, 0.25)
+    with pytest.raises(RuntimeError, match="float32"):
+        op(q.double(), k, k, 0, 0.25)
+    with pytest.raises(RuntimeError, match="heads"):
+        op(torch.randn(4, 3, 16), k, k, 0, 0.25)
+    with pytest.raises(RuntimeError, match="contiguous heads"):
+        op(q.transpose(1, 2), k, k, 0, 0.25)
 
 
 # ------------------------------------------------------------------------------ one layer in C++

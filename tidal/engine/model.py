@@ -165,6 +165,7 @@ def attend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, kv: KVLaye
     k_new and v_new, everything else from the cache)."""
     G = q.shape[1] // k_new.shape[1]
     nd = batch.num_decodes
+    native = batch.native_attention and not torch.compiler.is_compiling()
     if nd and not batch.prefills and len(batch.decode_groups) == 1:
         return _decode_attention(q, kv, batch, batch.decode_groups[0], scale)
     out = torch.empty_like(q)
@@ -172,6 +173,15 @@ def attend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, kv: KVLaye
         out[g.offset:g.offset + g.num] = _decode_attention(q[g.offset:g.offset + g.num], kv, batch, g, scale)
     for p in batch.prefills:
         n = p.num_tokens
+        if native:  # tidal's tiled causal kernel (engine/kernels/prefill_attention.cpp)
+            if p.mask is None:  # the chunk's own fresh K/V
+                k, v, offset = k_new[p.offset:p.offset + n], v_new[p.offset:p.offset + n], 0
+            else:  # a cached prefix: query i sees keys [0, start + i]
+                ctx = p.start + n
+                k, v, offset = _gather(kv.k, p.block_table)[:ctx], _gather(kv.v, p.block_table)[:ctx], p.start
+            out[p.offset:p.offset + n] = torch.ops.tidal.prefill_attention(q[p.offset:p.offset + n], k, v, offset,
+                                                                           scale)
+            continue
         qp = q[p.offset:p.offset + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if p.mask is None:  # no cached prefix: attend over the chunk's own fresh K/V, causally
             k = k_new[p.offset:p.offset + n].transpose(0, 1).unsqueeze(0)
