@@ -3,6 +3,8 @@
 
 #include <ATen/ATen.h>
 
+#include <cmath>
+
 // the SIMD code paths: AVX2 + FMA + F16C when the compiler targets them (native.py's flags), else portable C++
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -40,6 +42,24 @@ inline __m256 exp_nonpos(__m256 x) {
   return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 #endif
+
+// s[i] <- e^{s[i] - mx} for i < n (every s[i] <= mx), in place; returns their sum (a softmax's numerators)
+inline float exp_shift_sum(float* s, int64_t n, float mx) {
+  float sum = 0.f;
+  int64_t i = 0;
+#ifdef TIDAL_AVX2
+  const __m256 mv = _mm256_set1_ps(mx);
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
+    _mm256_storeu_ps(s + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  sum = hsum(acc);
+#endif
+  for (; i < n; ++i) sum += (s[i] = std::exp(s[i] - mx));
+  return sum;
+}
 
 // x [M, k] float32 times a Q4_1 matrix of n outputs (qmatmul.cpp)
 at::Tensor q4_1_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& dm, int64_t n, int64_t k);

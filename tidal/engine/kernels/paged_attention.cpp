@@ -32,7 +32,6 @@
 namespace {
 
 #ifdef TIDAL_AVX2
-using tidal::exp_nonpos;
 using tidal::hsum;
 #endif
 
@@ -122,20 +121,7 @@ void span_scores(const Span& sp, const float* q, float scale, float* s) {
 // s <- e^{s - max} in place; returns (max, sum)
 std::pair<float, float> span_softmax(float* s, int64_t L) {
   const float mx = *std::max_element(s, s + L);
-  float sum = 0.f;
-  int64_t j = 0;
-#ifdef TIDAL_AVX2
-  const __m256 mv = _mm256_set1_ps(mx);
-  __m256 acc = _mm256_setzero_ps();
-  for (; j + 8 <= L; j += 8) {
-    const __m256 e = exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
-    _mm256_storeu_ps(s + j, e);
-    acc = _mm256_add_ps(acc, e);
-  }
-  sum = hsum(acc);
-#endif
-  for (; j < L; ++j) sum += (s[j] = std::exp(s[j] - mx));
-  return {mx, sum};
+  return {mx, tidal::exp_shift_sum(s, L, mx)};
 }
 
 // o[hq * D + d] = sum_j p[hq * L + j] v_j[d], block by block: each block's V rows (all heads) are

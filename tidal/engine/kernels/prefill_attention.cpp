@@ -168,19 +168,7 @@ void run_task(const Task& t, int64_t h, int64_t i0, int64_t i1, Scratch& w) {
         std::fill(sr, sr + ncol, 0.f);
         continue;
       }
-      float sum = 0.f;
-      int64_t jj = 0;
-#ifdef TIDAL_AVX2
-      const __m256 mv = _mm256_set1_ps(mx);
-      __m256 acc = _mm256_setzero_ps();
-      for (; jj + 8 <= vis; jj += 8) {
-        const __m256 e = tidal::exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(sr + jj), mv));
-        _mm256_storeu_ps(sr + jj, e);
-        acc = _mm256_add_ps(acc, e);
-      }
-      sum = tidal::hsum(acc);
-#endif
-      for (; jj < vis; ++jj) sum += (sr[jj] = std::exp(sr[jj] - mx));
+      const float sum = tidal::exp_shift_sum(sr, vis, mx);
       std::fill(sr + vis, sr + ncol, 0.f);
       w.alpha[r] = std::exp(w.m[r] - mx);  // 0 on the first tile (m = -inf)
       w.l[r] = w.l[r] * w.alpha[r] + sum;
