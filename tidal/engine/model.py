@@ -151,7 +151,8 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k
 
     q: [T, H, D]; k_new, v_new: [T, KVH, D]. Returns [T, H, D]. For decodes, each group of
     query heads sharing a KV head is folded into the query-length axis of that head, so K/V are
-    gathered once and never repeated; prefills use SDPA's grouped-query mode.
+    gathered once and never repeated; prefills use SDPA's grouped-query mode, or tidal's causal kernel
+    (``prefill_attention``) in eager float32 steps where it is built.
     """
     nb, bs, KVH, D = kv.k.shape
     kv.k.view(nb * bs, KVH, D).index_copy_(0, batch.slot_mapping, k_new)

@@ -27,10 +27,10 @@ than the layer's arithmetic (the same values to float32 rounding).
 The sources are compiled at first use with torch's extension tooling (a C++ compiler and ninja;
 about a minute, once per machine: the build is cached under ``TORCH_EXTENSIONS_DIR``), with a line on
 stderr before and after. Without a compiler :func:`load` says why and the engine keeps torch's
-kernels. The ops are ``torch.ops.tidal.q4_1_mm``, ``q8_0_mm``, ``paged_decode_attention``,
-``prefill_attention`` (with fake,
-shape-only implementations so that ``--compile`` traces through them) and ``decode_layer`` (never
-traced: compiled steps run the Python layers).
+kernels. The ops are ``torch.ops.tidal.q4_1_mm``, ``q8_0_mm``, ``paged_decode_attention`` (with fake,
+shape-only implementations so that ``--compile`` traces through them), and ``prefill_attention``,
+``decode_layer``, ``layer_attn_in`` and ``layer_attn_out`` (eager steps only, never traced: compiled
+steps run the Python layers, and SDPA for prefills).
 """
 
 from __future__ import annotations
@@ -128,10 +128,6 @@ def _register_fakes() -> None:
     @torch.library.register_fake("tidal::paged_decode_attention")
     def _attn(q, k_cache, v_cache, block_tables, positions, scale):
         return torch.empty_like(q)
-
-    @torch.library.register_fake("tidal::prefill_attention")
-    def _prefill(q, k, v, offset, scale):
-        return q.new_empty(q.shape)
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
