@@ -546,9 +546,9 @@ class LlamaModel(nn.Module):
         """Run the present layers (or ``layer_ids``) on hidden states ``h`` [T, hidden]."""
         batch.rope = self.rotary.tables(batch.positions, h.dtype)
         batch.native_attention = self.native_attention
-        # a step of decodes only, eager: each layer as one C++ call (engine/kernels/decode_layer.cpp, what
-        # DecoderLayer.forward computes); under --compile Inductor fuses the Python layers instead
-        # the same for a step with prefills, its attention in Python between the two halves of the layer
+        # eager steps run the layers in C++ (engine/kernels/decode_layer.cpp, what DecoderLayer.forward
+        # computes): a step of decodes only as one call a layer, a step with prefills as the two halves
+        # around the Python attention; under --compile Inductor fuses the Python layers instead
         native = self.native_attention and not torch.compiler.is_compiling()
         decodes_only = not batch.prefills and len(batch.decode_groups) == 1
         for i in (self.layer_ids if layer_ids is None else layer_ids):

@@ -34,6 +34,11 @@ at::Tensor linear(const at::Tensor& x, int64_t i, at::TensorList weights, at::Te
   return at::linear(x, weights[i], bias);
 }
 
+void check_weights(at::TensorList weights, at::TensorList qs, at::TensorList dm, at::IntArrayRef shapes) {
+  TORCH_CHECK(weights.size() == 4 && qs.size() == 4 && dm.size() == 4 && shapes.size() == 12,
+              "decoder layer: four matrices (qkv, o, gate_up, down), each with (outputs, inputs, max_tokens)");
+}
+
 // rows over threads when there is enough work, else on this thread
 template <class F>
 void rows(int64_t T, int64_t width, const F& f) {
@@ -108,8 +113,7 @@ at::Tensor attn_in(const at::Tensor& h, const at::Tensor& norm1, at::TensorList 
                    at::TensorList dm, at::IntArrayRef shapes, const std::optional<at::Tensor>& qkv_bias,
                    const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
                    const at::Tensor& slots, int64_t num_heads, int64_t num_kv_heads, double eps) {
-  TORCH_CHECK(weights.size() == 4 && qs.size() == 4 && dm.size() == 4 && shapes.size() == 12,
-              "decoder layer: four matrices (qkv, o, gate_up, down), each with (outputs, inputs, max_tokens)");
+  check_weights(weights, qs, dm, shapes);
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == at::kFloat && k_cache.dim() == 4 &&
                   k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat &&
                   k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
@@ -143,8 +147,7 @@ at::Tensor attn_in(const at::Tensor& h, const at::Tensor& norm1, at::TensorList 
 // the second half: output projection + residual, RMSNorm, gate/up, SiLU(gate) * up, down + residual
 at::Tensor attn_out(const at::Tensor& a, const at::Tensor& h, const at::Tensor& norm2, at::TensorList weights,
                     at::TensorList qs, at::TensorList dm, at::IntArrayRef shapes, double eps) {
-  TORCH_CHECK(weights.size() == 4 && qs.size() == 4 && dm.size() == 4 && shapes.size() == 12,
-              "decoder layer: four matrices (qkv, o, gate_up, down), each with (outputs, inputs, max_tokens)");
+  check_weights(weights, qs, dm, shapes);
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == at::kFloat && a.scalar_type() == at::kFloat &&
                   a.size(0) == h.size(0),
               "decoder layer: h must be a contiguous float32 [tokens, hidden] and the attention one row per token");

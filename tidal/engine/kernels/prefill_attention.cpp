@@ -50,9 +50,9 @@ void qk_block(const float* const* a, const float* kt, int64_t ldk, int64_t D, fl
   }
 }
 
-// o[r][0..15] = alpha[r] o[r][0..15] + sum_j p[r][j] v_j[0..15] for R rows over nk keys
+// o[r][0..15] = alpha[r] o[r][0..15] + sum_j p[r][j] v_j[c0..c0+15] for R rows over nk keys
 template <int R>
-void pv_block(const float* p, int64_t ldp, const float* const* vrows, int64_t nk, float* o, int64_t ldo,
+void pv_block(const float* p, int64_t ldp, const float* const* vrows, int64_t c0, int64_t nk, float* o, int64_t ldo,
               const float* alpha) {
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) {
@@ -61,7 +61,7 @@ void pv_block(const float* p, int64_t ldp, const float* const* vrows, int64_t nk
     acc[r][1] = _mm256_mul_ps(al, _mm256_loadu_ps(o + r * ldo + 8));
   }
   for (int64_t j = 0; j < nk; ++j) {
-    const __m256 b0 = _mm256_loadu_ps(vrows[j]), b1 = _mm256_loadu_ps(vrows[j] + 8);
+    const __m256 b0 = _mm256_loadu_ps(vrows[j] + c0), b1 = _mm256_loadu_ps(vrows[j] + c0 + 8);
     for (int r = 0; r < R; ++r) {
       const __m256 pv = _mm256_broadcast_ss(p + r * ldp + j);
       acc[r][0] = _mm256_fmadd_ps(pv, b0, acc[r][0]);
@@ -94,9 +94,9 @@ struct QK {
 };
 template <int R>
 struct PV {
-  static void run(const float* p, int64_t ldp, const float* const* vrows, int64_t nk, float* o, int64_t ldo,
-                  const float* alpha) {
-    pv_block<R>(p, ldp, vrows, nk, o, ldo, alpha);
+  static void run(const float* p, int64_t ldp, const float* const* vrows, int64_t c0, int64_t nk, float* o,
+                  int64_t ldo, const float* alpha) {
+    pv_block<R>(p, ldp, vrows, c0, nk, o, ldo, alpha);
   }
 };
 #endif
@@ -122,7 +122,7 @@ void run_task(const Task& t, int64_t h, int64_t i0, int64_t i1, Scratch& w) {
 #else
       false;
 #endif
-  w.kt.assign(D * kBK, 0.f);
+  w.kt.resize(D * kBK);  // each tile writes its keys' columns and zeroes the padding up to 16
   w.s.resize(rows * kBK);
   w.o.assign(rows * D, 0.f);
   w.m.assign(rows, kNegInf);
@@ -181,11 +181,9 @@ void run_task(const Task& t, int64_t h, int64_t i0, int64_t i1, Scratch& w) {
       const int64_t nv = std::clamp<int64_t>(pos_last - j0 + 1, 0, nk);
 #ifdef TIDAL_AVX2
       if (simd16) {
-        for (int64_t c0 = 0; c0 < D; c0 += 16) {
-          const float* vr[kBK];
-          for (int64_t jj = 0; jj < nv; ++jj) vr[jj] = w.vrow[jj] + c0;
-          by_rows<PV>(R, w.s.data() + r0 * kBK, kBK, vr, nv, w.o.data() + r0 * D + c0, D, w.alpha.data() + r0);
-        }
+        for (int64_t c0 = 0; c0 < D; c0 += 16)
+          by_rows<PV>(R, w.s.data() + r0 * kBK, kBK, w.vrow.data(), c0, nv, w.o.data() + r0 * D + c0, D,
+                      w.alpha.data() + r0);
         continue;
       }
 #endif
