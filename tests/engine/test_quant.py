@@ -3,6 +3,8 @@ the same matmul as the dequantized float weights, and the engine gives the same 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -221,6 +223,14 @@ def test_float_checkpoints_skip_the_start_up_timing(tmp_path, monkeypatch, smol_
     assert describe_quantization(q).startswith("float (quantization auto: ")
 
 
+def _ratio_by_size(ratio):
+    """A stand-in for quant._paired_ratio: time(4-bit) / time(float) as ``ratio(tokens)``."""
+    def paired(fa, fb, repeats):
+        assert fb.args[0] is F.linear and fa.args[0] is not F.linear
+        return ratio(fa.args[2].shape[0])
+    return paired
+
+
 @pytest.mark.parametrize("upto,want", [(1, 1), (100, 128), (512, 512), (5000, 2048)])
 def test_the_timing_stops_at_the_largest_step_the_engine_runs(monkeypatch, upto, want):
     """With a kernel that always wins, the probe stops at the first timed size >= ``upto`` (the step
@@ -228,9 +238,31 @@ def test_the_timing_stops_at_the_largest_step_the_engine_runs(monkeypatch, upto,
     from tidal.engine import quant
 
     monkeypatch.setattr(quant, "_crossovers", {})
-    monkeypatch.setattr(quant, "_median_time", lambda fn, repeats: 1.0 if fn.args[0] is F.linear else 0.5)
+    monkeypatch.setattr(quant, "_paired_ratio", _ratio_by_size(lambda m: 0.5))
     assert measure_crossover(64, 64, torch.float32, repeats=1, upto=upto) == want
     assert measure_int8_crossover(64, 64, torch.float32, repeats=1, upto=upto) == want
     monkeypatch.setattr(quant, "_crossovers", {})
-    monkeypatch.setattr(quant, "_median_time", lambda fn, repeats: 0.5 if fn.args[0] is F.linear else 1.0)
+    monkeypatch.setattr(quant, "_paired_ratio", _ratio_by_size(lambda m: 2.0))
     assert measure_crossover(64, 64, torch.float32, repeats=1, upto=upto) == 0
+
+
+@pytest.mark.parametrize("lost,want", [((), 512), ((64,), 512), ((256,), 512), ((512,), 256), ((64, 128), 32),
+                                       ((1, 2), 0), ((8, 32, 128), 512), ((16, 32, 256), 8)])
+def test_one_lost_size_does_not_end_the_timing(monkeypatch, lost, want):
+    """The threshold is the largest size the 4-bit kernel won before two sizes in a row that it lost:
+    a lone loss (noise, near the crossover) does not cut it short."""
+    from tidal.engine import quant
+
+    monkeypatch.setattr(quant, "_crossovers", {})
+    monkeypatch.setattr(quant, "_paired_ratio", _ratio_by_size(lambda m: 1.0 if m in lost else 0.9))
+    assert measure_crossover(64, 64, torch.float32, repeats=1, upto=512) == want
+
+
+def test_paired_ratio_times_both_sides_each_round():
+    from tidal.engine import quant
+
+    calls = []
+    ratio = quant._paired_ratio(lambda: calls.append("a") or time.sleep(0.02),
+                                lambda: calls.append("b") or time.sleep(0.01), repeats=3)
+    assert calls == ["a", "b"] * 4  # a warm-up pair, then three rounds
+    assert 1.3 < ratio < 3.0

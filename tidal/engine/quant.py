@@ -171,12 +171,30 @@ def _copies(n: int, k: int, dtype: torch.dtype) -> int:
     return max(1, min(64, -(-WORKING_SET // (n * k * torch.finfo(dtype).bits // 8))))
 
 
+def _paired_ratio(fa, fb, repeats: int) -> float:
+    """The median over ``repeats`` rounds of time(fa) / time(fb), the two timed back to back in each
+    round: a drift of the machine's speed (another process, the clock) hits both sides of a round alike,
+    where two separate medians can each catch a different phase of it."""
+    fa()
+    fb()
+    ratios = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fa()
+        t1 = time.perf_counter()
+        fb()
+        ratios.append((t1 - t0) / max(time.perf_counter() - t1, 1e-9))
+    return statistics.median(ratios)
+
+
 def _largest_win(packed: list, weights: list[torch.Tensor], g: torch.Generator, repeats: int, upto: int) -> int:
-    """The largest of ``_TOKENS`` up to which ``packed[i].matmul`` beat ``F.linear(x, weights[i])``,
-    each timed cycling through its copies; stops at the first size where float wins (0 if at once),
-    or at the first size >= ``upto`` (no step is larger). Beyond 64 tokens a matmul is bound by
-    arithmetic, not by reading its weights, so fewer copies are cycled (the timing stays short)."""
-    best = 0
+    """The largest of ``_TOKENS`` at which ``packed[i].matmul`` beat ``F.linear(x, weights[i])`` (paired
+    timings, each side cycling through its copies), up to the first size >= ``upto`` (no step is larger);
+    0 if it never did. The scan stops after two sizes in a row where float won: one lost size alone is
+    as likely a noisy timing (both kernels are near the core's peak there) as the crossover, and the
+    rule is "the 4-bit kernel for every step up to the threshold". Beyond 64 tokens a matmul is bound
+    by arithmetic, not by reading its weights, so fewer copies are cycled (the timing stays short)."""
+    best, lost = 0, 0
 
     def cycle(fn, mats, x):
         for m in mats:
@@ -186,10 +204,13 @@ def _largest_win(packed: list, weights: list[torch.Tensor], g: torch.Generator, 
         for m in _TOKENS:
             x = torch.randn(m, weights[0].shape[1], generator=g).to(weights[0].dtype)
             keep = max(1, len(packed) * 64 // max(m, 64))
-            if _median_time(functools.partial(cycle, lambda x, p: p.matmul(x), packed[:keep], x), repeats) >= \
-                    _median_time(functools.partial(cycle, F.linear, weights[:keep], x), repeats):
-                break
-            best = m
+            if _paired_ratio(functools.partial(cycle, lambda x, p: p.matmul(x), packed[:keep], x),
+                             functools.partial(cycle, F.linear, weights[:keep], x), repeats) < 1.0:
+                best, lost = m, 0
+            else:
+                lost += 1
+                if lost == 2:
+                    break
             if m >= upto:
                 break
     return best
