@@ -3,6 +3,7 @@ the same matmul as the dequantized float weights, and the engine gives the same 
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -237,6 +238,7 @@ def test_the_timing_stops_at_the_largest_step_the_engine_runs(monkeypatch, upto,
     budget or the most sequences a step holds) or at the largest it times; one that never wins gives 0."""
     from tidal.engine import quant
 
+    monkeypatch.setenv("TIDAL_DISK_CACHE_MB", "0")  # timed here, not read from an earlier process
     monkeypatch.setattr(quant, "_crossovers", {})
     monkeypatch.setattr(quant, "_paired_ratio", _ratio_by_size(lambda m: 0.5))
     assert measure_crossover(64, 64, torch.float32, repeats=1, upto=upto) == want
@@ -253,9 +255,44 @@ def test_one_lost_size_does_not_end_the_timing(monkeypatch, lost, want):
     a lone loss (noise, near the crossover) does not cut it short."""
     from tidal.engine import quant
 
+    monkeypatch.setenv("TIDAL_DISK_CACHE_MB", "0")
     monkeypatch.setattr(quant, "_crossovers", {})
     monkeypatch.setattr(quant, "_paired_ratio", _ratio_by_size(lambda m: 1.0 if m in lost else 0.9))
     assert measure_crossover(64, 64, torch.float32, repeats=1, upto=512) == want
+
+
+def test_a_crossover_is_timed_once_per_machine(monkeypatch, tmp_path):
+    """A later process (here: the per-process table emptied) reads the timing from the disk cache
+    instead of timing again; another thread count, step budget or kernel build is timed anew; a torn
+    file is timed again and rewritten."""
+    from tidal.engine import disk_cache, quant
+
+    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TIDAL_DISK_CACHE_MB", raising=False)
+    timed: list[int] = []
+
+    def ratio(m):
+        timed.append(m)
+        return 0.9 if m <= 16 else 1.1
+
+    monkeypatch.setattr(quant, "_paired_ratio", _ratio_by_size(ratio))
+    monkeypatch.setattr(quant, "_crossovers", {})
+    assert measure_crossover(64, 64, torch.float32, repeats=1, upto=512) == 16 and timed
+    timed.clear()
+    monkeypatch.setattr(quant, "_crossovers", {})
+    assert measure_crossover(64, 64, torch.float32, repeats=1, upto=512) == 16 and not timed
+    assert measure_crossover(64, 64, torch.float32, repeats=1, upto=64) == 16 and timed  # another budget
+    timed.clear()
+    monkeypatch.setattr(quant, "_crossovers", {})
+    monkeypatch.setattr(quant.native, "build_name", lambda: "tidal_kernels_edited")
+    assert measure_crossover(64, 64, torch.float32, repeats=1, upto=512, kernels="tidal") == 16 and timed
+    with open(disk_cache.crossovers_path(), "w") as f:
+        f.write('{"torn')
+    timed.clear()
+    monkeypatch.setattr(quant, "_crossovers", {})
+    assert measure_crossover(64, 64, torch.float32, repeats=1, upto=512) == 16 and timed
+    with open(disk_cache.crossovers_path()) as f:
+        assert list(json.load(f).values()) == [16]
 
 
 def test_paired_ratio_times_both_sides_each_round():

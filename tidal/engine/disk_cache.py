@@ -6,7 +6,8 @@ process pays them: each worker of ``tidal serve --instances N``, a worker restar
 failure, every server a benchmark starts. The first load saves the tokenizer (``save_pretrained``)
 and the fp32 tensors (safetensors); later loads read those instead. The key is the GGUF's resolved
 path, size and mtime (and this format's version), so a changed file is read again. Weights whose
-fp32 size exceeds the budget are not cached. Settings, read through :func:`tidal.config.env_str`: ``TIDAL_CACHE_DIR`` (default
+fp32 size exceeds the budget are not cached. The start-up timings of the 4-bit kernels against float
+matmuls (engine/quant.py, seconds per process) are kept here too, keyed by the machine. Settings, read through :func:`tidal.config.env_str`: ``TIDAL_CACHE_DIR`` (default
 ``~/.cache/tidal``) and ``TIDAL_DISK_CACHE_MB`` (default 2048; 0 turns the cache off).
 """
 
@@ -95,18 +96,53 @@ def load_meta(gguf_path: str) -> dict[str, Any] | None:
 
 def store_meta(gguf_path: str, arch: dict[str, Any], names: dict[str, str]) -> None:
     where = _entry(gguf_path, "meta", ".json")
-    if where is None:
-        return
+    if where is not None:
+        _write_json(where, {"arch": arch, "names": names}, "metadata")
+
+
+def _write_json(where: str, obj: Any, what: str) -> None:
+    """Write ``obj`` to ``where`` atomically (a reader sees the old file or the new one); failures only log."""
     tmp = f"{where}.{os.getpid()}.tmp"
     try:
         os.makedirs(os.path.dirname(where), exist_ok=True)
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"arch": arch, "names": names}, f)
+            json.dump(obj, f)
         os.replace(tmp, where)
     except (OSError, TypeError, ValueError) as e:
-        log.warning("could not write the metadata cache %s: %s", where, e)
+        log.warning("could not write the %s cache %s: %s", what, where, e)
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+
+
+def crossovers_path() -> str | None:
+    """The file of start-up timings (engine/quant.py's 4-bit/float crossovers), None when caching is off."""
+    return os.path.join(cache_dir(), "crossovers.json") if budget_bytes() > 0 else None
+
+
+def _crossovers() -> dict[str, int]:
+    where = crossovers_path()
+    if where is None or not os.path.isfile(where):
+        return {}
+    try:
+        with open(where, encoding="utf-8") as f:
+            table = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
+def load_crossover(key: str) -> int | None:
+    """A crossover an earlier process timed under ``key`` (the shape, the kernels, the machine), or None."""
+    value = _crossovers().get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def store_crossover(key: str, value: int) -> None:
+    """Add one timing to the file (read, update, replace: two processes storing at once may lose one
+    entry, which is then timed again, never a torn file)."""
+    where = crossovers_path()
+    if where is not None:
+        _write_json(where, {**_crossovers(), key: value}, "crossover")
 
 
 def load(path: str) -> Iterator[tuple[str, torch.Tensor]] | None:

@@ -21,6 +21,7 @@ An LM head stored as Q8_0 (``q * d``, ``|q| <= 127`` per group of 32) is recover
 from __future__ import annotations
 
 import functools
+import platform
 import statistics
 import time
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tidal.engine import native
+from tidal.engine import disk_cache, native
 
 GROUP = native.GROUP  # Q4_0 / Q4_1 / Q8_0 block size
 _TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)  # step sizes timed at start-up, up to the engine's
@@ -149,13 +150,36 @@ def _median_time(fn, repeats: int) -> float:
 _crossovers: dict[tuple, int] = {}  # measured once per process (tests and tools build many engines)
 
 
+@functools.cache
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _cached(fn):
+    """Measure once per process, and once per machine: the result is also kept on disk
+    (engine/disk_cache.py) under the shape, the kernels (the build of tidal's, or torch's version),
+    the threads and the CPU, so every worker of a cluster and every later start reads it instead of
+    timing again (~10 s of a start on 2 cores). Delete the file (or set TIDAL_DISK_CACHE_MB=0) to
+    time again."""
     @functools.wraps(fn)
     def measure(n: int, k: int, dtype: torch.dtype, repeats: int = 7, kernels: str = "torch", upto: int = 128) -> int:
         # the whole shape: a smaller stand-in that fits in cache favours the float matmul
         key = (fn.__name__, n, k, dtype, repeats, kernels, upto, torch.get_num_threads())
         if key not in _crossovers:
-            _crossovers[key] = fn(n, k, dtype, repeats, kernels, upto)
+            build = native.build_name() if kernels == "tidal" else f"torch {torch.__version__}"
+            disk_key = "|".join(map(str, (*key, build, torch.backends.cpu.get_cpu_capability(), _cpu_model())))
+            value = disk_cache.load_crossover(disk_key)
+            if value is None:
+                value = fn(n, k, dtype, repeats, kernels, upto)
+                disk_cache.store_crossover(disk_key, value)
+            _crossovers[key] = value
         return _crossovers[key]
 
     return measure
