@@ -69,19 +69,21 @@ def load() -> str | None:
         return None if _state["ok"] else str(_state["why"])
 
 
+def _flags() -> list[str]:
+    return ["-O3", *_simd_flags()]
+
+
 def build_name() -> str:
     """The library's name: a digest of the sources and flags, so an edited kernel is built anew (and a
     crossover timed on the old one is not reused: engine/quant.py keys its cache by this name)."""
-    flags = ["-O3", *_simd_flags()]
-    digest = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES + HEADERS) + " ".join(flags).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES + HEADERS) + " ".join(_flags()).encode()).hexdigest()[:12]
     return f"tidal_kernels_{digest}"
 
 
 def _build() -> tuple[bool, str]:
     if os.environ.get("TIDAL_NO_NATIVE"):
         return False, "TIDAL_NO_NATIVE is set"
-    flags = ["-O3", *_simd_flags()]
-    name = build_name()
+    flags, name = _flags(), build_name()
     try:
         from torch.utils import cpp_extension
 
