@@ -21,6 +21,7 @@ An LM head stored as Q8_0 (``q * d``, ``|q| <= 127`` per group of 32) is recover
 from __future__ import annotations
 
 import functools
+import os
 import platform
 import statistics
 import time
@@ -151,15 +152,20 @@ _crossovers: dict[tuple, int] = {}  # measured once per process (tests and tools
 
 
 @functools.cache
-def _cpu_model() -> str:
+def _cpu_id() -> str:
+    """The CPU as far as a timing depends on it: model name, cache size and logical CPUs (a VM may
+    name every EPYC alike), or the platform's processor string where there is no /proc/cpuinfo."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "cache size") and key.strip() not in fields:
+                    fields[key.strip()] = value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    model = fields.get("model name") or platform.processor() or platform.machine()
+    return f"{model}, {fields.get('cache size', '?')}, {os.cpu_count()} cpus"
 
 
 def _cached(fn):
@@ -174,7 +180,7 @@ def _cached(fn):
         key = (fn.__name__, n, k, dtype, repeats, kernels, upto, torch.get_num_threads())
         if key not in _crossovers:
             build = native.build_name() if kernels == "tidal" else f"torch {torch.__version__}"
-            disk_key = "|".join(map(str, (*key, build, torch.backends.cpu.get_cpu_capability(), _cpu_model())))
+            disk_key = "|".join(map(str, (*key, build, torch.backends.cpu.get_cpu_capability(), _cpu_id())))
             value = disk_cache.load_crossover(disk_key)
             if value is None:
                 value = fn(n, k, dtype, repeats, kernels, upto)
