@@ -86,7 +86,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     _flag("--device", default="auto", help="auto | cpu | cuda | cuda:N"),
     _flag("--quantization", default=None, choices=list(QUANTIZATION),
           help="weights stored as 4-bit groups (GGUF Q4_1) run int4 kernels: auto = for the step sizes where "
-               "start-up timing finds them faster than float; int4 = always; none = dequantized float only"),
+               "start-up timing finds them faster than float (timed once per machine, kept in ~/.cache/tidal/"
+               "crossovers.json); int4 = always; none = dequantized float only"),
     _flag("--compile", action="store_true", default=None,
           help="run steps of decodes (one request, or a batch) as torch.compile graphs, compiled at start-up "
                "(~1-2 min on a 2-core CPU, seconds when Inductor's cache has them); in float32 on CPU, where "
