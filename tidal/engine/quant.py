@@ -149,6 +149,7 @@ def _median_time(fn, repeats: int) -> float:
 
 
 _crossovers: dict[tuple, int] = {}  # measured once per process (tests and tools build many engines)
+REPEATS = 11  # paired rounds per step size: the timing is paid once per machine (the disk cache keeps it)
 
 
 @functools.cache
@@ -175,7 +176,7 @@ def _cached(fn):
     timing again (~10 s of a start on 2 cores). Delete the file (or set TIDAL_DISK_CACHE_MB=0) to
     time again."""
     @functools.wraps(fn)
-    def measure(n: int, k: int, dtype: torch.dtype, repeats: int = 7, kernels: str = "torch", upto: int = 128) -> int:
+    def measure(n: int, k: int, dtype: torch.dtype, repeats: int = REPEATS, kernels: str = "torch", upto: int = 128) -> int:
         # the whole shape: a smaller stand-in that fits in cache favours the float matmul
         key = (fn.__name__, n, k, dtype, repeats, kernels, upto, torch.get_num_threads())
         if key not in _crossovers:
@@ -247,7 +248,7 @@ def _largest_win(packed: list, weights: list[torch.Tensor], g: torch.Generator, 
 
 
 @_cached
-def measure_crossover(n: int, k: int, dtype: torch.dtype, repeats: int = 7, kernels: str = "torch",
+def measure_crossover(n: int, k: int, dtype: torch.dtype, repeats: int = REPEATS, kernels: str = "torch",
                       upto: int = 128) -> int:
     """The largest step size (tokens) up to which the 4-bit kernel (``kernels``: torch's int4, or
     ``tidal``'s Q4_1 of engine/native.py) beat the float matmul on an ``[n, k]`` matrix of ``dtype``,
@@ -266,7 +267,7 @@ def measure_crossover(n: int, k: int, dtype: torch.dtype, repeats: int = 7, kern
 
 
 @_cached
-def measure_int8_crossover(n: int, k: int, dtype: torch.dtype, repeats: int = 7, kernels: str = "torch",
+def measure_int8_crossover(n: int, k: int, dtype: torch.dtype, repeats: int = REPEATS, kernels: str = "torch",
                            upto: int = 128) -> int:
     """As :func:`measure_crossover`, for the LM head's 8-bit groups (:class:`GroupedInt8Weight`, or
     ``tidal``'s Q8_0 kernel, which takes whole tiles of eight output rows)."""
