@@ -263,7 +263,7 @@ def test_one_lost_size_does_not_end_the_timing(monkeypatch, lost, want):
 
 def test_a_crossover_is_timed_once_per_machine(monkeypatch, tmp_path):
     """A later process (here: the per-process table emptied) reads the timing from the disk cache
-    instead of timing again; another thread count, step budget or kernel build is timed anew; a torn
+    instead of timing again; another step budget or kernel build is timed anew; a torn
     file is timed again and rewritten."""
     from tidal.engine import disk_cache, quant
 
