@@ -21,8 +21,8 @@ An LM head stored as Q8_0 (``q * d``, ``|q| <= 127`` per group of 32) is recover
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
-import platform
 import statistics
 import time
 from dataclasses import dataclass
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tidal.common.machine import cpu_model_and_flags
 from tidal.engine import disk_cache, native
 
 GROUP = native.GROUP  # Q4_0 / Q4_1 / Q8_0 block size
@@ -154,19 +155,10 @@ REPEATS = 11  # paired rounds per step size: the timing is paid once per machine
 
 @functools.cache
 def _cpu_id() -> str:
-    """The CPU as far as a timing depends on it: model name, cache size and logical CPUs (a VM may
-    name every EPYC alike), or the platform's processor string where there is no /proc/cpuinfo."""
-    fields: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() in ("model name", "cache size") and key.strip() not in fields:
-                    fields[key.strip()] = value.strip()
-    except OSError:
-        pass
-    model = fields.get("model name") or platform.processor() or platform.machine()
-    return f"{model}, {fields.get('cache size', '?')}, {os.cpu_count()} cpus"
+    """The CPU as far as a timing depends on it: model name, a digest of its flags and the CPU count
+    (a VM may name every EPYC alike; the flags tell generations apart)."""
+    model, flags = cpu_model_and_flags()
+    return f"{model}, flags {hashlib.sha256(' '.join(flags).encode()).hexdigest()[:8]}, {os.cpu_count()} cpus"
 
 
 def _cached(fn):
