@@ -85,8 +85,11 @@ def load_tokenizer(gguf_path: str) -> Any:
 def load_meta(gguf_path: str) -> dict[str, Any] | None:
     """What an earlier process read of the GGUF's metadata (architecture, tensor names), or None."""
     where = _entry(gguf_path, "meta", ".json")
-    if where is None or not os.path.isfile(where):
-        return None
+    return _read_json(where) if where is not None else None
+
+
+def _read_json(where: str) -> Any:
+    """The JSON in ``where``, or None when it is missing or torn."""
     try:
         with open(where, encoding="utf-8") as f:
             return json.load(f)
@@ -121,13 +124,7 @@ def crossovers_path() -> str | None:
 
 def _crossovers() -> dict[str, int]:
     where = crossovers_path()
-    if where is None or not os.path.isfile(where):
-        return {}
-    try:
-        with open(where, encoding="utf-8") as f:
-            table = json.load(f)
-    except (OSError, ValueError):
-        return {}
+    table = _read_json(where) if where is not None else None
     return table if isinstance(table, dict) else {}
 
 
