@@ -169,10 +169,11 @@ def _paged(n: int, heads: int, kv_heads: int, d: int, block_size: int, positions
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("positions", [[0, 3, 4, 17, 9], [700], [130, 5, 300]])
-@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 36), (8, 2, 16)])
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 36), (8, 2, 16), (8, 2, 32), (10, 2, 64), (6, 6, 32)])
 def test_paged_attention_equals_the_gathered_sdpa(heads, kv_heads, d, positions, threads):
-    """Against the eager path (every block gathered, padded, masked SDPA): grouped-query heads, a
-    head size that is not a multiple of 8, positions at 0, at a block's edge and mid-block; long
+    """Against the eager path (every block gathered, padded, masked SDPA): grouped-query heads, 1 to
+    5 query heads per KV head (the kernel takes them three at a time, so every remainder), a head
+    size that is not a multiple of 8, positions at 0, at a block's edge and mid-block; long
     contexts of a few decodes, which the kernel splits into spans merged afterwards (how many
     depends on the thread count)."""
     from tidal.engine.model import AttentionBatch, DecodeGroup, _decode_attention
