@@ -284,7 +284,7 @@ def test_a_crossover_is_timed_once_per_machine(monkeypatch, tmp_path):
     assert measure_crossover(64, 64, torch.float32, repeats=1, upto=64) == 16 and timed  # another budget
     timed.clear()
     monkeypatch.setattr(quant, "_crossovers", {})
-    monkeypatch.setattr(quant.native, "build_name", lambda: "tidal_kernels_edited")
+    monkeypatch.setattr(quant.native, "matmul_build", lambda: "qmatmul_edited")
     assert measure_crossover(64, 64, torch.float32, repeats=1, upto=512, kernels="tidal") == 16 and timed
     with open(disk_cache.crossovers_path(), "w") as f:
         f.write('{"torn')
@@ -293,6 +293,28 @@ def test_a_crossover_is_timed_once_per_machine(monkeypatch, tmp_path):
     assert measure_crossover(64, 64, torch.float32, repeats=1, upto=512) == 16 and timed
     with open(disk_cache.crossovers_path()) as f:
         assert list(json.load(f).values()) == [16]
+
+
+def test_only_an_edited_matmul_is_timed_anew(tmp_path, monkeypatch):
+    """The crossovers' key names the matmuls' build: editing the attention kernel renames the library
+    (it is built anew) but keeps the timings; editing the matmul kernel or the shared header changes both."""
+    import shutil
+
+    from tidal.engine import native
+
+    for f in native.SOURCES + native.HEADERS:
+        shutil.copy(f, tmp_path / f.name)
+    monkeypatch.setattr(native, "SOURCES", [tmp_path / f.name for f in native.SOURCES])
+    monkeypatch.setattr(native, "HEADERS", [tmp_path / f.name for f in native.HEADERS])
+    monkeypatch.setattr(native, "MATMUL_SOURCES", [tmp_path / f.name for f in native.MATMUL_SOURCES])
+    names = [(native.build_name(), native.matmul_build())]
+    for edited in ("paged_attention.cpp", "qmatmul.cpp", "kernels.h"):
+        with open(tmp_path / edited, "a") as f:
+            f.write("// edited\n")
+        names.append((native.build_name(), native.matmul_build()))
+    assert len({lib for lib, _ in names}) == 4  # every edit rebuilds the library
+    assert names[1][1] == names[0][1]  # attention edited: the same matmul build
+    assert len({mm for _, mm in names[1:]}) == 3  # matmul or header edited: a new one each time
 
 
 def test_paired_ratio_times_both_sides_each_round():

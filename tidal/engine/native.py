@@ -48,6 +48,7 @@ GROUP = 32  # weights per GGUF Q4_1 / Q8_0 block
 _DIR = Path(__file__).with_name("kernels")
 SOURCES = [_DIR / f for f in ("qmatmul.cpp", "paged_attention.cpp", "prefill_attention.cpp", "decode_layer.cpp")]
 HEADERS = [_DIR / "kernels.h"]
+MATMUL_SOURCES = [_DIR / "qmatmul.cpp"]  # what the matmul crossovers (engine/quant.py) are timed on
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "why": str
@@ -73,11 +74,20 @@ def _flags() -> list[str]:
     return ["-O3", *_simd_flags()]
 
 
+def _digest(files: list[Path]) -> str:
+    return hashlib.sha256(b"".join(f.read_bytes() for f in files) + " ".join(_flags()).encode()).hexdigest()[:12]
+
+
 def build_name() -> str:
-    """The library's name: a digest of the sources and flags, so an edited kernel is built anew (and a
-    crossover timed on the old one is not reused: engine/quant.py keys its cache by this name)."""
-    digest = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES + HEADERS) + " ".join(_flags()).encode()).hexdigest()[:12]
-    return f"tidal_kernels_{digest}"
+    """The library's name: a digest of the sources and flags, so an edited kernel is built anew."""
+    return f"tidal_kernels_{_digest(SOURCES + HEADERS)}"
+
+
+def matmul_build() -> str:
+    """The build of the Q4_1/Q8_0 matmuls alone (their source, the shared header, the flags): engine/
+    quant.py keys its timed crossovers by it, so an edited matmul is timed anew and an edit of another
+    kernel (attention) does not throw the timings away."""
+    return f"qmatmul_{_digest(MATMUL_SOURCES + HEADERS)}"
 
 
 def _build() -> tuple[bool, str]:
