@@ -163,7 +163,7 @@ def _cpu_id() -> str:
 
 def _cached(fn):
     """Measure once per process, and once per machine: the result is also kept on disk
-    (engine/disk_cache.py) under the shape, the kernels (the build of tidal's matmuls, or torch's version),
+    (engine/disk_cache.py) under the shape, the kernels (torch's version, and the build of tidal's matmuls when they run),
     the threads and the CPU, so every worker of a cluster and every later start reads it instead of
     timing again (10-15 s of a start on 2 cores). Delete the file (or set TIDAL_DISK_CACHE_MB=0) to
     time again."""
@@ -172,7 +172,8 @@ def _cached(fn):
         # the whole shape: a smaller stand-in that fits in cache favours the float matmul
         key = (fn.__name__, n, k, dtype, repeats, kernels, upto, torch.get_num_threads())
         if key not in _crossovers:
-            build = native.matmul_build() if kernels == "tidal" else f"torch {torch.__version__}"
+            # torch's version either way: its float matmul is the other side of every ratio
+            build = f"{native.matmul_build() + ' ' if kernels == 'tidal' else ''}torch {torch.__version__}"
             disk_key = "|".join(map(str, (*key, build, torch.backends.cpu.get_cpu_capability(), _cpu_id())))
             value = disk_cache.load_crossover(disk_key)
             if value is None:
