@@ -163,10 +163,10 @@ def _cpu_id() -> str:
 
 def _cached(fn):
     """Measure once per process, and once per machine: the result is also kept on disk
-    (engine/disk_cache.py) under the shape, the kernels (torch's version, and the build of tidal's matmuls when they run),
-    the threads and the CPU, so every worker of a cluster and every later start reads it instead of
-    timing again (10-15 s of a start on 2 cores). Delete the file (or set TIDAL_DISK_CACHE_MB=0) to
-    time again."""
+    (engine/disk_cache.py) under the shape, the kernels (torch's version, and the build of tidal's
+    matmuls when they run), the threads and the CPU, so every worker of a cluster and every later
+    start reads it instead of timing again (10-15 s of a start on 2 cores). Delete the file (or set
+    TIDAL_DISK_CACHE_MB=0) to time again."""
     @functools.wraps(fn)
     def measure(n: int, k: int, dtype: torch.dtype, repeats: int = REPEATS, kernels: str = "torch", upto: int = 128) -> int:
         # the whole shape: a smaller stand-in that fits in cache favours the float matmul
