@@ -295,6 +295,44 @@ def test_a_crossover_is_timed_once_per_machine(monkeypatch, tmp_path):
         assert list(json.load(f).values()) == [16]
 
 
+def test_processes_starting_together_time_one_at_a_time(monkeypatch, tmp_path):
+    """Two starts that miss the cache at once (two threads here, each with its own open file, as two
+    worker processes would be): one times while the other waits on the lock, then reads the file;
+    the timing runs once and never two at a time."""
+    import threading
+    import time
+
+    from tidal.engine import quant
+
+    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TIDAL_DISK_CACHE_MB", raising=False)
+    lock = threading.Lock()
+    state = {"now": 0, "most": 0, "calls": 0}
+
+    def ratio(m):
+        with lock:
+            state["now"] += 1
+            state["calls"] += 1
+            state["most"] = max(state["most"], state["now"])
+        time.sleep(0.05)
+        with lock:
+            state["now"] -= 1
+        return 0.9 if m <= 32 else 1.1
+
+    monkeypatch.setattr(quant, "_paired_ratio", _ratio_by_size(ratio))
+    monkeypatch.setattr(quant, "_crossovers", {})
+    got: list[int] = []
+    starts = [threading.Thread(target=lambda: got.append(measure_crossover(64, 64, torch.float32, repeats=1,
+                                                                           upto=512))) for _ in range(2)]
+    for t in starts:
+        t.start()
+    for t in starts:
+        t.join(timeout=60)
+    assert got == [32, 32]
+    assert state["most"] == 1  # never two timings at once
+    assert state["calls"] == 8  # sizes 1..32 won, 64 and 128 lost: one scan of 8 sizes, not two
+
+
 def test_only_an_edited_matmul_is_timed_anew(tmp_path, monkeypatch):
     """The crossovers' key names the matmuls' build: editing the attention kernel renames the library
     (it is built anew) but keeps the timings; editing the matmul kernel or the shared header changes both."""

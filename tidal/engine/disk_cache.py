@@ -134,6 +134,39 @@ def load_crossover(key: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
+@contextlib.contextmanager
+def crossover_lock() -> Iterator[None]:
+    """Held while a process times a crossover: the workers of ``tidal serve --instances N`` start at once
+    on a fresh machine, and N timings run side by side would each see the others' load and cache
+    that for good. The next one waits, then finds the timing in the file (flock on a file beside it,
+    released by the kernel if the holder dies; no lock where there is no fcntl or no cache)."""
+    where = crossovers_path()
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        fcntl = None
+    if where is None or fcntl is None:
+        yield
+        return
+    try:
+        os.makedirs(os.path.dirname(where), exist_ok=True)
+        f = open(f"{where}.lock", "a+b")  # noqa: SIM115 - closed below, after the lock is released
+    except OSError as e:
+        log.warning("timing without the crossover lock (%s)", e)
+        yield
+        return
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process to finish timing the 4-bit matmuls")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def store_crossover(key: str, value: int) -> None:
     """Add one timing to the file (read, update, replace: two processes storing at once may lose one
     entry, which is then timed again, never a torn file)."""

@@ -165,7 +165,8 @@ def _cached(fn):
     """Measure once per process, and once per machine: the result is also kept on disk
     (engine/disk_cache.py) under the shape, the kernels (torch's version, and the build of tidal's
     matmuls when they run), the threads and the CPU, so every worker of a cluster and every later
-    start reads it instead of timing again (10-15 s of a start on 2 cores). Delete the file (or set
+    start reads it instead of timing again (10-15 s of a start on 2 cores); processes that start
+    together time one at a time (``disk_cache.crossover_lock``). Delete the file (or set
     TIDAL_DISK_CACHE_MB=0) to time again."""
     @functools.wraps(fn)
     def measure(n: int, k: int, dtype: torch.dtype, repeats: int = REPEATS, kernels: str = "torch", upto: int = 128) -> int:
@@ -177,8 +178,11 @@ def _cached(fn):
             disk_key = "|".join(map(str, (*key, build, torch.backends.cpu.get_cpu_capability(), _cpu_id())))
             value = disk_cache.load_crossover(disk_key)
             if value is None:
-                value = fn(n, k, dtype, repeats, kernels, upto)
-                disk_cache.store_crossover(disk_key, value)
+                with disk_cache.crossover_lock():  # one process times at a time; the others then read it
+                    value = disk_cache.load_crossover(disk_key)
+                    if value is None:
+                        value = fn(n, k, dtype, repeats, kernels, upto)
+                        disk_cache.store_crossover(disk_key, value)
             _crossovers[key] = value
         return _crossovers[key]
 
