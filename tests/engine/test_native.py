@@ -71,6 +71,52 @@ def test_q8_0_equals_the_dequantized_matmul(n, k):
         torch.testing.assert_close(packed.matmul(x), F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
+def _q8_argmax_cases():
+    """(name, weight, x): ties between equal vocabulary rows, NaN and infinite logits, more and fewer
+    outputs than one part of the fused kernel (64 tiles), an odd tile count, rows for both kernels."""
+    w, q, d = q8_0(1544, 64, seed=3)  # 193 tiles: parts of 48-49 tiles on 4 parts, 24-25 on 8
+    g = torch.Generator().manual_seed(4)
+    cases = []
+    for rows in (1, 2, 3, 5, 15, 16, 17, 33):
+        cases.append((f"random x{rows}", q, d, torch.randn(rows, 64, generator=g)))
+    tie = q.clone()
+    tie[1000], tie[1500], tie[7] = tie[3], tie[3], tie[3]  # the same logit at columns 3, 7, 1000, 1500
+    dt = d.clone()
+    dt[1000], dt[1500], dt[7] = dt[3], dt[3], dt[3]
+    x = torch.zeros(20, 64)
+    x[:, :32] = (tie[3, :32].float() * dt[3, 0]).sign()  # aligned with row 3: it (and its copies) win
+    cases.append(("ties", tie, dt, x))
+    dn = d.clone()
+    dn[600, 1], dn[900, 0] = float("nan"), float("nan")  # columns 600 and 900 NaN: the first wins
+    cases.append(("nan", q, dn, torch.randn(4, 64, generator=g)))
+    cases.append(("nan x17", q, dn, torch.randn(17, 64, generator=g)))
+    xi = torch.randn(3, 64, generator=g)
+    xi[1] = float("nan")  # a whole row NaN: column 0
+    cases.append(("nan row", q, d, xi))
+    di = d.clone()
+    di[1200, 0], di[40, 0] = float("inf"), float("inf")
+    cases.append(("inf", q, di, torch.ones(2, 64)))
+    return cases
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_q8_0_argmax_is_the_argmax_of_the_logits(threads):
+    """The fused greedy head picks torch.argmax(q8_0_mm(x)): the lowest column among equal maxima, the
+    first NaN above all, whatever the split over threads and parts."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for name, q, d, x in _q8_argmax_cases():
+            packed = native.Q8_0Weight.pack(q, d)
+            want = packed.matmul(x).argmax(-1)
+            got = packed.argmax(x)
+            assert got.dtype == torch.long and torch.equal(got, want), (name, got, want)
+            if name == "ties":
+                assert set(want.tolist()) == {3}
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_scales_that_float16_would_round_are_refused():
     w, q, d, m = q4_1(16, 64)
     off = (q.float().view(16, -1, GROUP) * (d * (1 + 1e-4)).unsqueeze(-1) + m.unsqueeze(-1)).view(16, 64)
@@ -94,6 +140,11 @@ def test_bad_inputs_are_named():
         native.Q4_1Weight.pack(*q4_1(36, 64)[1:])
     with pytest.raises(ValueError, match="multiple of 8"):
         native.Q8_0Weight.pack(*q8_0(36, 64)[1:])
+    q8 = native.Q8_0Weight.pack(*q8_0(16, 64)[1:])
+    with pytest.raises(RuntimeError, match="q8_0_argmax: x has 96 columns"):
+        torch.ops.tidal.q8_0_argmax(torch.randn(2, 96), q8.qs, q8.d, 16, 64)
+    with pytest.raises(RuntimeError, match="q8_0_argmax: the output size"):
+        torch.ops.tidal.q8_0_argmax(torch.randn(2, 64), q8.qs[:0], q8.d[:0], 0, 64)
 
 
 def test_the_portable_build_computes_the_same():
@@ -109,6 +160,8 @@ def test_the_portable_build_computes_the_same():
         "torch.testing.assert_close(native.Q4_1Weight.pack(q, d, m).matmul(x), F.linear(x, w), rtol=1e-5, atol=1e-5)\n"
         "w, q, d = q8_0(40, 288)\n"
         "torch.testing.assert_close(native.Q8_0Weight.pack(q, d).matmul(x), F.linear(x, w), rtol=1e-5, atol=1e-4)\n"
+        "from tests.engine.test_native import test_q8_0_argmax_is_the_argmax_of_the_logits as head\n"
+        "head(1); head(2)\n"
         "from tests.engine.test_native import test_paged_attention_equals_the_gathered_sdpa as attn\n"
         "attn(9, 3, 64, [0, 3, 4, 17, 9], 2); attn(4, 4, 36, [130, 5, 300], 1); attn(9, 3, 64, [700], 2)\n"
         "from tests.engine.test_native import test_prefill_attention_equals_masked_sdpa as pre\n"

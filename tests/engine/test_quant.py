@@ -363,3 +363,45 @@ def test_paired_ratio_times_both_sides_each_round():
                                 lambda: calls.append("b") or time.sleep(0.01), repeats=3)
     assert calls == ["a", "b"] * 4  # a warm-up pair, then three rounds
     assert 1.5 < ratio < 20  # ~4: each side sleeps its own time (a loaded machine only oversleeps)
+
+
+def test_greedy_steps_take_the_fused_head_and_the_same_tokens(make_engine, monkeypatch):
+    """A step whose rows are all greedy without logprobs asks the Q8_0 head for the argmax alone
+    (tidal's fused kernel: no logits in memory); its tokens are those of the full logits. A step with a
+    sampled row, logprobs or kept logits goes the full way."""
+    from tidal.core.sampling import SamplingParams
+    from tidal.engine import native
+
+    calls: list[int] = []
+    fused = native.Q8_0Weight.argmax
+
+    def counted(self, x):
+        calls.append(x.shape[0])
+        return fused(self, x)
+
+    monkeypatch.setattr(native.Q8_0Weight, "argmax", counted)
+    prompts = [[1, 504, 3458, 314, 260], [1, 57, 1470, 30, 4473, 28, 411], [1, 9, 80, 4000]]
+
+    def run(keep: bool, params: list[SamplingParams]):
+        engine = make_engine(quantization="int4", kv_cache_memory="32MiB")
+        engine.runner.keep_logits = keep
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt_token_ids=p, params=params[i])
+        tokens = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens[out.request_id] = out.outputs[0].token_ids
+        return engine, tokens
+
+    greedy = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)] * 3
+    engine, fast = run(False, greedy)
+    native_head = isinstance(engine.model.head_int8, native.Q8_0Weight)
+    assert (len(calls) > 0) == native_head  # where the head runs torch's int8 kernel, the full way
+    assert not native_head or sum(calls) == 3 * 6  # every sampled row: one per request and step
+    calls.clear()
+    _, full = run(True, greedy)
+    assert full == fast and not calls
+    mixed = [greedy[0], SamplingParams(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True),
+             SamplingParams(max_tokens=6, temperature=0, logprobs=2, ignore_eos=True)]
+    _, out = run(False, mixed)
+    assert not calls and out["r0"] == fast["r0"] and out["r2"] == fast["r2"]

@@ -566,6 +566,14 @@ class LlamaModel(nn.Module):
                 h = layer.native_forward(h, kv, batch, args)
         return h
 
+    def greedy_tokens(self, h: torch.Tensor) -> torch.Tensor | None:
+        """``compute_logits(h).argmax(-1)`` where the LM head's Q8_0 kernel runs (tidal's fused argmax:
+        the logits never reach memory), else None."""
+        head = self.head_int8
+        if self.norm is None or not isinstance(head, native.Q8_0Weight) or h.shape[0] > head.max_tokens:
+            return None
+        return head.argmax(self.norm(h))
+
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         if self.norm is None:
             raise RuntimeError("this stage has no head (it is not the last stage)")

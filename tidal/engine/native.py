@@ -144,6 +144,10 @@ def _register_fakes() -> None:
     def _q8(x, qs, d, n, k):
         return x.new_empty(x.shape[0], n)
 
+    @torch.library.register_fake("tidal::q8_0_argmax")
+    def _q8_argmax(x, qs, d, n, k):
+        return x.new_empty(x.shape[0], dtype=torch.long)
+
     @torch.library.register_fake("tidal::paged_decode_attention")
     def _attn(q, k_cache, v_cache, block_tables, positions, scale):
         return torch.empty_like(q)
@@ -209,6 +213,10 @@ class Q8_0Weight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.tidal.q8_0_mm(x.contiguous(), self.qs, self.d, self.n, self.k)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """``matmul(x).argmax(-1)`` (torch's rule for ties and NaN) without the logits in memory."""
+        return torch.ops.tidal.q8_0_argmax(x.contiguous(), self.qs, self.d, self.n, self.k)
 
     @classmethod
     def pack(cls, q: torch.Tensor, d: torch.Tensor, weight: torch.Tensor | None = None) -> Q8_0Weight | None:

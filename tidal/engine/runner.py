@@ -199,12 +199,19 @@ class ModelRunner:
         else:
             h, sampling = self._execute_pipelined(plan.step_id, ordered)
         if sampling:
-            if logits is None:
-                logits = self.model.compute_logits(h)
-            if self.keep_logits:
-                self.last_logits = {c.request_id: logits[i].cpu() for i, c in enumerate(sampling)}
-            tokens, lps = self.sampler.sample(
-                logits, [c.request_id for c in sampling], [c.sampling for c in sampling])
+            tokens = None
+            if logits is None and not self.keep_logits and all(
+                    c.sampling.greedy and c.sampling.logprobs is None for c in sampling):
+                tokens = self.model.greedy_tokens(h)  # every row greedy: the argmax alone, where fused
+            if tokens is not None:
+                tokens, lps = tokens.tolist(), [None] * len(sampling)
+            else:
+                if logits is None:
+                    logits = self.model.compute_logits(h)
+                if self.keep_logits:
+                    self.last_logits = {c.request_id: logits[i].cpu() for i, c in enumerate(sampling)}
+                tokens, lps = self.sampler.sample(
+                    logits, [c.request_id for c in sampling], [c.sampling for c in sampling])
             for c, tok, lp in zip(sampling, tokens, lps, strict=True):
                 result.sampled[c.request_id] = tok
                 if lp is not None:

@@ -1,7 +1,8 @@
 // Weight-only matmuls over GGUF's own 4-bit (Q4_1) and 8-bit (Q8_0) blocks, float32 activations.
 //
 // Built at first use by tidal/engine/native.py (torch.utils.cpp_extension, -O3 and -mavx2 -mfma -mf16c where torch found AVX2) and
-// registered as torch.ops.tidal.q4_1_mm / q8_0_mm. A step of few tokens is bound by reading the
+// registered as torch.ops.tidal.q4_1_mm / q8_0_mm (and q8_0_argmax, greedy decoding's token from a Q8_0 LM head
+// without its logits). A step of few tokens is bound by reading the
 // weights; these read 0.625 (Q4_1) and 1.06 (Q8_0) bytes a weight instead of float32's 4, and unpack
 // in registers. Activations stay float32 (no Q8 activation rounding as llama.cpp's dot products do):
 // a Q4_1 block of 32 weights w = q * d + m gives sum_i w_i x_i = d * sum_i q_i x_i + m * sum_i x_i,
@@ -24,7 +25,9 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #if defined(__AVX2__) || defined(__F16C__)
@@ -275,29 +278,33 @@ static_assert(kPanelMinRows >= 16, "run_panels' row groups assume at least four 
 // that the accumulators stay in registers), or with the panel kernels for a step of many rows
 constexpr int64_t kTileChunk = 8;
 
+// run_tiles' work for tiles [t0, t1) on the calling thread
+template <class K, typename... A>
+void tile_range(int64_t M, int64_t t0, int64_t t1, A... args) {
+#ifdef TIDAL_AVX2
+  if (M >= kPanelMinRows) {
+    K::panels(args..., M, t0, t1);
+    return;
+  }
+#endif
+  for (int64_t tc = t0; tc < t1; tc += kTileChunk) {
+    const int64_t te = std::min(tc + kTileChunk, t1);
+    int64_t r0 = 0;
+    for (; r0 + kRowTile <= M; r0 += kRowTile) K::template narrow<kRowTile>(args..., r0, tc, te);
+    switch (M - r0) {
+      case 1: K::template narrow<1>(args..., r0, tc, te); break;
+      case 2: K::template narrow<2>(args..., r0, tc, te); break;
+      case 3: K::template narrow<3>(args..., r0, tc, te); break;
+      default: break;
+    }
+  }
+}
+
 template <class K, typename... A>
 void run_tiles(int64_t M, int64_t T, A... args) {
   int64_t grain = std::max<int64_t>(2, T / (4 * std::max<int64_t>(1, at::get_num_threads())));
   grain += grain % 2;
-  at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
-#ifdef TIDAL_AVX2
-    if (M >= kPanelMinRows) {
-      K::panels(args..., M, t0, t1);
-      return;
-    }
-#endif
-    for (int64_t tc = t0; tc < t1; tc += kTileChunk) {
-      const int64_t te = std::min(tc + kTileChunk, t1);
-      int64_t r0 = 0;
-      for (; r0 + kRowTile <= M; r0 += kRowTile) K::template narrow<kRowTile>(args..., r0, tc, te);
-      switch (M - r0) {
-        case 1: K::template narrow<1>(args..., r0, tc, te); break;
-        case 2: K::template narrow<2>(args..., r0, tc, te); break;
-        case 3: K::template narrow<3>(args..., r0, tc, te); break;
-        default: break;
-      }
-    }
-  });
+  at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) { tile_range<K>(M, t0, t1, args...); });
 }
 
 struct Q4Tiles {
@@ -338,6 +345,88 @@ at::Tensor q8_0_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& 
   return out;
 }
 
+// The best of one row's W outputs (columns col0 ..) folded into (bv, bi) by torch.argmax's rule: the
+// largest value, the lowest column among equal ones, a NaN above everything (the first NaN wins).
+void fold_best(const float* v, int64_t W, int64_t col0, float& bv, int64_t& bi) {
+  if (bi >= 0 && std::isnan(bv)) return;  // a NaN already won
+  float m = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+  int64_t i = 0;
+#ifdef TIDAL_AVX2
+  __m256 vm = _mm256_set1_ps(m), un = _mm256_setzero_ps();
+  for (; i + 8 <= W; i += 8) {
+    const __m256 x = _mm256_loadu_ps(v + i);
+    vm = _mm256_max_ps(vm, x);
+    un = _mm256_or_ps(un, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  }
+  nan = _mm256_movemask_ps(un) != 0;
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vm);
+  for (float l : lanes) m = std::max(m, l);
+#endif
+  for (; i < W; ++i) {
+    nan = nan || std::isnan(v[i]);
+    m = std::max(m, v[i]);
+  }
+  if (nan) {
+    for (int64_t j = 0; j < W; ++j)
+      if (std::isnan(v[j])) {
+        bv = v[j];
+        bi = col0 + j;
+        return;
+      }
+  }
+  if (bi >= 0 && !(m > bv)) return;
+  for (int64_t j = 0; j < W; ++j)
+    if (v[j] == m) {
+      bv = m;
+      bi = col0 + j;
+      return;
+    }
+}
+
+// Greedy decoding over a Q8_0 LM head: argmax_j (x @ W^T)[r, j] for each row r, without the [M, n] logits
+// ever reaching memory: each part of the outputs is computed kArgmaxTiles tiles (512 outputs) at a time into
+// a buffer that stays in cache, and each row keeps its best; the parts' bests are then folded in column order.
+// The logits are those of q8_0_mm (the same kernels over the same tiles), so the token is argmax(q8_0_mm).
+constexpr int64_t kArgmaxTiles = 64;
+
+at::Tensor q8_0_argmax(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, int64_t n, int64_t k) {
+  check(x, qs, d, n, k, at::kChar, "q8_0_argmax");
+  TORCH_CHECK(n % 8 == 0 && n > 0, "q8_0_argmax: the output size must be a positive multiple of 8");
+  TORCH_CHECK(d.numel() == n * (k / kBlock), "q8_0_argmax: d must hold a scale per block");
+  const int64_t M = x.size(0), G = k / kBlock, T = n / 8;
+  const int64_t parts = std::min<int64_t>(T, 4 * std::max<int64_t>(1, at::get_num_threads()));
+  std::vector<float> best_v(parts * M);
+  std::vector<int64_t> best_i(parts * M, -1);
+  const float* xp = x.data_ptr<float>();
+  const int8_t* qp = qs.data_ptr<int8_t>();
+  const c10::Half* dp = d.data_ptr<c10::Half>();
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> buf(M * kArgmaxTiles * 8);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t t1 = T * (p + 1) / parts;
+      for (int64_t t = T * p / parts; t < t1; t += kArgmaxTiles) {
+        const int64_t nt = std::min(kArgmaxTiles, t1 - t), W = nt * 8;  // tiles [t, t + nt) as a matrix of their own
+        tile_range<Q8Tiles>(M, 0, nt, xp, qp + t * G * 256, dp + t * G * 8, buf.data(), k, W);
+        for (int64_t r = 0; r < M; ++r) fold_best(buf.data() + r * W, W, t * 8, best_v[p * M + r], best_i[p * M + r]);
+      }
+    }
+  });
+  at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < M; ++r) {
+    float bv = best_v[r];
+    int64_t bi = best_i[r];
+    for (int64_t p = 1; p < parts && !std::isnan(bv); ++p) {
+      const float v = best_v[p * M + r];
+      if (std::isnan(v) || v > bv) bv = v, bi = best_i[p * M + r];
+    }
+    op[r] = bi;
+  }
+  return out;
+}
+
 }  // namespace
 
 namespace tidal {
@@ -368,9 +457,11 @@ at::Tensor q4_1_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& 
 TORCH_LIBRARY(tidal, m) {
   m.def("q4_1_mm(Tensor x, Tensor qs, Tensor dm, int n, int k) -> Tensor");
   m.def("q8_0_mm(Tensor x, Tensor qs, Tensor d, int n, int k) -> Tensor");
+  m.def("q8_0_argmax(Tensor x, Tensor qs, Tensor d, int n, int k) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tidal, CPU, m) {
   m.impl("q4_1_mm", &tidal::q4_1_mm);
   m.impl("q8_0_mm", &q8_0_mm);
+  m.impl("q8_0_argmax", &q8_0_argmax);
 }
