@@ -16,6 +16,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Every engine the tests build in this process reuses the parsed and dequantized default GGUF
 # (tidal.engine.loader's opt-in cache; each engine still gets its own copy of the weights).
 os.environ.setdefault("TIDAL_WEIGHT_CACHE_MB", "1024")
+# The suite keeps its own disk cache (engine/disk_cache.py): it times the 4-bit/float crossovers on a
+# loaded machine (two workers, their servers beside them), and the user's ~/.cache/tidal, which every
+# later start trusts, must never hold a timing taken under that load. CI names its own, empty, cache.
+os.environ.setdefault("TIDAL_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "tidal-tests"))
 # Under xdist each worker (and the servers and cluster workers it starts) gets its share of the
 # cores as torch threads: two workers each running two threads on two cores spent more time
 # switching (and ~8 % more wall time on the engine modules) than one thread each.
