@@ -199,12 +199,11 @@ class ModelRunner:
         else:
             h, sampling = self._execute_pipelined(plan.step_id, ordered)
         if sampling:
-            tokens = None
-            if logits is None and not self.keep_logits and all(
-                    c.sampling.greedy and c.sampling.logprobs is None for c in sampling):
-                tokens = self.model.greedy_tokens(h)  # every row greedy: the argmax alone, where fused
-            if tokens is not None:
-                tokens, lps = tokens.tolist(), [None] * len(sampling)
+            # every row greedy: the argmax alone, where the head fuses it (None where it does not)
+            fused = self.model.greedy_tokens(h) if logits is None and not self.keep_logits and all(
+                c.sampling.greedy and c.sampling.logprobs is None for c in sampling) else None
+            if fused is not None:
+                tokens, lps = fused.tolist(), [None] * len(sampling)
             else:
                 if logits is None:
                     logits = self.model.compute_logits(h)

@@ -21,6 +21,13 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(h);
 }
 
+// the largest of the eight lanes (no NaN among them: _mm_max_ps would pass one on or drop it by position)
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
 // e^x for x <= 0: x = n ln2 + r (|r| <= ln2/2), e^r by a degree-6 polynomial, 2^n by the exponent bits;
 // relative error ~2 ulp; below -87 it returns 0 (float's own e^x is then a denormal or 0)
 inline __m256 exp_nonpos(__m256 x) {

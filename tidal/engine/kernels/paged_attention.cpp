@@ -178,9 +178,7 @@ std::pair<float, float> span_softmax(float* s, int64_t L) {
 #ifdef TIDAL_AVX2
   __m256 m8 = _mm256_set1_ps(mx);
   for (; i + 8 <= L; i += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(s + i));
-  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
-  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  mx = tidal::hmax(m8);
 #endif
   for (; i < L; ++i) mx = std::max(mx, s[i]);
   return {mx, tidal::exp_shift_sum(s, L, mx)};

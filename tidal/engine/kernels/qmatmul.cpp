@@ -360,9 +360,7 @@ void fold_best(const float* v, int64_t W, int64_t col0, float& bv, int64_t& bi) 
     un = _mm256_or_ps(un, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
   }
   nan = _mm256_movemask_ps(un) != 0;
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, vm);
-  for (float l : lanes) m = std::max(m, l);
+  m = tidal::hmax(vm);  // not read when a NaN was seen
 #endif
   for (; i < W; ++i) {
     nan = nan || std::isnan(v[i]);
