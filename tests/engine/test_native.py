@@ -39,8 +39,9 @@ def q8_0(n: int, k: int, seed: int = 0):
     return (q.float().view(n, -1, GROUP) * d.unsqueeze(-1)).view(n, k), q, d
 
 
-# K/32 of 3, 8 and 9 blocks: the float16 scales convert eight at a time plus a tail
-@pytest.mark.parametrize("n,k", [(48, 96), (40, 256), (8, 288)])
+# K/32 of 3, 8 and 9 blocks: the float16 scales convert eight at a time plus a tail; n=296 (37 tiles of
+# eight outputs) splits a step of many rows into 19 tasks taken by two threads, the last of one tile
+@pytest.mark.parametrize("n,k", [(48, 96), (40, 256), (8, 288), (296, 64)])
 def test_q4_1_equals_the_dequantized_matmul(n, k):
     w, q, d, m = q4_1(n, k)
     grid = int4_grid(w)
@@ -58,7 +59,7 @@ def test_q4_1_equals_the_dequantized_matmul(n, k):
         torch.testing.assert_close(got, F.linear(x.double(), w.double()).float(), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("n,k", [(48, 96), (40, 288)])
+@pytest.mark.parametrize("n,k", [(48, 96), (40, 288), (296, 64)])
 def test_q8_0_equals_the_dequantized_matmul(n, k):
     w, q, d = q8_0(n, k)
     grid = int8_grid(w)

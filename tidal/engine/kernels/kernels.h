@@ -2,7 +2,9 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
+#include <atomic>
 #include <cmath>
 
 // the SIMD code paths: AVX2 + FMA + F16C when the compiler targets them (native.py's flags), else portable C++
@@ -12,6 +14,18 @@
 #endif
 
 namespace tidal {
+
+// f(t, scratch) for every task t in [0, n), on up to at::get_num_threads() threads that each take the next
+// task from a shared counter (each with a Scratch of its own) rather than one fixed share: a thread that the
+// machine slows (a busy sibling hyperthread, a preemption) takes fewer tasks instead of holding up the call
+template <class Scratch, class F>
+void run_tasks(int64_t n, const F& f) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    Scratch scratch{};
+    for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < n;) f(t, scratch);
+  });
+}
 
 #ifdef TIDAL_AVX2
 inline float hsum(__m256 v) {

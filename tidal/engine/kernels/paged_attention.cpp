@@ -23,7 +23,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <limits>
 #include <tuple>
@@ -268,42 +267,44 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const float sc = static_cast<float>(scale);
   // a span's partial result: H x (D outputs, max, sum); only when a context is split
   std::vector<float> part(C > 1 ? n * C * H * (D + 2) : 0);
-  // tasks are handed out one at a time (a shared counter), not in one contiguous range per thread:
-  // the engine sorts decodes longest context first, so a static split would give one thread the
-  // long contexts; taken in that order the tasks balance as longest-first list scheduling
+  // tasks are handed out one at a time (run_tasks), not in one contiguous range per thread: the engine
+  // sorts decodes longest context first, so a static split would give one thread the long contexts;
+  // taken in that order the tasks balance as longest-first list scheduling
   const int64_t T = n * C;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(T, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    std::vector<float> s, o, mx(H), sum(H);
-    for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < T;) {
-      const int64_t i = t / C, c = t % C, ctx = pos[i] + 1;
-      const int64_t len = (ctx + C - 1) / C, j0 = std::min(ctx, c * len), j1 = std::min(ctx, j0 + len);
-      float* res = C > 1 ? part.data() + t * H * (D + 2) : nullptr;
-      if (j0 >= j1) {  // an empty span (a short context): no keys, nothing to add
-        for (int64_t hq = 0; hq < H; ++hq) {
-          res[hq * (D + 2) + D] = -std::numeric_limits<float>::infinity();
-          res[hq * (D + 2) + D + 1] = 0.f;
-        }
-        continue;
-      }
-      const Span sp{k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tables + i * W, bs, KVH, D, G, j0, j1};
-      const int64_t L = j1 - j0;
-      s.resize(H * L);
-      o.resize(H * D);
-      span_scores(sp, qp + i * H * D, sc, s.data());
-      for (int64_t hq = 0; hq < H; ++hq) std::tie(mx[hq], sum[hq]) = span_softmax(s.data() + hq * L, L);
-      span_values(sp, s.data(), o.data());
+  struct Scratch {
+    std::vector<float> s, o, mx, sum;
+  };
+  tidal::run_tasks<Scratch>(T, [&](int64_t t, Scratch& w) {
+    auto &s = w.s, &o = w.o, &mx = w.mx, &sum = w.sum;
+    mx.resize(H);
+    sum.resize(H);
+    const int64_t i = t / C, c = t % C, ctx = pos[i] + 1;
+    const int64_t len = (ctx + C - 1) / C, j0 = std::min(ctx, c * len), j1 = std::min(ctx, j0 + len);
+    float* res = C > 1 ? part.data() + t * H * (D + 2) : nullptr;
+    if (j0 >= j1) {  // an empty span (a short context): no keys, nothing to add
       for (int64_t hq = 0; hq < H; ++hq) {
-        const float* oh = o.data() + hq * D;
-        if (res == nullptr) {  // the whole context: normalize in place
-          float* dst = op + (i * H + hq) * D;
-          const float inv = 1.f / sum[hq];
-          for (int64_t d = 0; d < D; ++d) dst[d] = oh[d] * inv;
-        } else {
-          std::copy(oh, oh + D, res + hq * (D + 2));
-          res[hq * (D + 2) + D] = mx[hq];
-          res[hq * (D + 2) + D + 1] = sum[hq];
-        }
+        res[hq * (D + 2) + D] = -std::numeric_limits<float>::infinity();
+        res[hq * (D + 2) + D + 1] = 0.f;
+      }
+      return;
+    }
+    const Span sp{k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tables + i * W, bs, KVH, D, G, j0, j1};
+    const int64_t L = j1 - j0;
+    s.resize(H * L);
+    o.resize(H * D);
+    span_scores(sp, qp + i * H * D, sc, s.data());
+    for (int64_t hq = 0; hq < H; ++hq) std::tie(mx[hq], sum[hq]) = span_softmax(s.data() + hq * L, L);
+    span_values(sp, s.data(), o.data());
+    for (int64_t hq = 0; hq < H; ++hq) {
+      const float* oh = o.data() + hq * D;
+      if (res == nullptr) {  // the whole context: normalize in place
+        float* dst = op + (i * H + hq) * D;
+        const float inv = 1.f / sum[hq];
+        for (int64_t d = 0; d < D; ++d) dst[d] = oh[d] * inv;
+      } else {
+        std::copy(oh, oh + D, res + hq * (D + 2));
+        res[hq * (D + 2) + D] = mx[hq];
+        res[hq * (D + 2) + D + 1] = sum[hq];
       }
     }
   });

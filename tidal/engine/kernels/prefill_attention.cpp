@@ -18,7 +18,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -224,13 +223,9 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
                n, H, KVH, D, H / KVH, offset, static_cast<float>(scale), out.data_ptr<float>()};
   // tasks (query block, KV head), the last blocks (the most keys) first, handed out one at a time
   const int64_t nqb = (n + kBQ - 1) / kBQ, T = nqb * KVH;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(T, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    Scratch w;
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < T;) {
-      const int64_t b = nqb - 1 - i / KVH, h = i % KVH;
-      run_task(t, h, b * kBQ, std::min(n, (b + 1) * kBQ), w);
-    }
+  tidal::run_tasks<Scratch>(T, [&](int64_t i, Scratch& w) {
+    const int64_t b = nqb - 1 - i / KVH, h = i % KVH;
+    run_task(t, h, b * kBQ, std::min(n, (b + 1) * kBQ), w);
   });
   return out;
 }

@@ -234,12 +234,14 @@ void panel_rows(const float* x, const float* P, float* out, int64_t K, int64_t N
 constexpr int64_t kPanelRows = 6;  // MR of the micro-kernel: 12 accumulators, 2 panel vectors, a broadcast
 
 // every row of x against tiles [t0, t1), a panel of two tiles at a time; dequant(t, nt, P) fills the
-// panel's first nt tiles. After an odd last tile the second half keeps the previous panel's weights
-// (or the buffer's initial zeros): finite values whose products panel_rows computes but never stores.
+// panel's first nt tiles. The panel is the thread's own buffer, kept between calls: after an odd last tile
+// its second half holds weights of an earlier panel (or zeros), whose products panel_rows computes but
+// never stores.
 template <class Dequant>
 void run_panels(const float* x, float* out, int64_t M, int64_t K, int64_t N, int64_t t0, int64_t t1,
                 const Dequant& dequant) {
-  std::vector<float> panel(K * 16);
+  thread_local std::vector<float> panel;
+  if (static_cast<int64_t>(panel.size()) < K * 16) panel.resize(K * 16);
   float* P = panel.data();
   for (int64_t t = t0; t < t1; t += 2) {
     const int64_t nt = std::min<int64_t>(2, t1 - t);
@@ -273,10 +275,13 @@ void check(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales, 
 constexpr int64_t kPanelMinRows = 16;  // a step of at least this many rows runs the panel kernels
 static_assert(kPanelMinRows >= 16, "run_panels' row groups assume at least four rows each");
 
-// tiles of eight outputs split over threads (pairs kept together for the panels); each thread walks
-// its tiles in chunks of kTileChunk, each chunk once per group of rows (NR a compile-time count, so
-// that the accumulators stay in registers), or with the panel kernels for a step of many rows
+// tiles of eight outputs in tasks of an even number of tiles (pairs kept together for the panels), taken by
+// run_tasks: kTasksPerThread a thread for the panel kernels (a step of many rows), one a thread for a step of
+// few rows (short tasks, where more of them measured slower at one row). A task walks its tiles in chunks of
+// kTileChunk, each chunk once per group of rows (NR a compile-time count, so that the accumulators stay in
+// registers), or with the panel kernels
 constexpr int64_t kTileChunk = 8;
+constexpr int64_t kTasksPerThread = 8;
 
 // run_tiles' work for tiles [t0, t1) on the calling thread
 template <class K, typename... A>
@@ -302,9 +307,12 @@ void tile_range(int64_t M, int64_t t0, int64_t t1, A... args) {
 
 template <class K, typename... A>
 void run_tiles(int64_t M, int64_t T, A... args) {
-  int64_t grain = std::max<int64_t>(2, T / (4 * std::max<int64_t>(1, at::get_num_threads())));
-  grain += grain % 2;
-  at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) { tile_range<K>(M, t0, t1, args...); });
+  const int64_t per = M >= kPanelMinRows ? kTasksPerThread : 1;
+  int64_t tiles = std::max<int64_t>(2, T / (per * std::max<int64_t>(1, at::get_num_threads())));
+  tiles += tiles % 2;
+  struct None {};
+  tidal::run_tasks<None>((T + tiles - 1) / tiles,
+                         [&](int64_t i, None&) { tile_range<K>(M, i * tiles, std::min(T, (i + 1) * tiles), args...); });
 }
 
 struct Q4Tiles {
@@ -394,21 +402,19 @@ at::Tensor q8_0_argmax(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   TORCH_CHECK(n % 8 == 0 && n > 0, "q8_0_argmax: the output size must be a positive multiple of 8");
   TORCH_CHECK(d.numel() == n * (k / kBlock), "q8_0_argmax: d must hold a scale per block");
   const int64_t M = x.size(0), G = k / kBlock, T = n / 8;
-  const int64_t parts = std::min<int64_t>(T, 4 * std::max<int64_t>(1, at::get_num_threads()));
+  const int64_t parts = std::min<int64_t>(T, kTasksPerThread * std::max<int64_t>(1, at::get_num_threads()));
   std::vector<float> best_v(parts * M);
   std::vector<int64_t> best_i(parts * M, -1);
   const float* xp = x.data_ptr<float>();
   const int8_t* qp = qs.data_ptr<int8_t>();
   const c10::Half* dp = d.data_ptr<c10::Half>();
-  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> buf(M * kArgmaxTiles * 8);
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t t1 = T * (p + 1) / parts;
-      for (int64_t t = T * p / parts; t < t1; t += kArgmaxTiles) {
-        const int64_t nt = std::min(kArgmaxTiles, t1 - t), W = nt * 8;  // tiles [t, t + nt) as a matrix of their own
-        tile_range<Q8Tiles>(M, 0, nt, xp, qp + t * G * 256, dp + t * G * 8, buf.data(), k, W);
-        for (int64_t r = 0; r < M; ++r) fold_best(buf.data() + r * W, W, t * 8, best_v[p * M + r], best_i[p * M + r]);
-      }
+  tidal::run_tasks<std::vector<float>>(parts, [&](int64_t p, std::vector<float>& buf) {
+    buf.resize(M * kArgmaxTiles * 8);
+    const int64_t t1 = T * (p + 1) / parts;
+    for (int64_t t = T * p / parts; t < t1; t += kArgmaxTiles) {
+      const int64_t nt = std::min(kArgmaxTiles, t1 - t), W = nt * 8;  // tiles [t, t + nt) as a matrix of their own
+      tile_range<Q8Tiles>(M, 0, nt, xp, qp + t * G * 256, dp + t * G * 8, buf.data(), k, W);
+      for (int64_t r = 0; r < M; ++r) fold_best(buf.data() + r * W, W, t * 8, best_v[p * M + r], best_i[p * M + r]);
     }
   });
   at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
