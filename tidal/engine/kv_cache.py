@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from tidal.config import ModelArch
+from tidal.engine import hugepages
 from tidal.engine.model import KVLayer
 
 
@@ -45,8 +46,12 @@ class PagedKVCache:
             self.host[i] = KVLayer(torch.zeros(h, dtype=self.dtype, pin_memory=pin),
                                    torch.zeros(h, dtype=self.dtype, pin_memory=pin))
 
-    def _alloc(self, n: int) -> torch.Tensor:
-        return torch.zeros((n, *self._shape), dtype=self.dtype, device=self.device)
+    def _alloc(self, n: int, like: torch.Tensor | None = None) -> torch.Tensor:
+        """n blocks of zeros (on huge pages where the CPU's kernel gives them), the first ones ``like``'s."""
+        t = hugepages.zeros((n, *self._shape), dtype=self.dtype, device=self.device)
+        if like is not None:
+            t[: len(like)] = like
+        return t
 
     @property
     def bytes_per_block(self) -> int:
@@ -89,8 +94,8 @@ class PagedKVCache:
     # ------------------------------------------------------------------ resize
     def grow(self, n: int) -> None:
         for layer in self.layers.values():
-            layer.k = torch.cat([layer.k, self._alloc(n)])
-            layer.v = torch.cat([layer.v, self._alloc(n)])
+            layer.k = self._alloc(self.num_blocks + n, layer.k)
+            layer.v = self._alloc(self.num_blocks + n, layer.v)
         self.num_blocks += n
 
     def shrink(self, n: int, moves: Sequence[tuple[int, int]]) -> None:
@@ -98,8 +103,8 @@ class PagedKVCache:
         self.copy_blocks(moves)
         keep = self.num_blocks - n
         for layer in self.layers.values():
-            layer.k = layer.k[:keep].clone()
-            layer.v = layer.v[:keep].clone()
+            layer.k = self._alloc(keep, layer.k[:keep])
+            layer.v = self._alloc(keep, layer.v[:keep])
         self.num_blocks = keep
 
     def drop_layers(self, layer_ids: Iterable[int]) -> int:
