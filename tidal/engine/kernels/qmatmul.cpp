@@ -275,6 +275,15 @@ void check(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales, 
 constexpr int64_t kPanelMinRows = 16;  // a step of at least this many rows runs the panel kernels
 static_assert(kPanelMinRows >= 16, "run_panels' row groups assume at least four rows each");
 
+// whether a step of M rows runs the panel kernels
+inline bool panel_step(int64_t M) {
+#ifdef TIDAL_AVX2
+  return M >= kPanelMinRows;
+#else
+  return false;
+#endif
+}
+
 // tiles of eight outputs in tasks of an even number of tiles (pairs kept together for the panels), taken by
 // run_tasks: kTasksPerThread a thread for the panel kernels (a step of many rows), one a thread for a step of
 // few rows (short tasks, where more of them measured slower at one row). A task walks its tiles in chunks of
@@ -287,7 +296,7 @@ constexpr int64_t kTasksPerThread = 8;
 template <class K, typename... A>
 void tile_range(int64_t M, int64_t t0, int64_t t1, A... args) {
 #ifdef TIDAL_AVX2
-  if (M >= kPanelMinRows) {
+  if (panel_step(M)) {
     K::panels(args..., M, t0, t1);
     return;
   }
@@ -442,11 +451,14 @@ at::Tensor q4_1_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& 
   const int64_t M = x.size(0), G = k / kBlock, T = n / 8;
   at::Tensor out = at::empty({M, n}, x.options());
   const float* xp = x.data_ptr<float>();
-  std::vector<float> xsum(M * G);  // sum_i x_i per block and row
-  for (int64_t b = 0; b < M * G; ++b) {
-    float t = 0.f;
-    for (int64_t j = 0; j < kBlock; ++j) t += xp[b * kBlock + j];
-    xsum[b] = t;
+  std::vector<float> xsum;  // sum_i x_i per block and row: the few-row kernels' m term (the panels add m per weight)
+  if (!panel_step(M)) {
+    xsum.resize(M * G);
+    for (int64_t b = 0; b < M * G; ++b) {
+      float t = 0.f;
+      for (int64_t j = 0; j < kBlock; ++j) t += xp[b * kBlock + j];
+      xsum[b] = t;
+    }
   }
   const float* sp = xsum.data();
   const uint8_t* qp = qs.data_ptr<uint8_t>();
