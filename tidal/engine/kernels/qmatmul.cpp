@@ -316,7 +316,7 @@ void tile_range(int64_t M, int64_t t0, int64_t t1, A... args) {
 
 template <class K, typename... A>
 void run_tiles(int64_t M, int64_t T, A... args) {
-  const int64_t per = M >= kPanelMinRows ? kTasksPerThread : 1;
+  const int64_t per = panel_step(M) ? kTasksPerThread : 1;
   int64_t tiles = std::max<int64_t>(2, T / (per * std::max<int64_t>(1, at::get_num_threads())));
   tiles += tiles % 2;
   struct None {};
