@@ -4,9 +4,10 @@ Linux's ``/sys/kernel/mm/transparent_hugepage/enabled`` is often ``madvise``: me
 only where the process asks with ``madvise(MADV_HUGEPAGE)`` before touching it. A decode step streams
 the whole paged KV cache of its requests; on 4 KiB pages the hardware prefetchers stop at every page
 boundary and each page costs a TLB entry (``python benchmarks/native_kernels.py`` times the paged decode
-attention over 157 MB of KV on both; 1.13-1.16x on huge pages on a 2-core AVX2 EPYC, 2026-11-25). :func:`zeros` allocates, asks, then
-zeroes, so the first touch faults huge pages in. Anywhere the call is missing or refused (another OS,
-THP ``never``, a small tensor, CUDA) it is plain ``torch.zeros``.
+attention over 157 MB of KV on both; 1.06-1.16x on huge pages on a 2-core AVX2 EPYC, 2026-11-25).
+:func:`empty` allocates and asks before anything touches the memory, so the first write (:func:`zeros`'
+zeroing, or a copy) faults huge pages in. Anywhere the call is missing or refused (another OS, THP
+``never``, a small tensor, CUDA) they are plain ``torch.empty`` / ``torch.zeros``.
 """
 
 from __future__ import annotations
@@ -46,10 +47,13 @@ def advise(t: torch.Tensor) -> bool:
     return hi > lo and _MADVISE(lo, hi - lo, _MADV_HUGEPAGE) == 0
 
 
-def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``torch.zeros(shape)``; on the CPU backed by huge pages where the kernel gives them."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    t = torch.empty(shape, dtype=dtype)
+def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.empty(shape)``; on the CPU backed by huge pages (from its first write) where the kernel gives them."""
+    t = torch.empty(shape, dtype=dtype, device=device)
     advise(t)
-    return t.zero_()
+    return t
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.zeros(shape)``, as :func:`empty` places it."""
+    return empty(shape, dtype, device).zero_()

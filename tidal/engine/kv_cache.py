@@ -47,10 +47,12 @@ class PagedKVCache:
                                    torch.zeros(h, dtype=self.dtype, pin_memory=pin))
 
     def _alloc(self, n: int, like: torch.Tensor | None = None) -> torch.Tensor:
-        """n blocks of zeros (on huge pages where the CPU's kernel gives them), the first ones ``like``'s."""
-        t = hugepages.zeros((n, *self._shape), dtype=self.dtype, device=self.device)
-        if like is not None:
-            t[: len(like)] = like
+        """n blocks (on huge pages where the CPU's kernel gives them): ``like``'s first, zeros after."""
+        t = hugepages.empty((n, *self._shape), dtype=self.dtype, device=self.device)
+        kept = 0 if like is None else len(like)
+        if kept:
+            t[:kept] = like
+        t[kept:].zero_()
         return t
 
     @property
