@@ -382,6 +382,39 @@ class Scheduler:
             updates.append(self._take_token(req, token, now))
         return updates
 
+    def decode_run_room(self, token: int) -> int:
+        """How many decode-only steps in a row (each as :meth:`decode_positions` vouches for) every
+        running request can take, sampling ``token`` each time, without any of them finishing: the
+        fewest tokens left before a length limit, less the one that would finish it; 0 when
+        ``token`` may stop a request, one has no token yet, or updates are pending. For
+        :meth:`end_decode_run`."""
+        if self._pending_updates or not self.running:
+            return 0
+        room = 1 << 62
+        for req in self.running:
+            sp = req.sampling_params
+            if (not req.output_token_ids  # its first token (a prompt's last token left to compute)
+                    or token in sp.stop_token_ids or (not sp.ignore_eos and token in req.eos_token_ids)):
+                return 0
+            limit = req.length_limit
+            if limit is None:
+                limit = req.length_limit = req.max_output_tokens
+            room = min(room, limit - len(req.output_token_ids) - 1)
+        return max(room, 0)
+
+    def end_decode_run(self, steps: int, token: int, now: float) -> None:
+        """``begin_decodes`` and ``end_decodes`` of ``steps`` consecutive decode-only steps that
+        finish nobody (at most :meth:`decode_run_room`), the last ending at ``now``, once their
+        blocks are allocated: each running request took ``steps`` tokens ``token``. No updates:
+        the caller records the tokens (a simulator's run of steps)."""
+        self._finished_since_plan = []
+        self._step_id += steps
+        tokens = [token] * steps
+        for req in self.running:
+            req.num_computed_tokens += steps
+            req.output_token_ids.extend(tokens)
+            req.last_token_time = now
+
     def _check_pause(self, req: Request) -> None:
         if req.pause_at is not None and req.num_computed_tokens >= req.pause_at:
             req.pause_at = None  # once: a resumed request runs on

@@ -159,12 +159,17 @@ class AnalyticCostModel:
         """:meth:`step_time` of a step in which each request decodes one token, at the positions of
         ``(request id, position)`` pairs (all sample; no swaps, no padding): the same arithmetic,
         without a plan."""
+        return self.decode_step_time_at([p for _, p in positions], 0)
+
+    def decode_step_time_at(self, positions: Sequence[int], ahead: int) -> float:
+        """:meth:`decode_step_time` with each request at ``position + ahead`` (``ahead`` steps later)."""
         s_pair = self._s_per_pair
         s_kv = self._s_per_kv_token
         self_pairs = 2.0 * self._self_half  # step_time's (n * n + n) * half with n = 1
         kv_extra = 1 + self._seq_tokens
         attn = self._attn_fixed
-        for _, p in positions:
+        for p in positions:
+            p += ahead
             tc = s_pair * (p + self_pairs)
             tm = s_kv * (p + kv_extra)
             attn += tc if tc > tm else tm

@@ -145,19 +145,31 @@ class SimInstance:
         self.timeline.sample(now, kv.usage, len(sched.waiting) + len(sched.swapped), len(sched.running), batch,
                              demand)
 
-    def run_decodes(self, now: float, before: float,
-                    on_step: Callable[[list[RequestUpdate], float], None]) -> float:
+    def run_decodes(self, now: float, before: float, on_step: Callable[[list[RequestUpdate], float], None],
+                    on_run: Callable[[list[str], list[float]], None] | None = None) -> float:
         """Run whole steps at once, begin and end, while each is one the scheduler vouches is only
         decodes (:meth:`Scheduler.decode_positions`), the cost model can time it without a plan,
         and it ends before ``before``; ``on_step(updates, end)`` after each. Returns when the next
         step begins (``now`` if none ran). The state afterwards is exactly that of ``begin_step``
-        and ``end_step`` at those times."""
+        and ``end_step`` at those times.
+
+        With ``on_run``, runs of such steps that finish nobody and take no timeline sample go
+        without per-step updates (:meth:`_run_quiet`): ``on_run(request ids, end of each step)``
+        after each run; each request took one token a step."""
         timer = getattr(self.cost_model, "decode_step_time", None)  # times a decode-only step without a plan
         if timer is None or self.role != "colocated":
             return now
         sched, tl = self.scheduler, self.timeline
+        quiet = on_run is not None and hasattr(self.cost_model, "decode_step_time_at")
         positions = sched.decode_positions()
         while positions is not None:
+            room = sched.decode_run_room(SIM_TOKEN) if quiet else 0
+            if room > 1:
+                start = now
+                now = self._run_quiet(positions, room, now, before, on_run)
+                if now != start:
+                    positions = sched.decode_positions()
+                    continue
             dt = timer(positions)
             if not now + dt < before:
                 break
@@ -170,6 +182,42 @@ class SimInstance:
             now += dt
             on_step(sched.end_decodes(batch, SIM_TOKEN, now), now)
             positions = sched.decode_positions(positions)
+        return now
+
+    def _run_quiet(self, positions: list[tuple[str, int]], room: int, now: float, before: float,
+                   on_run: Callable[[list[str], list[float]], None]) -> float:
+        """Up to ``room`` (:meth:`Scheduler.decode_run_room`) steps of the decodes at ``positions``,
+        each as ``run_decodes`` would run it, stopping before one that would end at or after
+        ``before``, begin when a timeline sample is due, or find too few free blocks (those go
+        step by step). A request needs a block at the step whose token opens one, and gets it in
+        running order among the others that do, as ``allocate_one_more`` gives them."""
+        kv, tl, timer = self.scheduler.kv, self.timeline, self.cost_model.decode_step_time_at
+        bs = kv.block_size
+        ps = [p for _, p in positions]
+        opens: dict[int, list[tuple[str, int]]] = {}  # step mod bs -> (request, position) whose token opens a block
+        for rid, p in positions:
+            opens.setdefault(-p % bs, []).append((rid, p))
+        ends: list[float] = []
+        for j in range(room):
+            if tl.due(now):
+                break
+            dt = timer(ps, j)
+            if not now + dt < before:
+                break
+            grow = opens.get(j % bs)
+            if grow:
+                held = [(rid, p + j) for rid, p in grow]
+                if kv.blocks_for_one_more(held) > kv.num_free_blocks:
+                    break
+                kv.allocate_one_more(held)
+            self._step_time = dt
+            self.num_steps += 1
+            self.busy_time += dt
+            now += dt
+            ends.append(now)
+        if ends:
+            self.scheduler.end_decode_run(len(ends), SIM_TOKEN, now)
+            on_run([rid for rid, _ in positions], ends)
         return now
 
     def end_step(self, now: float) -> list[RequestUpdate]:

@@ -218,7 +218,8 @@ class ClusterSimulator:
             # another instance's events touch only that instance, the monitor and its own records), so
             # every record, block and timeline sample is what running them one event each would give.
             before = self._arrival_times[self._arrived] if self._arrived < len(self._arrival_times) else inf
-            start, now = now, inst.run_decodes(now, before, lambda updates, t: self._apply(inst, updates, t))
+            start, now = now, inst.run_decodes(now, before, lambda updates, t: self._apply(inst, updates, t),
+                                               self._apply_run)
             ran_ahead = now != start
         dt, updates = inst.begin_step(now)
         if updates:
@@ -364,6 +365,21 @@ class ClusterSimulator:
                 rec.status = 200
                 if not rec.success:
                     rec.error = upd.finish_reason or "aborted"
+
+    def _apply_run(self, request_ids: list[str], ends: list[float]) -> None:
+        """What ``_apply`` records for a run of decode steps that finished nobody, ending at ``ends``:
+        each request (past its first token) took one token a step."""
+        records, last, index = self.records, self._last_token, self._index
+        gaps = [b - a for a, b in zip(ends[:-1], ends[1:], strict=True)]
+        n, first, final = len(ends), ends[0], ends[-1]
+        for rid in request_ids:
+            i = index[rid]
+            rec = records[i]
+            rec.itl_s.append(first - last[i])
+            rec.itl_s.extend(gaps)
+            last[i] = final
+            rec.counted_tokens += n
+            rec.num_chunks += n
 
     # ---------------------------------------------------------------- run
     def run(self, until: float | None = None, progress: Callable[[float], None] | None = None) -> SimResult:
