@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 
 from tidal.config import SchedulerConfig
+from tidal.core.kv_manager import KVCacheManager
+from tidal.core.plan import StepResult
+from tidal.core.request import Request
+from tidal.core.sampling import SamplingParams
+from tidal.core.scheduler import Scheduler
 from tidal.sim.build import ClusterSpec, build_simulator
+from tidal.sim.instance import SimInstance
 from tidal.workload import RequestSpec
 
 
@@ -51,8 +57,6 @@ def test_fast_path_changes_nothing(sched):
 
 def test_quiet_runs_take_over_the_decode_steps(monkeypatch):
     """Runs of decode steps that finish nobody go without per-step updates, and still change nothing."""
-    from tidal.sim.instance import SimInstance
-
     ran = []
     quiet = SimInstance._run_quiet
 
@@ -72,12 +76,6 @@ def test_quiet_runs_take_over_the_decode_steps(monkeypatch):
 
 
 def _decoding(max_tokens: list[int], token_in_stop: bool = False):
-    from tidal.core.kv_manager import KVCacheManager
-    from tidal.core.plan import StepResult
-    from tidal.core.request import Request
-    from tidal.core.sampling import SamplingParams
-    from tidal.core.scheduler import Scheduler
-
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), KVCacheManager(64, 4))
     for i, m in enumerate(max_tokens):
         sp = SamplingParams(max_tokens=m, ignore_eos=True, stop_token_ids=[7] if token_in_stop else None)
@@ -88,8 +86,6 @@ def _decoding(max_tokens: list[int], token_in_stop: bool = False):
 
 
 def test_decode_run_room_and_end_decode_run_match_step_by_step():
-    from tidal.core.plan import StepResult
-
     a, b = _decoding([9, 6, 12]), _decoding([9, 6, 12])
     assert a.decode_run_room(7) == 6 - 1 - 1  # r1 has 5 tokens left; the fifth would finish it
     assert _decoding([9, 6], token_in_stop=True).decode_run_room(7) == 0  # the token stops a request

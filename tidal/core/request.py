@@ -115,11 +115,14 @@ class Request:
                 return FinishReason.STOP, None
             if last in sp.stop_token_ids:
                 return FinishReason.STOP, last
-        # this runs for every sampled token: the limit is computed once (its inputs are fixed once
-        # the scheduler holds the request, which sets max_model_len)
+        if n >= self.output_limit():
+            return FinishReason.LENGTH, None
+        return None
+
+    def output_limit(self) -> int:
+        """:attr:`max_output_tokens`, computed once: :meth:`check_stop` asks for every sampled token
+        (its inputs are fixed once the scheduler holds the request, which sets max_model_len)."""
         limit = self.length_limit
         if limit is None:
             limit = self.length_limit = self.max_output_tokens
-        if n >= limit:
-            return FinishReason.LENGTH, None
-        return None
+        return limit

@@ -396,10 +396,7 @@ class Scheduler:
             if (not req.output_token_ids  # its first token (a prompt's last token left to compute)
                     or token in sp.stop_token_ids or (not sp.ignore_eos and token in req.eos_token_ids)):
                 return 0
-            limit = req.length_limit
-            if limit is None:
-                limit = req.length_limit = req.max_output_tokens
-            room = min(room, limit - len(req.output_token_ids) - 1)
+            room = min(room, req.output_limit() - len(req.output_token_ids) - 1)
         return max(room, 0)
 
     def end_decode_run(self, steps: int, token: int, now: float) -> None:
