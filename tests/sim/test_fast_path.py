@@ -75,6 +75,33 @@ def test_quiet_runs_take_over_the_decode_steps(monkeypatch):
     assert len(ran) > 50 and sum(ran) > 2 * len(ran)  # runs of several steps each
 
 
+def test_the_step_across_an_arrival_begins_without_a_plan(monkeypatch):
+    """The decode-only step that ends after the next arrival is an event begun by begin_crossing
+    (no schedule(), no plan) and ended by end_decodes, and still changes nothing."""
+    crossed, planned = [], []
+    crossing, schedule = SimInstance.begin_crossing, Scheduler.schedule
+
+    def counting_crossing(self, now):
+        dt = crossing(self, now)
+        if dt is not None:
+            crossed.append(now)
+        return dt
+
+    def counting_schedule(self, now):
+        planned.append(now)
+        return schedule(self, now)
+
+    specs = _specs(150, rate=12.0, seed=5)
+    slow, slow_records = _run(False, specs)
+    monkeypatch.setattr(SimInstance, "begin_crossing", counting_crossing)
+    monkeypatch.setattr(Scheduler, "schedule", counting_schedule)
+    fast, fast_records = _run(True, specs)
+    assert fast_records == slow_records and fast.timelines == slow.timelines and fast.instances == slow.instances
+    assert fast.simulated_time_s == slow.simulated_time_s
+    assert len(crossed) > 100  # most arrivals fall inside a decode-only step of some instance
+    assert not set(crossed) & set(planned)  # those steps planned nothing
+
+
 def _decoding(max_tokens: list[int], token_in_stop: bool = False):
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), KVCacheManager(64, 4))
     for i, m in enumerate(max_tokens):

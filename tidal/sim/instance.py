@@ -71,6 +71,8 @@ class SimInstance:
         self.wake_pending = False
         self.plan: StepPlan | None = None
         self.end_event: Any = None  # the simulator's reusable step-end event
+        self._crossing: tuple[list[tuple[str, int]], float] | None = None  # see run_decodes
+        self._batch: tuple[Request, ...] | None = None  # a decode-only step in flight without a plan
         self._step_time = 0.0
         self.num_steps = 0
         self.busy_time = 0.0
@@ -155,7 +157,11 @@ class SimInstance:
 
         With ``on_run``, runs of such steps that finish nobody and take no timeline sample go
         without per-step updates (:meth:`_run_quiet`): ``on_run(request ids, end of each step)``
-        after each run; each request took one token a step."""
+        after each run; each request took one token a step.
+
+        The decode-only step that would end at or after ``before`` is kept for
+        :meth:`begin_crossing`, which begins it as an event at the returned time."""
+        self._crossing = None
         timer = getattr(self.cost_model, "decode_step_time", None)  # times a decode-only step without a plan
         if timer is None or self.role != "colocated":
             return now
@@ -172,6 +178,7 @@ class SimInstance:
                     continue
             dt = timer(positions)
             if not now + dt < before:
+                self._crossing = (positions, dt)
                 break
             batch = sched.begin_decodes(positions)
             if tl.due(now):
@@ -220,7 +227,28 @@ class SimInstance:
             on_run([rid for rid, _ in positions], ends)
         return now
 
+    def begin_crossing(self, now: float) -> float | None:
+        """Begin, at ``now`` (where :meth:`run_decodes` returned), the decode-only step it stopped
+        before, as ``begin_step`` would but without a plan (``Scheduler.begin_decodes``): its
+        duration, or None when there is none. :meth:`end_step` ends it with ``end_decodes``. What
+        fires before that end only queues requests here (the simulator's fast path), which
+        ``end_decodes`` does not read."""
+        crossing, self._crossing = self._crossing, None
+        if crossing is None:
+            return None
+        positions, dt = crossing
+        batch = self.scheduler.begin_decodes(positions)
+        if self.timeline.due(now):
+            self._sample(now, len(batch))
+        self._batch, self._step_time, self.busy = batch, dt, True
+        return dt
+
     def end_step(self, now: float) -> list[RequestUpdate]:
+        if self._batch is not None:  # begun by begin_crossing
+            batch, self._batch, self.busy = self._batch, None, False
+            self.num_steps += 1
+            self.busy_time += self._step_time
+            return self.scheduler.end_decodes(batch, SIM_TOKEN, now)
         plan = self.plan
         assert plan is not None, "end_step without a step in flight"
         sampled = {c.request_id: SIM_TOKEN for c in plan.chunks if c.sample}

@@ -221,9 +221,13 @@ class ClusterSimulator:
             start, now = now, inst.run_decodes(now, before, lambda updates, t: self._apply(inst, updates, t),
                                                self._apply_run)
             ran_ahead = now != start
-        dt, updates = inst.begin_step(now)
-        if updates:
-            self._apply(inst, updates, now)
+            dt = inst.begin_crossing(now)  # the decode-only step that ends after that arrival, if any
+        else:
+            dt = None
+        if dt is None:
+            dt, updates = inst.begin_step(now)
+            if updates:
+                self._apply(inst, updates, now)
         if dt is None:
             return _Tick(now) if ran_ahead else None  # the clock still reaches the last step's end
         ev = inst.end_event  # one step in flight per instance: its event object is reused
