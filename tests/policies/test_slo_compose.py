@@ -65,6 +65,34 @@ def test_max_prefill_allowed_by_hand():
     assert tight.plan_step(v).token_budget == 16
 
 
+def _max_prefill_by_predict(t: ProfileTable, target: float, ctx: float, d: int, limit: int) -> int:
+    """MAXPREFILLALLOWED written plainly over the public predict(): the same bisection."""
+    ok = lambda p: (x := t.predict(p, ctx, d)) is None or x <= target  # noqa: E731
+    if ok(limit):
+        return limit
+    if not ok(0):
+        return 0
+    lo, hi = 0, limit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def test_max_prefill_is_the_bisection_over_predict_and_the_fit_is_least_squares():
+    rng = random.Random(7)
+    t = ProfileTable()
+    for _ in range(300):  # a step-time law with decodes and context, and noise
+        p, ctx, d = rng.randrange(0, 2048), rng.uniform(0, 4000), rng.randrange(0, 64)
+        t.record(p, ctx, d, 0.004 + 2e-5 * p + 3e-4 * d + 4e-8 * d * ctx + 1e-9 * p * ctx + rng.gauss(0, 1e-3))
+    for _ in range(300):
+        target, ctx, d, limit = rng.uniform(0.0, 0.08), rng.uniform(0, 4000), rng.randrange(0, 64), rng.randrange(0, 2048)
+        assert t.max_prefill(target, ctx, d, limit) == _max_prefill_by_predict(t, target, ctx, d, limit)
+    np = pytest.importorskip("numpy")
+    a = np.array(t._xtx) + np.diag([0.0] + [t.ridge * t._weight] * 4)
+    assert np.allclose(t.coefficients(), np.linalg.solve(a, np.array(t._xty)), rtol=1e-9, atol=1e-12)
+
+
 def test_budget_adds_the_decodes_and_respects_the_configured_budget():
     # 20 decodes at context 100: t = 5 ms + 0.5 ms * d + 0.05 ms * p (a table learned from that model)
     t = ProfileTable()

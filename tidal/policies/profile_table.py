@@ -37,22 +37,32 @@ def features(prefill_tokens: float, mean_context: float, decode_count: float) ->
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting; None if singular."""
+    """Gaussian elimination with partial pivoting (the first largest pivot); None if singular."""
     n = len(b)
-    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    m = [row + [bi] for row, bi in zip(a, b, strict=True)]
     for col in range(n):
-        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
-        if abs(m[piv][col]) < 1e-15:
+        piv, best = col, abs(m[col][col])
+        for r in range(col + 1, n):
+            v = abs(m[r][col])
+            if v > best:
+                piv, best = r, v
+        if best < 1e-15:
             return None
         m[col], m[piv] = m[piv], m[col]
+        top = m[col]
         for r in range(col + 1, n):
-            f = m[r][col] / m[col][col]
+            row = m[r]
+            f = row[col] / top[col]
             if f:
                 for k in range(col, n + 1):
-                    m[r][k] -= f * m[col][k]
+                    row[k] -= f * top[k]
     x = [0.0] * n
     for r in range(n - 1, -1, -1):
-        x[r] = (m[r][n] - sum(m[r][k] * x[k] for k in range(r + 1, n))) / m[r][r]
+        row = m[r]
+        acc = 0.0
+        for k in range(r + 1, n):
+            acc += row[k] * x[k]
+        x[r] = (row[n] - acc) / row[r]
     return x
 
 
@@ -130,13 +140,21 @@ class ProfileTable:
         w = self.coefficients()
         if w is None:
             return None
-        x = features(prefill_tokens, mean_context, decode_count)
-        cell = self.cells.get(self.key(prefill_tokens, mean_context, decode_count))
+        return self._estimate(w, features(prefill_tokens, mean_context, decode_count),
+                              self.key(prefill_tokens, mean_context, decode_count))
+
+    def _estimate(self, w: list[float], x: list[float], key: tuple[int, int, int]) -> float:
+        """The prediction at features ``x`` in cell ``key``: the cell's mean moved along the slope
+        (t = mean_t + w.(x - mean_x)), else the regression w.x; never below 0. Written out for the
+        five features: a scheduler asks this a dozen times a step (:meth:`max_prefill`)."""
+        cell = self.cells.get(key)
         if cell is not None and cell.count >= self.min_cell_samples:
-            t = cell.mean_time + sum(wi * (xi - mi) for wi, xi, mi in zip(w, x, cell.mean_x, strict=True))
+            m = cell.mean_x
+            t = cell.mean_time + (w[0] * (x[0] - m[0]) + w[1] * (x[1] - m[1]) + w[2] * (x[2] - m[2])
+                                  + w[3] * (x[3] - m[3]) + w[4] * (x[4] - m[4]))
         else:
-            t = sum(wi * xi for wi, xi in zip(w, x, strict=True))
-        return max(t, 0.0)
+            t = w[0] * x[0] + w[1] * x[1] + w[2] * x[2] + w[3] * x[3] + w[4] * x[4]
+        return 0.0 if t < 0.0 else t
 
     def max_prefill(self, target_s: float, mean_context: float, decode_count: float, limit: int) -> int:
         """DynaServe's MAXPREFILLALLOWED: the largest p in [0, limit] with predict(p) <= target.
@@ -145,7 +163,19 @@ class ProfileTable:
         ``limit``. If even p = 0 misses the target, it returns 0 (the caller applies its floor).
         """
         limit = max(int(limit), 0)
-        ok = lambda p: (t := self.predict(p, mean_context, decode_count)) is None or t <= target_s  # noqa: E731
+        w = self.coefficients()
+        if w is None:
+            return limit
+        # predict(p, mean_context, decode_count) with what does not depend on p computed once
+        x0 = features(0, mean_context, decode_count)
+        c = mean_context / _C_SCALE
+        k0 = self.key(0, mean_context, decode_count)
+        pb, estimate = self.prefill_bucket, self._estimate
+
+        def ok(p: int) -> bool:
+            pp = p / _P_SCALE
+            return estimate(w, [1.0, pp, x0[2], x0[3], pp * c], (p // pb, k0[1], k0[2])) <= target_s
+
         if ok(limit):
             return limit
         if not ok(0):
