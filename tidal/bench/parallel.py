@@ -10,13 +10,27 @@ from __future__ import annotations
 
 import multiprocessing
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any
 
 
-def run_all(fn: Callable[..., Any], calls: Sequence[tuple[Any, ...]], jobs: int) -> list[Any]:
-    """``[fn(*c) for c in calls]``, on up to ``jobs`` processes (``fn`` must be a module-level function)."""
+def run_all(fn: Callable[..., Any], calls: Sequence[tuple[Any, ...]], jobs: int,
+            on_done: Callable[[int, Any], None] | None = None) -> list[Any]:
+    """``[fn(*c) for c in calls]``, on up to ``jobs`` processes (``fn`` must be a module-level function).
+    ``on_done(i, result)`` as each call ends, in the order they end (a progress line)."""
     if jobs <= 1 or len(calls) <= 1:
-        return [fn(*c) for c in calls]
+        out = []
+        for i, c in enumerate(calls):
+            out.append(fn(*c))
+            if on_done is not None:
+                on_done(i, out[-1])
+        return out
+    results: list[Any] = [None] * len(calls)
     with ProcessPoolExecutor(min(jobs, len(calls)), mp_context=multiprocessing.get_context("spawn")) as ex:
-        return list(ex.map(fn, *zip(*calls, strict=True)))
+        futures = {ex.submit(fn, *c): i for i, c in enumerate(calls)}  # taken by the workers in this order
+        for fut in as_completed(futures):
+            i = futures[fut]
+            results[i] = fut.result()
+            if on_done is not None:
+                on_done(i, results[i])
+    return results

@@ -141,6 +141,7 @@ def policy_row(scenario: str, label: str, pname: str, num_requests: int, seed: i
     pol = sc.policies[pname]
     specs = workload(sc, label, num_requests, seed)
     row: dict[str, Any] = {"policy": pname, "config": pol}
+    t0 = time.perf_counter()
     progress = progress_bar(MAX_PROBES + sc.offline, pname, "run", bar, leave=False)
     if sc.offline:
         off = run_sim(sc, pol, [replace(s, arrival_s=0.0) for s in specs])
@@ -150,7 +151,7 @@ def policy_row(scenario: str, label: str, pname: str, num_requests: int, seed: i
                                               "num_preemptions")}
     cap, at, probes = capacity(sc, pol, specs, 0.05, 200.0, on_probe=progress.update)
     progress.close()
-    row.update({"capacity_rps": cap, "at_capacity": at, "probes": probes})
+    row.update({"capacity_rps": cap, "at_capacity": at, "probes": probes, "wall_s": time.perf_counter() - t0})
     return row
 
 
@@ -212,27 +213,36 @@ def run(args: argparse.Namespace) -> int:
     print(f"command: {command}")
     report: dict[str, Any] = {"command": command, "machine": machine_info(), "scenarios": {}, "paper": {}}
     t0 = time.perf_counter()
-    for name in names:
+    # every policy row of every scenario and workload is independent of the others: all go to --jobs
+    # processes at once (a workload's few policies alone would leave cores idle), each making its
+    # workload where it runs (``workload``: exactly num_requests, the same for a seed)
+    groups = [(name, label) for name in names for label in (["mixed"] if SCENARIOS[name].mix
+                                                             else list(SCENARIOS[name].workloads))]
+    calls = [(name, label, pname, args.num_requests, args.seed, not args.no_progress and args.jobs <= 1)
+             for name, label in groups for pname in SCENARIOS[name].policies]
+    print(f"{len(calls)} policy rows ({len(groups)} workloads), {args.jobs} at once", flush=True)
+    done = [0]
+
+    def finished(i: int, row: dict[str, Any]) -> None:
+        done[0] += 1
+        name, label, pname = calls[i][:3]
+        cap = row["capacity_rps"]
+        print(f"  [{done[0]}/{len(calls)}] {name} {label} {pname}: capacity "
+              f"{cap if cap is None else round(cap, 3)} req/s"
+              + (f", offline {row['offline_tok_s']:.0f} tok/s" if "offline_tok_s" in row else "")
+              + f" ({row['wall_s']:.0f} s; {time.perf_counter() - t0:.0f} s in)", flush=True)
+
+    rows = run_all(policy_row, calls, args.jobs, on_done=finished)
+    for name, label in groups:
         sc = SCENARIOS[name]
         report["paper"][name] = sc.paper
-        report["scenarios"][name] = {}
-        labels = ["mixed"] if sc.mix else list(sc.workloads)
-        for label in labels:
-            print(f"\n== {name}: {sc.model} on {sc.instances} x {sc.hardware} (tp {sc.tp}), workload {label}, "
-                  f"{args.num_requests} requests, SLO {sc.slo.describe()}, target {sc.target:.0%}", flush=True)
-            # each policy's runs are independent of the others': --jobs of them at once, each making
-            # the workload (``workload``: exactly num_requests, the same for a seed) where it runs
-            calls = [(name, label, pname, args.num_requests, args.seed, not args.no_progress and args.jobs <= 1)
-                     for pname in sc.policies]
-            rows = run_all(policy_row, calls, args.jobs)
-            for row in rows:
-                cap = row["capacity_rps"]
-                print(f"  {row['policy']}: capacity {cap if cap is None else round(cap, 3)} req/s"
-                      + (f", offline {row['offline_tok_s']:.0f} tok/s" if sc.offline else ""), flush=True)
-            report["scenarios"][name][label] = rows
-            _table(rows, "static" if "static" in sc.policies else next(iter(sc.policies)))
-            for k, v in sc.paper.items():
-                print(f"  paper ({k}): {v}")
+        group = [r for c, r in zip(calls, rows, strict=True) if c[:2] == (name, label)]
+        report["scenarios"].setdefault(name, {})[label] = group
+        print(f"\n== {name}: {sc.model} on {sc.instances} x {sc.hardware} (tp {sc.tp}), workload {label}, "
+              f"{args.num_requests} requests, SLO {sc.slo.describe()}, target {sc.target:.0%}")
+        _table(group, "static" if "static" in sc.policies else next(iter(sc.policies)))
+        for k, v in sc.paper.items():
+            print(f"  paper ({k}): {v}")
     report["wall_time_s"] = time.perf_counter() - t0
     plots = write_result(report, args.output, not args.no_plots, plotter=_write_plot, prog=PROG)
     print(f"\nwall time {report['wall_time_s']:.0f} s; wrote {args.output}"
