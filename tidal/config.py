@@ -110,7 +110,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 @dataclass
 class ModelConfig:
     model: str | None = None  # path to a .gguf file or an HF directory; None = default model
-    dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with native bf16, else float32
+    dtype: str = "auto"  # auto: bfloat16 on CUDA; on CPU bf16 where native and timed faster, else float32
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     max_model_len: int | None = None  # default: the model's context length
     seed: int = 0

@@ -460,7 +460,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     F.add_engine_flags(p, only=("model", "dtype", "num_threads", "device"), choices={"dtype": ("auto", *CPU_DTYPES)},
                        defaults={"device": "cpu"},
                        helps={"dtype": "weights/activations dtype of every system; auto: what tidal's engine "
-                                       "picks on this CPU (bfloat16 with native bf16, else float32)",
+                                       "picks on this CPU (bfloat16 where native and timed faster, else float32)",
                               "num_threads": "CPU threads for every system (default: all cores)",
                               "device": "cpu (default) or cuda[:N]: tidal and transformers on that GPU; llama.cpp "
                                         "always runs on the CPU"})

@@ -82,7 +82,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     _flag("--model", default=None,
           help="path to a .gguf file or a Hugging Face directory (default: SmolLM2-135M-Instruct)"),
     _flag("--dtype", default="auto", choices=list(DTYPES),
-          help="weights and KV dtype; auto: bfloat16 on CUDA and on CPUs with native bf16, else float32"),
+          help="weights and KV dtype; auto: bfloat16 on CUDA; on CPU bfloat16 where it is native and its "
+               "matmuls time faster than float32 (once per machine), else float32"),
     _flag("--device", default="auto", help="auto | cpu | cuda | cuda:N"),
     _flag("--quantization", default=None, choices=list(QUANTIZATION),
           help="weights stored as 4-bit groups (GGUF Q4_1) run int4 kernels: auto = for the step sizes where "

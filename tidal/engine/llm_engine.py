@@ -49,21 +49,26 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, f32_weight_bytes: int | None = None) -> torch.dtype:
+    """``--dtype`` on ``device``; ``auto``: bf16 (else fp16) on CUDA; on CPU the faster of bf16 and
+    float32 where bf16 is native, timed once per machine (engine/dtype_pick.py; bf16 also when the
+    model's float32 weights, ``f32_weight_bytes``, would take over half the memory), else float32."""
     if name == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+        from tidal.engine.dtype_pick import cpu_auto_dtype
+
+        return cpu_auto_dtype(f32_weight_bytes)
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
     if dt is torch.float16 and device.type == "cpu":
         raise ConfigError("float16 is not supported on CPU; use bfloat16 or float32")
     return dt
 
 
-def dtype_name(name: str, device: str = "auto") -> str:
+def dtype_name(name: str, device: str = "auto", f32_weight_bytes: int | None = None) -> str:
     """What ``--dtype name`` is on ``device`` as the engine resolves it (``auto`` included), as a
     name: ``"bfloat16"``. Commands report this, never ``auto``."""
-    return str(resolve_dtype(name, resolve_device(device))).removeprefix("torch.")
+    return str(resolve_dtype(name, resolve_device(device), f32_weight_bytes)).removeprefix("torch.")
 
 
 @dataclass
@@ -114,13 +119,13 @@ class LLMEngine:
         self.clock = clock  # the scheduler's "now"; a test can drive the engine on a virtual clock
         mc, cc, sc = config.model, config.cache, config.scheduler
         self.device = resolve_device(mc.device)
-        self.dtype = resolve_dtype(mc.dtype, self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(mc.num_threads or default_cpu_threads())
         torch.manual_seed(mc.seed)
         self.policy = build_policy(sc)  # a bad --batching / --policy-arg fails here, before the weights load
         self.checkpoint = ckpt = checkpoint or load_checkpoint(mc.model)
         self.arch = arch = ckpt.arch
+        self.dtype = resolve_dtype(mc.dtype, self.device, 4 * arch.num_params())
         self.tokenizer = tokenizer or Tokenizer.from_checkpoint(ckpt)
         self.max_model_len = min(mc.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
         self.model = LlamaModel(arch, self.dtype, self.device, mc.layer_range, max_positions=self.max_model_len)

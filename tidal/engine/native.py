@@ -3,7 +3,7 @@ scales, unchanged; Q4_1 regrouped in tiles of eight output rows)
 (``kernels/qmatmul.cpp``), and decode attention over the paged KV cache without gathering it
 (``kernels/paged_attention.cpp``).
 
-Why: where ``auto`` picks float32 (a CPU without native bf16), torch's int4 kernel
+Why: where ``auto`` picks float32 (a CPU without native bf16, or whose bf16 matmuls are slower), torch's int4 kernel
 (``_weight_int4pack_mm_for_cpu``) has no fast path and loses to the float32 matmul at every step
 size, so one decode read the whole float32 model (~540 MB for SmolLM2-135M) per token. These read
 Q4_1 at 0.625 bytes a weight (16 bytes of nibbles and two float16 scales per block of 32) and Q8_0

@@ -71,6 +71,9 @@ class ClusterLLM:
         self.threads = cluster.threads_per_instance or max(1, default_cpu_threads() // n)
         self.engine_kwargs = dict(engine_kwargs)
         self.engine_kwargs.pop("num_threads", None)
+        mc = engine_config.model
+        if mc.dtype == "auto":  # resolved once, here: every worker runs one dtype (KV moves between them)
+            self.engine_kwargs["dtype"] = dtype_name("auto", mc.device, 4 * self.engine.arch.num_params())
         self.transport_tag = str(os.getpid())  # this cluster's shared-memory segments are tidal-kv-<pid>-*
         self.transport = build_transport(cluster.transport, self.transport_tag)
         self.backend = self._make_backend()
@@ -153,7 +156,7 @@ class ClusterLLM:
         from tidal.runtime.pressure import DropCoordinator, model_memory
 
         mc = self.config.model
-        dtype_bytes = {"float32": 4}.get(dtype_name(mc.dtype, mc.device), 2)
+        dtype_bytes = {"float32": 4}.get(dtype_name(mc.dtype, mc.device, 4 * self.engine.arch.num_params()), 2)
         return DropCoordinator(self, model_memory(self.engine.arch, dtype_bytes))
 
     def _make_backend(self) -> Any:
