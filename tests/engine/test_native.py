@@ -174,6 +174,33 @@ def test_the_portable_build_computes_the_same():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="no AVX-512 here")
+def test_the_avx512_panels_give_the_avx2_floats(tmp_path):
+    """Built for AVX-512, the panels' micro-kernel (16 outputs a vector) gives exactly the floats of
+    the AVX2 build (``TIDAL_NATIVE_SIMD=avx2``: another library, in a fresh process), at row counts
+    that make every group size and an odd last tile."""
+    code = (
+        "import sys, torch\n"
+        "from tidal.engine import native\n"
+        "assert native.load() is None, native.load()\n"
+        "from tests.engine.test_native import q4_1, q8_0\n"
+        "torch.manual_seed(0); outs = []\n"
+        "w, q, d, m = q4_1(120, 288); w8, q8, d8 = q8_0(40, 288)\n"
+        "for rows in (16, 17, 25, 32, 37, 64, 100):\n"
+        "    x = torch.randn(rows, 288)\n"
+        "    outs += [native.Q4_1Weight.pack(q, d, m).matmul(x), native.Q8_0Weight.pack(q8, d8).matmul(x)]\n"
+        "torch.save(outs, sys.argv[1])\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    got = {}
+    for simd in ("1", "avx2"):
+        path = tmp_path / f"{simd}.pt"
+        out = subprocess.run([sys.executable, "-c", code, str(path)], cwd=root, capture_output=True, text=True,
+                             timeout=600, env={**os.environ, "TIDAL_NATIVE_SIMD": simd})
+        assert out.returncode == 0, out.stderr[-2000:]
+        got[simd] = torch.load(path)
+    assert len(got["1"]) == 14 and all(torch.equal(a, b) for a, b in zip(got["1"], got["avx2"], strict=True))
+
+
 def test_compile_traces_through_the_ops():
     """``--compile`` puts the ops inside one graph: their fake implementations give the shapes."""
     w, q, d, m = q4_1(32, 64)

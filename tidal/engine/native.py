@@ -55,11 +55,14 @@ _state: dict[str, object] = {}  # "ok": bool, "why": str
 
 
 def _simd_flags() -> list[str]:
-    """AVX2 + FMA + F16C when torch found AVX2 (or better) on this CPU; portable code otherwise, or
-    when ``TIDAL_NATIVE_SIMD=0`` (the tests build both)."""
+    """AVX2 + FMA + F16C when torch found AVX2 (or better) on this CPU, and AVX-512F where it found
+    AVX-512 (the panels' micro-kernel then runs 16 floats wide); portable code otherwise, or when
+    ``TIDAL_NATIVE_SIMD=0`` (the tests build both; ``TIDAL_NATIVE_SIMD=avx2`` builds without AVX-512)."""
     cap = torch.backends.cpu.get_cpu_capability()
-    simd = cap in ("AVX2", "AVX512") and os.environ.get("TIDAL_NATIVE_SIMD", "1") != "0"
-    return ["-mavx2", "-mfma", "-mf16c"] if simd else []
+    want = os.environ.get("TIDAL_NATIVE_SIMD", "1")
+    if cap not in ("AVX2", "AVX512") or want == "0":
+        return []
+    return ["-mavx2", "-mfma", "-mf16c", *(["-mavx512f"] if cap == "AVX512" and want != "avx2" else [])]
 
 
 def load() -> str | None:

@@ -15,7 +15,8 @@
 //   q4_1: eight output rows make a tile: qs uint8 [N/8, K/32, 16, 8], byte (j, c) of a block = q_j | q_{j+16} << 4
 //         of the tile's row c; dm float16 [N/8, K/32, 2, 8]: the tile's eight d of the block, then its eight m
 //   q8_0: the same tiles: qs int8 [N/8, K/32, 32, 8] (byte (j, c) = q_j of row c), d float16 [N/8, K/32, 8]
-// AVX2 + FMA + F16C when the compiler targets them, portable C++ otherwise.
+// AVX2 + FMA + F16C when the compiler targets them (the panels' micro-kernel 512 bits wide where it also
+// targets AVX-512F), portable C++ otherwise.
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -233,6 +234,29 @@ void panel_rows(const float* x, const float* P, float* out, int64_t K, int64_t N
 
 constexpr int64_t kPanelRows = 6;  // MR of the micro-kernel: 12 accumulators, 2 panel vectors, a broadcast
 
+#ifdef __AVX512F__
+// panel_rows with 512-bit vectors (where native.py built for AVX-512): a panel row of 16 outputs is one
+// vector, so MR rows take MR accumulators (8 to 12 here, of 32 registers), one panel load and MR
+// broadcasts per k. Each output is the same chain of FMAs over k as in panel_rows: the same floats.
+template <int64_t MR>
+void panel_rows16(const float* x, const float* P, float* out, int64_t K, int64_t N, int64_t r0, int64_t c0, int64_t nt) {
+  __m512 acc[MR];
+#pragma GCC unroll 16
+  for (int64_t i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+  const float* xr = x + r0 * K;
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 b = _mm512_loadu_ps(P + k * 16);
+#pragma GCC unroll 16
+    for (int64_t r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xr[r * K + k]), b, acc[r]);
+  }
+  const __mmask16 keep = nt == 2 ? 0xFFFF : 0x00FF;
+#pragma GCC unroll 16
+  for (int64_t r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + (r0 + r) * N + c0, keep, acc[r]);
+}
+
+constexpr int64_t kPanelRows16 = 12;  // the most rows panel_rows16 takes at once
+#endif
+
 // every row of x against tiles [t0, t1), a panel of two tiles at a time; dequant(t, nt, P) fills the
 // panel's first nt tiles. The panel is the thread's own buffer, kept between calls: after an odd last tile
 // its second half holds weights of an earlier panel (or zeros), whose products panel_rows computes but
@@ -246,6 +270,22 @@ void run_panels(const float* x, float* out, int64_t M, int64_t K, int64_t N, int
   for (int64_t t = t0; t < t1; t += 2) {
     const int64_t nt = std::min<int64_t>(2, t1 - t);
     dequant(t, nt, P);
+#ifdef __AVX512F__
+    // the rows in ceil(M / 12) groups of near-equal size, 8 to 12 rows each (M >= 16)
+    const int64_t groups16 = (M + kPanelRows16 - 1) / kPanelRows16;
+    for (int64_t gi = 0, r0 = 0; gi < groups16; ++gi) {
+      const int64_t rows = (M - r0) / (groups16 - gi);
+      switch (rows) {
+        case 8: panel_rows16<8>(x, P, out, K, N, r0, t * 8, nt); break;
+        case 9: panel_rows16<9>(x, P, out, K, N, r0, t * 8, nt); break;
+        case 10: panel_rows16<10>(x, P, out, K, N, r0, t * 8, nt); break;
+        case 11: panel_rows16<11>(x, P, out, K, N, r0, t * 8, nt); break;
+        default: panel_rows16<kPanelRows16>(x, P, out, K, N, r0, t * 8, nt); break;
+      }
+      r0 += rows;
+    }
+    continue;
+#endif
     // the rows in ceil(M / 6) groups of near-equal size: 32 rows as 5+5+5+5+6+6, not 6+6+6+6+6+2 (a group
     // of two has four accumulator chains, too few to hide the FMA latency)
     const int64_t groups = (M + kPanelRows - 1) / kPanelRows;
