@@ -244,18 +244,15 @@ class SimInstance:
         return dt
 
     def end_step(self, now: float) -> list[RequestUpdate]:
-        if self._batch is not None:  # begun by begin_crossing
-            batch, self._batch, self.busy = self._batch, None, False
-            self.num_steps += 1
-            self.busy_time += self._step_time
-            return self.scheduler.end_decodes(batch, SIM_TOKEN, now)
-        plan = self.plan
-        assert plan is not None, "end_step without a step in flight"
-        sampled = {c.request_id: SIM_TOKEN for c in plan.chunks if c.sample}
-        result = StepResult(plan.step_id, sampled, step_time_s=self._step_time, composition=plan.composition)
-        self.plan, self.busy = None, False
+        batch, plan = self._batch, self.plan
+        assert batch is not None or plan is not None, "end_step without a step in flight"
+        self._batch, self.plan, self.busy = None, None, False
         self.num_steps += 1
         self.busy_time += self._step_time
+        if batch is not None:  # begun by begin_crossing
+            return self.scheduler.end_decodes(batch, SIM_TOKEN, now)
+        sampled = {c.request_id: SIM_TOKEN for c in plan.chunks if c.sample}
+        result = StepResult(plan.step_id, sampled, step_time_s=self._step_time, composition=plan.composition)
         return self.scheduler.update(plan, result, now)
 
     def stats(self) -> dict:
