@@ -19,7 +19,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -175,6 +175,20 @@ def store_crossover(key: str, value: int) -> None:
         _write_json(where, {**_crossovers(), key: value}, "crossover")
 
 
+def timed_once(key: str, measure: Callable[[], int]) -> int:
+    """The start-up timing stored under ``key``, else ``measure()``'d and stored: one process at a
+    time (:func:`crossover_lock`), each looking again once it holds the lock, so processes that start
+    together time it once and read what the first stored."""
+    value = load_crossover(key)
+    if value is None:
+        with crossover_lock():
+            value = load_crossover(key)
+            if value is None:
+                value = measure()
+                store_crossover(key, value)
+    return value
+
+
 def load(path: str) -> Iterator[tuple[str, torch.Tensor]] | None:
     """The cached tensors in the order they were stored, or None if there is no usable file."""
     from safetensors import safe_open
@@ -212,4 +226,4 @@ def store(path: str, tensors: list[tuple[str, torch.Tensor]]) -> None:
             os.unlink(tmp)
 
 
-__all__ = ["budget_bytes", "cache_dir", "cache_path", "load", "load_meta", "load_tokenizer", "store", "store_meta"]
+__all__ = ["budget_bytes", "cache_dir", "cache_path", "load", "load_meta", "load_tokenizer", "store", "store_meta", "timed_once"]

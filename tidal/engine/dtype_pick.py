@@ -56,16 +56,13 @@ def bf16_speedup_percent(repeats: int = REPEATS) -> int:
     if key not in _picked:
         disk_key = "|".join(map(str, (*key, f"torch {torch.__version__}", torch.backends.cpu.get_cpu_capability(),
                                       _cpu_id())))
-        value = disk_cache.load_crossover(disk_key)
-        if value is None:
-            with disk_cache.crossover_lock():
-                value = disk_cache.load_crossover(disk_key)
-                if value is None:
-                    ratios = [_bf16_over_f32(m, k, n, repeats) for m, k, n in SHAPES]
-                    value = round(100 * math.exp(sum(map(math.log, ratios)) / len(ratios)))
-                    disk_cache.store_crossover(disk_key, value)
-        _picked[key] = value
+        _picked[key] = disk_cache.timed_once(disk_key, lambda: _geomean_percent(repeats))
     return _picked[key]
+
+
+def _geomean_percent(repeats: int) -> int:
+    ratios = [_bf16_over_f32(m, k, n, repeats) for m, k, n in SHAPES]
+    return round(100 * math.exp(sum(map(math.log, ratios)) / len(ratios)))
 
 
 def cpu_auto_dtype(f32_weight_bytes: int | None = None) -> torch.dtype:

@@ -176,14 +176,7 @@ def _cached(fn):
             # torch's version either way: its float matmul is the other side of every ratio
             build = f"{native.matmul_build() + ' ' if kernels == 'tidal' else ''}torch {torch.__version__}"
             disk_key = "|".join(map(str, (*key, build, torch.backends.cpu.get_cpu_capability(), _cpu_id())))
-            value = disk_cache.load_crossover(disk_key)
-            if value is None:
-                with disk_cache.crossover_lock():  # one process times at a time; the others then read it
-                    value = disk_cache.load_crossover(disk_key)
-                    if value is None:
-                        value = fn(n, k, dtype, repeats, kernels, upto)
-                        disk_cache.store_crossover(disk_key, value)
-            _crossovers[key] = value
+            _crossovers[key] = disk_cache.timed_once(disk_key, lambda: fn(n, k, dtype, repeats, kernels, upto))
         return _crossovers[key]
 
     return measure
