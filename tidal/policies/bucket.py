@@ -36,7 +36,9 @@ Choices made here, where the paper leaves room:
   in the order still has members not admitted this step; once the chosen group is exhausted
   the next one may fill the rest of the step.
 * **AdjustBuckets** runs once each time the waiting set changes (arrivals, admissions), one
-  round of Alg. 1 per run; repeated runs keep splitting while the load lasts.
+  round of Alg. 1 per run; repeated runs keep splitting while the load lasts. The buckets and
+  groups are kept up to date change by change (:class:`~tidal.policies.bucket_index.BucketIndex`),
+  not re-derived from the whole queue. Ties (equal job keys or arrivals) go in queue order.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from tidal.config import ModelArch, SchedulerConfig
 from tidal.core.plan import StepPlan, StepResult
 from tidal.core.policy import PolicyState, SchedulerView, SchedulingPolicy, StepCaps
 from tidal.core.request import Request, RequestClass
+from tidal.policies.bucket_index import BucketIndex
 from tidal.policies.params import PolicyParams
 from tidal.policies.registry import register_policy
 
@@ -189,8 +192,8 @@ def expected_waste(buckets: Sequence[Bucket], key: Callable[[Any], int] = bucket
 
 
 # ============================================================================ the policy
-def _arrival(r: Request) -> float:
-    return r.arrival_time
+def _length(s: int) -> int:
+    return s
 
 
 class BucketParams(PolicyParams):
@@ -244,19 +247,15 @@ class BucketPolicy(SchedulingPolicy):
         self.params = params
         self.theta, self.l_max, self.m_safe_frac = params.theta, params.l_max, params.m_safe_frac
         self.offline_order = params.offline_order
-        self.buckets: list[Bucket] = [Bucket(0, self.l_max)]
+        # the waiting queue in buckets and groups (Alg. 1), kept up to date change by change
+        self.index = BucketIndex(self.l_max, self.theta, bucket_key, self._job_key, self._mem, self._nmax_of_mems)
         self.groups: list[list[Request]] = []  # admission order, chosen group first
-        self._group_of: dict[str, int] = {}
-        self._rank: dict[str, int] = {}  # position in the admission order
-        self._sig: tuple | None = None  # (the waiting snapshot, N_max) the buckets were made for
         self._view_waiting: Sequence[Request] = ()  # this step's snapshot (order_waiting's fast path)
         self._admitted: tuple[Sequence[Request] | None, set[str]] = (None, set())  # admit's list, its ids so far
         self._mem_of: dict[str, tuple[Request, int]] = {}  # memory S per live request (it never changes)
         self._geometry: tuple[int, int] | None = None  # (num_total_blocks, block_size)
-        self.n_max: int | None = None  # Alg. 1's N_max over the waiting requests
         self.n_max_batch: int | None = None  # the cap over running + the chosen bucket
         self._ptr = 0  # groups before this one are exhausted this step (reset by plan_step)
-        self.num_splits = self.num_merges = 0
         self.padding_waste_last = 0.0
         self._waste_sum = 0.0
         self._waste_steps = 0
@@ -268,13 +267,29 @@ class BucketPolicy(SchedulingPolicy):
             got = self._mem_of[r.request_id] = (r, memory_len(r, self.l_max))
         return got[1]
 
-    def _nmax(self, requests: Iterable[Request]) -> int | None:
+    def _nmax_of_mems(self, mems: Iterable[int]) -> int | None:
         if self._geometry is None:
             return None
         total_blocks, block_size = self._geometry
-        # BucketServe Eq. 6: the cumulative sum of S_i over ``requests`` in the order given
-        n = max_safe_batch_blocks(total_blocks, block_size, (self._mem(r) for r in requests), self.m_safe_frac)
+        # BucketServe Eq. 6: the cumulative sum of S_i in the order given
+        n = max_safe_batch_blocks(total_blocks, block_size, mems, self.m_safe_frac)
         return None if n is None else max(1, n)
+
+    def _nmax(self, requests: Iterable[Request]) -> int | None:
+        return self._nmax_of_mems(self._mem(r) for r in requests)
+
+    @property
+    def n_max(self) -> int | None:
+        """Alg. 1's N_max over the waiting requests in arrival order."""
+        return self.index.n_max
+
+    @property
+    def num_splits(self) -> int:
+        return self.index.num_splits
+
+    @property
+    def num_merges(self) -> int:
+        return self.index.num_merges
 
     def _job_key(self, r: Request) -> tuple:
         if r.request_class is RequestClass.ONLINE or self.offline_order == "fcfs":
@@ -282,43 +297,13 @@ class BucketPolicy(SchedulingPolicy):
         sign = 1 if self.offline_order == "sjf" else -1
         return (sign * self._mem(r), sign * r.num_prompt_tokens, r.arrival_time)
 
-    def _sync(self, waiting: Sequence[Request]) -> None:
-        """Re-bucket the waiting queue and run AdjustBuckets once, when it changed."""
-        n_max = self._nmax(sorted(waiting, key=_arrival))
-        # the same requests in the same order (compared by identity, at C speed) and the same N_max
-        sig = (tuple(waiting), n_max)
-        if self._sig is not None and sig[1] == self._sig[1] and sig[0] == self._sig[0]:
-            return
-        self._sig = sig
-        self.n_max = n_max
-        buckets = assign([(b.low, b.up) for b in self.buckets], waiting)
-        if n_max is not None:  # AdjustBuckets needs N_max, known once a view was seen
-            before = len(buckets)
-            buckets = adjust_buckets(buckets, n_max, self.theta, self.l_max)
-            if len(buckets) > before:
-                self.num_splits += len(buckets) - before
-            elif len(buckets) < before:
-                self.num_merges += 1
-        self.buckets = buckets
-        groups: dict[tuple, list[Request]] = {}
-        for bi, b in enumerate(buckets):
-            for r in b.members:
-                cls = 0 if r.request_class is RequestClass.ONLINE else 1
-                groups.setdefault((r.priority, cls, bi), []).append(r)
-        for members in groups.values():
-            members.sort(key=self._job_key)
-        ordered = sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1],
-                                                         min(r.arrival_time for r in kv[1]), kv[0][2]))
-        self.groups = [members for _, members in ordered]
-        self._group_of = {r.request_id: gi for gi, members in enumerate(self.groups) for r in members}
-        self._rank = {r.request_id: i for i, r in enumerate(r for members in self.groups for r in members)}
-
     # ---------------------------------------------------------------- SchedulingPolicy
     def plan_step(self, view: SchedulerView) -> StepCaps:
         """Re-bucket the waiting queue (Alg. 1) and cap the step at N_max (Eq. 6) over the running
         requests plus the chosen bucket."""
         self._geometry = (view.num_total_blocks, view.block_size)
-        self._sync(view.waiting)
+        if self.index.sync(view.waiting):
+            self.groups = [g.members for g in self.index.ordered]
         self._view_waiting = view.waiting
         self._ptr = 0  # admissions start again from the chosen group
         chosen = self.groups[0] if self.groups else []
@@ -327,15 +312,16 @@ class BucketPolicy(SchedulingPolicy):
 
     def order_waiting(self, waiting: Sequence[Request], now: float) -> list[Request]:
         """The groups in order; requests that arrived after ``plan_step`` go last, FCFS."""
-        if waiting is self._view_waiting and len(waiting) == len(self._rank):
-            return [r for members in self.groups for r in members]  # every one is ranked: the groups in order
-        late = len(self._rank)
-        return sorted(waiting, key=lambda r: (self._rank.get(r.request_id, late), r.arrival_time))
+        if waiting is self._view_waiting and len(waiting) == len(self.index):
+            return list(chain.from_iterable(self.groups))  # every one is indexed: the groups in order
+        rank = self.index.ranks()
+        late = len(rank)
+        return sorted(waiting, key=lambda r: (rank.get(r, late), r.arrival_time))
 
     def admit(self, request: Request, admitted: Sequence[Request]) -> bool:
         """One bucket per batch, work-conserving: a group may admit once every group before it
         was admitted in full this step."""
-        g = self._group_of.get(request.request_id)
+        g = self.index.group_index(request)
         if g is None:
             return True  # not bucketed (arrived after plan_step): nothing to hold it back
         if self._ptr < g:
@@ -362,16 +348,18 @@ class BucketPolicy(SchedulingPolicy):
 
     def state(self) -> BucketState:
         chosen = None
-        if self.groups:
-            g = self.groups[0]
-            b = next(b for b in self.buckets if g[0] in b.members)
-            chosen = ChosenBucket(b.low, b.up, g[0].request_class.value, g[0].priority, len(g))
+        if self.index.ordered:
+            g = self.index.ordered[0]
+            chosen = ChosenBucket(g.bucket.low, g.bucket.up, g.members[0].request_class.value, g.priority,
+                                  len(g.members))
+        buckets = [Bucket(lo, up, lens) for lo, up, lens in self.index.layout()]
         return BucketState(
             self.name, theta=self.theta, l_max=self.l_max, m_safe_frac=self.m_safe_frac,
             offline_order=self.offline_order, n_max=self.n_max, n_max_batch=self.n_max_batch,
-            buckets=tuple((b.low, b.up, len(b.members)) for b in self.buckets), num_buckets=len(self.buckets),
-            num_waiting=sum(len(b.members) for b in self.buckets), num_groups=len(self.groups), chosen=chosen,
-            num_splits=self.num_splits, num_merges=self.num_merges, expected_waste=expected_waste(self.buckets),
+            buckets=tuple((b.low, b.up, len(b.members)) for b in buckets), num_buckets=len(buckets),
+            num_waiting=len(self.index), num_groups=len(self.index.ordered), chosen=chosen,
+            num_splits=self.num_splits, num_merges=self.num_merges,
+            expected_waste=expected_waste(buckets, key=_length),
             padding_waste_last=self.padding_waste_last,
             padding_waste_mean=self._waste_sum / self._waste_steps if self._waste_steps else 0.0,
             padding_steps=self._waste_steps)
