@@ -91,7 +91,7 @@ class BlockPool:
         heapq.heappush(self._free, src)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class KVAllocation:
     """What an allocation added: opaque to the scheduler beyond 'it worked'."""
 

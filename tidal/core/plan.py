@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from tidal.core.sampling import SamplingParams
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ScheduledChunk:
     """One request's share of a step: feed ``token_ids`` at positions ``start..``."""
 
