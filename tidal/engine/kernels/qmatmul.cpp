@@ -171,132 +171,236 @@ void q8_0_tiles(const float* x, const int8_t* qs, const c10::Half* dq, float* ou
 }
 
 #ifdef TIDAL_AVX2
-// Steps of many rows: a panel of two tiles (16 outputs) is dequantized once into a float32 buffer
-// [K, 16] that stays in cache, then a register-blocked GEMM micro-kernel (MR activation rows x 16
-// outputs: 2 * MR accumulators, per k two panel loads and MR broadcasts for 2 * MR FMAs) runs every
-// row over it. The dequantization (q * d + m per weight, as the float weights were made) is paid once
-// per panel, not once per row group, so the FMAs run near the core's float peak.
-void q4_1_panel(const uint8_t* qs, const c10::Half* dm, int64_t K, int64_t t, int64_t nt, float* P) {
+// Steps of many rows: a panel of kPanelTiles tiles (kPanelWidth outputs) is dequantized once into a
+// float32 buffer [K, kPanelWidth] that stays in cache, then a register-blocked GEMM micro-kernel (MR
+// activation rows x the panel's outputs, all accumulators in registers) runs every row group over it.
+// The rows are packed once per call, k-major within each row group (pack_rows: a group's MR values of
+// one k are adjacent), so the micro-kernel walks two pointers and broadcasts from consecutive addresses
+// instead of keeping MR row pointers K floats apart. The dequantization (q * d + m per weight, as the
+// float weights were made) is paid once per panel, not once per row group. Each output is one chain of
+// FMAs over k = 0 .. K-1 from zero, whatever the vector width: the AVX2 and AVX-512 builds give the
+// same floats.
+#ifdef __AVX512F__
+constexpr int64_t kPanelTiles = 4;  // 32 outputs: two 512-bit vectors a panel row
+constexpr int64_t kGroupRows = 12;  // MR at most: 24 accumulators, two panel vectors and a broadcast of 32 registers
+#else
+constexpr int64_t kPanelTiles = 2;  // 16 outputs: two 256-bit vectors a panel row
+constexpr int64_t kGroupRows = 6;   // 12 accumulators, two panel vectors and a broadcast of 16 registers
+#endif
+constexpr int64_t kPanelWidth = kPanelTiles * 8;
+constexpr int64_t kPanelK = 128;  // K rows of a panel dequantized at a time: the block stays in L1 while every row group runs over it
+
+// the rows in ceil(M / kGroupRows) groups of near-equal size (32 rows as 11+11+10, not 12+12+8: each
+// group keeps as many accumulator chains busy as it can); f(r0, rows) for each
+template <class F>
+void for_row_groups(int64_t M, const F& f) {
+  const int64_t groups = (M + kGroupRows - 1) / kGroupRows;
+  for (int64_t gi = 0, r0 = 0; gi < groups; ++gi) {
+    const int64_t rows = (M - r0) / (groups - gi);
+    f(r0, rows);
+    r0 += rows;
+  }
+}
+
+// x [M, K] into row groups, each k-major: the group at rows [r0, r0 + mr) is A[r0 K + k mr + r] = x[r0 + r, k]
+std::vector<float> pack_rows(const float* x, int64_t M, int64_t K) {
+  std::vector<float> A(M * K);
+  for_row_groups(M, [&](int64_t r0, int64_t mr) {
+    float* a = A.data() + r0 * K;
+    for (int64_t r = 0; r < mr; ++r) {
+      const float* xr = x + (r0 + r) * K;
+      for (int64_t k = 0; k < K; ++k) a[k * mr + r] = xr[k];
+    }
+  });
+  return A;
+}
+
+#ifdef __AVX512F__
+// two tiles' eight bytes each (rows j of a block) as one 128-bit vector: tile a's in the low half
+inline __m128i two_tiles(const void* a, const void* b) {
+  return _mm_unpacklo_epi64(_mm_loadl_epi64(static_cast<const __m128i*>(a)), _mm_loadl_epi64(static_cast<const __m128i*>(b)));
+}
+
+// two tiles' eight float16 scales as sixteen floats
+inline __m512 two_scales(const c10::Half* a, const c10::Half* b) {
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+                                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
+}
+
+// the panels' dequantization 16 weights a vector (two tiles side by side): the same q * d + m per weight.
+// After an odd last tile the second half repeats it (columns the micro-kernel never stores)
+void q4_1_panel(const uint8_t* qs, const c10::Half* dm, int64_t K, int64_t t, int64_t nt, int64_t g0, int64_t g1,
+                float* P) {
+  const int64_t G = K / kBlock;
+  const __m512i low = _mm512_set1_epi32(0x0F);
+  for (int64_t u = 0; u < nt; u += 2) {
+    const int64_t a = t + u, b = t + std::min(u + 1, nt - 1);
+    for (int64_t g = g0; g < g1; ++g) {
+      const c10::Half* ha = dm + (a * G + g) * 16;
+      const c10::Half* hb = dm + (b * G + g) * 16;
+      const __m512 d = two_scales(ha, hb), m = two_scales(ha + 8, hb + 8);
+      const uint8_t* qa = qs + (a * G + g) * 128;
+      const uint8_t* qb = qs + (b * G + g) * 128;
+      float* dst = P + (g - g0) * kBlock * kPanelWidth + u * 8;
+      for (int64_t j = 0; j < 16; ++j) {
+        const __m512i w = _mm512_cvtepu8_epi32(two_tiles(qa + j * 8, qb + j * 8));
+        _mm512_storeu_ps(dst + j * kPanelWidth, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(w, low)), d, m));
+        _mm512_storeu_ps(dst + (j + 16) * kPanelWidth, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4)), d, m));
+      }
+    }
+  }
+}
+
+void q8_0_panel(const int8_t* qs, const c10::Half* dq, int64_t K, int64_t t, int64_t nt, int64_t g0, int64_t g1,
+                float* P) {
+  const int64_t G = K / kBlock;
+  for (int64_t u = 0; u < nt; u += 2) {
+    const int64_t a = t + u, b = t + std::min(u + 1, nt - 1);
+    for (int64_t g = g0; g < g1; ++g) {
+      const __m512 d = two_scales(dq + (a * G + g) * 8, dq + (b * G + g) * 8);
+      const int8_t* qa = qs + (a * G + g) * 256;
+      const int8_t* qb = qs + (b * G + g) * 256;
+      float* dst = P + (g - g0) * kBlock * kPanelWidth + u * 8;
+      for (int64_t j = 0; j < kBlock; ++j)
+        _mm512_storeu_ps(dst + j * kPanelWidth,
+                         _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(two_tiles(qa + j * 8, qb + j * 8))), d));
+    }
+  }
+}
+#else
+// dequantize tiles [t, t + nt) into the panel P [K, kPanelWidth] (tile u at columns 8u ..)
+void q4_1_panel(const uint8_t* qs, const c10::Half* dm, int64_t K, int64_t t, int64_t nt, int64_t g0, int64_t g1,
+                float* P) {
   const int64_t G = K / kBlock;
   const __m256i low = _mm256_set1_epi32(0x0F);
   for (int64_t u = 0; u < nt; ++u) {
-    for (int64_t g = 0; g < G; ++g) {
+    for (int64_t g = g0; g < g1; ++g) {
       const c10::Half* h = dm + ((t + u) * G + g) * 16;
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
       const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 8)));
       const uint8_t* b = qs + ((t + u) * G + g) * 128;
-      float* dst = P + g * kBlock * 16 + u * 8;
+      float* dst = P + (g - g0) * kBlock * kPanelWidth + u * 8;
       for (int64_t j = 0; j < 16; ++j) {
         const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + j * 8)));
-        _mm256_storeu_ps(dst + j * 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(w, low)), d, m));
-        _mm256_storeu_ps(dst + (j + 16) * 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(w, 4)), d, m));
+        _mm256_storeu_ps(dst + j * kPanelWidth, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(w, low)), d, m));
+        _mm256_storeu_ps(dst + (j + 16) * kPanelWidth,
+                         _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(w, 4)), d, m));
       }
     }
   }
 }
 
-void q8_0_panel(const int8_t* qs, const c10::Half* dq, int64_t K, int64_t t, int64_t nt, float* P) {
+void q8_0_panel(const int8_t* qs, const c10::Half* dq, int64_t K, int64_t t, int64_t nt, int64_t g0, int64_t g1,
+                float* P) {
   const int64_t G = K / kBlock;
   for (int64_t u = 0; u < nt; ++u) {
-    for (int64_t g = 0; g < G; ++g) {
+    for (int64_t g = g0; g < g1; ++g) {
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dq + ((t + u) * G + g) * 8)));
       const int8_t* b = qs + ((t + u) * G + g) * 256;
-      float* dst = P + g * kBlock * 16 + u * 8;
+      float* dst = P + (g - g0) * kBlock * kPanelWidth + u * 8;
       for (int64_t j = 0; j < kBlock; ++j)
-        _mm256_storeu_ps(dst + j * 16,
+        _mm256_storeu_ps(dst + j * kPanelWidth,
                          _mm256_mul_ps(i8x8_to_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + j * 8))), d));
     }
   }
 }
+#endif
 
-// out[r0 .. r0 + MR, 16 outputs at column c0] = x[r0 .. r0 + MR, :] @ P (P: [K, 16]); nt tiles (1 or 2) kept
+#ifdef __AVX512F__
+// out[r0 .. r0 + MR, the panel's 8 nt outputs at column c0] = rows @ P, a = the group's packed rows
 template <int64_t MR>
-void panel_rows(const float* x, const float* P, float* out, int64_t K, int64_t N, int64_t r0, int64_t c0, int64_t nt) {
-  __m256 acc[2 * MR];
+void panel_rows(const float* a, const float* P, float* out, int64_t K, int64_t N, int64_t r0, int64_t c0, int64_t nt,
+                bool first) {
+  __m512 acc0[MR], acc1[MR];
+  // nt tiles of eight outputs kept: the first vector holds tiles 0-1, the second 2-3
+  const __mmask16 keep0 = nt >= 2 ? 0xFFFF : 0x00FF;
+  const __mmask16 keep1 = nt >= 4 ? 0xFFFF : nt == 3 ? 0x00FF : 0;
 #pragma GCC unroll 16
-  for (int64_t i = 0; i < 2 * MR; ++i) acc[i] = _mm256_setzero_ps();
-  const float* xr = x + r0 * K;
-  for (int64_t k = 0; k < K; ++k) {
-    const __m256 b0 = _mm256_loadu_ps(P + k * 16), b1 = _mm256_loadu_ps(P + k * 16 + 8);
+  for (int64_t r = 0; r < MR; ++r) {
+    if (first) {
+      acc0[r] = acc1[r] = _mm512_setzero_ps();
+    } else {  // the chains go on from the earlier K blocks' sums
+      acc0[r] = _mm512_maskz_loadu_ps(keep0, out + (r0 + r) * N + c0);
+      acc1[r] = _mm512_maskz_loadu_ps(keep1, out + (r0 + r) * N + c0 + 16);
+    }
+  }
+  for (int64_t k = 0; k < K; ++k, a += MR) {
+    const __m512 b0 = _mm512_loadu_ps(P + k * kPanelWidth), b1 = _mm512_loadu_ps(P + k * kPanelWidth + 16);
+#pragma GCC unroll 16
+    for (int64_t r = 0; r < MR; ++r) {
+      const __m512 x = _mm512_set1_ps(a[r]);
+      acc0[r] = _mm512_fmadd_ps(x, b0, acc0[r]);
+      acc1[r] = _mm512_fmadd_ps(x, b1, acc1[r]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int64_t r = 0; r < MR; ++r) {
+    _mm512_mask_storeu_ps(out + (r0 + r) * N + c0, keep0, acc0[r]);
+    if (keep1) _mm512_mask_storeu_ps(out + (r0 + r) * N + c0 + 16, keep1, acc1[r]);
+  }
+}
+#else
+template <int64_t MR>
+void panel_rows(const float* a, const float* P, float* out, int64_t K, int64_t N, int64_t r0, int64_t c0, int64_t nt,
+                bool first) {
+  __m256 acc0[MR], acc1[MR];
+#pragma GCC unroll 8
+  for (int64_t r = 0; r < MR; ++r) {
+    if (first) {
+      acc0[r] = acc1[r] = _mm256_setzero_ps();
+    } else {  // the chains go on from the earlier K blocks' sums
+      acc0[r] = _mm256_loadu_ps(out + (r0 + r) * N + c0);
+      acc1[r] = nt == 2 ? _mm256_loadu_ps(out + (r0 + r) * N + c0 + 8) : _mm256_setzero_ps();
+    }
+  }
+  for (int64_t k = 0; k < K; ++k, a += MR) {
+    const __m256 b0 = _mm256_loadu_ps(P + k * kPanelWidth), b1 = _mm256_loadu_ps(P + k * kPanelWidth + 8);
 #pragma GCC unroll 8
     for (int64_t r = 0; r < MR; ++r) {
-      const __m256 a = _mm256_broadcast_ss(xr + r * K + k);
-      acc[2 * r] = _mm256_fmadd_ps(a, b0, acc[2 * r]);
-      acc[2 * r + 1] = _mm256_fmadd_ps(a, b1, acc[2 * r + 1]);
+      const __m256 x = _mm256_broadcast_ss(a + r);
+      acc0[r] = _mm256_fmadd_ps(x, b0, acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(x, b1, acc1[r]);
     }
   }
 #pragma GCC unroll 8
   for (int64_t r = 0; r < MR; ++r) {
-    _mm256_storeu_ps(out + (r0 + r) * N + c0, acc[2 * r]);
-    if (nt == 2) _mm256_storeu_ps(out + (r0 + r) * N + c0 + 8, acc[2 * r + 1]);
+    _mm256_storeu_ps(out + (r0 + r) * N + c0, acc0[r]);
+    if (nt == 2) _mm256_storeu_ps(out + (r0 + r) * N + c0 + 8, acc1[r]);
   }
 }
-
-constexpr int64_t kPanelRows = 6;  // MR of the micro-kernel: 12 accumulators, 2 panel vectors, a broadcast
-
-#ifdef __AVX512F__
-// panel_rows with 512-bit vectors (where native.py built for AVX-512): a panel row of 16 outputs is one
-// vector, so MR rows take MR accumulators (8 to 12 here, of 32 registers), one panel load and MR
-// broadcasts per k. Each output is the same chain of FMAs over k as in panel_rows: the same floats.
-template <int64_t MR>
-void panel_rows16(const float* x, const float* P, float* out, int64_t K, int64_t N, int64_t r0, int64_t c0, int64_t nt) {
-  __m512 acc[MR];
-#pragma GCC unroll 16
-  for (int64_t i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
-  const float* xr = x + r0 * K;
-  for (int64_t k = 0; k < K; ++k) {
-    const __m512 b = _mm512_loadu_ps(P + k * 16);
-#pragma GCC unroll 16
-    for (int64_t r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xr[r * K + k]), b, acc[r]);
-  }
-  const __mmask16 keep = nt == 2 ? 0xFFFF : 0x00FF;
-#pragma GCC unroll 16
-  for (int64_t r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + (r0 + r) * N + c0, keep, acc[r]);
-}
-
-constexpr int64_t kPanelRows16 = 12;  // the most rows panel_rows16 takes at once
 #endif
 
-// every row of x against tiles [t0, t1), a panel of two tiles at a time; dequant(t, nt, P) fills the
-// panel's first nt tiles. The panel is the thread's own buffer, kept between calls: after an odd last tile
-// its second half holds weights of an earlier panel (or zeros), whose products panel_rows computes but
-// never stores.
+// every row against tiles [t0, t1), a panel of kPanelTiles tiles at a time; A: the rows as pack_rows
+// made them; dequant(t, nt, P) fills the panel's first nt tiles. The panel is the thread's own buffer,
+// kept between calls: after a short last panel its other tiles hold weights of an earlier panel (or
+// zeros), whose products the micro-kernel computes but never stores.
 template <class Dequant>
-void run_panels(const float* x, float* out, int64_t M, int64_t K, int64_t N, int64_t t0, int64_t t1,
+void run_panels(const float* A, float* out, int64_t M, int64_t K, int64_t N, int64_t t0, int64_t t1,
                 const Dequant& dequant) {
   thread_local std::vector<float> panel;
-  if (static_cast<int64_t>(panel.size()) < K * 16) panel.resize(K * 16);
+  if (static_cast<int64_t>(panel.size()) < kPanelK * kPanelWidth) panel.resize(kPanelK * kPanelWidth);
   float* P = panel.data();
-  for (int64_t t = t0; t < t1; t += 2) {
-    const int64_t nt = std::min<int64_t>(2, t1 - t);
-    dequant(t, nt, P);
+  const int64_t G = K / kBlock;
+  for (int64_t t = t0; t < t1; t += kPanelTiles) {
+    const int64_t nt = std::min<int64_t>(kPanelTiles, t1 - t);
+    for (int64_t g0 = 0; g0 < G; g0 += kPanelK / kBlock) {
+      const int64_t g1 = std::min(G, g0 + kPanelK / kBlock), k0 = g0 * kBlock, kc = (g1 - g0) * kBlock;
+      dequant(t, nt, g0, g1, P);
+      for_row_groups(M, [&](int64_t r0, int64_t rows) {
+        const float* a = A + r0 * K + k0 * rows;
+        switch (rows) {  // M >= kPanelMinRows (16) makes groups of kGroupRows * 2/3 or more
 #ifdef __AVX512F__
-    // the rows in ceil(M / 12) groups of near-equal size, 8 to 12 rows each (M >= 16)
-    const int64_t groups16 = (M + kPanelRows16 - 1) / kPanelRows16;
-    for (int64_t gi = 0, r0 = 0; gi < groups16; ++gi) {
-      const int64_t rows = (M - r0) / (groups16 - gi);
-      switch (rows) {
-        case 8: panel_rows16<8>(x, P, out, K, N, r0, t * 8, nt); break;
-        case 9: panel_rows16<9>(x, P, out, K, N, r0, t * 8, nt); break;
-        case 10: panel_rows16<10>(x, P, out, K, N, r0, t * 8, nt); break;
-        case 11: panel_rows16<11>(x, P, out, K, N, r0, t * 8, nt); break;
-        default: panel_rows16<kPanelRows16>(x, P, out, K, N, r0, t * 8, nt); break;
-      }
-      r0 += rows;
-    }
-    continue;
+          case 8: panel_rows<8>(a, P, out, kc, N, r0, t * 8, nt, g0 == 0); break;
+          case 9: panel_rows<9>(a, P, out, kc, N, r0, t * 8, nt, g0 == 0); break;
+          case 10: panel_rows<10>(a, P, out, kc, N, r0, t * 8, nt, g0 == 0); break;
+          case 11: panel_rows<11>(a, P, out, kc, N, r0, t * 8, nt, g0 == 0); break;
+#else
+          case 4: panel_rows<4>(a, P, out, kc, N, r0, t * 8, nt, g0 == 0); break;
+          case 5: panel_rows<5>(a, P, out, kc, N, r0, t * 8, nt, g0 == 0); break;
 #endif
-    // the rows in ceil(M / 6) groups of near-equal size: 32 rows as 5+5+5+5+6+6, not 6+6+6+6+6+2 (a group
-    // of two has four accumulator chains, too few to hide the FMA latency)
-    const int64_t groups = (M + kPanelRows - 1) / kPanelRows;
-    for (int64_t gi = 0, r0 = 0; gi < groups; ++gi) {
-      const int64_t rows = (M - r0) / (groups - gi);
-      switch (rows) {  // M >= kPanelMinRows (16) makes groups of 4 to 6
-        case 4: panel_rows<4>(x, P, out, K, N, r0, t * 8, nt); break;
-        case 5: panel_rows<5>(x, P, out, K, N, r0, t * 8, nt); break;
-        default: panel_rows<kPanelRows>(x, P, out, K, N, r0, t * 8, nt); break;
-      }
-      r0 += rows;
+          default: panel_rows<kGroupRows>(a, P, out, kc, N, r0, t * 8, nt, g0 == 0); break;
+        }
+      });
     }
   }
 }
@@ -324,7 +428,24 @@ inline bool panel_step(int64_t M) {
 #endif
 }
 
-// tiles of eight outputs in tasks of an even number of tiles (pairs kept together for the panels), taken by
+// the rows a step's kernels read: x itself (few rows), or packed by pack_rows into ``packed`` (the panels)
+const float* step_rows(const float* x, int64_t M, int64_t K, std::vector<float>& packed) {
+#ifdef TIDAL_AVX2
+  if (panel_step(M)) {
+    packed = pack_rows(x, M, K);
+    return packed.data();
+  }
+#endif
+  return x;
+}
+
+#ifdef TIDAL_AVX2
+constexpr int64_t kTaskTiles = kPanelTiles;  // a task's tiles come in whole panels
+#else
+constexpr int64_t kTaskTiles = 2;
+#endif
+
+// tiles of eight outputs in tasks of whole panels (kTaskTiles tiles), taken by
 // run_tasks: kTasksPerThread a thread for the panel kernels (a step of many rows), one a thread for a step of
 // few rows (short tasks, where more of them measured slower at one row). A task walks its tiles in chunks of
 // kTileChunk, each chunk once per group of rows (NR a compile-time count, so that the accumulators stay in
@@ -332,7 +453,7 @@ inline bool panel_step(int64_t M) {
 constexpr int64_t kTileChunk = 8;
 constexpr int64_t kTasksPerThread = 8;
 
-// run_tiles' work for tiles [t0, t1) on the calling thread
+// run_tiles' work for tiles [t0, t1) on the calling thread; args' rows as step_rows gives them
 template <class K, typename... A>
 void tile_range(int64_t M, int64_t t0, int64_t t1, A... args) {
 #ifdef TIDAL_AVX2
@@ -357,8 +478,8 @@ void tile_range(int64_t M, int64_t t0, int64_t t1, A... args) {
 template <class K, typename... A>
 void run_tiles(int64_t M, int64_t T, A... args) {
   const int64_t per = panel_step(M) ? kTasksPerThread : 1;
-  int64_t tiles = std::max<int64_t>(2, T / (per * std::max<int64_t>(1, at::get_num_threads())));
-  tiles += tiles % 2;
+  int64_t tiles = std::max<int64_t>(kTaskTiles, T / (per * std::max<int64_t>(1, at::get_num_threads())));
+  tiles = (tiles + kTaskTiles - 1) / kTaskTiles * kTaskTiles;
   struct None {};
   tidal::run_tasks<None>((T + tiles - 1) / tiles,
                          [&](int64_t i, None&) { tile_range<K>(M, i * tiles, std::min(T, (i + 1) * tiles), args...); });
@@ -373,7 +494,7 @@ struct Q4Tiles {
 #ifdef TIDAL_AVX2
   static void panels(const float* x, const float*, const uint8_t* q, const c10::Half* dm, float* o, int64_t k,
                      int64_t n, int64_t M, int64_t t0, int64_t t1) {
-    run_panels(x, o, M, k, n, t0, t1, [&](int64_t t, int64_t nt, float* P) { q4_1_panel(q, dm, k, t, nt, P); });
+    run_panels(x, o, M, k, n, t0, t1, [&](int64_t t, int64_t nt, int64_t g0, int64_t g1, float* P) { q4_1_panel(q, dm, k, t, nt, g0, g1, P); });
   }
 #endif
 };
@@ -387,7 +508,7 @@ struct Q8Tiles {
 #ifdef TIDAL_AVX2
   static void panels(const float* x, const int8_t* q, const c10::Half* d, float* o, int64_t k, int64_t n, int64_t M,
                      int64_t t0, int64_t t1) {
-    run_panels(x, o, M, k, n, t0, t1, [&](int64_t t, int64_t nt, float* P) { q8_0_panel(q, d, k, t, nt, P); });
+    run_panels(x, o, M, k, n, t0, t1, [&](int64_t t, int64_t nt, int64_t g0, int64_t g1, float* P) { q8_0_panel(q, d, k, t, nt, g0, g1, P); });
   }
 #endif
 };
@@ -397,8 +518,9 @@ at::Tensor q8_0_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& 
   TORCH_CHECK(n % 8 == 0, "q8_0_mm: the output size must be a multiple of 8");
   TORCH_CHECK(d.numel() == n * (k / kBlock), "q8_0_mm: d must hold a scale per block");
   at::Tensor out = at::empty({x.size(0), n}, x.options());
-  run_tiles<Q8Tiles>(x.size(0), n / 8, x.data_ptr<float>(), qs.data_ptr<int8_t>(), d.data_ptr<c10::Half>(),
-                     out.data_ptr<float>(), k, n);
+  std::vector<float> packed;
+  run_tiles<Q8Tiles>(x.size(0), n / 8, step_rows(x.data_ptr<float>(), x.size(0), k, packed), qs.data_ptr<int8_t>(),
+                     d.data_ptr<c10::Half>(), out.data_ptr<float>(), k, n);
   return out;
 }
 
@@ -454,7 +576,8 @@ at::Tensor q8_0_argmax(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   const int64_t parts = std::min<int64_t>(T, kTasksPerThread * std::max<int64_t>(1, at::get_num_threads()));
   std::vector<float> best_v(parts * M);
   std::vector<int64_t> best_i(parts * M, -1);
-  const float* xp = x.data_ptr<float>();
+  std::vector<float> packed;
+  const float* xp = step_rows(x.data_ptr<float>(), M, k, packed);
   const int8_t* qp = qs.data_ptr<int8_t>();
   const c10::Half* dp = d.data_ptr<c10::Half>();
   tidal::run_tasks<std::vector<float>>(parts, [&](int64_t p, std::vector<float>& buf) {
@@ -504,7 +627,8 @@ at::Tensor q4_1_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& 
   const uint8_t* qp = qs.data_ptr<uint8_t>();
   const c10::Half* dp = dm.data_ptr<c10::Half>();
   float* op = out.data_ptr<float>();
-  run_tiles<Q4Tiles>(M, T, xp, sp, qp, dp, op, k, n);
+  std::vector<float> packed;
+  run_tiles<Q4Tiles>(M, T, step_rows(xp, M, k, packed), sp, qp, dp, op, k, n);
   return out;
 }
 
