@@ -8,8 +8,9 @@
 // a Q4_1 block of 32 weights w = q * d + m gives sum_i w_i x_i = d * sum_i q_i x_i + m * sum_i x_i,
 // so the result differs from a float matmul over the dequantized weights only in rounding order.
 // Steps of 16 rows or more (prefill chunks, batches of decodes) are bound by arithmetic instead: there
-// a panel of 16 outputs is dequantized once into a float32 buffer and a register-blocked GEMM
-// micro-kernel runs every row over it (the panel kernels below), near the core's float peak.
+// a panel of 16 or 32 outputs is dequantized once, block by block of K, into a float32 buffer and a
+// register-blocked GEMM micro-kernel runs every row over it (the panel kernels below), near the core's
+// float peak.
 //
 // Layouts (tidal/engine/native.py packs them):
 //   q4_1: eight output rows make a tile: qs uint8 [N/8, K/32, 16, 8], byte (j, c) of a block = q_j | q_{j+16} << 4
@@ -171,15 +172,13 @@ void q8_0_tiles(const float* x, const int8_t* qs, const c10::Half* dq, float* ou
 }
 
 #ifdef TIDAL_AVX2
-// Steps of many rows: a panel of kPanelTiles tiles (kPanelWidth outputs) is dequantized once into a
-// float32 buffer [K, kPanelWidth] that stays in cache, then a register-blocked GEMM micro-kernel (MR
-// activation rows x the panel's outputs, all accumulators in registers) runs every row group over it.
-// The rows are packed once per call, k-major within each row group (pack_rows: a group's MR values of
-// one k are adjacent), so the micro-kernel walks two pointers and broadcasts from consecutive addresses
-// instead of keeping MR row pointers K floats apart. The dequantization (q * d + m per weight, as the
-// float weights were made) is paid once per panel, not once per row group. Each output is one chain of
-// FMAs over k = 0 .. K-1 from zero, whatever the vector width: the AVX2 and AVX-512 builds give the
-// same floats.
+// Steps of many rows: a panel of kPanelTiles tiles (kPanelWidth outputs) is dequantized kPanelK rows of
+// K at a time into a float32 buffer [kPanelK, kPanelWidth] that stays in L1, then a register-blocked GEMM
+// micro-kernel (MR activation rows x the panel's outputs, all accumulators in registers) runs every row
+// group over that block, picking its sums up from the output where an earlier block left them. The
+// dequantization (q * d + m per weight, as the float weights were made) is paid once per panel, not
+// once per row group. Each output is one chain of FMAs over k = 0 .. K-1 from zero, whatever the vector
+// width and the blocking: the AVX2 and AVX-512 builds give the same floats.
 #ifdef __AVX512F__
 constexpr int64_t kPanelTiles = 4;  // 32 outputs: two 512-bit vectors a panel row
 constexpr int64_t kGroupRows = 12;  // MR at most: 24 accumulators, two panel vectors and a broadcast of 32 registers
@@ -188,7 +187,9 @@ constexpr int64_t kPanelTiles = 2;  // 16 outputs: two 256-bit vectors a panel r
 constexpr int64_t kGroupRows = 6;   // 12 accumulators, two panel vectors and a broadcast of 16 registers
 #endif
 constexpr int64_t kPanelWidth = kPanelTiles * 8;
-constexpr int64_t kPanelK = 128;  // K rows of a panel dequantized at a time: the block stays in L1 while every row group runs over it
+// K rows of a panel dequantized at a time: 16 KB at 32 outputs, in L1 while every row group runs over it
+// (64, 192 and 256 measured slower at the shapes of SmolLM2-135M; no blocking, with the panel in L2, 15 % slower)
+constexpr int64_t kPanelK = 128;
 
 // the rows in ceil(M / kGroupRows) groups of near-equal size (32 rows as 11+11+10, not 12+12+8: each
 // group keeps as many accumulator chains busy as it can); f(r0, rows) for each
@@ -200,19 +201,6 @@ void for_row_groups(int64_t M, const F& f) {
     f(r0, rows);
     r0 += rows;
   }
-}
-
-// x [M, K] into row groups, each k-major: the group at rows [r0, r0 + mr) is A[r0 K + k mr + r] = x[r0 + r, k]
-std::vector<float> pack_rows(const float* x, int64_t M, int64_t K) {
-  std::vector<float> A(M * K);
-  for_row_groups(M, [&](int64_t r0, int64_t mr) {
-    float* a = A.data() + r0 * K;
-    for (int64_t r = 0; r < mr; ++r) {
-      const float* xr = x + (r0 + r) * K;
-      for (int64_t k = 0; k < K; ++k) a[k * mr + r] = xr[k];
-    }
-  });
-  return A;
 }
 
 #ifdef __AVX512F__
@@ -307,10 +295,11 @@ void q8_0_panel(const int8_t* qs, const c10::Half* dq, int64_t K, int64_t t, int
 #endif
 
 #ifdef __AVX512F__
-// out[r0 .. r0 + MR, the panel's 8 nt outputs at column c0] = rows @ P, a = the group's packed rows
+// out[r0 .. r0 + MR, the panel's 8 nt outputs at column c0] (+)= x rows @ P over K of P's rows: a = the
+// group's first row at the block's first k, XS the row stride; first: the block starts the sums
 template <int64_t MR>
 void panel_rows(const float* a, const float* P, float* out, int64_t K, int64_t N, int64_t r0, int64_t c0, int64_t nt,
-                bool first) {
+                bool first, int64_t XS) {
   __m512 acc0[MR], acc1[MR];
   // nt tiles of eight outputs kept: the first vector holds tiles 0-1, the second 2-3
   const __mmask16 keep0 = nt >= 2 ? 0xFFFF : 0x00FF;
@@ -324,11 +313,11 @@ void panel_rows(const float* a, const float* P, float* out, int64_t K, int64_t N
       acc1[r] = _mm512_maskz_loadu_ps(keep1, out + (r0 + r) * N + c0 + 16);
     }
   }
-  for (int64_t k = 0; k < K; ++k, a += MR) {
+  for (int64_t k = 0; k < K; ++k, ++a) {
     const __m512 b0 = _mm512_loadu_ps(P + k * kPanelWidth), b1 = _mm512_loadu_ps(P + k * kPanelWidth + 16);
 #pragma GCC unroll 16
     for (int64_t r = 0; r < MR; ++r) {
-      const __m512 x = _mm512_set1_ps(a[r]);
+      const __m512 x = _mm512_set1_ps(a[r * XS]);
       acc0[r] = _mm512_fmadd_ps(x, b0, acc0[r]);
       acc1[r] = _mm512_fmadd_ps(x, b1, acc1[r]);
     }
@@ -340,9 +329,10 @@ void panel_rows(const float* a, const float* P, float* out, int64_t K, int64_t N
   }
 }
 #else
+// the same with 256-bit vectors: 16 outputs, 2 MR accumulators
 template <int64_t MR>
 void panel_rows(const float* a, const float* P, float* out, int64_t K, int64_t N, int64_t r0, int64_t c0, int64_t nt,
-                bool first) {
+                bool first, int64_t XS) {
   __m256 acc0[MR], acc1[MR];
 #pragma GCC unroll 8
   for (int64_t r = 0; r < MR; ++r) {
@@ -353,11 +343,11 @@ void panel_rows(const float* a, const float* P, float* out, int64_t K, int64_t N
       acc1[r] = nt == 2 ? _mm256_loadu_ps(out + (r0 + r) * N + c0 + 8) : _mm256_setzero_ps();
     }
   }
-  for (int64_t k = 0; k < K; ++k, a += MR) {
+  for (int64_t k = 0; k < K; ++k, ++a) {
     const __m256 b0 = _mm256_loadu_ps(P + k * kPanelWidth), b1 = _mm256_loadu_ps(P + k * kPanelWidth + 8);
 #pragma GCC unroll 8
     for (int64_t r = 0; r < MR; ++r) {
-      const __m256 x = _mm256_broadcast_ss(a + r);
+      const __m256 x = _mm256_broadcast_ss(a + r * XS);
       acc0[r] = _mm256_fmadd_ps(x, b0, acc0[r]);
       acc1[r] = _mm256_fmadd_ps(x, b1, acc1[r]);
     }
@@ -370,12 +360,12 @@ void panel_rows(const float* a, const float* P, float* out, int64_t K, int64_t N
 }
 #endif
 
-// every row against tiles [t0, t1), a panel of kPanelTiles tiles at a time; A: the rows as pack_rows
-// made them; dequant(t, nt, P) fills the panel's first nt tiles. The panel is the thread's own buffer,
+// every row of x against tiles [t0, t1), a panel of kPanelTiles tiles at a time; dequant(t, nt, g0, g1, P)
+// fills the panel's first nt tiles with blocks [g0, g1) of K. The panel is the thread's own buffer,
 // kept between calls: after a short last panel its other tiles hold weights of an earlier panel (or
 // zeros), whose products the micro-kernel computes but never stores.
 template <class Dequant>
-void run_panels(const float* A, float* out, int64_t M, int64_t K, int64_t N, int64_t t0, int64_t t1,
+void run_panels(const float* x, float* out, int64_t M, int64_t K, int64_t N, int64_t t0, int64_t t1,
                 const Dequant& dequant) {
   thread_local std::vector<float> panel;
   if (static_cast<int64_t>(panel.size()) < kPanelK * kPanelWidth) panel.resize(kPanelK * kPanelWidth);
@@ -387,18 +377,18 @@ void run_panels(const float* A, float* out, int64_t M, int64_t K, int64_t N, int
       const int64_t g1 = std::min(G, g0 + kPanelK / kBlock), k0 = g0 * kBlock, kc = (g1 - g0) * kBlock;
       dequant(t, nt, g0, g1, P);
       for_row_groups(M, [&](int64_t r0, int64_t rows) {
-        const float* a = A + r0 * K + k0 * rows;
+        const float* a = x + r0 * K + k0;
         switch (rows) {  // M >= kPanelMinRows (16) makes groups of kGroupRows * 2/3 or more
 #ifdef __AVX512F__
-          case 8: panel_rows<8>(a, P, out, kc, N, r0, t * 8, nt, g0 == 0); break;
-          case 9: panel_rows<9>(a, P, out, kc, N, r0, t * 8, nt, g0 == 0); break;
-          case 10: panel_rows<10>(a, P, out, kc, N, r0, t * 8, nt, g0 == 0); break;
-          case 11: panel_rows<11>(a, P, out, kc, N, r0, t * 8, nt, g0 == 0); break;
+          case 8: panel_rows<8>(a, P, out, kc, N, r0, t * 8, nt, g0 == 0, K); break;
+          case 9: panel_rows<9>(a, P, out, kc, N, r0, t * 8, nt, g0 == 0, K); break;
+          case 10: panel_rows<10>(a, P, out, kc, N, r0, t * 8, nt, g0 == 0, K); break;
+          case 11: panel_rows<11>(a, P, out, kc, N, r0, t * 8, nt, g0 == 0, K); break;
 #else
-          case 4: panel_rows<4>(a, P, out, kc, N, r0, t * 8, nt, g0 == 0); break;
-          case 5: panel_rows<5>(a, P, out, kc, N, r0, t * 8, nt, g0 == 0); break;
+          case 4: panel_rows<4>(a, P, out, kc, N, r0, t * 8, nt, g0 == 0, K); break;
+          case 5: panel_rows<5>(a, P, out, kc, N, r0, t * 8, nt, g0 == 0, K); break;
 #endif
-          default: panel_rows<kGroupRows>(a, P, out, kc, N, r0, t * 8, nt, g0 == 0); break;
+          default: panel_rows<kGroupRows>(a, P, out, kc, N, r0, t * 8, nt, g0 == 0, K); break;
         }
       });
     }
@@ -428,17 +418,6 @@ inline bool panel_step(int64_t M) {
 #endif
 }
 
-// the rows a step's kernels read: x itself (few rows), or packed by pack_rows into ``packed`` (the panels)
-const float* step_rows(const float* x, int64_t M, int64_t K, std::vector<float>& packed) {
-#ifdef TIDAL_AVX2
-  if (panel_step(M)) {
-    packed = pack_rows(x, M, K);
-    return packed.data();
-  }
-#endif
-  return x;
-}
-
 #ifdef TIDAL_AVX2
 constexpr int64_t kTaskTiles = kPanelTiles;  // a task's tiles come in whole panels
 #else
@@ -453,7 +432,7 @@ constexpr int64_t kTaskTiles = 2;
 constexpr int64_t kTileChunk = 8;
 constexpr int64_t kTasksPerThread = 8;
 
-// run_tiles' work for tiles [t0, t1) on the calling thread; args' rows as step_rows gives them
+// run_tiles' work for tiles [t0, t1) on the calling thread
 template <class K, typename... A>
 void tile_range(int64_t M, int64_t t0, int64_t t1, A... args) {
 #ifdef TIDAL_AVX2
@@ -518,8 +497,7 @@ at::Tensor q8_0_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& 
   TORCH_CHECK(n % 8 == 0, "q8_0_mm: the output size must be a multiple of 8");
   TORCH_CHECK(d.numel() == n * (k / kBlock), "q8_0_mm: d must hold a scale per block");
   at::Tensor out = at::empty({x.size(0), n}, x.options());
-  std::vector<float> packed;
-  run_tiles<Q8Tiles>(x.size(0), n / 8, step_rows(x.data_ptr<float>(), x.size(0), k, packed), qs.data_ptr<int8_t>(),
+  run_tiles<Q8Tiles>(x.size(0), n / 8, x.data_ptr<float>(), qs.data_ptr<int8_t>(),
                      d.data_ptr<c10::Half>(), out.data_ptr<float>(), k, n);
   return out;
 }
@@ -576,8 +554,7 @@ at::Tensor q8_0_argmax(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   const int64_t parts = std::min<int64_t>(T, kTasksPerThread * std::max<int64_t>(1, at::get_num_threads()));
   std::vector<float> best_v(parts * M);
   std::vector<int64_t> best_i(parts * M, -1);
-  std::vector<float> packed;
-  const float* xp = step_rows(x.data_ptr<float>(), M, k, packed);
+  const float* xp = x.data_ptr<float>();
   const int8_t* qp = qs.data_ptr<int8_t>();
   const c10::Half* dp = d.data_ptr<c10::Half>();
   tidal::run_tasks<std::vector<float>>(parts, [&](int64_t p, std::vector<float>& buf) {
@@ -627,8 +604,7 @@ at::Tensor q4_1_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& 
   const uint8_t* qp = qs.data_ptr<uint8_t>();
   const c10::Half* dp = dm.data_ptr<c10::Half>();
   float* op = out.data_ptr<float>();
-  std::vector<float> packed;
-  run_tiles<Q4Tiles>(M, T, step_rows(xp, M, k, packed), sp, qp, dp, op, k, n);
+  run_tiles<Q4Tiles>(M, T, xp, sp, qp, dp, op, k, n);
   return out;
 }
 
