@@ -51,7 +51,7 @@ def test_q4_1_equals_the_dequantized_matmul(n, k):
     g = torch.Generator().manual_seed(1)
     # few rows: whole tiles of four and every remainder; many rows (the panel kernels, from 16): whole
     # groups of six and every remainder, an odd number of output tiles (n=40) included
-    for rows in (1, 2, 3, 4, 5, 7, 9, 16, 17, 18, 19, 20, 23, 37):
+    for rows in (1, 2, 3, 4, 5, 7, 9, 16, 17, 18, 19, 20, 23, 37, 130):
         x = torch.randn(rows, k, generator=g)
         got = packed.matmul(x)
         assert got.shape == (rows, n) and got.dtype == torch.float32
@@ -186,7 +186,7 @@ def test_the_avx512_panels_give_the_avx2_floats(tmp_path):
         "from tests.engine.test_native import q4_1, q8_0\n"
         "torch.manual_seed(0); outs = []\n"
         "w, q, d, m = q4_1(120, 288); w8, q8, d8 = q8_0(40, 288)\n"
-        "for rows in (16, 17, 25, 32, 37, 64, 100):\n"
+        "for rows in (16, 17, 25, 32, 37, 64, 100, 130):\n"
         "    x = torch.randn(rows, 288)\n"
         "    outs += [native.Q4_1Weight.pack(q, d, m).matmul(x), native.Q8_0Weight.pack(q8, d8).matmul(x)]\n"
         "torch.save(outs, sys.argv[1])\n")
@@ -198,7 +198,7 @@ def test_the_avx512_panels_give_the_avx2_floats(tmp_path):
                              timeout=600, env={**os.environ, "TIDAL_NATIVE_SIMD": simd})
         assert out.returncode == 0, out.stderr[-2000:]
         got[simd] = torch.load(path)
-    assert len(got["1"]) == 14 and all(torch.equal(a, b) for a, b in zip(got["1"], got["avx2"], strict=True))
+    assert len(got["1"]) == 16 and all(torch.equal(a, b) for a, b in zip(got["1"], got["avx2"], strict=True))
 
 
 def test_compile_traces_through_the_ops():

@@ -172,10 +172,10 @@ void q8_0_tiles(const float* x, const int8_t* qs, const c10::Half* dq, float* ou
 }
 
 #ifdef TIDAL_AVX2
-// Steps of many rows: a panel of kPanelTiles tiles (kPanelWidth outputs) is dequantized kPanelK rows of
-// K at a time into a float32 buffer [kPanelK, kPanelWidth] that stays in L1, then a register-blocked GEMM
+// Steps of many rows: a panel of kPanelTiles tiles (kPanelWidth outputs) is dequantized, all of K or a
+// block of it (panel_k), into a float32 buffer that stays in cache, then a register-blocked GEMM
 // micro-kernel (MR activation rows x the panel's outputs, all accumulators in registers) runs every row
-// group over that block, picking its sums up from the output where an earlier block left them. The
+// group over it, picking its sums up from the output where an earlier block of K left them. The
 // dequantization (q * d + m per weight, as the float weights were made) is paid once per panel, not
 // once per row group. Each output is one chain of FMAs over k = 0 .. K-1 from zero, whatever the vector
 // width and the blocking: the AVX2 and AVX-512 builds give the same floats.
@@ -187,9 +187,16 @@ constexpr int64_t kPanelTiles = 2;  // 16 outputs: two 256-bit vectors a panel r
 constexpr int64_t kGroupRows = 6;   // 12 accumulators, two panel vectors and a broadcast of 16 registers
 #endif
 constexpr int64_t kPanelWidth = kPanelTiles * 8;
-// K rows of a panel dequantized at a time: 16 KB at 32 outputs, in L1 while every row group runs over it
-// (64, 192 and 256 measured slower at the shapes of SmolLM2-135M; no blocking, with the panel in L2, 15 % slower)
-constexpr int64_t kPanelK = 128;
+// K rows of a panel dequantized at a time for a step of M rows. Built for AVX-512, a step of fewer than 128
+// rows takes K in blocks of 128: 16 KB of panel at 32 outputs, in L1 while the row groups run over it
+// (1.2x at 32 rows, cold weights, SmolLM2-135M's shapes; blocks of 64, 192 or 256 were slower). A larger
+// step, and the AVX2 build, take all of K at once (blocks of 128 measured 0.9x there)
+inline int64_t panel_k(int64_t M, int64_t K) {
+#ifdef __AVX512F__
+  if (M < 128) return std::min<int64_t>(K, 128);
+#endif
+  return K;
+}
 
 // the rows in ceil(M / kGroupRows) groups of near-equal size (32 rows as 11+11+10, not 12+12+8: each
 // group keeps as many accumulator chains busy as it can); f(r0, rows) for each
@@ -367,14 +374,14 @@ void panel_rows(const float* a, const float* P, float* out, int64_t K, int64_t N
 template <class Dequant>
 void run_panels(const float* x, float* out, int64_t M, int64_t K, int64_t N, int64_t t0, int64_t t1,
                 const Dequant& dequant) {
+  const int64_t G = K / kBlock, KB = panel_k(M, K) / kBlock;  // blocks of K per panel block
   thread_local std::vector<float> panel;
-  if (static_cast<int64_t>(panel.size()) < kPanelK * kPanelWidth) panel.resize(kPanelK * kPanelWidth);
+  if (static_cast<int64_t>(panel.size()) < KB * kBlock * kPanelWidth) panel.resize(KB * kBlock * kPanelWidth);
   float* P = panel.data();
-  const int64_t G = K / kBlock;
   for (int64_t t = t0; t < t1; t += kPanelTiles) {
     const int64_t nt = std::min<int64_t>(kPanelTiles, t1 - t);
-    for (int64_t g0 = 0; g0 < G; g0 += kPanelK / kBlock) {
-      const int64_t g1 = std::min(G, g0 + kPanelK / kBlock), k0 = g0 * kBlock, kc = (g1 - g0) * kBlock;
+    for (int64_t g0 = 0; g0 < G; g0 += KB) {
+      const int64_t g1 = std::min(G, g0 + KB), k0 = g0 * kBlock, kc = (g1 - g0) * kBlock;
       dequant(t, nt, g0, g1, P);
       for_row_groups(M, [&](int64_t r0, int64_t rows) {
         const float* a = x + r0 * K + k0;
