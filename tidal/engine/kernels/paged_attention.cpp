@@ -134,12 +134,25 @@ inline void value_tile16(const float* v, int64_t stride, const float* p, int64_t
   for (int a = 0; a < NG; ++a)
     for (int u = 0; u < 4; ++u) _mm512_storeu_ps(o + a * D + 16 * u, acc[a][u]);
 }
-constexpr int64_t kScoreStep = 16;  // D per score_tile iteration
-constexpr int64_t kValueWidth = 64;  // D per value_tile pass
-#else
-constexpr int64_t kScoreStep = 8;
-constexpr int64_t kValueWidth = 32;
 #endif
+
+// the 512-bit tiles where built for AVX-512 and D allows them (scores: D % 16, values: D % 64), else the
+// 256-bit ones (D % 8, D % 32): a head of 32 or 96 floats keeps the vector code on either build
+inline bool wide_scores(int64_t D) {
+#ifdef __AVX512F__
+  return D % 16 == 0;
+#else
+  return false;
+#endif
+}
+
+// D per value_tile pass: 64 with the 512-bit tiles, 32 with the 256-bit ones, 0 for neither
+inline int64_t value_width(int64_t D) {
+#ifdef __AVX512F__
+  if (D % 64 == 0) return 64;
+#endif
+  return D % 32 == 0 ? 32 : 0;
+}
 
 // the cache lines of `floats` floats from `rows` on
 inline void prefetch_rows(const float* rows, int64_t floats) {
@@ -200,7 +213,8 @@ void span_scores(const Span& sp, const float* q, float scale, float* s) {
   int64_t j = sp.j0;
   Cursor cur(sp, sp.k, j);
 #ifdef TIDAL_AVX2
-  if (D % kScoreStep == 0) {
+  if (D % 8 == 0) {
+    const bool wide = wide_scores(D);
     const __m128 sc = _mm_set1_ps(scale);
     Cursor ahead(sp, sp.k, std::min(sp.j1, j + kAhead));  // the keys kAhead on, for the prefetches
     for (; j + 4 <= sp.j1; j += 4) {
@@ -213,11 +227,16 @@ void span_scores(const Span& sp, const float* q, float scale, float* s) {
         const float* kh[4] = {kr[0] + h * D, kr[1] + h * D, kr[2] + h * D, kr[3] + h * D};
         for (int64_t g0 = 0; g0 < sp.G; g0 += 3) {
           const int64_t hq = h * sp.G + g0;
+          with_group(sp.G - g0, [&](auto ng) {
+            float* out = s + hq * L + (j - sp.j0);
 #ifdef __AVX512F__
-          with_group(sp.G - g0, [&](auto ng) { score_tile16<decltype(ng)::value>(kh, q + hq * D, D, sc, s + hq * L + (j - sp.j0), L); });
-#else
-          with_group(sp.G - g0, [&](auto ng) { score_tile<decltype(ng)::value>(kh, q + hq * D, D, sc, s + hq * L + (j - sp.j0), L); });
+            if (wide) {
+              score_tile16<decltype(ng)::value>(kh, q + hq * D, D, sc, out, L);
+              return;
+            }
 #endif
+            score_tile<decltype(ng)::value>(kh, q + hq * D, D, sc, out, L);
+          });
         }
       }
     }
@@ -252,23 +271,27 @@ void span_values(const Span& sp, const float* p, float* o) {
     const float* base = sp.tok(sp.v, b0);  // the block's tokens b0..b1-1 are contiguous
     const int64_t stride = sp.KVH * D;
 #ifdef TIDAL_AVX2
-    if (D % kValueWidth == 0) {
-      // the next block's V rows are prefetched a share before each of the KVH x D/kValueWidth sub-passes
-      // over this block (1.06-1.17x in paired timings; the whole block in one burst gained nothing)
-      const int64_t parts = sp.KVH * (D / kValueWidth), next = b1 < sp.j1 ? sp.block_end(b1) - b1 : 0;
+    if (const int64_t vw = value_width(D); vw > 0) {
+      // the next block's V rows are prefetched a share before each of the KVH x D/vw sub-passes over this
+      // block (1.06-1.17x in paired timings; the whole block in one burst gained nothing)
+      const int64_t parts = sp.KVH * (D / vw), next = b1 < sp.j1 ? sp.block_end(b1) - b1 : 0;
       const float* next_base = next ? sp.tok(sp.v, b1) : nullptr;  // the next block's tokens are contiguous too
       for (int64_t h = 0; h < sp.KVH; ++h)
-        for (int64_t d0 = 0; d0 < D; d0 += kValueWidth) {
-          const int64_t t = h * (D / kValueWidth) + d0 / kValueWidth, r0 = t * next / parts, r1 = (t + 1) * next / parts;
+        for (int64_t d0 = 0; d0 < D; d0 += vw) {
+          const int64_t t = h * (D / vw) + d0 / vw, r0 = t * next / parts, r1 = (t + 1) * next / parts;
           if (r1 > r0) prefetch_rows(next_base + r0 * stride, (r1 - r0) * stride);
           for (int64_t g0 = 0; g0 < G; g0 += 3) {
             const int64_t hq = h * G + g0;
             with_group(G - g0, [&](auto ng) {
+              const float* v = base + h * D + d0;
+              const float* w = p + hq * L + (b0 - sp.j0);
 #ifdef __AVX512F__
-              value_tile16<decltype(ng)::value>(base + h * D + d0, stride, p + hq * L + (b0 - sp.j0), L, b1 - b0, o + hq * D + d0, D);
-#else
-              value_tile<decltype(ng)::value>(base + h * D + d0, stride, p + hq * L + (b0 - sp.j0), L, b1 - b0, o + hq * D + d0, D);
+              if (vw == 64) {
+                value_tile16<decltype(ng)::value>(v, stride, w, L, b1 - b0, o + hq * D + d0, D);
+                return;
+              }
 #endif
+              value_tile<decltype(ng)::value>(v, stride, w, L, b1 - b0, o + hq * D + d0, D);
             });
           }
         }
