@@ -8,8 +8,8 @@ Why: where ``auto`` picks float32 (a CPU without native bf16, or whose bf16 matm
 size, so one decode read the whole float32 model (~540 MB for SmolLM2-135M) per token. These read
 Q4_1 at 0.625 bytes a weight (16 bytes of nibbles and two float16 scales per block of 32) and Q8_0
 at 1.06, and unpack in registers (AVX2/FMA/F16C where the CPU has them). Steps of 16 rows or more
-dequantize a panel of 16 outputs at a time into a float32 buffer and run a register-blocked GEMM
-micro-kernel over it, so that prefill chunks and batches of decodes also run on the 4-bit weights
+dequantize a panel of 16 outputs (32 where built for AVX-512) at a time into a float32 buffer and run
+a register-blocked GEMM micro-kernel over it, so that prefill chunks and batches of decodes also run on the 4-bit weights
 (where the start-up timing finds them faster than the float32 matmul).
 
 A prefill chunk attends with a tiled causal kernel (``kernels/prefill_attention.cpp``, FlashAttention-2's

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right, insort
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from tidal.core.request import Request, RequestClass
 
@@ -138,7 +137,7 @@ class BucketIndex:
 
     def _add(self, r: Request, seq: int) -> None:
         s = self._bucket_key(r)
-        group = self._group(r.priority, 0 if r.request_class is RequestClass.ONLINE else 1, self._bucket_for(s))
+        group = self._group(r, s)
         jk = self._job_key(r)
         self._entry[r] = (seq, jk, r.arrival_time, s, group)
         self._members.add(r)
@@ -154,11 +153,14 @@ class BucketIndex:
         insort(group.arrivals, (r.arrival_time, seq))
         insort(group.bucket.keys, (s, seq))
 
-    def _group(self, priority: int, cls: int, bucket: IndexedBucket) -> IndexedGroup:
-        key = (priority, cls, bucket.low)
+    def _group(self, r: Request, s: int) -> IndexedGroup:
+        """The group of ``r`` (bucket key ``s``) under the current layout, made when first needed."""
+        cls = 0 if r.request_class is RequestClass.ONLINE else 1
+        bucket = self._bucket_for(s)
+        key = (r.priority, cls, bucket.low)
         group = self._groups.get(key)
         if group is None:
-            group = self._groups[key] = IndexedGroup(priority, cls, bucket)
+            group = self._groups[key] = IndexedGroup(r.priority, cls, bucket)
         return group
 
     def _remove(self, r: Request) -> None:
@@ -201,7 +203,7 @@ class BucketIndex:
         self._lows = [lo for lo, _ in bounds]
         self._groups = {}
         for r, (seq, jk, arrival, s, _) in list(self._entry.items()):
-            group = self._group(r.priority, 0 if r.request_class is RequestClass.ONLINE else 1, self._bucket_for(s))
+            group = self._group(r, s)
             self._entry[r] = (seq, jk, arrival, s, group)
             self._place(r, seq, jk, s, group)
 
@@ -227,7 +229,3 @@ class BucketIndex:
     def layout(self) -> list[tuple[int, int, list[int]]]:
         """(low, up, the members' S) of each bucket."""
         return [(b.low, b.up, [s for s, _ in b.keys]) for b in self.buckets]
-
-    def describe(self) -> dict[str, Any]:
-        return {"n_max": self.n_max, "buckets": [(b.low, b.up, len(b.keys)) for b in self.buckets],
-                "groups": [[r.request_id for r in g.members] for g in self.ordered]}

@@ -504,8 +504,8 @@ at::Tensor q8_0_mm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& 
   TORCH_CHECK(n % 8 == 0, "q8_0_mm: the output size must be a multiple of 8");
   TORCH_CHECK(d.numel() == n * (k / kBlock), "q8_0_mm: d must hold a scale per block");
   at::Tensor out = at::empty({x.size(0), n}, x.options());
-  run_tiles<Q8Tiles>(x.size(0), n / 8, x.data_ptr<float>(), qs.data_ptr<int8_t>(),
-                     d.data_ptr<c10::Half>(), out.data_ptr<float>(), k, n);
+  run_tiles<Q8Tiles>(x.size(0), n / 8, x.data_ptr<float>(), qs.data_ptr<int8_t>(), d.data_ptr<c10::Half>(),
+                     out.data_ptr<float>(), k, n);
   return out;
 }
 
