@@ -2,7 +2,8 @@
 the Q4_1 and Q8_0 matmuls against ``F.linear`` on the dequantized float32 weights (each timed cycling
 through 64 MB of copies, as a model step streams its weights from memory), and the paged decode
 attention against the gather + masked SDPA path, and that kernel over a KV cache on 4 KiB pages against
-one on transparent huge pages (``tidal/engine/hugepages.py``). Shapes default to SmolLM2-135M's.
+one on transparent huge pages (``tidal/engine/hugepages.py``), and the prefill chunk's causal attention
+against torch's SDPA with the causal mask. Shapes default to SmolLM2-135M's.
 
     .venv/bin/python benchmarks/native_kernels.py [--tokens 1,2,4,8,16,32] [--output PATH]
 """
@@ -86,6 +87,39 @@ def _attention(cases: list[tuple[int, int]], repeats: int) -> list[dict]:
     return rows
 
 
+def _prefill_attention(cases: list[tuple[int, int]], repeats: int) -> list[dict]:
+    """``prefill_attention`` against masked SDPA (grouped-query) for chunks of n tokens after a cached prefix
+    of ``offset``; GFLOP/s of useful work (the causal half of QK^T and PV)."""
+    import torch
+    import torch.nn.functional as F
+
+    from tidal.engine.quant import _median_time
+
+    rows, heads, kv_heads, d = [], 9, 3, 64
+    g = torch.Generator().manual_seed(3)
+    for n, offset in cases:
+        m = offset + n
+        q, k, v = (torch.randn(n, heads, d, generator=g), torch.randn(m, kv_heads, d, generator=g),
+                   torch.randn(m, kv_heads, d, generator=g))
+        mask = torch.arange(m)[None] <= (offset + torch.arange(n))[:, None]
+        qt, kt, vt = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+
+        def sdpa(qt=qt, kt=kt, vt=vt, mask=mask):
+            return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=d ** -0.5, enable_gqa=True)
+
+        with torch.inference_mode():
+            t_sdpa = _median_time(sdpa, repeats)
+            t_nat = _median_time(functools.partial(torch.ops.tidal.prefill_attention, q, k, v, offset, d ** -0.5),
+                                 repeats)
+        gflop = 4 * d * heads * (n * offset + n * (n + 1) / 2) / 1e9
+        rows.append({"tokens": n, "offset": offset, "sdpa_us": t_sdpa * 1e6, "kernel_us": t_nat * 1e6,
+                     "sdpa_gflops": gflop / t_sdpa, "kernel_gflops": gflop / t_nat, "speedup": t_sdpa / t_nat})
+        print(f"prefill attention {n:>4} tokens after {offset:>4}: SDPA {t_sdpa * 1e6:8.0f} us "
+              f"({gflop / t_sdpa:5.1f} GFLOP/s)  kernel {t_nat * 1e6:8.0f} us ({gflop / t_nat:5.1f} GFLOP/s)  "
+              f"{t_sdpa / t_nat:5.2f}x", flush=True)
+    return rows
+
+
 def _attention_pages(n: int, ctx: int, layers: int, repeats: int) -> dict:
     """The decode attention kernel over ``layers`` layers' KV (64 decodes at context 400 read ~200 MB: far
     more than the caches), allocated as the engine's on 4 KiB pages and on huge pages, timed alternately."""
@@ -151,7 +185,9 @@ def main(argv: list[str] | None = None) -> int:
           f"CPU capability {torch.backends.cpu.get_cpu_capability()}, median of {args.repeats}")
     report = {"command": command, "machine": machine, "matmuls": _matmuls(args.tokens, args.repeats),
               "attention": _attention([(1, 192), (1, 1024), (4, 192), (32, 192), (32, 1024)], args.repeats),
-              "attention_pages": _attention_pages(64, 400, 4, args.repeats)}
+              "attention_pages": _attention_pages(64, 400, 4, args.repeats),
+              "prefill_attention": _prefill_attention([(128, 0), (256, 0), (512, 0), (256, 256), (37, 100)],
+                                                      args.repeats)}
     write_result(report, args.output, False, prog=PROG)
     print(f"wrote {args.output}")
     return 0

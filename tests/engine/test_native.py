@@ -178,7 +178,8 @@ def test_the_portable_build_computes_the_same():
 def test_the_avx512_panels_give_the_avx2_floats(tmp_path):
     """Built for AVX-512, the panels' micro-kernel (16 outputs a vector) gives exactly the floats of
     the AVX2 build (``TIDAL_NATIVE_SIMD=avx2``: another library, in a fresh process), at row counts
-    that make every group size and an odd last tile."""
+    that make every group size and an odd last tile; so do the prefill attention's 512-bit tiles and
+    16-lane exponentials (chunks of one, part of a tile, several tiles, a cached prefix)."""
     code = (
         "import sys, torch\n"
         "from tidal.engine import native\n"
@@ -189,6 +190,10 @@ def test_the_avx512_panels_give_the_avx2_floats(tmp_path):
         "for rows in (16, 17, 25, 32, 37, 64, 100, 130):\n"
         "    x = torch.randn(rows, 288)\n"
         "    outs += [native.Q4_1Weight.pack(q, d, m).matmul(x), native.Q8_0Weight.pack(q8, d8).matmul(x)]\n"
+        "for n, offset in ((1, 0), (37, 0), (300, 0), (70, 200)):\n"
+        "    qkv = torch.randn(offset + n, 15 * 64) * 2\n"
+        "    k, v = qkv[:, 576:768].view(-1, 3, 64), qkv[:, 768:].view(-1, 3, 64)\n"
+        "    outs.append(torch.ops.tidal.prefill_attention(qkv[offset:, :576].view(n, 9, 64), k, v, offset, 0.125))\n"
         "torch.save(outs, sys.argv[1])\n")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     got = {}
@@ -198,7 +203,7 @@ def test_the_avx512_panels_give_the_avx2_floats(tmp_path):
                              timeout=600, env={**os.environ, "TIDAL_NATIVE_SIMD": simd})
         assert out.returncode == 0, out.stderr[-2000:]
         got[simd] = torch.load(path)
-    assert len(got["1"]) == 16 and all(torch.equal(a, b) for a, b in zip(got["1"], got["avx2"], strict=True))
+    assert len(got["1"]) == 20 and all(torch.equal(a, b) for a, b in zip(got["1"], got["avx2"], strict=True))
 
 
 def test_compile_traces_through_the_ops():

@@ -13,7 +13,7 @@ a register-blocked GEMM micro-kernel over it, so that prefill chunks and batches
 (where the start-up timing finds them faster than the float32 matmul).
 
 A prefill chunk attends with a tiled causal kernel (``kernels/prefill_attention.cpp``, FlashAttention-2's
-loop with register-blocked tiles), ~2x torch's SDPA for CPU at chunks of 128-512 tokens.
+loop with register-blocked tiles, 512-bit where built for AVX-512), 1.0-2.3x torch's masked SDPA at chunks of 37-512 tokens on an AVX-512 Xeon.
 
 The decode attention kernel replaces, per layer, the gather of every decode's blocks into one padded tensor
 and a masked SDPA call; a decode's context is split into spans merged afterwards (split-K), so a

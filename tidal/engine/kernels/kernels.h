@@ -64,13 +64,45 @@ inline __m256 exp_nonpos(__m256 x) {
 }
 #endif
 
-// s[i] <- e^{s[i] - mx} for i < n (every s[i] <= mx), in place; returns their sum (a softmax's numerators)
+#ifdef __AVX512F__
+// exp_nonpos 16 lanes at a time: the same operations lane by lane, so the same floats
+inline __m512 exp_nonpos16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.0f);
+  const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, lo);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~under), p, _mm512_castsi512_ps(e));
+}
+#endif
+
+// s[i] <- e^{s[i] - mx} for i < n (every s[i] <= mx), in place; returns their sum (a softmax's numerators).
+// The sum runs in eight lanes on both SIMD builds (AVX-512 adds its two halves in order): the same floats.
 inline float exp_shift_sum(float* s, int64_t n, float mx) {
   float sum = 0.f;
   int64_t i = 0;
 #ifdef TIDAL_AVX2
   const __m256 mv = _mm256_set1_ps(mx);
   __m256 acc = _mm256_setzero_ps();
+#ifdef __AVX512F__
+  const __m512 mv16 = _mm512_set1_ps(mx);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = exp_nonpos16(_mm512_sub_ps(_mm512_loadu_ps(s + i), mv16));
+    _mm512_storeu_ps(s + i, e);
+    acc = _mm256_add_ps(acc, _mm512_castps512_ps256(e));
+    acc = _mm256_add_ps(acc, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+  }
+#endif
   for (; i + 8 <= n; i += 8) {
     const __m256 e = exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
     _mm256_storeu_ps(s + i, e);
