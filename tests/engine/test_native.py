@@ -65,7 +65,8 @@ def test_q8_0_equals_the_dequantized_matmul(n, k):
     grid = int8_grid(w)
     assert grid is not None
     packed = native.Q8_0Weight.pack(*grid, weight=w)
-    assert packed is not None and packed.nbytes == n * k + 2 * n * k // GROUP
+    bounded = 0 if packed is None or packed.bounds is None else n * k + 2 * 4 * n * k // GROUP + 4 * n  # u8 codes, two f32 per block, row norms
+    assert packed is not None and packed.nbytes == n * k + 2 * n * k // GROUP + bounded
     g = torch.Generator().manual_seed(2)
     for rows in (1, 4, 6, 16, 21, 33):
         x = torch.randn(rows, k, generator=g)
@@ -116,6 +117,48 @@ def test_q8_0_argmax_is_the_argmax_of_the_logits(threads):
                 assert set(want.tolist()) == {3}
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not native.bounded_argmax(), reason="no AVX-512 VNNI build here")
+def test_bounded_argmax_is_the_exact_token():
+    """greedy_head.cpp's bound and verify gives q8_0_argmax's token (-1 only where it hands a row back):
+    activations with a massive channel as real hidden states have, near-ties one code apart either
+    way, exact ties, row counts off the register blocks; all-equal logits (too many candidates) and a
+    non-finite x come back -1 and Q8_0Weight.argmax then runs the exact kernel."""
+    n, k = 4096, 576
+    _, q, d = q8_0(n, k, seed=3)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(40, k, generator=g)
+    x[:, 199] *= 40  # a massive activation: its block's int8 step is ~40x the others'
+    w5 = q[5].float() * d[5].repeat_interleave(GROUP)
+    x[30:] = w5.sign() * torch.rand(10, k, generator=g)  # rows aligned with output 5: it leads
+    near = q.clone()
+    near[4000], near[4001], near[4002] = q[5], q[5], q[5]  # 4001: an exact tie with 5
+    kp = int(((q[5] < 127) & (q[5] > -127) & (w5 > 0)).nonzero()[0])
+    near[4000, kp] += 1  # one code up where x > 0: 4000 beats 5 by d x_k
+    near[4002, kp] -= 1  # one code down: 4002 loses to 5 by as little
+    dn = d.clone()
+    dn[4000], dn[4001], dn[4002] = d[5], d[5], d[5]
+    for name, qq, dd in (("random", q, d), ("near", near, dn)):
+        packed = native.Q8_0Weight.pack(qq, dd)
+        assert packed.bounds is not None
+        for rows in (16, 17, 23, 40):
+            xr = x[-rows:].contiguous()
+            want = torch.ops.tidal.q8_0_argmax(xr, packed.qs, packed.d, n, k)
+            got = torch.ops.tidal.q8_0_argmax_bounded(xr, *packed.bounds, n, k)
+            assert bool((got >= 0).all()) and torch.equal(got, want), (name, rows, got, want)
+            assert torch.equal(packed.argmax(xr), packed.matmul(xr).argmax(-1))
+        if name == "near":
+            assert set(want[-10:].tolist()) == {4000}
+    packed = native.Q8_0Weight.pack(q, d)
+    for xr in (torch.zeros(16, k), torch.full((16, k), float("nan"))):
+        assert bool((torch.ops.tidal.q8_0_argmax_bounded(xr, *packed.bounds, n, k) < 0).all())
+        assert torch.equal(packed.argmax(xr), packed.matmul(xr).argmax(-1))
+    with pytest.raises(RuntimeError, match="at least 16 rows"):
+        torch.ops.tidal.q8_0_argmax_bounded(x[:15].contiguous(), *packed.bounds, n, k)
+    dn = d.clone()
+    dn[7, 0] = float("nan")
+    assert native.Q8_0Weight.pack(q, dn).bounds is None  # non-finite scales: the exact kernel only
 
 
 def test_scales_that_float16_would_round_are_refused():
