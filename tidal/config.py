@@ -240,6 +240,13 @@ def parse_policy_args(items: list[str] | tuple[str, ...]) -> dict[str, str]:
     return out
 
 
+# The offline entry point (tidal.LLM, and so `tidal bench offline`) takes a larger step budget than the
+# server's 512, as vLLM's LLM class does (8192 there against 2048 for its API server): no request waits
+# on a step there, and fewer, larger steps measured 1.03x (b) and 1.05x (a) at 2048 on a 2-core Xeon
+# (4096 was no better), 2026-11-25.
+OFFLINE_MAX_NUM_BATCHED_TOKENS = 2048
+
+
 def activation_reserve_bytes(arch: ModelArch, max_num_batched_tokens: int) -> int:
     """Memory held back from the KV pool on a GPU for one step's activations (fp32 upper bound):
     the widest MLP and logits buffers for a full token budget."""

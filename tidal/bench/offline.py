@@ -465,7 +465,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                               "device": "cpu (default) or cuda[:N]: tidal and transformers on that GPU; llama.cpp "
                                         "always runs on the CPU"})
     F.add_scheduler_flags(p, only=("max_num_batched_tokens",),
-                          helps={"max_num_batched_tokens": "tidal's step token budget (default: tidal's own)"})
+                          helps={"max_num_batched_tokens": "tidal's step token budget (default: the offline LLM's, 2048)"})
     F.add_workload_flags(p, only=("num_requests", "seed"),
                          helps={"num_requests": "override the request count of workloads a and b",
                                 "seed": "seed of the random prompts"})

@@ -148,7 +148,7 @@ class BenchContext:
     max_requests: int  # largest batch over the selected workloads
     max_seq_len: int  # longest prompt + output over the selected workloads
     workloads: list[Workload]
-    max_num_batched_tokens: int | None = None  # tidal's step token budget (None: tidal's default)
+    max_num_batched_tokens: int | None = None  # tidal's step token budget (None: the offline LLM's default)
     hf_cb_max_batch_tokens: int = 512
     hf_cb_page_size: int = 64
     hf_cb_max_requests: int | None = 16  # None: every request of the largest workload at once

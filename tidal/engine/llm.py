@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tidal.common.progress import progress_bar
+from tidal.config import OFFLINE_MAX_NUM_BATCHED_TOKENS
 from tidal.core.sampling import SamplingParams
 from tidal.engine.llm_engine import LLMEngine
 from tidal.engine.outputs import RequestOutput
@@ -20,9 +21,12 @@ class LLM:
     ``LLM(model=None, **engine_args)``: ``model`` is a .gguf file or an HF directory (default:
     SmolLM2-135M-Instruct); engine arguments are the fields of the config dataclasses
     (``dtype``, ``max_num_seqs``, ``max_num_batched_tokens``, ``kv_cache_memory``, ``batching``...).
+    Unless given, ``max_num_batched_tokens`` is ``OFFLINE_MAX_NUM_BATCHED_TOKENS`` (2048), not the server's 512.
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any):
+        if engine_args.get("max_num_batched_tokens") is None:  # offline: the larger step budget
+            engine_args["max_num_batched_tokens"] = OFFLINE_MAX_NUM_BATCHED_TOKENS
         self.engine = LLMEngine.from_kwargs(model=model, **engine_args)
         self._ids = itertools.count()
 
