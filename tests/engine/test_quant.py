@@ -405,3 +405,37 @@ def test_greedy_steps_take_the_fused_head_and_the_same_tokens(make_engine, monke
              SamplingParams(max_tokens=6, temperature=0, logprobs=2, ignore_eos=True)]
     _, out = run(False, mixed)
     assert not calls and out["r0"] == fast["r0"] and out["r2"] == fast["r2"]
+
+
+def test_greedy_batches_by_bound_and_verify_keep_their_tokens(make_engine, monkeypatch):
+    """Twenty greedy requests at once: on a CPU with AVX-512 VNNI their steps of 16+ rows take the
+    head's bound-and-verify argmax (greedy_head.cpp); every token equals the full logits' argmax."""
+    import random
+
+    from tidal.core.sampling import SamplingParams
+    from tidal.engine import native
+
+    if not native.bounded_argmax():
+        pytest.skip("no AVX-512 VNNI build here")
+    rng = random.Random(5)
+    prompts = [[1, *(rng.randrange(100, 40000) for _ in range(rng.randrange(3, 12)))] for _ in range(20)]
+
+    def run(keep: bool):
+        engine = make_engine(quantization="int4", kv_cache_memory="32MiB")
+        engine.runner.keep_logits = keep
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt_token_ids=p,
+                               params=SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        tokens = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens[out.request_id] = out.outputs[0].token_ids
+        return engine, tokens
+
+    rows: list[int] = []
+    bounded = torch.ops.tidal.q8_0_argmax_bounded
+    monkeypatch.setattr(torch.ops.tidal, "q8_0_argmax_bounded", lambda x, *a: rows.append(x.shape[0]) or bounded(x, *a))
+    engine, fast = run(False)
+    assert engine.model.head_int8.bounds is not None and rows.count(20) == 8  # every step: the prefill's and 7 decodes'
+    _, full = run(True)
+    assert fast == full and len(fast) == 20 and all(len(t) == 8 for t in fast.values())
