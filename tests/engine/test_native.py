@@ -151,6 +151,13 @@ def test_bounded_argmax_is_the_exact_token():
         if name == "near":
             assert set(want[-10:].tolist()) == {4000}
     packed = native.Q8_0Weight.pack(q, d)
+    xt = x[:16].clone()
+    xt[:, 32:64] = 1e-38  # a denormal block: left out of the estimate, within its bound
+    xt[3, :] = 1e-35  # a row of them: every logit ~0 and within its bound of all others, so it comes back -1
+    want = torch.ops.tidal.q8_0_argmax(xt, packed.qs, packed.d, n, k)
+    got = torch.ops.tidal.q8_0_argmax_bounded(xt, *packed.bounds, n, k)
+    assert got[3] == -1 and torch.equal(got[got >= 0], want[got >= 0]) and int((got >= 0).sum()) == 15
+    assert torch.equal(packed.argmax(xt), want)
     for xr in (torch.zeros(16, k), torch.full((16, k), float("nan"))):
         assert bool((torch.ops.tidal.q8_0_argmax_bounded(xr, *packed.bounds, n, k) < 0).all())
         assert torch.equal(packed.argmax(xr), packed.matmul(xr).argmax(-1))

@@ -68,7 +68,10 @@ bool quantize(const float* x, int64_t M, int64_t K, Rows& q) {
       for (int64_t k = 0; k < kBlock; ++k) mx = std::max(mx, std::fabs(xb[k]));
       if (!std::isfinite(mx)) return false;
       rmax = std::max(rmax, mx);
-      const float s = mx / 127.f, inv = mx > 0.f ? 127.f / mx : 0.f;
+      // a block below 1e-30 (or all zero) is left out of the estimate (xq = 0) and its whole |x| bounded by
+      // s / 2: no denormal scale, whose rounding the bound above does not cover
+      const bool tiny = mx < 1e-30f;
+      const float s = tiny ? 2.f * mx : mx / 127.f, inv = tiny ? 0.f : 127.f / mx;
       int32_t sum = 0;
       for (int64_t k = 0; k < kBlock; ++k) {
         const int32_t v = static_cast<int32_t>(std::clamp(std::nearbyint(xb[k] * inv), -127.f, 127.f));
