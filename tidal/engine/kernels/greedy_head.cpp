@@ -38,13 +38,14 @@
 
 namespace {
 
-constexpr int64_t kBlock = 32;
-constexpr int64_t kMinRows = 16;           // qmatmul.cpp's panel kernels from here: one FMA chain per output
+using tidal::kBlock;
+constexpr int64_t kMinRows = 16;  // qmatmul.cpp's panel kernels from here: one FMA chain per output
+
+#if defined(__AVX512F__)
 constexpr int64_t kMaxCandidates = 1024;   // a row with more runs the exact kernel instead
 constexpr int64_t kGroupsPerTask = 32;     // 512 outputs a task
 constexpr float kQuantSlack = 0.5005f;     // >= 0.5 + 3e-5: the quantization of x, with room for E's rounding
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
 
 struct Rows {  // the step's rows, quantized per block
   std::vector<int8_t> xq;     // [M][K]
@@ -86,7 +87,6 @@ bool quantize(const float* x, int64_t M, int64_t K, Rows& q) {
   return true;
 }
 
-#if defined(__AVX512F__)
 bool vnni_cpu() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -146,15 +146,13 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void estimate(
   }
 }
 
-// groups g .. g + NGR - 1 against every row, in ceil(M / kRows) row blocks of near-equal size (the groups'
-// weights stay in L1 meanwhile)
+// groups g .. g + NGR - 1 against every row, in row groups of at most kRows (the groups' weights stay in
+// L1 meanwhile)
 template <int NGR>
 void estimate_groups(const Rows& q, const uint8_t* wu8, const float* ds, const float* nb, const float* w1, int64_t G,
                      int64_t N, int64_t g, int64_t M, float* up, float* lo) {
-  const int64_t blocks = (M + kRows - 1) / kRows;
-  for (int64_t i = 0, r0 = 0; i < blocks; ++i) {
-    const int64_t r1 = M * (i + 1) / blocks;
-    switch (r1 - r0) {
+  tidal::for_row_groups(M, kRows, [&](int64_t r0, int64_t rows) {
+    switch (rows) {
       case 1: estimate<1, NGR>(q, wu8, ds, nb, w1, G, N, g, r0, up, lo); break;
       case 2: estimate<2, NGR>(q, wu8, ds, nb, w1, G, N, g, r0, up, lo); break;
       case 3: estimate<3, NGR>(q, wu8, ds, nb, w1, G, N, g, r0, up, lo); break;
@@ -162,8 +160,7 @@ void estimate_groups(const Rows& q, const uint8_t* wu8, const float* ds, const f
       case 5: estimate<5, NGR>(q, wu8, ds, nb, w1, G, N, g, r0, up, lo); break;
       default: estimate<kRows, NGR>(q, wu8, ds, nb, w1, G, N, g, r0, up, lo); break;
     }
-    r0 = r1;
-  }
+  });
 }
 
 // the outputs j of row up [N] with up[j] >= t, in order

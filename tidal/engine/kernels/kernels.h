@@ -15,6 +15,20 @@
 
 namespace tidal {
 
+constexpr int64_t kBlock = 32;  // weights per GGUF Q4_1 / Q8_0 block
+
+// the rows [0, M) in ceil(M / most) groups of near-equal size (32 rows by 12 as 11+11+10, not 12+12+8:
+// each group keeps as many accumulator chains busy as it can); f(r0, rows) for each
+template <class F>
+void for_row_groups(int64_t M, int64_t most, const F& f) {
+  const int64_t groups = (M + most - 1) / most;
+  for (int64_t gi = 0, r0 = 0; gi < groups; ++gi) {
+    const int64_t rows = (M - r0) / (groups - gi);
+    f(r0, rows);
+    r0 += rows;
+  }
+}
+
 // f(t, scratch) for every task t in [0, n), on up to at::get_num_threads() threads that each take the next
 // task from a shared counter (each with a Scratch of its own) rather than one fixed share: a thread that the
 // machine slows (a busy sibling hyperthread, a preemption) takes fewer tasks instead of holding up the call

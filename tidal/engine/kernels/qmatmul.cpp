@@ -38,7 +38,7 @@
 
 namespace {
 
-constexpr int64_t kBlock = 32;
+using tidal::kBlock;
 constexpr int64_t kRowTile = 4;  // activation rows sharing one unpacked weight block
 
 // n float16 values to float32 (F16C eight at a time where compiled for it)
@@ -196,18 +196,6 @@ inline int64_t panel_k(int64_t M, int64_t K) {
   if (M < 128) return std::min<int64_t>(K, 128);
 #endif
   return K;
-}
-
-// the rows in ceil(M / kGroupRows) groups of near-equal size (32 rows as 11+11+10, not 12+12+8: each
-// group keeps as many accumulator chains busy as it can); f(r0, rows) for each
-template <class F>
-void for_row_groups(int64_t M, const F& f) {
-  const int64_t groups = (M + kGroupRows - 1) / kGroupRows;
-  for (int64_t gi = 0, r0 = 0; gi < groups; ++gi) {
-    const int64_t rows = (M - r0) / (groups - gi);
-    f(r0, rows);
-    r0 += rows;
-  }
 }
 
 #ifdef __AVX512F__
@@ -383,7 +371,7 @@ void run_panels(const float* x, float* out, int64_t M, int64_t K, int64_t N, int
     for (int64_t g0 = 0; g0 < G; g0 += KB) {
       const int64_t g1 = std::min(G, g0 + KB), k0 = g0 * kBlock, kc = (g1 - g0) * kBlock;
       dequant(t, nt, g0, g1, P);
-      for_row_groups(M, [&](int64_t r0, int64_t rows) {
+      tidal::for_row_groups(M, kGroupRows, [&](int64_t r0, int64_t rows) {
         const float* a = x + r0 * K + k0;
         switch (rows) {  // M >= kPanelMinRows (16) makes groups of kGroupRows * 2/3 or more
 #ifdef __AVX512F__
