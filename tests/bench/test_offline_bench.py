@@ -68,7 +68,11 @@ def test_a_run_of_tidal_variants_alone_has_ratios_but_no_best_peer():
               "systems": {}, "workloads": {"b": {"description": "d", "prompt_tokens": 4, "expected_output_tokens": 4,
                                                  "results": {}, "ratios": r}}}
     text = format_report(report)
-    assert "b: tidal/tidal-compile 0.80x" in text and "best peer" not in text
+    assert "b: tidal/tidal-compile 0.80x" in text and "best peer" not in text and "ISA:" not in text
+    report["machine"].update(isa=["avx2", "avx512f"], torch_cpu_capability="AVX2",
+                             isa_limits={"ATEN_CPU_CAPABILITY": "avx2", "TIDAL_NATIVE_SIMD": "avx2"})
+    assert ("ISA: avx2 avx512f; torch's kernels AVX2 (limited: ATEN_CPU_CAPABILITY=avx2 TIDAL_NATIVE_SIMD=avx2)"
+            in format_report(report))  # an AVX2 run on an AVX-512 machine says so
 
 
 def test_unknown_system_is_an_error():

@@ -123,6 +123,11 @@ def test_cpu_threads_share_from_the_environment(monkeypatch):
     assert machine_info()["cores"] == affinity_cores()  # the machine is still reported whole
     monkeypatch.delenv("TIDAL_CPU_THREADS")
     assert default_cpu_threads() == affinity_cores()
+    for var in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "TIDAL_NATIVE_SIMD"):
+        monkeypatch.delenv(var, raising=False)
+    assert "isa_limits" not in machine_info()
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")  # a run limited to AVX2 says so
+    assert machine_info()["isa_limits"] == {"MKL_ENABLE_INSTRUCTIONS": "AVX2"}
     for bad in ("0", "two"):
         monkeypatch.setenv("TIDAL_CPU_THREADS", bad)
         with pytest.raises(ConfigError, match="TIDAL_CPU_THREADS must be a positive integer"):

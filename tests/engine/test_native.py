@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tidal.engine import native
-from tidal.engine.quant import GROUP, int4_grid, int8_grid
+from tidal.engine.quant import GROUP, describe_quantization, int4_grid, int8_grid
 
 _MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")  # GGUF names
 
@@ -204,7 +204,7 @@ def test_the_portable_build_computes_the_same():
     code = (
         "import torch, torch.nn.functional as F\n"
         "from tidal.engine import native\n"
-        "assert native._simd_flags() == [], native._simd_flags()\n"
+        "assert native._simd_flags() == [] and native.build_isa() == 'portable', native._simd_flags()\n"
         "assert native.load() is None, native.load()\n"
         "from tests.engine.test_native import q4_1, q8_0\n"
         "w, q, d, m = q4_1(40, 288); x = torch.randn(5, 288)\n"
@@ -275,7 +275,12 @@ def test_float32_engine_uses_them_and_falls_back(tmp_path, monkeypatch):
     types = dict.fromkeys(_MATRICES, QT.Q4_1)
     model, _ = _tiny_model(tmp_path, types, "int4")
     assert model.kernels == "tidal" and isinstance(model.layers["0"].qkv_proj.int4, native.Q4_1Weight)
-    assert model.quantization_report()["kernels"] == "tidal"
+    report = model.quantization_report()
+    assert report["kernels"] == "tidal" and report["kernel_isa"] == native.build_isa()
+    if os.environ.get("TIDAL_NATIVE_SIMD", "1") == "1":  # built for what torch found on this CPU
+        want = {"AVX512": "AVX-512", "AVX2": "AVX2"}.get(torch.backends.cpu.get_cpu_capability(), "portable")
+        assert native.build_isa() == want
+    assert f"tidal's Q4_1/Q8_0 kernels, built for {native.build_isa()})" in describe_quantization(report)
     x = torch.randn(2, 64)
     lin = model.layers["0"].gate_up_proj
     torch.testing.assert_close(lin(x), F.linear(x, lin.weight), rtol=1e-5, atol=1e-5)

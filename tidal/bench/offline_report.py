@@ -23,7 +23,10 @@ def format_report(report: dict[str, Any]) -> str:
                  f"dtype {m['dtype']}" + (f", transformers {m['transformers']}" if "transformers" in m else "")
                  + (f", llama_cpp {m['llama_cpp']}" if "llama_cpp" in m else ""))
     if m.get("isa"):
-        lines.append(f"         ISA: {' '.join(m['isa'])}; load average at start {m.get('loadavg')}")
+        used = f"; torch's kernels {m['torch_cpu_capability']}" if m.get("torch_cpu_capability") else ""
+        limits = " ".join(f"{k}={v}" for k, v in m.get("isa_limits", {}).items())
+        lines.append(f"         ISA: {' '.join(m['isa'])}{used}{f' (limited: {limits})' if limits else ''}; "
+                     f"load average at start {m.get('loadavg')}")
     mod = report["model"]
     lines.append(f"model: {mod['path']} ({mod['architecture']}, {mod['num_params'] / 1e6:.1f}M params, "
                  f"{mod['linear_params'] / 1e6:.1f}M in matmuls incl. lm_head)")

@@ -15,6 +15,10 @@ from typing import Any
 from tidal.config import affinity_cores
 
 ISA_PREFIXES = ("avx512_bf16", "amx", "avx512f", "avx2")
+# variables that make torch, MKL, oneDNN and tidal's kernels use less of the CPU than it has (an AVX2 run on
+# an AVX-512 machine: ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
+# TIDAL_NATIVE_SIMD=avx2); a result names those that were set
+ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "TIDAL_NATIVE_SIMD")
 
 
 def cpu_model_and_flags() -> tuple[str, list[str]]:
@@ -58,10 +62,14 @@ def machine_info(**extra: Any) -> dict[str, Any]:
         "platform": platform.platform(),
         "loadavg": load_average(),
     }
+    limits = {v: os.environ[v] for v in ISA_LIMITS if v in os.environ}
+    if limits:
+        info["isa_limits"] = limits
     torch = sys.modules.get("torch")
     if torch is not None:
         info["torch"] = torch.__version__
         info["threads"] = torch.get_num_threads()
+        info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()  # the kernels torch dispatches to
     info.update(extra)
     return info
 

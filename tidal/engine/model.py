@@ -367,6 +367,7 @@ class LlamaModel(nn.Module):
     def quantization_report(self) -> dict:
         """Which decoder matrices have an int4 copy, and up to which step size it runs."""
         report = {"int4_matrices": 0, "float_matrices": 0, "int4_max_tokens": {}, "kernels": self.kernels,
+                  "kernel_isa": native.build_isa() if self.kernels == "tidal" else None,
                   "head_int8_max_tokens": self.head_int8.max_tokens if self.head_int8 is not None else 0}
         for i in self.layer_ids:
             for name in LINEARS:

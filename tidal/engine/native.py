@@ -71,6 +71,12 @@ def _simd_flags() -> list[str]:
     return ["-mavx2", "-mfma", "-mf16c", *(["-mavx512f"] if cap == "AVX512" and want != "avx2" else [])]
 
 
+def build_isa() -> str:
+    """What the kernels are built for here: ``AVX-512``, ``AVX2`` or ``portable`` C++."""
+    flags = _simd_flags()
+    return "AVX-512" if "-mavx512f" in flags else "AVX2" if flags else "portable"
+
+
 def load() -> str | None:
     """Build (first time on this machine) and load the kernels; None when loaded, else why not."""
     with _lock:

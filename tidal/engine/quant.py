@@ -281,7 +281,8 @@ def describe_quantization(report: dict) -> str:
     n4, nf = report["int4_matrices"], report["float_matrices"]
     head = report.get("head_int8_max_tokens")
     head = f"; LM head as Q8_0 groups for <= {head if head < (1 << 30) else 'any'} rows" if head else ""
-    kernels = " (tidal's Q4_1/Q8_0 kernels)" if report.get("kernels") == "tidal" else ""
+    isa = f", built for {report['kernel_isa']}" if report.get("kernel_isa") else ""
+    kernels = f" (tidal's Q4_1/Q8_0 kernels{isa})" if report.get("kernels") == "tidal" else ""
     if not n4:
         return f"float ({nf} decoder matrices; none stored as 4-bit groups){head}{kernels}"
     tokens = ", ".join(f"{k} <= {v if v < (1 << 30) else 'any'}" for k, v in report["int4_max_tokens"].items())
