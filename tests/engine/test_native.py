@@ -64,7 +64,7 @@ def test_q8_0_equals_the_dequantized_matmul(n, k):
     w, q, d = q8_0(n, k)
     grid = int8_grid(w)
     assert grid is not None
-    packed = native.Q8_0Weight.pack(*grid, weight=w)
+    packed = native.Q8_0Weight.pack(*grid, weight=w, argmax=True)
     bounded = 0 if packed is None or packed.bounds is None else n * k + 2 * 4 * n * k // GROUP + 4 * n  # u8 codes, two f32 per block, row norms
     assert packed is not None and packed.nbytes == n * k + 2 * n * k // GROUP + bounded
     g = torch.Generator().manual_seed(2)
@@ -109,7 +109,7 @@ def test_q8_0_argmax_is_the_argmax_of_the_logits(threads):
     torch.set_num_threads(threads)
     try:
         for name, q, d, x in _q8_argmax_cases():
-            packed = native.Q8_0Weight.pack(q, d)
+            packed = native.Q8_0Weight.pack(q, d, argmax=True)
             want = packed.matmul(x).argmax(-1)
             got = packed.argmax(x)
             assert got.dtype == torch.long and torch.equal(got, want), (name, got, want)
@@ -140,7 +140,7 @@ def test_bounded_argmax_is_the_exact_token():
     dn = d.clone()
     dn[4000], dn[4001], dn[4002] = d[5], d[5], d[5]
     for name, qq, dd in (("random", q, d), ("near", near, dn)):
-        packed = native.Q8_0Weight.pack(qq, dd)
+        packed = native.Q8_0Weight.pack(qq, dd, argmax=True)
         assert packed.bounds is not None
         for rows in (16, 17, 23, 40):
             xr = x[-rows:].contiguous()
@@ -150,7 +150,7 @@ def test_bounded_argmax_is_the_exact_token():
             assert torch.equal(packed.argmax(xr), packed.matmul(xr).argmax(-1))
         if name == "near":
             assert set(want[-10:].tolist()) == {4000}
-    packed = native.Q8_0Weight.pack(q, d)
+    packed = native.Q8_0Weight.pack(q, d, argmax=True)
     xt = x[:16].clone()
     xt[:, 32:64] = 1e-38  # a denormal block: left out of the estimate, within its bound
     xt[3, :] = 1e-35  # a row of them: every logit ~0 and within its bound of all others, so it comes back -1
@@ -165,7 +165,8 @@ def test_bounded_argmax_is_the_exact_token():
         torch.ops.tidal.q8_0_argmax_bounded(x[:15].contiguous(), *packed.bounds, n, k)
     dn = d.clone()
     dn[7, 0] = float("nan")
-    assert native.Q8_0Weight.pack(q, dn).bounds is None  # non-finite scales: the exact kernel only
+    assert native.Q8_0Weight.pack(q, dn, argmax=True).bounds is None  # non-finite scales: the exact kernel only
+    assert native.Q8_0Weight.pack(q, d).bounds is None  # a matrix never asked for argmax gets no copy
 
 
 def test_scales_that_float16_would_round_are_refused():

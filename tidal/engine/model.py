@@ -433,7 +433,7 @@ class LlamaModel(nn.Module):
                 grid = int8_grid(w32)
                 if self.kernels == "tidal" and w32.shape[0] % 8:
                     grid = None  # tidal's kernel takes whole tiles of eight rows
-                self.head_int8 = None if grid is None else native.Q8_0Weight.pack(*grid, weight=w32) \
+                self.head_int8 = None if grid is None else native.Q8_0Weight.pack(*grid, weight=w32, argmax=True) \
                     if self.kernels == "tidal" else GroupedInt8Weight.pack(*grid, self.dtype)
                 if self.head_int8 is not None:
                     self.head_int8.max_tokens = self._head_tokens

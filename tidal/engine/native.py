@@ -248,9 +248,11 @@ class Q8_0Weight:
         return torch.ops.tidal.q8_0_argmax(x, self.qs, self.d, self.n, self.k)
 
     @classmethod
-    def pack(cls, q: torch.Tensor, d: torch.Tensor, weight: torch.Tensor | None = None) -> Q8_0Weight | None:
+    def pack(cls, q: torch.Tensor, d: torch.Tensor, weight: torch.Tensor | None = None, *,
+             argmax: bool = False) -> Q8_0Weight | None:
         """From ``w = q * d`` (q int8 [N, K], d [N, K/32]); with ``weight`` given, None unless the
-        float16 ``d`` rebuilds it exactly."""
+        float16 ``d`` rebuilds it exactly. ``argmax``: the matrix will be asked for greedy tokens (an LM
+        head), so it also gets the bound-and-verify copy where that runs."""
         n, k = q.shape
         if n % 8:
             raise ValueError(f"a Q8_0 matrix for tidal's kernel needs a multiple of 8 output rows, not {n}")
@@ -259,7 +261,7 @@ class Q8_0Weight:
             return None
         qs = q.view(n // 8, 8, k // GROUP, GROUP).permute(0, 2, 3, 1).contiguous()
         ok = n % 16 == 0 and bool(torch.isfinite(d16).all())  # the bounds need finite scales
-        bounds = _bounds(q, d16) if ok and bounded_argmax() else None
+        bounds = _bounds(q, d16) if argmax and ok and bounded_argmax() else None
         return cls(qs, _tiles(d16).contiguous(), n, k, bounds=bounds)
 
 
