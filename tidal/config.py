@@ -105,6 +105,8 @@ class ModelArch:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATION = ("auto", "none", "int4")  # tidal.engine.quant
 PREEMPTION_MODES = ("recompute", "swap")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: Triton on CUDA, tidal's C++ kernels on CPU float32
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: the model's dtype
 
 
 @dataclass
@@ -118,10 +120,16 @@ class ModelConfig:
     layer_range: tuple[int, int] | None = None  # build only layers [start, end) (a pipeline stage)
     quantization: str = "auto"  # int4 kernels for 4-bit stored weights: auto (where faster) | none | int4
     compile: bool = False  # steps of decodes as torch.compile graphs (tidal.engine.compiled)
+    enforce_eager: bool = False  # CUDA: no decode CUDA graphs (tidal.engine.cuda_graph)
+    attention_backend: str = "auto"  # auto | torch | triton (tidal.engine.triton_attention)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.compile, bool):
-            raise ConfigError(f"compile must be true or false; got {self.compile!r}")
+        for name in ("compile", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false; got {getattr(self, name)!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; "
+                              f"got {self.attention_backend!r}")
         if self.quantization not in QUANTIZATION:
             raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATION)}; got {self.quantization!r}")
         if self.dtype not in DTYPES:
@@ -148,8 +156,11 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9  # fraction of free GPU memory for weights+KV on CUDA
     swap_space: int | str = "1GiB"  # host memory for swapped-out KV blocks
     num_blocks_override: int | None = None
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | float32 | bfloat16 | float16
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.kv_cache_memory is not None:

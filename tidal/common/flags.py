@@ -28,7 +28,9 @@ from typing import Any
 from tidal import metrics as M
 from tidal import workload as W
 from tidal.config import (
+    ATTENTION_BACKENDS,
     DTYPES,
+    KV_CACHE_DTYPES,
     PREEMPTION_MODES,
     QUANTIZATION,
     CacheConfig,
@@ -93,6 +95,15 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
           help="run steps of decodes (one request, or a batch) as torch.compile graphs, compiled at start-up "
                "(~1-2 min on a 2-core CPU, seconds when Inductor's cache has them); in float32 on CPU, where "
                "tidal's kernels run each layer of a decode step as one C++ call, it gains nothing"),
+    _flag("--enforce-eager", action="store_true", default=None,
+          help="CUDA: run decode steps eagerly instead of replaying CUDA graphs captured at start-up "
+               "(one per padded batch size up to --max-num-seqs)"),
+    _flag("--attention-backend", default=None, choices=list(ATTENTION_BACKENDS),
+          help="auto: Triton paged attention on CUDA (blocks read in place, one call a layer for all decodes "
+               "and one for all prefill chunks), tidal's C++ kernels in float32 on CPU, else torch's SDPA"),
+    _flag("--kv-cache-dtype", default=None, choices=list(KV_CACHE_DTYPES),
+          help="dtype of the KV cache; auto = the model's. A 16-bit cache halves KV memory and bandwidth in a "
+               "float32 engine (tokens may then differ from the float32 reference)"),
     _flag("--max-model-len", type=int, default=None, help="context length (default: the model's)"),
     _flag("--kv-cache-memory", default=None, help="KV pool size on CPU or CUDA, e.g. 512MiB"),
     _flag("--gpu-memory-utilization", type=float, default=None, help="fraction of GPU memory for weights+KV"),

@@ -28,9 +28,12 @@ def kv_block_bytes(arch: ModelArch, block_size: int, dtype: torch.dtype, num_lay
 
 class PagedKVCache:
     def __init__(self, arch: ModelArch, layer_ids: Iterable[int], num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, num_host_blocks: int = 0):
+                 dtype: torch.dtype, device: torch.device, num_host_blocks: int = 0, scratch_block: bool = False):
         self.arch, self.block_size, self.dtype, self.device = arch, block_size, dtype, device
         self.num_blocks = num_blocks
+        # one block past the pool that the manager never hands out: the padded rows of a CUDA-graph
+        # decode step write their K/V there (engine/cuda_graph.py)
+        self.spare = int(scratch_block)
         self.num_host_blocks = num_host_blocks
         self._shape = (block_size, arch.num_kv_heads, arch.head_dim)
         pin = device.type == "cuda"
@@ -47,13 +50,21 @@ class PagedKVCache:
                                    torch.zeros(h, dtype=self.dtype, pin_memory=pin))
 
     def _alloc(self, n: int, like: torch.Tensor | None = None) -> torch.Tensor:
-        """n blocks (on huge pages where the CPU's kernel gives them): ``like``'s first, zeros after."""
-        t = hugepages.empty((n, *self._shape), dtype=self.dtype, device=self.device)
-        kept = 0 if like is None else len(like)
+        """n blocks (and the scratch block, if any; on huge pages where the CPU's kernel gives them):
+        ``like``'s first, zeros after."""
+        t = hugepages.empty((n + self.spare, *self._shape), dtype=self.dtype, device=self.device)
+        kept = 0 if like is None else min(len(like), n + self.spare)
         if kept:
-            t[:kept] = like
+            t[:kept] = like[:kept]
         t[kept:].zero_()
         return t
+
+    @property
+    def scratch_block(self) -> int:
+        """The block past the pool (needs ``scratch_block=True``)."""
+        if not self.spare:
+            raise ValueError("this KV cache has no scratch block")
+        return self.num_blocks
 
     @property
     def bytes_per_block(self) -> int:

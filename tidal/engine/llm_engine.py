@@ -28,6 +28,7 @@ from tidal.core.plan import RequestUpdate, StepPlan, StepResult
 from tidal.core.request import FinishReason, Request, RequestClass
 from tidal.core.sampling import SamplingParams
 from tidal.core.scheduler import RequestRejected, Scheduler
+from tidal.engine.cuda_graph import GraphedDecode, graph_pool_bytes, padded_sizes
 from tidal.engine.kv_cache import PagedKVCache, kv_block_bytes
 from tidal.engine.loader import LoadedCheckpoint, load_checkpoint
 from tidal.engine.model import LlamaModel
@@ -113,6 +114,10 @@ class _Group:
 
 
 class LLMEngine:
+    # CPU: decode steps run GraphedDecode's padded static step eagerly (no graphs on CPU): how the tests
+    # check the step a CUDA graph captures; never set outside tests
+    static_decode_on_cpu = False
+
     def __init__(self, config: EngineConfig | None = None, checkpoint: LoadedCheckpoint | None = None,
                  tokenizer: Tokenizer | None = None, clock: Callable[[], float] = time.monotonic):
         self.config = config = config or EngineConfig()
@@ -137,13 +142,23 @@ class LLMEngine:
         self.quantization = {**self.model.quantization_report(), "requested": mc.quantization,
                              **({"why_not": why_not_int4} if why_not_int4 else {})}
         layer_ids = self.model.layer_ids
-        block_bytes = kv_block_bytes(arch, cc.block_size, self.dtype, len(layer_ids))
-        num_blocks = self._num_blocks(block_bytes)
+        self.kv_dtype = self.dtype if cc.kv_cache_dtype == "auto" else resolve_dtype(cc.kv_cache_dtype, self.device)
+        self.model.set_attention(mc.attention_backend, self.kv_dtype)
+        # CUDA: decode steps replay CUDA graphs (engine/cuda_graph.py) unless --enforce-eager (or --compile)
+        graphs = (self.device.type == "cuda" or self.static_decode_on_cpu) and not mc.enforce_eager and not mc.compile
+        block_bytes = kv_block_bytes(arch, cc.block_size, self.kv_dtype, len(layer_ids))
+        num_blocks = self._num_blocks(block_bytes, graphs)
         num_host = cc.swap_space // block_bytes if sc.preemption_mode == "swap" else 0
-        self.kv_cache = PagedKVCache(arch, layer_ids, num_blocks, cc.block_size, self.dtype, self.device, num_host)
+        self.kv_cache = PagedKVCache(arch, layer_ids, num_blocks, cc.block_size, self.kv_dtype, self.device, num_host,
+                                     scratch_block=graphs)
         self.kv_manager = KVCacheManager(num_blocks, cc.block_size, num_host)
         self.scheduler = Scheduler(sc, self.kv_manager, self.policy, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv_cache, seed=mc.seed)
+        if graphs:
+            self.runner.graphs = GraphedDecode(self.model, self.kv_cache, sc.max_num_seqs, self.max_model_len,
+                                               capture=self.device.type == "cuda")
+            if self.runner.graphs.capture:
+                self.runner.graphs.capture_all()
         if mc.compile:
             from tidal.engine.compiled import CompiledDecode
 
@@ -165,15 +180,18 @@ class LLMEngine:
     def describe_weights(self) -> str:
         """What runs the model, as start-up prints it: ``"bfloat16, weights: int4 for ..."``."""
         compiled = "; decode steps compiled (--compile)" if self.runner.compiled is not None else ""
-        attention = "; decode attention: tidal's paged kernel" if self.model.native_attention else ""
+        compiled += "; decode steps as CUDA graphs" if self.runner.graphs is not None else ""
+        attention = {"tidal-cpu": "; decode attention: tidal's paged kernel",
+                     "triton": "; attention: Triton paged kernels"}.get(self.model.attention_backend, "")
+        kv = f"; KV cache {str(self.kv_dtype).removeprefix('torch.')}" if self.kv_dtype != self.dtype else ""
         return (f"{str(self.dtype).removeprefix('torch.')}, weights: {describe_quantization(self.quantization)}"
-                f"{attention}{compiled}")
+                f"{attention}{kv}{compiled}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> LLMEngine:
         return cls(EngineConfig.from_kwargs(**kwargs))
 
-    def _num_blocks(self, block_bytes: int) -> int:
+    def _num_blocks(self, block_bytes: int, graphs: bool = False) -> int:
         cc = self.config.cache
         if cc.num_blocks_override:
             return cc.num_blocks_override
@@ -185,6 +203,10 @@ class LLMEngine:
         # earlier in this process) are this process's to reuse, not used memory
         cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         act = activation_reserve_bytes(self.arch, self.config.scheduler.max_num_batched_tokens)
+        if graphs:  # the decode graphs' memory pool, beside the eager steps' activations
+            a, n = self.arch, self.config.scheduler.max_num_seqs
+            act += graph_pool_bytes(padded_sizes(n)[-1], a.hidden_size, a.intermediate_size, a.vocab_size,
+                                    a.num_heads, a.head_dim, self.max_model_len, self.dtype.itemsize)
         return kv_pool_blocks(block_bytes, total_bytes=total, utilization=cc.gpu_memory_utilization,
                               used_bytes=total - free - cached, activation_bytes=act)
 
@@ -519,7 +541,7 @@ class LLMEngine:
         if staged is not None and sorted(staged) != ids:
             raise ValueError(f"staged layers {sorted(staged)} are not the layers to restore {ids}")
         mem = self.pool_bytes - sum(self.dropped_weight_bytes[i] for i in ids)
-        bpb = kv_block_bytes(self.arch, self.kv_cache.block_size, self.dtype, len(self.kv_cache.layers) + len(ids))
+        bpb = kv_block_bytes(self.arch, self.kv_cache.block_size, self.kv_dtype, len(self.kv_cache.layers) + len(ids))
         n = max(0, mem) // bpb
         used = self.kv_manager.num_blocks - self.kv_manager.num_free_blocks
         if n < used:

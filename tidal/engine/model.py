@@ -109,8 +109,9 @@ class DecodeGroup:
 
     offset: int
     num: int
-    block_tables: torch.Tensor  # [n, width_blocks] long
-    mask: torch.Tensor  # [n, 1, 1, width_blocks * block_size] bool, True = attend
+    block_tables: torch.Tensor  # [n, width_blocks] long (int32 for the Triton kernel)
+    mask: torch.Tensor | None  # [n, 1, 1, width_blocks * block_size] bool, True = attend (torch's path only)
+    ctx_lens: torch.Tensor | None = None  # [n] int32: tokens each decode attends over (the Triton kernel)
 
 
 @dataclass
@@ -125,6 +126,8 @@ class AttentionBatch:
     block_size: int
     rope: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, sin) of `positions`, set by the model
     native_attention: bool = False  # decodes attend with tidal's paged kernel (set by the model)
+    triton_attention: bool = False  # decodes and prefills attend with the Triton kernels (set by the model)
+    varlen: object | None = None  # the prefills as the Triton kernel reads them (triton_attention.VarlenMeta)
 
 
 class KVLayer:
@@ -155,8 +158,8 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k
     (``prefill_attention``) in eager float32 steps where it is built.
     """
     nb, bs, KVH, D = kv.k.shape
-    kv.k.view(nb * bs, KVH, D).index_copy_(0, batch.slot_mapping, k_new)
-    kv.v.view(nb * bs, KVH, D).index_copy_(0, batch.slot_mapping, v_new)
+    kv.k.view(nb * bs, KVH, D).index_copy_(0, batch.slot_mapping, k_new.to(kv.k.dtype))
+    kv.v.view(nb * bs, KVH, D).index_copy_(0, batch.slot_mapping, v_new.to(kv.v.dtype))
     return attend(q, k_new, v_new, kv, batch, scale)
 
 
@@ -172,6 +175,11 @@ def attend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, kv: KVLaye
     out = torch.empty_like(q)
     for g in batch.decode_groups:
         out[g.offset:g.offset + g.num] = _decode_attention(q[g.offset:g.offset + g.num], kv, batch, g, scale)
+    if batch.triton_attention and batch.varlen is not None:  # every chunk in one varlen call (triton_attention.py)
+        from tidal.engine import triton_attention
+
+        triton_attention.prefill(q, kv.k, kv.v, batch.varlen, scale, out)
+        return out
     for p in batch.prefills:
         n = p.num_tokens
         if native:  # tidal's tiled causal kernel (engine/kernels/prefill_attention.cpp)
@@ -190,8 +198,8 @@ def attend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, kv: KVLaye
             o = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale, enable_gqa=G > 1)
         else:
             ctx = p.start + n
-            k = _gather(kv.k, p.block_table)[:ctx].transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
-            v = _gather(kv.v, p.block_table)[:ctx].transpose(0, 1).unsqueeze(0)
+            k = _gather(kv.k, p.block_table)[:ctx].transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, KVH, ctx, D]
+            v = _gather(kv.v, p.block_table)[:ctx].transpose(0, 1).unsqueeze(0).to(q.dtype)
             o = F.scaled_dot_product_attention(qp, k, v, attn_mask=p.mask, scale=scale, enable_gqa=G > 1)
         out[p.offset:p.offset + n] = o[0].transpose(0, 1)
     return out
@@ -199,17 +207,34 @@ def attend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, kv: KVLaye
 
 def _decode_attention(q: torch.Tensor, kv: KVLayer, batch: AttentionBatch, group: DecodeGroup,
                       scale: float) -> torch.Tensor:
+    if batch.triton_attention:  # every decode in one call, blocks read in place (engine/triton_attention.py)
+        from tidal.engine import triton_attention
+
+        lens = group.ctx_lens if group.ctx_lens is not None else \
+            batch.positions[group.offset:group.offset + group.num] + 1
+        return triton_attention.decode(q, kv.k, kv.v, group.block_tables, lens, scale)
     if batch.native_attention:  # reads the blocks in place (engine/native.py); a decode sees 0..its position
         return torch.ops.tidal.paged_decode_attention(q.contiguous(), kv.k, kv.v, group.block_tables,
                                                       batch.positions[group.offset:group.offset + group.num],
                                                       scale)
     nd, H, D = q.shape
     KVH = kv.k.shape[2]
-    k = _gather(kv.k, group.block_tables).transpose(1, 2)  # [nd, KVH, ctx, D]
-    v = _gather(kv.v, group.block_tables).transpose(1, 2)
+    k = _gather(kv.k, group.block_tables).transpose(1, 2).to(q.dtype)  # [nd, KVH, ctx, D]
+    v = _gather(kv.v, group.block_tables).transpose(1, 2).to(q.dtype)
     qd = q.view(nd, KVH, H // KVH, D)
     o = F.scaled_dot_product_attention(qd, k, v, attn_mask=group.mask, scale=scale)
     return o.reshape(nd, H, D)
+
+
+def _triton_unavailable(head_dim: int) -> str | None:
+    """Why the Triton kernels cannot run here, or None."""
+    try:
+        from tidal.engine import triton_attention
+    except ImportError as e:
+        return f"Triton is not importable ({e})"
+    if not triton_attention.supported(head_dim):
+        return f"the Triton kernels take head sizes that are powers of two >= 16, not {head_dim}"
+    return None
 
 
 # ------------------------------------------------------------------------------------ layers
@@ -321,7 +346,28 @@ class LlamaModel(nn.Module):
         self._head_tokens = 0  # the same for the LM head's grouped int8
         self.head_int8: GroupedInt8Weight | native.Q8_0Weight | None = None
         self.native_attention = native.available(device, dtype)  # tidal's paged decode attention
+        self.triton_attention = False  # the Triton kernels (set_attention)
         self.kernels = "torch"  # whose 4/8-bit kernels: torch's, or "tidal" (engine/native.py: float32 on CPU)
+
+    def set_attention(self, backend: str, kv_dtype: torch.dtype) -> str:
+        """Choose what attends (``--attention-backend``), given the KV cache's dtype; returns its name.
+        ``auto``: the Triton kernels on CUDA (where Triton imports and the head size suits them), tidal's
+        C++ kernels in float32 on CPU (they read and write a float32 cache), else torch's SDPA."""
+        self.native_attention = backend == "auto" and kv_dtype == self.dtype and native.available(self.device,
+                                                                                                   self.dtype)
+        want_triton = backend == "triton" or (backend == "auto" and self.device.type == "cuda")
+        self.triton_attention = False
+        if want_triton:
+            why = _triton_unavailable(self.arch.head_dim)
+            if why is None:
+                self.triton_attention = True
+            elif backend == "triton":
+                raise ConfigError(f"--attention-backend triton: {why}")
+        return self.attention_backend
+
+    @property
+    def attention_backend(self) -> str:
+        return "triton" if self.triton_attention else "tidal-cpu" if self.native_attention else "torch"
 
     # ----------------------------------------------------------------- int4 weights
     def set_quantization(self, mode: str, max_step_tokens: int = 512, max_head_rows: int = 64) -> str | None:
@@ -547,6 +593,7 @@ class LlamaModel(nn.Module):
         """Run the present layers (or ``layer_ids``) on hidden states ``h`` [T, hidden]."""
         batch.rope = self.rotary.tables(batch.positions, h.dtype)
         batch.native_attention = self.native_attention
+        batch.triton_attention = self.triton_attention
         # eager steps run the layers in C++ (engine/kernels/decode_layer.cpp, what DecoderLayer.forward
         # computes): a step of decodes only as one call a layer, a step with prefills as the two halves
         # around the Python attention; under --compile Inductor fuses the Python layers instead

@@ -23,6 +23,7 @@ import torch
 from tidal.cluster.pressure.lookahead import ChunkCost
 from tidal.core.plan import ScheduledChunk, StepPlan, StepResult
 from tidal.engine.compiled import CompiledDecode
+from tidal.engine.cuda_graph import GraphedDecode
 from tidal.engine.kv_cache import PagedKVCache
 from tidal.engine.model import AttentionBatch, DecodeGroup, KVLayer, LlamaModel, PrefillSeq
 from tidal.engine.sampler import Sampler
@@ -45,6 +46,7 @@ class ModelRunner:
         self.padded_tokens_computed = 0  # padding run through the model so far
         self._scratch: dict[int, KVLayer] | None = None
         self.compiled: CompiledDecode | None = None  # --compile (set by the engine)
+        self.graphs: GraphedDecode | None = None  # CUDA graphs of decode steps (set by the engine)
 
     # ------------------------------------------------------------------ batch layout
     def _build_batch(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, AttentionBatch]:
@@ -71,7 +73,7 @@ class ModelRunner:
             nblk = -(-c.context_len // bs)
             table = torch.tensor(bt[:nblk], dtype=torch.long, device=dev)
             mask = None
-            if c.start > 0:  # a cached prefix: query i sees keys [0, start + i]
+            if c.start > 0 and not self.model.triton_attention:  # a cached prefix: query i sees keys [0, start + i]
                 q_pos = torch.arange(c.start, c.context_len, device=dev).unsqueeze(1)
                 mask = torch.arange(c.context_len, device=dev).unsqueeze(0) <= q_pos
             pre_seqs.append(PrefillSeq(offset, c.num_tokens, c.start, table, mask))
@@ -81,13 +83,18 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             num_decodes=len(decodes), decode_groups=groups,
             prefills=pre_seqs, block_size=bs)
+        if self.model.triton_attention and prefills:  # one varlen call a layer for every chunk
+            from tidal.engine.triton_attention import varlen_meta
+
+            batch.varlen = varlen_meta([(p.offset, c.num_tokens, c.start, c.block_table[:-(-c.context_len // bs)])
+                                        for p, c in zip(pre_seqs, prefills, strict=True)], dev)
         return torch.tensor(ids, dtype=torch.long, device=dev), batch
 
     def _group_bounds(self, decodes: list[ScheduledChunk]) -> list[tuple[int, int]]:
         """Split decodes (sorted by context, longest first) where padding to the group's longest
         context would waste more than a third of the gathered KV. tidal's paged attention kernel
         gathers nothing (each decode reads its own blocks, however long): one group."""
-        if self.model.native_attention:
+        if self.model.native_attention or self.model.triton_attention:
             return [(0, len(decodes))] if decodes else []
         bounds, start = [], 0
         for i in range(1, len(decodes) + 1):
@@ -105,6 +112,9 @@ class ModelRunner:
         bs, dev = self.block_size, self.device
         width = max(-(-c.context_len // bs) for c in decodes)
         rows = [list(c.block_table[:width]) + [0] * (width - min(width, len(c.block_table))) for c in decodes]
+        if self.model.triton_attention:  # the kernel reads each decode's own length: no mask
+            return DecodeGroup(offset, len(decodes), torch.tensor(rows, dtype=torch.int32, device=dev), None,
+                               torch.tensor([c.context_len for c in decodes], dtype=torch.int32, device=dev))
         ctx = torch.tensor([c.context_len for c in decodes], device=dev)
         mask = (torch.arange(width * bs, device=dev).unsqueeze(0) < ctx.unsqueeze(1)).view(
             len(decodes), 1, 1, width * bs)
@@ -187,7 +197,10 @@ class ModelRunner:
         if plan.composition.num_padded_tokens and self.link is None:  # (a pipeline group never pads)
             self._run_padding(ordered, plan.composition.num_padded_tokens)
         logits = None
-        if self.link is None:
+        if self.link is None and self.graphs is not None and self.graphs.takes(ordered):
+            logits = self.graphs.logits(ordered)
+            sampling = ordered
+        elif self.link is None:
             input_ids, batch = self._build_batch(ordered)
             if self.compiled is not None and self.compiled.takes(ordered, batch):
                 logits = self.compiled.logits(input_ids, batch)
