@@ -292,6 +292,7 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="every stage on a 2-layer model (a CPU dry run)")
     ap.add_argument("--stages", default="models,parity,steps,offline,serve")
     ap.add_argument("--stage-timeout", type=int, default=240)
+    ap.add_argument("--stage-timeouts", default="", help="per stage, e.g. models=150,offline=200")
     ap.add_argument("--deadline", type=int, default=0,
                     help="seconds for the whole check: no stage starts past it, each gets what is left")
     ap.add_argument("--offline-systems", default="tidal,hf,hf-cb")
@@ -305,10 +306,11 @@ def main() -> int:
     args.shapes = sorted({big, small})
     args.parity_shape, args.step_shape, args.offline_shape, args.serve_shape = small, big, big, small
     os.makedirs(args.out, exist_ok=True)
+    os.makedirs(args.models, exist_ok=True)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     if args.stage:
         result = STAGES[args.stage](args)
-        with open(os.path.join(args.out, f"stage-{args.stage}.json"), "w") as f:
+        with open(os.path.join(args.models, f"stage-{args.stage}.json"), "w") as f:
             json.dump(result, f, indent=1)
         return 0
     report = {"argv": sys.argv, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -322,7 +324,8 @@ def main() -> int:
     start = time.perf_counter()
     for stage in args.stages.split(","):
         t0 = time.perf_counter()
-        limit = args.stage_timeout
+        limit = dict((k, int(v)) for k, v in (x.split("=") for x in args.stage_timeouts.split(",") if x)).get(
+            stage, args.stage_timeout)
         if args.deadline:
             limit = min(limit, int(args.deadline - (t0 - start)))
             if limit < 20:
@@ -341,7 +344,7 @@ def main() -> int:
             rc = "timeout"
         took = round(time.perf_counter() - t0, 1)
         entry: dict = {"rc": rc, "seconds": took}
-        path = os.path.join(args.out, f"stage-{stage}.json")
+        path = os.path.join(args.models, f"stage-{stage}.json")
         if rc == 0 and os.path.exists(path):
             with open(path) as f:
                 entry["result"] = json.load(f)
