@@ -94,7 +94,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
     _, bs, kvh, _ = k_cache.shape
     g = h // kvh
     splits = num_splits(block_tables.shape[1] * bs)
-    q = q.contiguous()
+    q = q if q.stride(-1) == 1 else q.contiguous()  # rows and heads may be strided (a slice of the QKV rows)
     tables = block_tables.to(torch.int32) if block_tables.dtype != torch.int32 else block_tables
     lens = ctx_lens.to(torch.int32)
     o = torch.empty(n, h, splits, d, dtype=torch.float32, device=q.device)
