@@ -244,8 +244,9 @@ def stage_serve(args) -> dict:
             started = time.perf_counter() - t0
             got = []
             with httpx.Client(timeout=120) as c:
+                model = c.get(url + "/v1/models").json()["data"][0]["id"]
                 for p in prompts:
-                    r = c.post(url + "/v1/completions", json={"model": "m", "prompt": p, "max_tokens": 16,
+                    r = c.post(url + "/v1/completions", json={"model": model, "prompt": p, "max_tokens": 16,
                                                               "temperature": 0})
                     r.raise_for_status()
                     got.append(r.json()["choices"][0]["text"])

@@ -396,6 +396,20 @@ class HFRunner(SystemRunner):
         self.model = None
 
 
+def _accepted(klass, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments ``klass`` takes (transformers' continuous-batching config has gained and
+    renamed fields between releases: ``page_size`` was ``block_size``); the rest are left out."""
+    import inspect
+
+    params = inspect.signature(klass).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(kwargs)
+    out = {k: v for k, v in kwargs.items() if k in params}
+    if "page_size" in kwargs and "page_size" not in params and "block_size" in params:
+        out["block_size"] = kwargs["page_size"]
+    return out
+
+
 class HFCBRunner(SystemRunner):
     name = "hf-cb"
     notes = "transformers continuous batching (paged, sdpa on CPU)"
@@ -417,7 +431,7 @@ class HFCBRunner(SystemRunner):
             use_cuda_graph=False,
             scheduler_type="fifo",
         )
-        self.cb_config = ContinuousBatchingConfig(**self.cb_kwargs)
+        self.cb_config = ContinuousBatchingConfig(**_accepted(ContinuousBatchingConfig, self.cb_kwargs))
 
     def settings(self) -> dict[str, Any]:
         return {"dtype": self.ctx.dtype, **self.cb_kwargs, "persistent_manager": True,

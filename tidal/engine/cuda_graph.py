@@ -82,6 +82,7 @@ class GraphedDecode:
         self.h_positions = torch.zeros(n, dtype=torch.long, pin_memory=pin)
         self.h_slots = torch.zeros(n, dtype=torch.long, pin_memory=pin)
         self.h_tables = torch.zeros(n, self.width, dtype=ttype, pin_memory=pin)
+        self.h_np = (self.h_ids.numpy(), self.h_positions.numpy(), self.h_slots.numpy(), self.h_tables.numpy())
         self.layer_ids = tuple(model.layer_ids)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
@@ -114,28 +115,27 @@ class GraphedDecode:
         return self.model.compute_logits(self.model(self.model.embed(self.ids[:n]), batch, self.kv.layers))
 
     def _fill(self, chunks: list[ScheduledChunk], n: int) -> None:
-        """Copy this step's decodes into the static buffers; rows past them are padding (the scratch block)."""
-        bs, scratch = self.bs, self.kv.scratch_block
-        ids, pos, slots, tables = self.h_ids, self.h_positions, self.h_slots, self.h_tables
-        used = 1
+        """Copy this step's decodes into the static buffers; rows past them are padding (the scratch block).
+        The host side writes through numpy views (a tensor element write costs microseconds a row)."""
+        bs, scratch, k = self.bs, self.kv.scratch_block, len(chunks)
+        ids, pos, slots, tables = self.h_np
+        starts = [c.start for c in chunks]
+        ids[:k] = [c.token_ids[0] for c in chunks]
+        pos[:k] = starts
+        slots[:k] = [c.block_table[p // bs] * bs + p % bs for c, p in zip(chunks, starts, strict=True)]
+        used = max(starts) // bs + 1
         for i, c in enumerate(chunks):
-            p = c.start
-            ids[i] = c.token_ids[0]
-            pos[i] = p
-            nb = p // bs + 1
-            slots[i] = c.block_table[p // bs] * bs + p % bs
-            tables[i, :nb] = torch.as_tensor(c.block_table[:nb], dtype=tables.dtype)
-            used = max(used, nb)
-        k = len(chunks)
+            nb = starts[i] // bs + 1
+            tables[i, :nb] = c.block_table[:nb]
         if k < n:
             ids[k:n] = 0
             pos[k:n] = 0
             slots[k:n] = scratch * bs
             tables[k:n, 0] = scratch
-        self.ids[:n].copy_(ids[:n], non_blocking=True)
-        self.positions[:n].copy_(pos[:n], non_blocking=True)
-        self.slots[:n].copy_(slots[:n], non_blocking=True)
-        self.tables[:n, :used].copy_(tables[:n, :used], non_blocking=True)
+        self.ids[:n].copy_(self.h_ids[:n], non_blocking=True)
+        self.positions[:n].copy_(self.h_positions[:n], non_blocking=True)
+        self.slots[:n].copy_(self.h_slots[:n], non_blocking=True)
+        self.tables[:n, :used].copy_(self.h_tables[:n, :used], non_blocking=True)
 
     @torch.inference_mode()
     def logits(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
