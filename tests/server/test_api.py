@@ -248,6 +248,8 @@ def test_models_tokenize_detokenize_version(server, client, model):
     state = httpx.get(f"{server.url}/admin/state").json()
     assert state["scheduler"]["max_num_seqs"] == 32 and state["batch_size_cap"] == 32
     assert state["policy"]["policy"] and "num_kv_blocks" in state["stats"]
+    # float32 on CPU: tidal's C++ kernels attend where they are built (else torch's SDPA); no CUDA graphs
+    assert state["attention"] in ("tidal-cpu", "torch") and state["cuda_graphs"] is False
 
 
 def test_metrics_counts(server, client, model):

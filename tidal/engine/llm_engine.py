@@ -180,12 +180,22 @@ class LLMEngine:
     def describe_weights(self) -> str:
         """What runs the model, as start-up prints it: ``"bfloat16, weights: int4 for ..."``."""
         compiled = "; decode steps compiled (--compile)" if self.runner.compiled is not None else ""
-        compiled += "; decode steps as CUDA graphs" if self.runner.graphs is not None else ""
+        compiled += "; decode steps as CUDA graphs" if self.cuda_graphs else ""
         attention = {"tidal-cpu": "; decode attention: tidal's paged kernel",
                      "triton": "; attention: Triton paged kernels"}.get(self.model.attention_backend, "")
         kv = f"; KV cache {str(self.kv_dtype).removeprefix('torch.')}" if self.kv_dtype != self.dtype else ""
         return (f"{str(self.dtype).removeprefix('torch.')}, weights: {describe_quantization(self.quantization)}"
                 f"{attention}{kv}{compiled}")
+
+    @property
+    def attention_backend(self) -> str:
+        """What attends: ``triton``, ``tidal-cpu`` (tidal's C++ kernels) or ``torch``."""
+        return self.model.attention_backend
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether decode steps replay CUDA graphs."""
+        return self.runner.graphs is not None and self.runner.graphs.capture
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> LLMEngine:

@@ -168,6 +168,9 @@ def build_app(async_llm: Any, served_model_name: str | None = None) -> FastAPI:
             "batch_size_cap": batch_size_cap(stats, cfg.scheduler.max_num_seqs),
             "scheduler": dataclasses.asdict(cfg.scheduler), "cache": dataclasses.asdict(cfg.cache),
             "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
+            # what attends (triton | tidal-cpu | torch) and whether decode steps replay CUDA graphs (one
+            # instance; a cluster's instances say so in their "weights" lines)
+            "attention": getattr(engine, "attention_backend", None), "cuda_graphs": getattr(engine, "cuda_graphs", None),
             **({"cluster": cluster} if cluster is not None else {}),
         }))
 
