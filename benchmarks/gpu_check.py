@@ -218,9 +218,9 @@ def stage_serve(args) -> dict:
 
     path = os.path.join(args.models, args.serve_shape)
     prompts = _prompts(6, 8, 120, seed=3)
-    modes = {"one": [], "instances2": ["--instances", "2"],
+    modes = {"one": [], "split": ["--instances", "2", "--mode", "split"],
              "disaggregate": ["--instances", "2", "--mode", "disaggregate", "--prefill-instances", "1"],
-             "split": ["--instances", "2", "--mode", "split"]}
+             "instances2": ["--instances", "2"]}
     out, ref = {}, None
     for i, (mode, extra) in enumerate(modes.items()):
         port = 18500 + i
