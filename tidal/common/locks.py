@@ -24,10 +24,10 @@ QUIET_S = 1.0  # a wait shorter than this (a holder that only loads what is buil
 
 
 class LockTimeout(TimeoutError):
-    def __init__(self, path: str, doing: str, holder: int | None, waited_s: float):
-        self.path, self.holder, self.waited_s = path, holder, waited_s
+    def __init__(self, path: str, doing: str, holder: int | None, limit_s: float):
+        self.path, self.holder, self.limit_s = path, holder, limit_s
         who = f"pid {holder}" if holder is not None else "another process"
-        super().__init__(f"{who} has been {doing} for more than {waited_s:.0f} s (lock {path})")
+        super().__init__(f"{who} has been {doing} for more than {limit_s:g} s (lock {path})")
 
 
 def holder_pid(path: str) -> int | None:
@@ -67,11 +67,11 @@ def exclusive(path: str, doing: str, timeout_s: float | None = None) -> Iterator
             except BlockingIOError:
                 waited = time.monotonic() - t0
                 if timeout_s is not None and waited >= timeout_s:
-                    raise LockTimeout(path, doing, holder_pid(path), waited) from None
+                    raise LockTimeout(path, doing, holder_pid(path), timeout_s) from None
                 if announced is False and waited >= QUIET_S:
                     announced = holder_pid(path)
                     who = f"pid {announced}" if announced is not None else "another process"
-                    limit = f"; at most {timeout_s:.0f} s" if timeout_s is not None else ""
+                    limit = f"; at most {timeout_s:g} s" if timeout_s is not None else ""
                     startup_line(f"waiting for {who}, which is {doing} (lock {path}{limit}) ...")
                 time.sleep(POLL_S)
         if announced is not False:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from tidal.common.locks import LockTimeout, exclusive
-from tidal.common.progress import startup_line
+from tidal.common.progress import startup_line, startup_phase
 from tidal.config import env_str, start_wait_s
 
 log = logging.getLogger("tidal.loader")
@@ -72,7 +72,8 @@ def load_tokenizer(gguf_path: str) -> Any:
             return AutoTokenizer.from_pretrained(where)
         except Exception as e:  # noqa: BLE001 - a torn cache entry: build it again
             log.warning("ignoring the tokenizer cache %s: %s", where, e)
-    hf = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
+    with startup_phase(f"building the tokenizer of {os.path.basename(gguf_path)} (once per file)", "tokenizer built"):
+        hf = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
     if where is not None:
         tmp = f"{where}.{os.getpid()}.tmp"
         try:

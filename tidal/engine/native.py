@@ -97,13 +97,18 @@ def _flags() -> list[str]:
     return ["-O3", *_simd_flags()]
 
 
-def _digest(files: list[Path]) -> str:
-    return hashlib.sha256(b"".join(f.read_bytes() for f in files) + " ".join(_flags()).encode()).hexdigest()[:12]
+def _digest(files: list[Path], extra: str = "") -> str:
+    return hashlib.sha256(b"".join(f.read_bytes() for f in files) + " ".join(_flags()).encode()
+                          + extra.encode()).hexdigest()[:12]
 
 
 def build_name() -> str:
-    """The library's name: a digest of the sources and flags, so an edited kernel is built anew."""
-    return f"tidal_kernels_{_digest(SOURCES + HEADERS)}"
+    """The library's name: a digest of the sources and flags, so an edited kernel is built anew; and of
+    where the sources are and torch's version, so each checkout (each torch) has a build folder of its
+    own, whose ninja file never changes. (Two checkouts of one source shared the folder, and each
+    start of the other one rebuilt it, ninja's commands naming other paths, with no line saying so.)"""
+    where = " ".join(sorted({str(f.resolve().parent) for f in SOURCES + HEADERS}))
+    return f"tidal_kernels_{_digest(SOURCES + HEADERS, f' {where} torch {torch.__version__}')}"
 
 
 def matmul_build() -> str:
