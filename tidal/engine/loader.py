@@ -26,6 +26,7 @@ Caching: :mod:`tidal.engine.process_cache` (per process, opt-in) and :mod:`tidal
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -247,7 +248,9 @@ def load_checkpoint(model: str | None) -> LoadedCheckpoint:
     if cached is None:
         cached = _gguf_from_disk_cache(path)
         if cached is None:
-            with startup_phase(f"reading the metadata of {os.path.basename(path)} (once per file)", "metadata read"):
+            # a file that is no GGUF fails at once, with its one-line error and no phase
+            with startup_phase(f"reading the metadata of {os.path.basename(path)} (once per file)", "metadata read") \
+                    if _has_gguf_magic(path) else contextlib.nullcontext():
                 cached = _load_gguf(path)
             disk_cache.store_meta(path, dataclasses.asdict(cached.arch), cached._tensor_names)
         if key is not None:

@@ -187,7 +187,8 @@ class ClusterLLM:
             return
         n = self.layout.instances
         t0 = time.perf_counter()
-        startup_line(f"starting {n} instances (each says what it loads: worker N engine) ...")
+        where = "worker N engine" if self.cluster.backend != "ray" else "in Ray's logs: log_to_driver is off"
+        startup_line(f"starting {n} instances (their own start-up lines: {where}) ...")
         for i in range(n):
             self.handles[i] = self.backend.start(self._worker_config(i))
         self._thread = threading.Thread(target=self._io_loop, name="tidal-cluster-io", daemon=True)
