@@ -70,6 +70,7 @@ def test_generate_use_tqdm_draws_the_shared_bar(make_engine, capsys):
     from tidal import LLM, SamplingParams
 
     llm = LLM.from_engine(make_engine())
+    capsys.readouterr()  # the engine's start-up lines
     sp = SamplingParams(temperature=0, max_tokens=2)
     quiet = llm.generate(["a", "b"], sp)
     assert capsys.readouterr().err == ""
