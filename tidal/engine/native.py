@@ -33,12 +33,13 @@ The sources are compiled at first use with torch's extension tooling (a C++ comp
 about a minute, once per machine: the build is cached under ``TORCH_EXTENSIONS_DIR``), with a line on
 stderr before and after. One process builds at a time, under a flock beside the build folder that dies
 with its holder (``<build folder>.tidal.lock``, holding its pid): another start waits and says for whom,
-at most ``TIDAL_START_WAIT_S`` (600 s), then runs torch's kernels; a build that was stopped (Ctrl-C, a
-SIGKILL) leaves torch's baton and half-built objects, which the next holder of the lock removes. Without
-a compiler :func:`load` says why and the engine keeps torch's kernels. The ops are ``torch.ops.tidal.q4_1_mm``, ``q8_0_mm``, ``paged_decode_attention`` (with fake,
-shape-only implementations so that ``--compile`` traces through them), and ``prefill_attention``,
-``decode_layer``, ``layer_attn_in`` and ``layer_attn_out`` (eager steps only, never traced: compiled
-steps run the Python layers, and SDPA for prefills).
+at most ``TIDAL_START_WAIT_S`` (600 s), then runs torch's kernels; a build that was stopped (a SIGKILL,
+a closed terminal) leaves torch's baton and half-built objects, which the next holder of the lock
+removes. Without a compiler :func:`load` says why and the engine keeps torch's kernels. The ops are
+``torch.ops.tidal.q4_1_mm``, ``q8_0_mm``, ``paged_decode_attention`` (with fake, shape-only
+implementations so that ``--compile`` traces through them), and ``prefill_attention``, ``decode_layer``,
+``layer_attn_in`` and ``layer_attn_out`` (eager steps only, never traced: compiled steps run the Python
+layers, and SDPA for prefills).
 """
 
 from __future__ import annotations
