@@ -303,6 +303,25 @@ def default_cpu_threads() -> int:
     return affinity_cores()
 
 
+DEFAULT_START_WAIT_S = 600.0
+
+
+def start_wait_s() -> float:
+    """The longest a start waits for another process that does what every start needs once per
+    machine (builds tidal's kernels, times the 4-bit matmuls): ``TIDAL_START_WAIT_S`` seconds when
+    set, else 600. Past it the start goes on without (torch's kernels; its own timing)."""
+    raw = (env_str("TIDAL_START_WAIT_S") or "").strip()
+    if not raw:
+        return DEFAULT_START_WAIT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # NaN too
+        raise ConfigError(f"TIDAL_START_WAIT_S must be a number of seconds >= 0, got {raw!r}")
+    return value
+
+
 def affinity_cores() -> int:
     """The cores this process may run on."""
     try:
@@ -313,5 +332,5 @@ def affinity_cores() -> int:
 
 __all__ = [
     "DEFAULT_CPU_KV_MEMORY", "CacheConfig", "ConfigError", "activation_reserve_bytes", "kv_pool_blocks", "EngineConfig", "ModelArch", "ModelConfig", "SchedulerConfig",
-    "affinity_cores", "cdiv", "default_cpu_threads", "env_str", "parse_policy_args", "parse_size",
+    "affinity_cores", "cdiv", "default_cpu_threads", "env_str", "parse_policy_args", "parse_size", "start_wait_s",
 ]

@@ -36,6 +36,23 @@ def test_progress_lines_count_throttle_and_estimate(monkeypatch):
     assert quiet.getvalue() == "" and q.done == 2
 
 
+def test_startup_phases_say_when_they_begin_and_end(monkeypatch, capsys):
+    from tidal.common import progress
+
+    clock = [100.0]
+    monkeypatch.setattr("tidal.common.progress.time.perf_counter", lambda: clock[0])
+    with progress.startup_phase("building the kernels", "kernels built"):
+        clock[0] += 95.24
+    monkeypatch.setattr(progress, "_startup_label", "engine")
+    progress.set_startup_label("worker 2 engine")  # what a cluster's worker sets
+    progress.startup_line("waiting")
+    with pytest.raises(RuntimeError), progress.startup_phase("loading", "loaded"):
+        raise RuntimeError("no end line: the error says why")
+    assert capsys.readouterr().err.splitlines() == [
+        "engine: building the kernels ...", "engine: kernels built in 95.2 s", "worker 2 engine: waiting",
+        "worker 2 engine: loading ..."]
+
+
 def test_progress_bar_disabled_does_nothing_and_enabled_counts(capsys):
     with progress_bar(3, "off", enabled=False) as bar:
         bar.update(1)
@@ -53,6 +70,7 @@ def test_generate_use_tqdm_draws_the_shared_bar(make_engine, capsys):
     from tidal import LLM, SamplingParams
 
     llm = LLM.from_engine(make_engine())
+    capsys.readouterr()  # the engine's start-up lines
     sp = SamplingParams(temperature=0, max_tokens=2)
     quiet = llm.generate(["a", "b"], sp)
     assert capsys.readouterr().err == ""

@@ -41,16 +41,20 @@ def test_native_bf16_is_picked_only_where_it_is_faster(fresh, monkeypatch, ratio
     assert resolve_dtype("bfloat16", torch.device("cpu")) is torch.bfloat16
 
 
-def test_the_timing_is_kept_on_disk_for_every_process(fresh, monkeypatch):
+def test_the_timing_is_kept_on_disk_for_every_process(fresh, monkeypatch, capsys):
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
     monkeypatch.setattr(dtype_pick, "_bf16_over_f32", lambda *a: 0.6)
     assert dtype_pick.cpu_auto_dtype() is torch.float32
+    err = capsys.readouterr().err.splitlines()  # the timing is a start-up phase: a line as it begins and ends
+    assert len(err) == 2 and err[0] == ("engine: timing bfloat16 against float32 matmuls for --dtype auto (once per "
+                                        "machine) ...") and err[1].startswith("engine: timed in "), err
     stored = json.loads((fresh / "crossovers.json").read_text())
     assert [v for k, v in stored.items() if k.startswith("bf16_over_f32")] == [60]
     # another process: nothing in memory, the file answers (timing now would fail the test)
     monkeypatch.setattr(dtype_pick, "_picked", {})
     monkeypatch.setattr(dtype_pick, "_bf16_over_f32", lambda *a: pytest.fail("timed again"))
     assert dtype_pick.cpu_auto_dtype() is torch.float32
+    assert capsys.readouterr().err == ""
 
 
 def test_float32_weights_that_would_not_fit_keep_bf16(fresh, monkeypatch):

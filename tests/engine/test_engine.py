@@ -259,3 +259,16 @@ def test_padded_static_batch_computes_the_padding_and_keeps_the_real_tokens(make
     lens = [len(p) for p in prompts[:4]]
     # the prefill alone pads every prompt to the longest; then one dead row per finished member per step
     assert padded.runner.padded_tokens_computed >= 4 * max(lens) - sum(lens) + (4 + 2 * 4 + 3 * 4)
+
+
+def test_a_start_says_it_loads_the_weights(make_engine, smol_ckpt, capsys):
+    """Loading (and packing) the weights takes seconds: a line when it begins, one when it ends."""
+    import os
+    import re
+
+    capsys.readouterr()
+    make_engine()
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "weights" in ln]
+    name = os.path.basename(smol_ckpt.path)
+    assert len(lines) == 2 and lines[0].startswith(f"engine: loading the weights of {name}") \
+        and lines[0].endswith(" ...") and re.fullmatch(r"engine: weights loaded in \d+\.\d s", lines[1]), lines

@@ -295,6 +295,31 @@ def test_a_crossover_is_timed_once_per_machine(monkeypatch, tmp_path):
         assert list(json.load(f).values()) == [16]
 
 
+def test_a_start_says_when_it_times_the_kernels(monkeypatch, tmp_path, capsys):
+    """The timings (a machine's first start) are a phase with a line when it begins and ends; a start
+    that finds every timing on disk prints nothing of it."""
+    from tidal.config import ModelArch
+    from tidal.engine import quant
+
+    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TIDAL_DISK_CACHE_MB", raising=False)
+    monkeypatch.setattr(quant, "_crossovers", {})
+    monkeypatch.setattr(quant, "_paired_ratio", _ratio_by_size(lambda m: 0.9 if m <= 16 else 1.1))
+    arch = ModelArch("llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
+                     num_kv_heads=2, head_dim=16)
+    model = LlamaModel(arch, torch.float32, torch.device("cpu"))
+    capsys.readouterr()
+    assert model.set_quantization("auto", 64, 8) is None
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and err[0].startswith(f"engine: timing the {model.kernels} 4/8-bit kernels against float32 "
+                                               "matmuls (5 shapes; once per machine) ...") \
+        and err[1].startswith("engine: timed in "), err
+    assert model._int4_tokens and all(v == 16 for v in model._int4_tokens.values())
+    monkeypatch.setattr(quant, "_crossovers", {})  # a later process: the disk cache has them
+    assert model.set_quantization("auto", 64, 8) is None
+    assert capsys.readouterr().err == ""
+
+
 def test_processes_starting_together_time_one_at_a_time(monkeypatch, tmp_path):
     """Two starts that miss the cache at once (two threads here, each with its own open file, as two
     worker processes would be): one times while the other waits on the lock, then reads the file;

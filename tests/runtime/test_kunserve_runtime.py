@@ -64,7 +64,9 @@ def test_drop_mode_needs_two_instances():
 
 def _serve_error(capsys, *args) -> str:
     from tidal.cli import main
+    from tidal.engine.loader import load_checkpoint
 
+    load_checkpoint(None)  # the default GGUF's metadata read (a start-up phase line, on a fresh cache) before
     capsys.readouterr()  # what came before (a progress bar of save_pretrained)
     assert main(["serve", "--port", "0", *args]) == 2
     err = capsys.readouterr().err.strip()

@@ -41,7 +41,7 @@ def n_tokens(url: str, **body) -> int:
 # ------------------------------------------------------------------------------ parity with LLM
 def test_start_up_says_which_weights_run(server):
     # --quantization auto's choice (timed at start-up): float, or the int4/int8 copies and their step sizes
-    line = next(x for x in server.output().splitlines() if x.startswith("engine: "))
+    line = next(x for x in server.output().splitlines() if x.startswith("engine: float32, "))
     assert line.startswith("engine: float32, weights: ") and ("float" in line or "int4 for" in line)
 
 

@@ -23,12 +23,12 @@ through the guards once (and recompiles if they fail), as a pool resize or a Kun
 
 from __future__ import annotations
 
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
+from tidal.common.progress import startup_phase
 from tidal.core.plan import ScheduledChunk
 from tidal.engine.kv_cache import PagedKVCache
 from tidal.engine.model import AttentionBatch, DecodeGroup, LlamaModel
@@ -108,10 +108,13 @@ class CompiledDecode:
     def warm_up(self) -> float:
         """Compile now, both graphs (one decode, and a batch: decodes at positions 0 of block 0, before
         any request holds a block), with a line before and after on stderr; returns the seconds it took."""
-        print("engine: compiling the decode steps (torch.compile; once, may take a minute) ...",
-              file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         dev = self.kv.device
+        with startup_phase("compiling the decode steps (torch.compile; once, may take a minute)", "compiled"):
+            self._warm_up(dev)
+        return time.perf_counter() - t0
+
+    def _warm_up(self, dev: torch.device) -> None:
         try:
             for n in (1, 2):
                 # ids, positions and slots are three tensors: one passed three times would compile a
@@ -127,6 +130,3 @@ class CompiledDecode:
                                "compiler (g++); run without --compile") from e
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-        took = time.perf_counter() - t0
-        print(f"engine: compiled in {took:.0f} s", file=sys.stderr, flush=True)
-        return took

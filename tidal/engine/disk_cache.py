@@ -24,7 +24,9 @@ from typing import Any
 
 import torch
 
-from tidal.config import env_str
+from tidal.common.locks import LockTimeout, exclusive
+from tidal.common.progress import startup_line, startup_phase
+from tidal.config import env_str, start_wait_s
 
 log = logging.getLogger("tidal.loader")
 VERSION = 1  # bump when what the loader yields for a GGUF changes (a permutation fix, say)
@@ -70,7 +72,8 @@ def load_tokenizer(gguf_path: str) -> Any:
             return AutoTokenizer.from_pretrained(where)
         except Exception as e:  # noqa: BLE001 - a torn cache entry: build it again
             log.warning("ignoring the tokenizer cache %s: %s", where, e)
-    hf = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
+    with startup_phase(f"building the tokenizer of {os.path.basename(gguf_path)} (once per file)", "tokenizer built"):
+        hf = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
     if where is not None:
         tmp = f"{where}.{os.getpid()}.tmp"
         try:
@@ -135,36 +138,24 @@ def load_crossover(key: str) -> int | None:
 
 
 @contextlib.contextmanager
-def crossover_lock() -> Iterator[None]:
+def crossover_lock() -> Iterator[bool]:
     """Held while a process times a crossover: the workers of ``tidal serve --instances N`` start at once
     on a fresh machine, and N timings run side by side would each see the others' load and cache
-    that for good. The next one waits, then finds the timing in the file (flock on a file beside it,
-    released by the kernel if the holder dies; no lock where there is no fcntl or no cache)."""
+    that for good. The next one waits (saying for whom), then finds the timing in the file (a flock
+    on a file beside it, released by the kernel if the holder dies: :func:`tidal.common.locks.exclusive`;
+    no lock where there is no fcntl or no cache). Yields whether it holds the lock: a wait past
+    :func:`tidal.config.start_wait_s` gives up and times without it."""
     where = crossovers_path()
-    try:
-        import fcntl
-    except ImportError:  # not POSIX
-        fcntl = None
-    if where is None or fcntl is None:
-        yield
+    if where is None:
+        yield False
         return
-    try:
-        os.makedirs(os.path.dirname(where), exist_ok=True)
-        f = open(f"{where}.lock", "a+b")  # noqa: SIM115 - closed below, after the lock is released
-    except OSError as e:
-        log.warning("timing without the crossover lock (%s)", e)
-        yield
-        return
-    with f:
+    with contextlib.ExitStack() as stack:
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("waiting for another process to finish timing the 4-bit matmuls")
-            fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            held = stack.enter_context(exclusive(f"{where}.lock", "timing this machine's matmuls", start_wait_s()))
+        except LockTimeout as e:
+            startup_line(f"warning: {e}; timing without the lock")
+            held = False
+        yield held
 
 
 def store_crossover(key: str, value: int) -> None:

@@ -14,6 +14,7 @@ the first stored.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -21,6 +22,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from tidal.common.progress import startup_phase
 from tidal.engine import disk_cache
 from tidal.engine.quant import _cpu_id, _paired_ratio
 
@@ -56,7 +58,10 @@ def bf16_speedup_percent(repeats: int = REPEATS) -> int:
     if key not in _picked:
         disk_key = "|".join(map(str, (*key, f"torch {torch.__version__}", torch.backends.cpu.get_cpu_capability(),
                                       _cpu_id())))
-        _picked[key] = disk_cache.timed_once(disk_key, lambda: _geomean_percent(repeats))
+        timing = startup_phase("timing bfloat16 against float32 matmuls for --dtype auto (once per machine)", "timed") \
+            if disk_cache.load_crossover(disk_key) is None else contextlib.nullcontext()
+        with timing:
+            _picked[key] = disk_cache.timed_once(disk_key, lambda: _geomean_percent(repeats))
     return _picked[key]
 
 

@@ -8,6 +8,7 @@ step on the model and returns the outputs that changed.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+from tidal.common.progress import startup_phase
 from tidal.config import (
     DEFAULT_CPU_KV_MEMORY,
     ConfigError,
@@ -138,7 +140,9 @@ class LLMEngine:
             why_not_int4 = self.model.set_quantization(mc.quantization, sc.max_num_batched_tokens, sc.max_num_seqs)
         else:  # no start-up timing: safetensors hold float weights, never 4-bit or Q8_0 groups
             why_not_int4 = self.model.set_quantization("none") or "the checkpoint's weights are float, not GGUF groups"
-        self.model.load_weights(ckpt.weights())
+        dequantize = "" if ckpt.weights_cached() else ", dequantizing the GGUF (once per file)"
+        with startup_phase(f"loading the weights of {os.path.basename(ckpt.path)}{dequantize}", "weights loaded"):
+            self.model.load_weights(ckpt.weights())
         self.quantization = {**self.model.quantization_report(), "requested": mc.quantization,
                              **({"why_not": why_not_int4} if why_not_int4 else {})}
         layer_ids = self.model.layer_ids

@@ -26,6 +26,7 @@ Caching: :mod:`tidal.engine.process_cache` (per process, opt-in) and :mod:`tidal
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -38,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tidal.common.progress import startup_phase
 from tidal.config import ConfigError, ModelArch
 from tidal.engine import disk_cache
 from tidal.engine.process_cache import (  # noqa: F401  (CACHE_ENV, clear_cache: re-exported)
@@ -135,6 +137,15 @@ class LoadedCheckpoint:
         if self.format == "hf":
             return self._hf_weights()
         raise ModelLoadError(f"unknown checkpoint format {self.format!r}")
+
+    def weights_cached(self) -> bool:
+        """Whether :meth:`weights` reads tensors ready as float32 (a safetensors checkpoint, or a GGUF
+        dequantized by an earlier load: the process or disk cache) rather than dequantizing the GGUF."""
+        if self.format != "gguf":
+            return True
+        key = file_key(self.path)
+        disk = disk_cache.cache_path(self.path)
+        return (key is not None and weight_cache.has(key)) or (disk is not None and os.path.isfile(disk))
 
     def weight_names(self) -> list[str]:
         """HF names of the weights :meth:`weights` yields, without reading any data."""
@@ -237,7 +248,10 @@ def load_checkpoint(model: str | None) -> LoadedCheckpoint:
     if cached is None:
         cached = _gguf_from_disk_cache(path)
         if cached is None:
-            cached = _load_gguf(path)
+            # a file that is no GGUF fails at once, with its one-line error and no phase
+            with startup_phase(f"reading the metadata of {os.path.basename(path)} (once per file)", "metadata read") \
+                    if _has_gguf_magic(path) else contextlib.nullcontext():
+                cached = _load_gguf(path)
             disk_cache.store_meta(path, dataclasses.asdict(cached.arch), cached._tensor_names)
         if key is not None:
             meta_cache.put(key, cached)

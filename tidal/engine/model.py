@@ -8,6 +8,7 @@ which the runner builds; there is no global attention context.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tidal.common.progress import startup_phase
 from tidal.config import ConfigError, ModelArch
 from tidal.engine import native
 from tidal.engine.quant import (
@@ -387,16 +389,22 @@ class LlamaModel(nn.Module):
         self.quantization = mode if why is None else "none"
         self._int4_tokens, self._head_tokens = {}, 0
         if self.quantization != "none":
-            for name in LINEARS:
-                shape = tuple(getattr(self.layers[str(self.start)], name).weight.shape)
-                if shape not in self._int4_tokens:
-                    self._int4_tokens[shape] = 0 if not int4_shape_ok(*shape) else \
-                        (1 << 30) if mode == "int4" else measure_crossover(*shape, self.dtype, kernels=self.kernels,
-                                                                           upto=max_step_tokens)
-            if self.is_last:  # the LM head, if stored as Q8_0 groups
-                vocab, hidden = self.arch.vocab_size, self.arch.hidden_size
+            shapes = list(dict.fromkeys(tuple(getattr(self.layers[str(self.start)], name).weight.shape) for name in LINEARS))
+            timings = [] if mode == "int4" else [
+                *((measure_crossover, s, max_step_tokens) for s in shapes if int4_shape_ok(*s)),
+                *([(measure_int8_crossover, (self.arch.vocab_size, self.arch.hidden_size), max_head_rows)]
+                  if self.is_last else [])]  # the LM head, if stored as Q8_0 groups
+            new = [t for t in timings if not t[0].known(*t[1], self.dtype, kernels=self.kernels, upto=t[2])]
+            with startup_phase(f"timing the {self.kernels} 4/8-bit kernels against {str(self.dtype).removeprefix('torch.')} "
+                               f"matmuls ({len(new)} shapes; once per machine)", "timed") \
+                    if new else contextlib.nullcontext():
+                got = {(fn, s): fn(*s, self.dtype, kernels=self.kernels, upto=upto) for fn, s, upto in timings}
+            for s in shapes:
+                self._int4_tokens[s] = 0 if not int4_shape_ok(*s) else (1 << 30) if mode == "int4" else \
+                    got[(measure_crossover, s)]
+            if self.is_last:
                 self._head_tokens = (1 << 30) if mode == "int4" else \
-                    measure_int8_crossover(vocab, hidden, self.dtype, kernels=self.kernels, upto=max_head_rows)
+                    got[(measure_int8_crossover, (self.arch.vocab_size, self.arch.hidden_size))]
             if not any(self._int4_tokens.values()) and not self._head_tokens:  # skip the grid checks at load
                 self.quantization = "none"
                 return f"the int4/int8 kernels were not faster than {str(self.dtype).removeprefix('torch.')} " \

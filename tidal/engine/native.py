@@ -31,23 +31,32 @@ than the layer's arithmetic (the same values to float32 rounding).
 
 The sources are compiled at first use with torch's extension tooling (a C++ compiler and ninja;
 about a minute, once per machine: the build is cached under ``TORCH_EXTENSIONS_DIR``), with a line on
-stderr before and after. Without a compiler :func:`load` says why and the engine keeps torch's
-kernels. The ops are ``torch.ops.tidal.q4_1_mm``, ``q8_0_mm``, ``paged_decode_attention`` (with fake,
-shape-only implementations so that ``--compile`` traces through them), and ``prefill_attention``,
-``decode_layer``, ``layer_attn_in`` and ``layer_attn_out`` (eager steps only, never traced: compiled
-steps run the Python layers, and SDPA for prefills).
+stderr before and after. One process builds at a time, under a flock beside the build folder that dies
+with its holder (``<build folder>.tidal.lock``, holding its pid): another start waits and says for whom,
+at most ``TIDAL_START_WAIT_S`` (600 s), then runs torch's kernels; a build that was stopped (a SIGKILL,
+a closed terminal) leaves torch's baton and half-built objects, which the next holder of the lock
+removes. Without a compiler :func:`load` says why and the engine keeps torch's kernels. The ops are
+``torch.ops.tidal.q4_1_mm``, ``q8_0_mm``, ``paged_decode_attention`` (with fake, shape-only
+implementations so that ``--compile`` traces through them), and ``prefill_attention``, ``decode_layer``,
+``layer_attn_in`` and ``layer_attn_out`` (eager steps only, never traced: compiled steps run the Python
+layers, and SDPA for prefills).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
-import sys
+import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from tidal.common.locks import LockTimeout, exclusive
+from tidal.common.progress import startup_line, startup_phase
+from tidal.config import env_str, start_wait_s
 
 GROUP = 32  # weights per GGUF Q4_1 / Q8_0 block
 _DIR = Path(__file__).with_name("kernels")
@@ -65,7 +74,7 @@ def _simd_flags() -> list[str]:
     AVX-512 (the panels' micro-kernel then runs 16 floats wide); portable code otherwise, or when
     ``TIDAL_NATIVE_SIMD=0`` (the tests build both; ``TIDAL_NATIVE_SIMD=avx2`` builds without AVX-512)."""
     cap = torch.backends.cpu.get_cpu_capability()
-    want = os.environ.get("TIDAL_NATIVE_SIMD", "1")
+    want = env_str("TIDAL_NATIVE_SIMD", "1")
     if cap not in ("AVX2", "AVX512") or want == "0":
         return []
     return ["-mavx2", "-mfma", "-mf16c", *(["-mavx512f"] if cap == "AVX512" and want != "avx2" else [])]
@@ -89,13 +98,18 @@ def _flags() -> list[str]:
     return ["-O3", *_simd_flags()]
 
 
-def _digest(files: list[Path]) -> str:
-    return hashlib.sha256(b"".join(f.read_bytes() for f in files) + " ".join(_flags()).encode()).hexdigest()[:12]
+def _digest(files: list[Path], extra: str = "") -> str:
+    return hashlib.sha256(b"".join(f.read_bytes() for f in files) + " ".join(_flags()).encode()
+                          + extra.encode()).hexdigest()[:12]
 
 
 def build_name() -> str:
-    """The library's name: a digest of the sources and flags, so an edited kernel is built anew."""
-    return f"tidal_kernels_{_digest(SOURCES + HEADERS)}"
+    """The library's name: a digest of the sources and flags, so an edited kernel is built anew; and of
+    where the sources are and torch's version, so each checkout (each torch) has a build folder of its
+    own, whose ninja file never changes. (Two checkouts of one source shared the folder, and each
+    start of the other one rebuilt it, ninja's commands naming other paths, with no line saying so.)"""
+    where = " ".join(sorted({str(f.resolve().parent) for f in SOURCES + HEADERS}))
+    return f"tidal_kernels_{_digest(SOURCES + HEADERS, f' {where} torch {torch.__version__}')}"
 
 
 def matmul_build() -> str:
@@ -106,37 +120,62 @@ def matmul_build() -> str:
 
 
 def _build() -> tuple[bool, str]:
-    if os.environ.get("TIDAL_NO_NATIVE"):
+    if env_str("TIDAL_NO_NATIVE"):
         return False, "TIDAL_NO_NATIVE is set"
-    flags, name = _flags(), build_name()
+    flags, name, wait_s = _flags(), build_name(), start_wait_s()
     try:
         from torch.utils import cpp_extension
 
         _ninja_on_path()
-        built = _built(cpp_extension, name)
-        if not built:
-            print(f"engine: building tidal's CPU kernels ({' '.join(flags)}; once per machine, "
-                  "about a minute) ...", file=sys.stderr, flush=True)
-        # -fopenmp: at::parallel_for is an OpenMP region compiled into this library (without the flag it
-        # runs on one thread); libgomp.so.1 resolves to the copy torch has already loaded
-        cpp_extension.load(name=name, sources=[str(f) for f in SOURCES], extra_cflags=[*flags, "-fopenmp"],
-                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-        if not built:
-            print("engine: kernels built", file=sys.stderr, flush=True)
+        build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+        # one process of the machine builds (or loads) at a time, under a lock that dies with it: torch's
+        # own baton (the file `lock` in the build folder) is a plain file that a killed build leaves
+        # behind, and every later start would wait on it for ever
+        with exclusive(f"{build_dir}.tidal.lock", "building tidal's kernels", wait_s) as held:
+            if held:
+                _clear_interrupted(build_dir, name)
+            phase = contextlib.nullcontext() if _complete(build_dir, name) else startup_phase(
+                f"building tidal's CPU kernels ({' '.join(flags)}; once per machine, about a minute)", "kernels built")
+            with phase:
+                # -fopenmp: at::parallel_for is an OpenMP region compiled into this library (without the flag
+                # it runs on one thread); libgomp.so.1 resolves to the copy torch has already loaded
+                cpp_extension.load(name=name, sources=[str(f) for f in SOURCES], extra_cflags=[*flags, "-fopenmp"],
+                                   extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
+                                   is_python_module=False, verbose=False)
+    except LockTimeout as e:
+        startup_line(f"warning: {e}; this start runs torch's kernels (TIDAL_START_WAIT_S sets the wait)")
+        return False, f"tidal's kernels were still being built elsewhere ({e})"
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: all mean "use torch's"
         first = " ".join(str(e).split())[:200] or type(e).__name__
+        startup_line(f"tidal's kernels could not be built ({first}); torch's kernels run instead")
         return False, f"tidal's kernels could not be built ({first})"
     _register_fakes()
     return True, ""
 
 
-def _built(cpp_extension, name: str) -> bool:
-    """Whether an earlier process built this library (only to say so on stderr): the probe uses a
-    private torch helper, so any failure of it just means "not known to be built"."""
+def _complete(build_dir: Path, name: str) -> bool:
+    """Whether the library was built to the end: ninja logs a step only once it has finished, so a link
+    that was cut off (a partial ``.so``) is not in ``.ninja_log``."""
     try:
-        return any(Path(cpp_extension._get_build_directory(name, verbose=False)).glob(f"{name}*.so"))
-    except Exception:  # noqa: BLE001
+        log = (build_dir / ".ninja_log").read_text(errors="replace")
+    except OSError:
         return False
+    return (build_dir / f"{name}.so").is_file() and any(
+        line.split("\t")[3:4] == [f"{name}.so"] for line in log.splitlines())
+
+
+def _clear_interrupted(build_dir: Path, name: str) -> None:
+    """Under the build lock, what an interrupted build left: torch's baton (only a holder of the lock
+    builds, so no live process owns it) and, where the library was never finished, every half-built
+    object, so that the build starts clean."""
+    baton = build_dir / "lock"
+    if baton.exists():
+        baton.unlink(missing_ok=True)
+        startup_line(f"removed the build lock {baton}, left by a kernel build that was stopped")
+    if not _complete(build_dir, name) and any(build_dir.iterdir()):
+        shutil.rmtree(build_dir)
+        build_dir.mkdir(parents=True)
+        startup_line(f"removed the half-built kernels in {build_dir}")
 
 
 def _ninja_on_path() -> None:

@@ -66,6 +66,11 @@ class _LRU:
             self._items.move_to_end(key)
             return value
 
+    def has(self, key: tuple) -> bool:
+        """Whether ``key`` is held (neither a hit nor a miss)."""
+        with self._lock:
+            return key in self._items
+
     def put(self, key: tuple, value: Any) -> None:
         with self._lock:
             self._items[key] = value

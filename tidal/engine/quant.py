@@ -167,18 +167,27 @@ def _cached(fn):
     matmuls when they run), the threads and the CPU, so every worker of a cluster and every later
     start reads it instead of timing again (10-15 s of a start on 2 cores); processes that start
     together time one at a time (``disk_cache.crossover_lock``). Delete the file (or set
-    TIDAL_DISK_CACHE_MB=0) to time again."""
-    @functools.wraps(fn)
-    def measure(n: int, k: int, dtype: torch.dtype, repeats: int = REPEATS, kernels: str = "torch", upto: int = 128) -> int:
+    TIDAL_DISK_CACHE_MB=0) to time again. ``measure.known(...)`` (the same arguments) says whether
+    the timing is already known, so that a start prints a line only when it will time."""
+    def keys(n: int, k: int, dtype: torch.dtype, repeats: int, kernels: str, upto: int) -> tuple[tuple, str]:
         # the whole shape: a smaller stand-in that fits in cache favours the float matmul
         key = (fn.__name__, n, k, dtype, repeats, kernels, upto, torch.get_num_threads())
+        # torch's version either way: its float matmul is the other side of every ratio
+        build = f"{native.matmul_build() + ' ' if kernels == 'tidal' else ''}torch {torch.__version__}"
+        return key, "|".join(map(str, (*key, build, torch.backends.cpu.get_cpu_capability(), _cpu_id())))
+
+    @functools.wraps(fn)
+    def measure(n: int, k: int, dtype: torch.dtype, repeats: int = REPEATS, kernels: str = "torch", upto: int = 128) -> int:
+        key, disk_key = keys(n, k, dtype, repeats, kernels, upto)
         if key not in _crossovers:
-            # torch's version either way: its float matmul is the other side of every ratio
-            build = f"{native.matmul_build() + ' ' if kernels == 'tidal' else ''}torch {torch.__version__}"
-            disk_key = "|".join(map(str, (*key, build, torch.backends.cpu.get_cpu_capability(), _cpu_id())))
             _crossovers[key] = disk_cache.timed_once(disk_key, lambda: fn(n, k, dtype, repeats, kernels, upto))
         return _crossovers[key]
 
+    def known(n: int, k: int, dtype: torch.dtype, repeats: int = REPEATS, kernels: str = "torch", upto: int = 128) -> bool:
+        key, disk_key = keys(n, k, dtype, repeats, kernels, upto)
+        return key in _crossovers or disk_cache.load_crossover(disk_key) is not None
+
+    measure.known = known
     return measure
 
 

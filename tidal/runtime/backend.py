@@ -14,6 +14,7 @@ import os
 import signal
 from typing import Any
 
+from tidal.common.progress import startup_phase
 from tidal.runtime.worker import WorkerConfig, worker_main
 
 
@@ -127,7 +128,8 @@ class RayBackend:
                     raise ConfigError(f"cannot join the Ray cluster at --ray-address {address}: "
                                       f"{' '.join(str(e).split())[:200]}") from None
             else:
-                ray.init(num_cpus=max(os.cpu_count() or 1, 1), include_dashboard=False, log_to_driver=False)
+                with startup_phase("starting a local Ray", "Ray started"):
+                    ray.init(num_cpus=max(os.cpu_count() or 1, 1), include_dashboard=False, log_to_driver=False)
                 self.started_here = True
 
         @ray.remote(num_cpus=num_cpus_per_worker, max_restarts=0)

@@ -39,6 +39,7 @@ import zmq
 from tidal.cluster.dispatch import Dispatcher, check_role_policies, role_scheduler
 from tidal.cluster.monitor import GlobalMonitor, InstanceStatus
 from tidal.cluster.router import RouteRequest, build_router
+from tidal.common.progress import startup_line
 from tidal.config import ConfigError, EngineConfig, default_cpu_threads
 from tidal.core.admission import admit
 from tidal.core.sampling import SamplingParams
@@ -184,12 +185,17 @@ class ClusterLLM:
     def start(self) -> None:
         if self._thread is not None:
             return
-        for i in range(self.layout.instances):
+        n = self.layout.instances
+        t0 = time.perf_counter()
+        where = "worker N engine" if self.cluster.backend != "ray" else "in Ray's logs: log_to_driver is off"
+        startup_line(f"starting {n} instances (their own start-up lines: {where}) ...")
+        for i in range(n):
             self.handles[i] = self.backend.start(self._worker_config(i))
         self._thread = threading.Thread(target=self._io_loop, name="tidal-cluster-io", daemon=True)
         self._thread.start()
         ready = self.wait_ready()
         if ready and self.dead is None:
+            startup_line(f"{n} instances ready in {time.perf_counter() - t0:.1f} s")
             return
         # a worker could not start (_on_worker_death said why), or the time ran out: stop what did
         self.shutdown()

@@ -26,7 +26,8 @@ class ClusterConfig:
     layers_per_chunk: int = 8
     tokens_per_chunk: int = 0
     restart: bool = True
-    start_timeout_s: float = 600.0
+    # more than a worker's longest wait for a kernel build elsewhere (tidal.config.start_wait_s: 600 s) and its own start
+    start_timeout_s: float = 900.0
     kv_pressure: str = "preempt"  # preempt | drop (KunServe: tidal.runtime.pressure)
 
 

@@ -44,6 +44,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from tidal.common.progress import set_startup_label
+
 log = logging.getLogger("tidal.worker")
 CHUNK_BUDGET_S = 0.01  # time a worker spends putting hand-off chunks between two steps
 
@@ -539,6 +541,7 @@ def worker_main(cfg: WorkerConfig) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every stack to stderr
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when workers stop
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s worker {cfg.index} %(levelname)s: %(message)s")
+    set_startup_label(f"worker {cfg.index} engine")  # its start-up lines (kernel build, weights, timings)
     worker = None
     try:
         worker = Worker(cfg)
