@@ -22,11 +22,11 @@ CI checks that it gives the same tokens as the dynamic step.
 
 from __future__ import annotations
 
-import sys
 import time
 
 import torch
 
+from tidal.common.progress import startup_line, startup_phase
 from tidal.core.plan import ScheduledChunk
 from tidal.engine.kv_cache import PagedKVCache
 from tidal.engine.model import AttentionBatch, DecodeGroup, LlamaModel
@@ -178,15 +178,13 @@ class GraphedDecode:
     def capture_all(self) -> float:
         """Capture every size now, largest first (the smaller ones reuse its pool), with a line before and
         after on stderr; returns the seconds it took."""
-        print(f"engine: capturing CUDA graphs of the decode step ({len(self.sizes)} batch sizes, "
-              f"{self.sizes[0]}..{self.sizes[-1]}) ...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         before = torch.cuda.memory_reserved(self.device)
-        for n in reversed(self.sizes):
-            self._capture(n)
-        torch.cuda.synchronize(self.device)
+        with startup_phase(f"capturing CUDA graphs of the decode step ({len(self.sizes)} batch sizes, "
+                           f"{self.sizes[0]}..{self.sizes[-1]})", "CUDA graphs captured"):
+            for n in reversed(self.sizes):
+                self._capture(n)
+            torch.cuda.synchronize(self.device)
         self.pool_bytes = torch.cuda.memory_reserved(self.device) - before
-        took = time.perf_counter() - t0
-        print(f"engine: captured {len(self.sizes)} CUDA graphs in {took:.1f} s "
-              f"({self.pool_bytes / 2**20:.0f} MiB)", file=sys.stderr, flush=True)
-        return took
+        startup_line(f"the CUDA graphs' memory pool: {self.pool_bytes / 2**20:.0f} MiB")
+        return time.perf_counter() - t0
