@@ -1,9 +1,9 @@
 """``tidal reproduce PAPER``: a paper's headline result regenerated, in the simulator, against that
 paper's baselines implemented in tidal (each named after what it stands for).
 
-Papers: ``bucketserve`` (:mod:`tidal.bench.repro_bucketserve`), ``pang``
-(:mod:`tidal.bench.repro_pang`), ``kunserve`` (:mod:`tidal.bench.repro_kunserve`, wrapping ``tidal
-bench sim-kunserve``) and ``dynaserve`` (:mod:`tidal.bench.repro_dynaserve`, wrapping ``tidal bench
+Papers: ``bucketserve`` (:mod:`tidal.experiments.repro_bucketserve`), ``pang``
+(:mod:`tidal.experiments.repro_pang`), ``kunserve`` (:mod:`tidal.experiments.repro_kunserve`, wrapping ``tidal
+bench sim-kunserve``) and ``dynaserve`` (:mod:`tidal.experiments.repro_dynaserve`, wrapping ``tidal bench
 sim-dynaserve``). Each writes to ``--output`` (default ``results/reproduce``):
 ``PAPER.json`` (every number), PNG figures shaped like the paper's (same axes) and ``PAPER.md``,
 the table ``claim | paper | tidal simulated | tidal real | why they differ``. ``--quick`` runs a
@@ -173,7 +173,7 @@ PAPERS: dict[str, Callable[[argparse.Namespace, Progress], Report]] = {}
 
 def _papers() -> dict[str, Callable[[argparse.Namespace, Progress], Report]]:
     if not PAPERS:
-        from tidal.bench import repro_bucketserve, repro_dynaserve, repro_kunserve, repro_pang
+        from tidal.experiments import repro_bucketserve, repro_dynaserve, repro_kunserve, repro_pang
 
         PAPERS["bucketserve"] = repro_bucketserve.reproduce
         PAPERS["pang"] = repro_pang.reproduce

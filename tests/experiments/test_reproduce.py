@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from tidal.bench.repro_bucketserve import BUCKET, DIST, UELLM
-from tidal.bench.reproduce import beats, capacity_from_sweep, write_results_md
 from tidal.cli import main
+from tidal.experiments.repro_bucketserve import BUCKET, DIST, UELLM
+from tidal.experiments.reproduce import beats, capacity_from_sweep, write_results_md
 
 
 def _run(paper: str, out) -> dict:
@@ -50,7 +50,7 @@ def test_bucketserve_real_engine_run_computes_the_padding_and_finishes_everythin
     """The real column's run, small: both systems serve every request to its length on the real
     engine; only the padded static baseline computes padding (a timing direction is not asserted:
     two requests on a shared CPU)."""
-    from tidal.bench.repro_bucketserve import REAL_SYSTEMS, _real, real_offline
+    from tidal.experiments.repro_bucketserve import REAL_SYSTEMS, _real, real_offline
 
     r = real_offline(2, 2, seed=0, progress=lambda msg: None)  # one short and one long request
     static, bucket = (r[name] for name in REAL_SYSTEMS)
@@ -94,7 +94,7 @@ def test_capacity_from_sweep_interpolates_the_crossing():
 
 
 def test_results_md_keeps_other_papers_sections(tmp_path):
-    from tidal.bench.reproduce import Report
+    from tidal.experiments.reproduce import Report
 
     path = str(tmp_path / "results.md")
     write_results_md(path, Report("a", "Paper A", "setup A", True), "")
@@ -106,8 +106,8 @@ def test_results_md_keeps_other_papers_sections(tmp_path):
 
 
 def test_kunserve_quick_reads_its_claims_off_the_bench_run(tmp_path):
-    from tidal.bench.repro_kunserve import DROP, REAL, REAL_BUBBLES
-    from tidal.bench.sim_kunserve import BASELINES
+    from tidal.experiments.repro_kunserve import DROP, REAL, REAL_BUBBLES
+    from tidal.experiments.sim_kunserve import BASELINES
 
     r = _run("kunserve", tmp_path)
     bench = json.loads((tmp_path / "kunserve_sim.json").read_text())  # tidal bench sim-kunserve's own JSON
@@ -126,8 +126,8 @@ def test_kunserve_quick_reads_its_claims_off_the_bench_run(tmp_path):
 
 def test_kunserve_real_cell_reads_the_real_rows():
     """The real column from a real run's rows (the run itself takes minutes: benchmarks/kunserve_serve.py)."""
-    from tidal.bench.kunserve_real import SYSTEMS, RealSetup
-    from tidal.bench.repro_kunserve import DROP, _real_cell
+    from tidal.experiments.kunserve_real import SYSTEMS, RealSetup
+    from tidal.experiments.repro_kunserve import DROP, _real_cell
 
     p99 = {"vLLM (preempt: recompute)": 9000.0, "InferCept-like (preempt: swap)": 800.0, DROP: 1000.0}
     rows = {name: {"ttft_p99_ms": p99.get(name, 2000.0), "goodput_tok_s": 50.0} for name, _ in SYSTEMS.values()}
@@ -139,8 +139,8 @@ def test_kunserve_real_cell_reads_the_real_rows():
 
 
 def test_dynaserve_quick_reads_its_claims_off_the_bench_run(tmp_path):
-    from tidal.bench.repro_dynaserve import REAL
-    from tidal.bench.reproduce import fmt_rate
+    from tidal.experiments.repro_dynaserve import REAL
+    from tidal.experiments.reproduce import fmt_rate
 
     r = _run("dynaserve", tmp_path)
     bench = json.loads((tmp_path / "dynaserve_sim.json").read_text())
@@ -158,8 +158,8 @@ def test_dynaserve_quick_reads_its_claims_off_the_bench_run(tmp_path):
 def test_dynaserve_real_cells_read_the_real_rows():
     """The real column from a real run's rows (the run itself takes minutes: benchmarks/dynaserve_serve.py):
     capacities as searched (a bound when the search hit one), goodput, and the direction of each claim."""
-    from tidal.bench.dynaserve_real import RealSetup
-    from tidal.bench.repro_dynaserve import REAL, REAL_NO_SHAPE, _real_cells
+    from tidal.experiments.dynaserve_real import RealSetup
+    from tidal.experiments.repro_dynaserve import REAL, REAL_NO_SHAPE, _real_cells
 
     st = RealSetup()
 
@@ -184,7 +184,7 @@ def test_dynaserve_real_cells_read_the_real_rows():
 def test_dynaserve_real_column_from_a_recorded_run(tmp_path):
     """--real-json: the rows and setup of a recorded benchmarks/dynaserve_serve.py run; a run that lacks
     a layout of the shape is refused, naming it."""
-    from tidal.bench.repro_dynaserve import _real_cells, _recorded_real
+    from tidal.experiments.repro_dynaserve import _real_cells, _recorded_real
 
     rows = [{"workload": "dynaserve-219-1467", "layout": lay, "lengths": [55, 367], "capacity_rps": cap,
              "goodput_tok_s": good} for lay, cap, good in (("colocate", 4.0, 540.0), ("disaggregate", 1.5, 300.0),
@@ -206,7 +206,7 @@ def test_dynaserve_real_column_from_a_recorded_run(tmp_path):
 def test_dynaserve_real_row_says_why_each_probe_failed(tmp_path, monkeypatch):
     """A real layout's row (from the load client's JSON; the server and client are stood in for):
     its capacity, and per probe how many requests were left unfinished and how the finished did."""
-    from tidal.bench import dynaserve_real as R
+    from tidal.experiments import dynaserve_real as R
 
     def probe(rate, att, done, left):
         return {"rate": rate, "attainment": att, "passed": att >= 0.9,

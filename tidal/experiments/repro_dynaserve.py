@@ -2,13 +2,13 @@
 micro-requests (DynaServe) against colocation with chunked prefill (PD Coloc., its chunk tuned)
 and 1P1D disaggregation (PD Disagg.), two A100-80G instances of Qwen-2.5-14B.
 
-It runs :mod:`tidal.bench.sim_dynaserve` (``tidal bench sim-dynaserve``: capacity = the highest
+It runs :mod:`tidal.experiments.sim_dynaserve` (``tidal bench sim-dynaserve``: capacity = the highest
 Poisson rate at which 99 % of the requests keep their own P99 TBT within 100 ms and the median
 TTFT within 2 s, found by search) and reads the claims off its JSON. The full run takes the
 paper's hybrid workload (Table 2) and Mini Reasoning (Fig. 9) with the bench's own windows and
 search; ``--quick`` Mini Reasoning only, three systems, 40 s windows of at most 200 requests per
 probe, 3 probes. Without ``--quick`` (or with ``--real``) the three layouts also run on 2 real CPU
-instances of the default model (:mod:`tidal.bench.dynaserve_real`), on the shape of each simulated
+instances of the default model (:mod:`tidal.experiments.dynaserve_real`), on the shape of each simulated
 workload that has one; ``--real-json`` reads a recorded run of them instead.
 """
 
@@ -20,8 +20,9 @@ import os
 import tempfile
 from typing import Any
 
-from tidal.bench import sim_dynaserve as D
-from tidal.bench.reproduce import (
+from tidal.common.machine import usable_cores
+from tidal.experiments import sim_dynaserve as D
+from tidal.experiments.reproduce import (
     Claim,
     Progress,
     Report,
@@ -32,7 +33,6 @@ from tidal.bench.reproduce import (
     run_bench,
     runs_real,
 )
-from tidal.common.machine import usable_cores
 
 REAL = ("not run here: Qwen-2.5-14B does not fit this 2-core CPU; the same three layouts on 2 real CPU "
         "instances of the default model run without --quick (or with --real)")
@@ -94,7 +94,7 @@ def reproduce(args: argparse.Namespace, log: Progress) -> Report:
 
 def _run_real(data: dict[str, Any], log: Progress) -> dict[str, Any]:
     """The three layouts on 2 real CPU instances, on the shape of every simulated workload that has one."""
-    from tidal.bench import dynaserve_real as R
+    from tidal.experiments import dynaserve_real as R
 
     setup = R.RealSetup()
     shapes = sorted({REAL_SHAPES[wl] for by_wl in data["results"].values() for wl in by_wl if wl in REAL_SHAPES})
@@ -107,7 +107,7 @@ def _run_real(data: dict[str, Any], log: Progress) -> dict[str, Any]:
 def _recorded_real(path: str) -> dict[str, Any]:
     """The real column from a recorded ``benchmarks/dynaserve_serve.py`` run's JSON (its runs take
     about 7 minutes a layout here): its setup, rows and command, checked for every layout of each shape."""
-    from tidal.bench import dynaserve_real as R
+    from tidal.experiments import dynaserve_real as R
 
     with open(path) as f:
         rec = json.load(f)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tidal.bench import sim_accuracy
 from tidal.cli import main as cli_main
+from tidal.experiments import sim_accuracy
 from tidal.workload import RequestSpec
 
 

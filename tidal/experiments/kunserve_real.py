@@ -1,7 +1,7 @@
 """KunServe on this CPU: 2 real instances with a KV budget small enough to throttle, under bursts.
 
 Each policy for memory pressure is a ``tidal serve --instances 2 --kv-pressure ...`` process of its
-own (:mod:`tidal.bench.server_proc`, one at a time): ``preempt`` with recompute (vLLM), ``preempt``
+own (:mod:`tidal.experiments.server_proc`, one at a time): ``preempt`` with recompute (vLLM), ``preempt``
 with swap (InferCept-like), ``migrate`` (Llumnix-like: running requests move with their KV to the
 instance with room) and ``drop`` (KunServe: the throttled pair drops half of its layers each, runs
 as one pipeline and exchanges KV, Sec. 4). Every run sees the same BurstGPT-shaped requests (Gamma
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from tidal.bench.server_proc import run_client, serve, stop
+from tidal.experiments.server_proc import run_client, serve, stop
 
 SYSTEMS = {
     "preempt": ("vLLM (preempt: recompute)", ["--kv-pressure", "preempt"]),

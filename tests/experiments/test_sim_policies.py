@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from tidal.bench.sim_policies import SCENARIOS
 from tidal.cli import main
+from tidal.experiments.sim_policies import SCENARIOS
 
 
 def _rows(tmp_path, jobs: int) -> dict:

@@ -29,7 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from tidal.bench.reproduce import (
+from tidal.config import SchedulerConfig
+from tidal.experiments.reproduce import (
     Claim,
     Progress,
     Report,
@@ -42,7 +43,6 @@ from tidal.bench.reproduce import (
     runs_real,
     server_rps,
 )
-from tidal.config import SchedulerConfig
 from tidal.metrics import SLO
 from tidal.workload import RequestSpec, gamma_arrivals, lognormal_lengths
 
@@ -90,10 +90,10 @@ def real_offline(n: int, batch: int, seed: int, progress: Progress) -> dict[str,
     """Fig. 5a's claim on the real engine: every request at t = 0, half Alpaca-like (prompts 32-128,
     outputs 16-64) and half long (prompts 512-1024, outputs 32-96), padded static batching that
     computes its padding against bucketed batching, both at max batch ``batch``; output tok/s."""
-    from tidal.bench.policies import Job, run_policy
     from tidal.config import EngineConfig
     from tidal.engine.llm_engine import LLMEngine
     from tidal.engine.loader import load_checkpoint
+    from tidal.experiments.policies import Job, run_policy
     from tidal.metrics import summarize
 
     ckpt = load_checkpoint(None)

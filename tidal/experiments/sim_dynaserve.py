@@ -42,10 +42,10 @@ from typing import Any
 import numpy as np
 
 from tidal import workload as W
-from tidal.bench.parallel import run_all
 from tidal.common import flags as F
 from tidal.common.machine import machine_info, usable_cores
 from tidal.common.results import command_line, write_result
+from tidal.experiments.parallel import run_all
 from tidal.metrics import CapacitySearch, RequestRecord, summarize
 
 PROG = "tidal bench sim-dynaserve"

@@ -2,7 +2,7 @@
 
 For each of the paper's workload shapes (``dynaserve-*`` in ``tidal bench serve``, lengths divided
 by ``scale`` so a 2-core CPU can serve them), each layout is a ``tidal serve --instances 2`` process
-of its own (:mod:`tidal.bench.server_proc`, one at a time, so the runs never share the cores), and
+of its own (:mod:`tidal.experiments.server_proc`, one at a time, so the runs never share the cores), and
 ``tidal bench serve --capacity-search`` finds the highest Poisson rate at which ``target`` of the
 requests meet the SLO: a P99 TBT bound per request (DynaServe Sec. 6), plus a TTFT bound so a queue
 cannot grow without limit. ``benchmarks/dynaserve_serve.py`` prints and draws it; ``tidal reproduce
@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tidal.bench.server_proc import run_client, serve, stop
+from tidal.experiments.server_proc import run_client, serve, stop
 from tidal.workload.requests import SHAPES
 
 # layout key -> (what it stands for in the paper, the cluster flags); every instance one thread

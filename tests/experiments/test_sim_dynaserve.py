@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from tidal.bench import sim_dynaserve as B
 from tidal.cli import main as cli_main
+from tidal.experiments import sim_dynaserve as B
 from tidal.metrics import RequestRecord
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tidal.bench.policies import make_jobs, run_policy
+from tidal.experiments.policies import make_jobs, run_policy
 from tidal.metrics import SLO, summarize
 
 

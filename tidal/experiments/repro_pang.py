@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from tidal.bench.reproduce import Claim, Progress, Report, beats, fmt_rate, run_sim
 from tidal.config import SchedulerConfig
+from tidal.experiments.reproduce import Claim, Progress, Report, beats, fmt_rate, run_sim
 from tidal.metrics import SLO, CapacitySearch
 from tidal.workload import RequestSpec, gamma_arrivals, lognormal_lengths
 

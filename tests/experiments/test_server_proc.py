@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.server.conftest import _process_tree
-from tidal.bench.server_proc import serve, stop
+from tidal.experiments.server_proc import serve, stop
 
 
 def _alive(pid: int) -> bool:
@@ -58,7 +58,7 @@ def test_a_server_dies_with_the_experiment_that_started_it(tmp_path):
     import subprocess
     import sys
 
-    script = ("import sys, time\nfrom tidal.bench.server_proc import serve\n"
+    script = ("import sys, time\nfrom tidal.experiments.server_proc import serve\n"
               "proc, url, log = serve(['--max-num-seqs', '2'], ['--kv-cache-memory', '16MiB'])\n"
               "print(proc.pid, log, flush=True)\ntime.sleep(600)\n")
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)

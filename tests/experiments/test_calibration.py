@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from tidal.bench.calibration import UNCALIBRATED, errors, fit, summary, uncalibrated
 from tidal.cli import main
+from tidal.experiments.calibration import UNCALIBRATED, errors, fit, summary, uncalibrated
 from tidal.sim.hardware import get_hardware
 from tidal.sim.reference import A100_POINTS
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from tidal.bench.parallel import run_all
+from tidal.experiments.parallel import run_all
 
 
 def _square_and_pid(x: int, y: int = 0) -> tuple[int, int]:

@@ -2,7 +2,7 @@
 against vLLM's recompute preemption, InferCept-like swapping and Llumnix-like migration under
 bursty memory pressure; and the lookahead microbatches' effect on pipeline bubbles.
 
-It runs :mod:`tidal.bench.sim_kunserve` (``tidal bench sim-kunserve``: Qwen-2.5-14B on 8 x
+It runs :mod:`tidal.experiments.sim_kunserve` (``tidal bench sim-kunserve``: Qwen-2.5-14B on 8 x
 A800-80G, 200 Gbps RDMA, Llumnix-style KV-aware dispatch, Gamma bursts per 20 s window, each
 dataset's mean rate calibrated so that vLLM's average KV demand is about 50 %) and reads the
 claims off its JSON. ``--quick``: LongBench-like lengths only, 60 s of arrivals at a fixed
@@ -16,9 +16,9 @@ import os
 import tempfile
 from typing import Any
 
-from tidal.bench import sim_kunserve as K
-from tidal.bench.reproduce import Claim, Progress, Report, beats, fmt_ratio, run_bench, runs_real
 from tidal.common.machine import usable_cores
+from tidal.experiments import sim_kunserve as K
+from tidal.experiments.reproduce import Claim, Progress, Report, beats, fmt_ratio, run_bench, runs_real
 
 REAL = ("not run here: the paper's model (14B) does not fit this 2-core CPU; the same policies on 2 real "
         "CPU instances of the default model run without --quick (or with --real)")
@@ -56,7 +56,7 @@ def reproduce(args: argparse.Namespace, log: Progress) -> Report:
         f"`tidal bench sim-kunserve` (its JSON: `kunserve_sim.json`).",
         args.quick, data=_slim(data), figures=[os.path.basename(p) for p in data.get("plots", [])])
     if runs_real(args):
-        from tidal.bench import kunserve_real
+        from tidal.experiments import kunserve_real
 
         setup = kunserve_real.RealSetup()
         with tempfile.TemporaryDirectory(prefix="tidal-kunserve-real-") as tmp:  # each run's records: not kept

@@ -6,8 +6,8 @@ import json
 
 import numpy as np
 
-from tidal.bench import sim_kunserve as K
 from tidal.cli import build_parser
+from tidal.experiments import sim_kunserve as K
 
 
 def test_bursty_arrivals_keep_the_mean_rate_and_burst_per_window():

@@ -25,11 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from tidal.bench.parallel import run_all
 from tidal.common import flags as F
 from tidal.common.machine import machine_info, usable_cores
 from tidal.common.progress import progress_bar
 from tidal.common.results import command_line, write_result
+from tidal.experiments.parallel import run_all
 from tidal.metrics import SLO, CapacitySearch, summarize
 from tidal.workload import RequestSpec, gamma_arrivals, lognormal_lengths, specs_at_rate
 
