@@ -152,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command", required=True)
     from tidal.bench import kv_transfer, offline, soak
+    from tidal.bench import report as bench_report
     from tidal.bench import serve as bench_serve
     from tidal.experiments import (
         calibration,
@@ -173,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     kv_transfer.add_parser(bsub)
     calibration.add_parser(bsub)
     soak.add_parser(bsub)
+    bench_report.add_parser(bsub)
 
     reproduce.add_parser(sub)
     from tidal.sim import run as sim_run
