@@ -76,3 +76,11 @@ def test_readme_is_short_and_starts_with_the_two_commands():
     first = shell_lines(text)[:2]
     assert first == ["make serve", "make test"]
     assert "make test" in (REPO / ".ci" / "run").read_text()
+
+
+def test_the_files_the_readme_names_exist():
+    text = (REPO / "README.md").read_text()
+    paths = set(re.findall(r"`([A-Za-z_][\w./-]*/[\w.-]+\.(?:py|json|yml|md|cpp|h))`", text))
+    assert "deploy/grafana/tidal.json" in paths
+    for p in paths:
+        assert (REPO / p).exists(), f"README.md names {p}, which is not in the repository"
