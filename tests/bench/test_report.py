@@ -169,3 +169,9 @@ def test_run_stamp_names_the_date_and_the_commit():
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
     if head.returncode == 0:  # a git checkout: the commit is HEAD's
         assert head.stdout.startswith(stamp["tidal"]["commit"]) and isinstance(stamp["tidal"]["dirty"], bool)
+
+
+def test_a_failed_system_is_a_cell_that_keeps_the_table():
+    assert R._cell({"status": "failed", "reason": "RuntimeError: a|b"}) == "failed: RuntimeError: a/b"
+    assert R._cell(None) == "-"
+    assert R._cell({"status": "ok", "output_tok_s": 10.0, "wall_s": 2.5}) == "10.0 (2.50 s)"

@@ -176,7 +176,7 @@ def _fmt(x: float | None, spec: str = ".1f") -> str:
 
 def _cell(row: dict[str, Any] | None) -> str:
     if not row or row.get("status") not in ("ok", "wrong_length"):
-        return "-" if not row else f"failed: {row.get('reason', '')}"
+        return "-" if not row else "failed: " + str(row.get("reason", "")).replace("|", "/")[:80]
     out = _fmt(row.get("output_tok_s"))
     if row.get("wall_s") is not None:
         out += f" ({row['wall_s']:.2f} s)"
