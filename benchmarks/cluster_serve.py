@@ -17,9 +17,9 @@ import os
 import subprocess
 import sys
 
-from tidal.bench.server_proc import serve, stop
 from tidal.common.machine import describe, machine_info
 from tidal.common.results import write_json
+from tidal.experiments.server_proc import serve, stop
 
 LAYOUTS = {
     "1 instance (2 threads)": ["--instances", "1", "--num-threads", "2"],

@@ -5,7 +5,7 @@ by ``--scale`` so a 2-core CPU can serve them), each layout is a ``tidal serve``
 (started, measured and stopped by its pid, one at a time, so the runs never share the cores), and
 ``tidal bench serve --capacity-search`` finds the highest Poisson rate at which ``--target`` of the
 requests meet the SLO (a P99 TBT bound per request, DynaServe Sec. 6, plus a TTFT bound so queues
-cannot grow without limit). The runs are :mod:`tidal.bench.dynaserve_real` (``tidal reproduce
+cannot grow without limit). The runs are :mod:`tidal.experiments.dynaserve_real` (``tidal reproduce
 dynaserve`` uses them for its real column). Prints a table (capacity, goodput, TBT and TTFT at
 capacity, splits), writes one JSON and a PNG. Usage::
 
@@ -19,10 +19,10 @@ import argparse
 import os
 import sys
 
-from tidal.bench.dynaserve_real import LAYOUTS, RealSetup, run
 from tidal.common.machine import describe, machine_info
 from tidal.common.plots import pyplot, save_figure
 from tidal.common.results import write_json
+from tidal.experiments.dynaserve_real import LAYOUTS, RealSetup, run
 
 
 def main() -> int:

@@ -20,10 +20,10 @@ import argparse
 import os
 import sys
 
-from tidal.bench.kunserve_real import SYSTEMS, RealSetup, run
 from tidal.common.machine import describe, machine_info
 from tidal.common.plots import pyplot, save_figure
 from tidal.common.results import write_json
+from tidal.experiments.kunserve_real import SYSTEMS, RealSetup, run
 
 
 def main() -> int:

@@ -151,9 +151,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command", required=True)
-    from tidal.bench import offline, sim_accuracy, sim_dynaserve, sim_policies
-    from tidal.bench import policies as bench_policies
+    from tidal.bench import kv_transfer, offline, soak
+    from tidal.bench import report as bench_report
     from tidal.bench import serve as bench_serve
+    from tidal.experiments import (
+        calibration,
+        reproduce,
+        sim_accuracy,
+        sim_dynaserve,
+        sim_kunserve,
+        sim_policies,
+    )
+    from tidal.experiments import policies as bench_policies
 
     offline.add_parser(bsub)
     bench_serve.add_parser(bsub)
@@ -161,19 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
     sim_accuracy.add_parser(bsub)
     sim_policies.add_parser(bsub)
     sim_dynaserve.add_parser(bsub)
-    from tidal.bench import sim_kunserve
-
     sim_kunserve.add_parser(bsub)
-    from tidal.bench import kv_transfer
     kv_transfer.add_parser(bsub)
-    from tidal.bench import calibration
-
     calibration.add_parser(bsub)
-    from tidal.bench import soak
-
     soak.add_parser(bsub)
-
-    from tidal.bench import reproduce
+    bench_report.add_parser(bsub)
 
     reproduce.add_parser(sub)
     from tidal.sim import run as sim_run

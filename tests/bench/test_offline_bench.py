@@ -190,6 +190,17 @@ def test_tiny_run_tidal_vs_hf(tmp_path, monkeypatch, reuse_smol_tokenizer, reuse
     assert w["results"]["hf"]["greedy_match_requests"] == 2
     assert "workload b" in res.text and "tidal/hf" in res.text
 
+    # the report drops into benchmarks/results/ as it is: `tidal bench report` renders it
+    from tidal.bench import report
+
+    assert rep["date"][:2] == "20" and rep["tidal"]["version"]
+    runs = report.load_runs(str(tmp_path / "res"))
+    assert [r.kind for r in runs] == ["offline"]
+    page = report.render_page(runs)
+    assert f"`{rep['command']}`" in page and f"#### {rep['date']}: tidal bench offline" in page
+    assert "| (b) batch of 2, prompts of 128 tokens, 8 output tokens each |" in page
+    assert f"**{w['ratios']['tidal_over_best_peer']:.2f}x** transformers" in page
+
 
 def _offline_args(*argv: str):
     from tidal.cli import build_parser

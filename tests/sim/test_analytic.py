@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from tidal.bench.calibration import uncalibrated
 from tidal.config import DEFAULT_CPU_KV_MEMORY, ConfigError, ModelArch
 from tidal.core.plan import BatchComposition, ScheduledChunk, StepPlan
 from tidal.core.sampling import SamplingParams
+from tidal.experiments.calibration import uncalibrated
 from tidal.sim.analytic import AnalyticCostModel, kv_pool_blocks_for, weight_bytes
 from tidal.sim.hardware import HARDWARE, HardwareSpec, get_hardware
 from tidal.sim.models import MODELS, get_model

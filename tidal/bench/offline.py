@@ -70,7 +70,7 @@ from tidal.bench.offline_systems import (  # noqa: F401  (re-exported for tests 
 from tidal.common import flags as F
 from tidal.common.machine import load_average
 from tidal.common.progress import progress_lines
-from tidal.common.results import command_line, write_json
+from tidal.common.results import command_line, run_stamp, write_json
 
 CPU_DTYPES = ("bfloat16", "float32")  # what the CPU runs; --dtype auto resolves to one of them
 
@@ -184,6 +184,7 @@ def run_benchmark(opts: BenchOptions) -> BenchResult:
     command = opts.command or command_line("tidal bench offline")
     report: dict[str, Any] = {
         "command": command,
+        **run_stamp(),  # date, tidal's version and commit (the performance page reads them)
         "machine": {**machine_info(threads, opts.dtype), "device": _device_name(opts.device)},
         "model": {"path": ckpt.path, "format": ckpt.format, "name": arch.name, "architecture": arch.architecture,
                   "num_params": arch.num_params(), "linear_params": linear_params(arch),

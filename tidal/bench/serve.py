@@ -4,7 +4,7 @@ Works against any OpenAI-compatible server (tidal, vLLM, llama.cpp). It builds a
 (:mod:`tidal.workload`), sends it with the streaming client (:mod:`tidal.bench.client`) and
 summarizes the records with the shared metric definitions (:mod:`tidal.metrics`), then writes
 a JSON report (summary, config, machine, command, per-request records) and PNG plots
-(:mod:`tidal.bench.plots`) and prints a summary table.
+(:mod:`tidal.common.plots`) and prints a summary table.
 
 With ``--capacity-search`` it finds the highest request rate whose SLO attainment is at least
 ``--target-attainment``: every probe replays the same requests (same lengths and prompts, same

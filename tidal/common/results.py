@@ -7,8 +7,10 @@ import json
 import math
 import os
 import shlex
+import subprocess
 import sys
 from collections.abc import Callable
+from datetime import datetime, timezone
 from typing import Any, TypeVar
 
 Plotter = Callable[[dict[str, Any], str], list[str]]
@@ -81,6 +83,28 @@ def command_line(prog: str, argv: list[str] | None = None) -> str:
     return shlex.join([*prog.split(), *tail])
 
 
+def run_stamp() -> dict[str, Any]:
+    """When a result was measured and by which tidal: ``{"date": ISO UTC, "tidal": {"version", "commit",
+    "dirty"}}`` (commit and dirty only in a git checkout), stamped on the results the performance page
+    reads (``tidal bench report``)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        info: dict[str, Any] = {"version": version("tidal")}
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        info = {"version": None}
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the tidal package
+    try:
+        commit = subprocess.run(["git", "-C", here, "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                                text=True, timeout=10, check=True).stdout.strip()
+        status = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True, timeout=10, check=True).stdout
+        info.update(commit=commit, dirty=bool(status.strip()))
+    except (OSError, subprocess.SubprocessError):
+        pass  # not a git checkout (an installed wheel), or no git
+    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "tidal": info}
+
+
 def load_eq1(path: str) -> tuple[float, float, float]:
     """(alpha, beta, gamma) of the profile at ``path`` (written by ``tidal profile``); ValueError
     (one line) when the file is not one or has no Eq. 1 fit."""
@@ -95,4 +119,4 @@ def load_eq1(path: str) -> tuple[float, float, float]:
     return float(eq1["alpha"]), float(eq1["beta"]), float(eq1["gamma"])
 
 
-__all__ = ["Plotter", "command_line", "jsonable", "load_eq1", "write_json", "write_result"]
+__all__ = ["Plotter", "command_line", "jsonable", "load_eq1", "run_stamp", "write_json", "write_result"]

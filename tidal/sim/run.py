@@ -23,7 +23,7 @@ from tidal.cluster.split import SplitParams
 from tidal.common import flags as F
 from tidal.common.machine import machine_info
 from tidal.common.progress import progress_bar
-from tidal.common.results import command_line, run_command, write_result
+from tidal.common.results import command_line, run_command, run_stamp, write_result
 from tidal.config import ConfigError
 from tidal.sim.build import (
     COST_MODELS,
@@ -289,6 +289,7 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
         result["capacity_search"] = search_report
     result["machine"] = machine_info()
     result["command"] = command_line(PROG)
+    result.update(run_stamp())  # date and tidal's commit: `tidal bench report` reads them
     return result
 
 

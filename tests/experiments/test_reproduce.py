@@ -1,0 +1,231 @@
+"""``tidal reproduce PAPER --quick``: each paper's quick run, end to end through the CLI, and the
+direction of each claim (who beats whom) read from the numbers the run wrote."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tidal.cli import main
+from tidal.experiments.repro_bucketserve import BUCKET, DIST, UELLM
+from tidal.experiments.reproduce import beats, capacity_from_sweep, write_results_md
+
+
+def _run(paper: str, out) -> dict:
+    assert main(["reproduce", paper, "--quick", "--output", str(out), "--no-progress",
+                 "--results-md", str(out / "results.md")]) == 0
+    report = json.loads((out / f"{paper}.json").read_text())
+    md = (out / f"{paper}.md").read_text()
+    assert "| claim | paper | tidal simulated | tidal real | why they differ |" in md
+    assert len(report["claims"]) >= 3 and all(c["why"] and c["paper"] for c in report["claims"])
+    for f in report["figures"]:
+        assert (out / f).stat().st_size > 1000 and f in (out / "results.md").read_text()
+    return report
+
+
+def test_bucketserve_quick_directions(tmp_path):
+    r = _run("bucketserve", tmp_path)
+    off = {name: {p["max_batch"]: p["tok_s"] for p in pts} for name, pts in r["data"]["offline"].items()}
+    for b in off[UELLM]:
+        # Fig. 5a: BucketServe over the UELLM-like padded static batch at every max batch size
+        assert off[BUCKET][b] > 1.5 * off[UELLM][b]
+        # tidal does not reproduce the 1.31x over DistServe (no padding to save on unpadded kernels):
+        # BucketServe is at least not worse than DistServe-like
+        assert off[BUCKET][b] >= 0.95 * off[DIST][b]
+    on = r["data"]["online"]["mixed"]
+    # Fig. 5d: capacity at 80 % attainment on Mixed, BucketServe above UELLM-like
+    assert on[BUCKET]["capacity_server_rps"] > on[UELLM]["capacity_server_rps"]
+    # attainment falls as the rate grows (Fig. 5c-d's shape)
+    for name in on:
+        att = [p["attainment"] for p in on[name]["points"]]
+        assert att[0] > att[-1]
+    claims = {c["claim"]: c for c in r["claims"]}
+    assert claims["offline throughput: BucketServe over UELLM (Fig. 5a, high load)"]["holds"]
+    assert "real_offline" not in r["data"] and "--real runs it" in \
+        claims["offline throughput: BucketServe over UELLM (Fig. 5a, high load)"]["real"]
+
+
+def test_bucketserve_real_engine_run_computes_the_padding_and_finishes_everything():
+    """The real column's run, small: both systems serve every request to its length on the real
+    engine; only the padded static baseline computes padding (a timing direction is not asserted:
+    two requests on a shared CPU)."""
+    from tidal.experiments.repro_bucketserve import REAL_SYSTEMS, _real, real_offline
+
+    r = real_offline(2, 2, seed=0, progress=lambda msg: None)  # one short and one long request
+    static, bucket = (r[name] for name in REAL_SYSTEMS)
+    assert static["padded_tokens_computed"] > 0 and bucket["padded_tokens_computed"] == 0
+    assert static["tok_s"] > 0 and bucket["tok_s"] > 0 and static["steps"] > 0 and bucket["steps"] > 0
+    cell = _real({"real_offline": r})
+    assert f"{static['padded_tokens_computed']} padding tokens" in cell and "2 mixed requests, max batch 2" in cell
+
+
+def test_pang_quick_directions(tmp_path):
+    r = _run("pang", tmp_path)
+    t1 = {t["row"]["model"]: t["results"] for t in r["data"]["table_i"]}
+    static, dyn = "vLLM fixed cap 256", "memory (B_max 1024)"
+    # LLaMA-65B (multi-head KV): memory lowers the cap below the static 256 where the KV pool binds
+    assert t1["llama-65b"][dyn]["b_mem"] < 256
+    # LLaMA3-70B (grouped-query KV): B_max above the static cap is used. Table I's throughput gain
+    # itself is not asserted: tidal's simulated gain is within a few % either way (see the table)
+    assert t1["llama-3-70b"][dyn]["b_mem"] > 256
+    for row in t1.values():
+        assert row[dyn]["tok_s"] > 0.9 * row[static]["tok_s"]
+    # Table II: SLA-constrained dynamic batching serves a higher rate than the fixed cap
+    t2 = r["data"]["table_ii"][0]
+    caps = {k: v["capacity_qps"] for k, v in t2["results"].items()}
+    assert caps["sla"] > caps[static] and caps["memory+sla"] > caps[static]
+    # ... and in the quick run's row (300 requests, at its capacity of ~3 req/s) Eq. 12 does not bind
+    # under the calibrated A100 model (issue 14): the SLA controller keeps fewer LLaMA-65B decodes
+    # (b_SLA 79) than the KV pool holds (b_mem 97), so b* = b_SLA and memory+sla runs as sla does
+    # (with the plain roofline b_SLA was above b_mem there)
+    same = t2["same_rate"]
+    assert same["memory+sla"]["b_sla"] < same["memory+sla"]["b_mem"]
+    assert same["memory+sla"]["tok_s"] == pytest.approx(same["sla"]["tok_s"])
+
+
+def test_capacity_from_sweep_interpolates_the_crossing():
+    # 100 % at 1, 90 % at 2, 50 % at 3: 80 % is crossed a quarter of the way from 2 to 3
+    assert capacity_from_sweep([(1, 1.0), (2, 0.9), (3, 0.5)], 0.8) == pytest.approx(2.25)
+    assert capacity_from_sweep([(1, 0.5)], 0.8) is None
+    assert capacity_from_sweep([(1, 1.0), (2, 0.95)], 0.8) == 2
+    # "beats" needs more than a 2 % margin, so a tie read off a sweep is not a win
+    assert beats(1.03, 1.0) and not beats(1.01, 1.0) and not beats(None, 1.0) and beats(0.1, None)
+
+
+def test_results_md_keeps_other_papers_sections(tmp_path):
+    from tidal.experiments.reproduce import Report
+
+    path = str(tmp_path / "results.md")
+    write_results_md(path, Report("a", "Paper A", "setup A", True), "")
+    write_results_md(path, Report("b", "Paper B", "setup B", True), "")
+    write_results_md(path, Report("a", "Paper A again", "setup A2", True), "")
+    text = (tmp_path / "results.md").read_text()
+    assert "Paper A again" in text and "Paper B" in text and "setup A\n" not in text
+    assert text.index("Paper A again") < text.index("Paper B")
+
+
+def test_kunserve_quick_reads_its_claims_off_the_bench_run(tmp_path):
+    from tidal.experiments.repro_kunserve import DROP, REAL, REAL_BUBBLES
+    from tidal.experiments.sim_kunserve import BASELINES
+
+    r = _run("kunserve", tmp_path)
+    bench = json.loads((tmp_path / "kunserve_sim.json").read_text())  # tidal bench sim-kunserve's own JSON
+    d = bench["datasets"]["longbench"]
+    assert r["data"]["datasets"]["longbench"]["p99_ttft_gain_over"] == d["p99_ttft_gain_over"]
+    claims = r["claims"]
+    assert len(claims) == len(BASELINES) + 1 and "real" not in r["data"]  # --quick: no real run
+    assert [c["real"] for c in claims] == [REAL] * len(BASELINES) + [REAL_BUBBLES]
+    drop_p99 = d["systems"][DROP]["ttft_ms"]["p99"]
+    for c, base in zip(claims, BASELINES, strict=False):
+        p99 = d["systems"][base]["ttft_ms"]["p99"]
+        assert f"{drop_p99:,.0f} ms vs {p99:,.0f} ms" in c["simulated"]  # the numbers the run wrote
+        assert c["holds"] == beats(p99, drop_p99)
+    assert "kunserve_sim.png" in r["figures"]
+
+
+def test_kunserve_real_cell_reads_the_real_rows():
+    """The real column from a real run's rows (the run itself takes minutes: benchmarks/kunserve_serve.py)."""
+    from tidal.experiments.kunserve_real import SYSTEMS, RealSetup
+    from tidal.experiments.repro_kunserve import DROP, _real_cell
+
+    p99 = {"vLLM (preempt: recompute)": 9000.0, "InferCept-like (preempt: swap)": 800.0, DROP: 1000.0}
+    rows = {name: {"ttft_p99_ms": p99.get(name, 2000.0), "goodput_tok_s": 50.0} for name, _ in SYSTEMS.values()}
+    real = {"setup": RealSetup().__dict__, "rows": rows}
+    cell = _real_cell(real, "vLLM (preempt: recompute)")
+    assert "1,000 ms vs 9,000 ms: 9.00x lower" in cell and cell.endswith("(direction holds: yes)")
+    assert _real_cell(real, "InferCept-like (preempt: swap)").endswith("(direction holds: **no**)")
+    assert "48 burstgpt-shaped requests at 1.5 req/s" in cell
+
+
+def test_dynaserve_quick_reads_its_claims_off_the_bench_run(tmp_path):
+    from tidal.experiments.repro_dynaserve import REAL
+    from tidal.experiments.reproduce import fmt_rate
+
+    r = _run("dynaserve", tmp_path)
+    bench = json.loads((tmp_path / "dynaserve_sim.json").read_text())
+    rows = bench["results"]["qwen-2.5-14b"]["mini-reasoning"]["systems"]
+    assert set(rows) == {"coloc-512", "disagg", "dynaserve"}
+    cap = {k: v["capacity_rps"] for k, v in rows.items()}
+    coloc, disagg = r["claims"][0], r["claims"][1]
+    assert coloc["simulated"].startswith(f"{fmt_rate(cap['dynaserve'])} vs {fmt_rate(cap['coloc-512'])} rps")
+    assert disagg["simulated"].startswith(f"{fmt_rate(cap['dynaserve'])} vs {fmt_rate(cap['disagg'])} rps")
+    assert coloc["holds"] == beats(cap["dynaserve"], cap["coloc-512"])
+    assert all(c["real"] == REAL for c in r["claims"])
+    assert r["data"]["results"]["qwen-2.5-14b"]["mini-reasoning"]["systems"]["disagg"]["capacity_rps"] == cap["disagg"]
+
+
+def test_dynaserve_real_cells_read_the_real_rows():
+    """The real column from a real run's rows (the run itself takes minutes: benchmarks/dynaserve_serve.py):
+    capacities as searched (a bound when the search hit one), goodput, and the direction of each claim."""
+    from tidal.experiments.dynaserve_real import RealSetup
+    from tidal.experiments.repro_dynaserve import REAL, REAL_NO_SHAPE, _real_cells
+
+    st = RealSetup()
+
+    def row(layout, cap, good):
+        return {"workload": "dynaserve-219-1467", "layout": layout, "lengths": [55, 367], "capacity_rps": cap,
+                "goodput_tok_s": good}
+
+    real = {"setup": st.__dict__, "rows": [row("colocate", 0.5, 150.0), row("disaggregate", None, 20.0),
+                                           row("split", st.search_high, 160.0)]}
+    vs_coloc, vs_disagg, good = _real_cells(real, "mini-reasoning")
+    assert vs_coloc.startswith(f">= {st.search_high:.2f} vs 0.50 rps: {st.search_high / 0.5:.2f}x")
+    assert vs_coloc.endswith("(direction holds: yes)") and "dynaserve-219-1467 at 55/367 tokens" in vs_coloc
+    assert vs_disagg.startswith(f">= {st.search_high:.2f} vs < {st.search_low:g} rps: n/a")
+    assert vs_disagg.endswith("(direction holds: yes)")  # none passed for 1P1D: any capacity beats it
+    assert good.startswith("160 vs 150 (PD Coloc.) and 20 tok/s") and good.endswith("(direction holds: yes)")
+    real["rows"][0]["goodput_tok_s"] = 158.0  # within the 2 % margin: no win
+    assert _real_cells(real, "mini-reasoning")[2].endswith("(direction holds: **no**)")
+    assert _real_cells(real, "hybrid") == (REAL_NO_SHAPE,) * 3
+    assert _real_cells(None, "mini-reasoning") == (REAL,) * 3
+
+
+def test_dynaserve_real_column_from_a_recorded_run(tmp_path):
+    """--real-json: the rows and setup of a recorded benchmarks/dynaserve_serve.py run; a run that lacks
+    a layout of the shape is refused, naming it."""
+    from tidal.experiments.repro_dynaserve import _real_cells, _recorded_real
+
+    rows = [{"workload": "dynaserve-219-1467", "layout": lay, "lengths": [55, 367], "capacity_rps": cap,
+             "goodput_tok_s": good} for lay, cap, good in (("colocate", 4.0, 540.0), ("disaggregate", 1.5, 300.0),
+                                                           ("split", 3.0, 500.0))]
+    path = tmp_path / "real.json"
+    path.write_text(json.dumps({"command": "benchmarks/dynaserve_serve.py --search-high 8", "rows": rows,
+                                "args": {"search_high": 8.0, "duration": 20.0, "output": "x.json"}}))
+    real = _recorded_real(str(path))
+    assert real["setup"]["search_high"] == 8.0 and real["setup"]["duration"] == 20.0 and "output" not in real["setup"]
+    vs_coloc, vs_disagg, good = _real_cells(real, "mini-reasoning")
+    assert vs_coloc.startswith("3.00 vs 4.00 rps: 0.75x") and vs_coloc.endswith("(direction holds: **no**)")
+    assert vs_disagg.startswith("3.00 vs 1.50 rps: 2.00x") and "20 s Poisson probes" in vs_disagg
+    assert good.endswith("(direction holds: **no**)")
+    path.write_text(json.dumps({"command": "x", "rows": rows[:2], "args": {}}))
+    with pytest.raises(ValueError, match="lacks the layouts \\['split'\\]"):
+        _recorded_real(str(path))
+
+
+def test_dynaserve_real_row_says_why_each_probe_failed(tmp_path, monkeypatch):
+    """A real layout's row (from the load client's JSON; the server and client are stood in for):
+    its capacity, and per probe how many requests were left unfinished and how the finished did."""
+    from tidal.experiments import dynaserve_real as R
+
+    def probe(rate, att, done, left):
+        return {"rate": rate, "attainment": att, "passed": att >= 0.9,
+                "summary": {"completed": done, "failed": left, "slo_attainment_by_metric": {"tbt": att}}}
+
+    out = tmp_path / "run.json"
+    out.write_text(json.dumps({
+        "capacity_search": {"capacity_rps": 1.5, "note": "stopped after 2 probes",
+                            "probes": [probe(1.5, 1.0, 40, 0), probe(3.0, 0.5, 45, 45)]},
+        "requests": [{"placement": {"whole_on": None, "kv_bytes": 2e6}}, {"placement": {"whole_on": 0, "kv_bytes": 0}}],
+        "goodput": {"output_throughput": 200.0}, "slo_attainment": 1.0, "itl_ms": {"p99": 120.0},
+        "ttft_ms": {"p50": 80.0, "p99": 300.0}}))
+    log = tmp_path / "server.log"
+    log.write_text("")
+    monkeypatch.setattr(R, "serve", lambda flags, engine: (None, "http://127.0.0.1:1", str(log)))
+    monkeypatch.setattr(R, "run_client", lambda cmd: None)
+    monkeypatch.setattr(R, "stop", lambda proc: None)
+    row = R.run_layout("dynaserve-219-1467", "split", R.RealSetup(), str(out), log=lambda m: None)
+    assert row["capacity_rps"] == 1.5 and row["system"] == "DynaServe (split)" and row["lengths"] == [55, 367]
+    assert row["probe_failures"][1] == {"rate": 3.0, "unfinished": 45, "finished": 45, "by_metric": {"tbt": 0.5}}
+    assert row["split_fraction"] == 0.5 and row["kv_mb_per_request"] == 1.0
+    assert not log.exists()  # the server's log is removed once the run is read

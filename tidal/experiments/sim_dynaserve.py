@@ -1,0 +1,332 @@
+"""``tidal bench sim-dynaserve``: DynaServe's evaluation (Sec. 6) in the simulator.
+
+The paper's setup (Sec. 6.1): Qwen-2.5-14B with one A100-80G per instance, Qwen-2.5-32B with two
+(tensor parallel); two instances in all three systems: **PD Coloc.** (both colocated, chunked
+prefill; the paper tunes the chunk between 256 and 2048, here 256, 512 and 2048 and the best
+one counts), **PD Disagg.** (1 prefill + 1 decode instance) and **DynaServe** (one alpha/beta pair,
+``--mode split``, SLO-aware local batching ``slo-compose``, Alg. 2). ``coloc-slo`` (colocated with
+``slo-compose``) separates DynaServe's local scheduler from its splits. ``dynaserve`` streams each request's KV from its
+first chunk (Sec. 4.3), so beta holds a copy of what alpha still attends to for all of alpha's
+decoding; ``dynaserve-lead`` starts 64 tokens before the split point (on NVLink the whole KV of a
+split moves in about a millisecond); ``dynaserve-kv`` (not run by default) adds our KV-aware
+execution predictor (``--split-kv-aware``). ``slo-compose`` runs as
+DynaServe describes it: its table starts from an offline profile (the cost model on a grid) and is
+refined with every step; it aims at 80 % of the SLO (the table predicts means), and less by what
+its decodes have already waited (``catch_up``: a hand-off that landed mid-step). Poisson arrivals (Sec. 6.1);
+workloads: BurstGPT, Azure Code, arXiv summarization, Mini Reasoning (Fig. 9) and the hybrid of
+BurstGPT and Azure Code half and half (Table 2).
+
+**Serving capacity** (Sec. 6.3, "following the definition used in Sarathi Serve"): the highest
+rate at which at most 1 % of the requests violate the 100 ms TBT SLO ("allowing only 1% of
+requests to violate the TBT SLO") while the system keeps up; a gap over 10 x the SLO (a stall the
+percentile of a long output would hide) also fails a request. Each probe offers ``--window`` seconds
+of Poisson arrivals (at most ``--num-requests``), long enough for queues to form once the
+instances' seats are full (a short burst fits in them and never queues). A request meets the SLO when the
+99th percentile of its own gaps between tokens is at most ``--tbt-slo-ms`` (and it succeeded); the
+system keeps up when the median TTFT is at most ``--ttft-p50-ms`` (2 s: Sarathi-Serve's "median
+scheduling delay" bound), so a saturated prefill instance does not pass on its decodes alone
+while its queue grows. A probe that does not keep up counts as attainment 0 for
+:class:`tidal.metrics.CapacitySearch`. **Goodput**: output tokens per second of the requests that
+met the TBT SLO, at the capacity and the highest over the rates that kept up (Fig. 8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tidal import workload as W
+from tidal.common import flags as F
+from tidal.common.machine import machine_info, usable_cores
+from tidal.common.results import command_line, write_result
+from tidal.experiments.parallel import run_all
+from tidal.metrics import CapacitySearch, RequestRecord, summarize
+
+PROG = "tidal bench sim-dynaserve"
+MODELS = {"qwen-2.5-14b": 1, "qwen-2.5-32b": 2}  # tensor parallel per instance (Sec. 6.1)
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "burstgpt": {"workload": "burstgpt", "burstiness": 1.0},  # the shape, Poisson arrivals
+    "azure-code": {"workload": "azure-code"},
+    "arxiv": {"workload": "arxiv-lengths", "max_input_len": 16384},
+    "mini-reasoning": {"workload": "dynaserve-219-1467"},  # Sec. 2.4's shape of Mini Reasoning
+    "hybrid": {"workload": "mix:burstgpt=0.5,azure-code=0.5"},  # Table 2
+}
+
+
+@dataclass(frozen=True)
+class System:
+    mode: str
+    batching: str
+    chunk: int  # max_num_batched_tokens
+    kv_aware: bool = False  # split: the planner's predictor obeys the KV pool (our addition)
+    stream_lead: int | None = None  # split: push KV only from this many tokens before s (None: Sec. 4.3)
+
+
+SYSTEMS = {
+    "coloc-256": System("colocate", "continuous", 256),
+    "coloc-512": System("colocate", "continuous", 512),
+    "coloc-2048": System("colocate", "continuous", 2048),
+    "coloc-slo": System("colocate", "slo-compose", 2048),
+    "disagg": System("disaggregate", "continuous", 2048),
+    "dynaserve": System("split", "slo-compose", 2048),
+    "dynaserve-lead": System("split", "slo-compose", 2048, stream_lead=64),
+    "dynaserve-kv": System("split", "slo-compose", 2048, kv_aware=True, stream_lead=64),
+}
+DEFAULT_SYSTEMS = ("coloc-256", "coloc-512", "coloc-2048", "coloc-slo", "disagg", "dynaserve", "dynaserve-lead")
+COLOC = ("coloc-256", "coloc-512", "coloc-2048")  # PD Coloc. is the better of its tuned chunks
+DYNA = ("dynaserve", "dynaserve-lead", "dynaserve-kv")
+PAPER = {
+    "capacity": "DynaServe 1.15-3.07x PD Coloc., 1.09-1.67x PD Disagg. (Sec. 1, Fig. 9; 14B: on average 2.37x "
+                "and 1.37x, Sec. 6.3)",
+    "goodput": "up to 1.91x PD Coloc. and 1.61x PD Disagg. (Fig. 8)",
+    "hybrid": "capacity 4.6 / 5.9 / 7.4 rps and goodput 316 / 399 / 474 tok/s for PD Coloc. / PD Disagg. / "
+              "DynaServe (Table 2, 14B)",
+}
+
+
+STALL_FACTOR = 10.0  # a gap longer than 10 x the TBT SLO fails a request whatever its percentile
+
+
+def attains(rec: RequestRecord, tbt_s: float) -> bool:
+    """Succeeded, the 99th percentile of its gaps between tokens is within ``tbt_s``, and no gap is a
+    stall (over ``STALL_FACTOR`` x ``tbt_s``: a preemption's recompute, a hand-off waiting for KV),
+    which the percentile of a long output would hide."""
+    if not rec.success:
+        return False
+    if not rec.itl_s:
+        return True
+    return float(np.percentile(rec.itl_s, 99)) <= tbt_s and max(rec.itl_s) <= STALL_FACTOR * tbt_s
+
+
+def run_probe(model: str, system: System, specs: list[W.RequestSpec], tbt_s: float, ttft_p50_s: float,
+              stream_lead: int | None, local_scale: float = 0.8, catch_up: bool = True,
+              seed_profile: bool = True) -> dict[str, Any]:
+    from tidal.config import SchedulerConfig
+    from tidal.sim.build import ClusterSpec, build_simulator
+    from tidal.sim.split import summarize_splits
+
+    slo = system.batching == "slo-compose"
+    args = {"slo-compose.slo_scale": local_scale, "slo-compose.catch_up": catch_up} if slo else {}
+    sched = SchedulerConfig(batching=system.batching, max_num_batched_tokens=system.chunk, max_num_seqs=256,
+                            tbt_slo_ms=tbt_s * 1000.0, policy_args=args)
+    spec = ClusterSpec(model=model, hardware="a100-80g", instances=2, tp=MODELS[model], mode=system.mode,
+                       prefill_instances=1 if system.mode == "disaggregate" else 0, scheduler=sched,
+                       kv_stream_lead=(stream_lead if stream_lead is not None else system.stream_lead)
+                       if system.mode == "split" else None, seed_profile=slo and seed_profile,
+                       split_kv_aware=system.kv_aware)
+    res = build_simulator(spec, specs).run()
+    s = summarize(res.records)
+    good = [r for r in res.records if attains(r, tbt_s)]
+    dur = s["duration_s"] or 1.0
+    kept_up = s["ttft_ms"]["p50"] is not None and s["ttft_ms"]["p50"] <= ttft_p50_s * 1000.0
+    out = {"attainment": len(good) / len(res.records), "kept_up": kept_up,
+           "goodput_tok_s": sum(r.output_tokens for r in good) / dur,
+           "throughput_tok_s": s["output_throughput"], "completed": s["completed"],
+           "ttft_p50_ms": s["ttft_ms"]["p50"], "ttft_p99_ms": s["ttft_ms"]["p99"],
+           "tbt_p50_ms": s["itl_ms"]["p50"], "tbt_p99_ms": s["itl_ms"]["p99"], "tbt_max_ms": s["itl_ms"]["max"],
+           "preemptions": sum(i["num_preemptions"] for i in res.instances),
+           "busy_s": [i["busy_time_s"] for i in res.instances]}
+    if res.splits:
+        sp = summarize_splits(res.splits)
+        out["splits"] = {k: sp[k] for k in ("handoffs", "inside_prompt", "at_prompt_end", "inside_output",
+                                            "whole_on_alpha", "whole_on_beta", "finished_on_alpha",
+                                            "kv_bytes_total", "exposed_vs_whole")}
+        out["splits"]["phi_p50"] = sp["phi"]["p50"]
+        out["splits"]["exposed_ms_p99"] = sp["exposed_transfer_ms"]["p99"]
+    return out
+
+
+def capacity(model: str, system: System, base: list[W.RequestSpec], args: argparse.Namespace, label: str
+             ) -> dict[str, Any]:
+    search = CapacitySearch(args.rate_low, args.rate_high, args.target, tolerance=args.tolerance,
+                            max_probes=args.max_probes)
+    probes: list[dict[str, Any]] = []
+    while (rate := search.next_rate()) is not None:
+        t0 = time.perf_counter()
+        p = run_probe(model, system, W.specs_at_rate(base, rate, args.window), args.tbt_slo_ms / 1000.0,
+                      args.ttft_p50_ms / 1000.0, args.kv_stream_lead, args.local_slo_scale,
+                      not args.no_catch_up, not args.no_seed_profile)
+        p["rate"] = rate
+        p["num_requests"] = len(W.specs_at_rate(base, rate, args.window))
+        probes.append(p)
+        search.record(rate, p["attainment"] if p["kept_up"] else 0.0)
+        if not args.no_progress:
+            print(f"  {label:<44} rate {rate:7.3f}: {100 * p['attainment']:5.1f}% attain"
+                  f"{'' if p['kept_up'] else ' (behind)'}, goodput "
+                  f"{p['goodput_tok_s']:7.0f} tok/s, TBT p99 {p['tbt_p99_ms'] or 0:6.1f} ms, TTFT p50 "
+                  f"{p['ttft_p50_ms'] or 0:7.0f} ms ({time.perf_counter() - t0:.1f} s)", flush=True)
+    cap = search.capacity
+    at = next((p for p in probes if p["rate"] == cap), None)
+    return {"capacity_rps": cap, "goodput_at_capacity": at["goodput_tok_s"] if at else None,
+            "max_goodput": max((p["goodput_tok_s"] for p in probes if p["kept_up"]), default=None), "at_capacity": at,
+            "probes": sorted(probes, key=lambda p: p["rate"])}
+
+
+def _best(rows: dict[str, dict[str, Any]], names: tuple[str, ...], key: str) -> tuple[str | None, float | None]:
+    got = [(rows[n][key], n) for n in names if n in rows and rows[n][key] is not None]
+    if not got:
+        return None, None
+    v, n = max(got)
+    return n, v
+
+
+def ratios(rows: dict[str, dict[str, Any]], dyna_name: str = "dynaserve") -> dict[str, Any]:
+    """DynaServe (``dyna_name``) over PD Coloc. (its better chunk) and PD Disagg., on capacity and goodput."""
+    out: dict[str, Any] = {}
+    for key in ("capacity_rps", "max_goodput"):
+        dyna = rows.get(dyna_name, {}).get(key)
+        coloc_name, coloc = _best(rows, COLOC, key)
+        disagg = rows.get("disagg", {}).get(key)
+        out[key] = {"coloc": coloc_name, "vs_coloc": dyna / coloc if dyna and coloc else None,
+                    "vs_disagg": dyna / disagg if dyna and disagg else None}
+    return out
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("sim-dynaserve", help="DynaServe (split) vs colocation vs P/D in the simulator (Sec. 6)",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="qwen-2.5-14b", help=f"of {', '.join(MODELS)}")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"of {', '.join(WORKLOADS)}")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"of {', '.join(SYSTEMS)}")
+    p.add_argument("--tbt-slo-ms", type=float, default=100.0, help="the TBT SLO (Sec. 6.1: 100 ms)")
+    p.add_argument("--ttft-p50-ms", type=float, default=2000.0,
+                   help="a rate is sustained only while the median TTFT stays within this (Sarathi-Serve: 2 s)")
+    p.add_argument("--target", type=float, default=0.99, help="share of requests that must meet the SLOs")
+    p.add_argument("--rate-low", type=float, default=0.25)
+    p.add_argument("--rate-high", type=float, default=32.0)
+    p.add_argument("--tolerance", type=float, default=0.04, help="capacity search stops at hi/lo <= 1 + this")
+    p.add_argument("--max-probes", type=int, default=10)
+    p.add_argument("--window", type=float, default=240.0,
+                   help="seconds of arrivals per probe (at most --num-requests): long enough for queues to form "
+                        "once the instances' seats (max_num_seqs 256 each) are full")
+    p.add_argument("--local-slo-scale", type=float, default=0.8,
+                   help="slo-compose aims at this share of the TBT SLO (its profile table predicts means; at 1.0 "
+                        "steps land just past the SLO)")
+    p.add_argument("--no-catch-up", action="store_true",
+                   help="slo-compose without catch_up (a step aims at the SLO less the longest wait of its decodes)")
+    p.add_argument("--no-seed-profile", action="store_true",
+                   help="slo-compose's table starts empty instead of from an offline profile of the cost model")
+    p.add_argument("--kv-stream-lead", type=int, default=None,
+                   help="every DynaServe system: alpha starts pushing a request's KV this many tokens before its "
+                        "split point (default: dynaserve from its first chunk, Sec. 4.3; dynaserve-lead 64 before)")
+    p.add_argument("--jobs", type=F.positive_int, default=1,
+                   help=f"capacity searches at once, each a process of its own (this machine: {usable_cores()} cores)")
+    F.add_workload_flags(p, only=("num_requests", "seed"), defaults={"num_requests": 2000})
+    F.add_output_flags(p, "results/sim_dynaserve.json")
+    p.set_defaults(func=run)
+
+
+def _names(text: str, known: dict[str, Any], what: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        raise ValueError(f"unknown {what} {bad[0] if bad else text!r}; available: {', '.join(known)}")
+    return names
+
+
+def _table(rows: dict[str, dict[str, Any]]) -> None:
+    print(f"  {'system':<12}{'capacity rps':>14}{'goodput@cap':>13}{'max goodput':>13}{'TBT p99':>9}{'TTFT p50':>10}")
+    for name, r in rows.items():
+        at = r["at_capacity"] or {}
+        print(f"  {name:<12}{r['capacity_rps'] or 0:>14.3f}{r['goodput_at_capacity'] or 0:>13.0f}"
+              f"{r['max_goodput'] or 0:>13.0f}{at.get('tbt_p99_ms') or 0:>9.1f}{at.get('ttft_p50_ms') or 0:>10.0f}")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        models = _names(args.models, MODELS, "model")
+        workloads = _names(args.workloads, WORKLOADS, "workload")
+        systems = _names(args.systems, SYSTEMS, "system")
+    except ValueError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    command = command_line(PROG)
+    print(f"command: {command}", flush=True)
+    report: dict[str, Any] = {
+        "command": command, "machine": machine_info(), "paper": PAPER,
+        "setup": {"hardware": "a100-80g", "instances": 2, "tp": {m: MODELS[m] for m in models},
+                  "tbt_slo_ms": args.tbt_slo_ms, "ttft_p50_ms": args.ttft_p50_ms, "target": args.target,
+                  "num_requests": args.num_requests, "window_s": args.window, "seed": args.seed, "kv_stream_lead": args.kv_stream_lead,
+                  "local_slo_scale": args.local_slo_scale, "catch_up": not args.no_catch_up,
+                  "seed_profile": not args.no_seed_profile,
+                  "systems": {n: vars(SYSTEMS[n]) for n in systems}, "workloads": {w: WORKLOADS[w] for w in workloads}},
+        "results": {}, "ratios": {}}
+    t0 = time.perf_counter()
+    for model in models:
+        report["results"][model], report["ratios"][model] = {}, {}
+        for wl in workloads:
+            opts = W.WorkloadOptions(num_requests=args.num_requests, rate=1.0, seed=args.seed, **WORKLOADS[wl])
+            base = W.make_requests(opts)
+            stats = W.length_stats(base)
+            print(f"\n== {model} (tp {MODELS[model]}) x 2 instances, {wl}: {len(base)} requests, input mean "
+                  f"{stats['input_mean']:.0f}, output mean {stats['output_mean']:.0f}", flush=True)
+            # each system's search is independent of the others': --jobs of them at once
+            found = run_all(capacity, [(model, SYSTEMS[name], base, args, f"{model} {wl} {name}") for name in systems],
+                            args.jobs)
+            rows: dict[str, dict[str, Any]] = dict(zip(systems, found, strict=True))
+            for name in systems:
+                print(f"  -> {name}: capacity {rows[name]['capacity_rps']} req/s", flush=True)
+            report["results"][model][wl] = {"workload": stats, "systems": rows}
+            report["ratios"][model][wl] = {d: ratios(rows, d) for d in DYNA if d in rows}
+            _table(rows)
+            f = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
+            for d, r in report["ratios"][model][wl].items():
+                rc, rg = r["capacity_rps"], r["max_goodput"]
+                print(f"  {d} capacity: {f(rc['vs_coloc'])} PD Coloc. ({rc['coloc']}), {f(rc['vs_disagg'])} "
+                      f"PD Disagg.; goodput {f(rg['vs_coloc'])} / {f(rg['vs_disagg'])}", flush=True)
+    report["wall_time_s"] = time.perf_counter() - t0
+    for k, v in PAPER.items():
+        print(f"paper ({k}): {v}")
+    plots = write_result(report, args.output, not args.no_plots, plotter=_plots, prog=PROG)
+    print(f"\nwall time {report['wall_time_s']:.0f} s; wrote {args.output}" + (f" and {', '.join(plots)}" if plots else ""))
+    return 0
+
+
+def _plots(report: dict[str, Any], json_path: str) -> list[str]:
+    from matplotlib.ticker import NullFormatter
+
+    from tidal.common.plots import pyplot
+
+    plt = pyplot()
+    stem = os.path.splitext(json_path)[0]
+    panels = [(m, w) for m, ws in report["results"].items() for w in ws]
+    fig, axes = plt.subplots(2, len(panels), figsize=(4.6 * len(panels), 7.5), squeeze=False)
+    for col, (m, w) in enumerate(panels):
+        rows = report["results"][m][w]["systems"]
+        names = list(rows)
+        ax = axes[0][col]
+        ax.bar(range(len(names)), [rows[n]["capacity_rps"] or 0 for n in names],
+               color=["tab:red" if n.startswith("dynaserve") else "tab:gray" if n == "disagg" else "tab:blue"
+                      for n in names])
+        ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("capacity (req/s)")
+        ax.set_title(f"{m.replace('qwen-2.5-', '')}: {w}", fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
+        ax = axes[1][col]
+        for n in names:
+            ps = rows[n]["probes"]
+            ps = [p for p in ps if p["kept_up"]]
+            ax.plot([p["rate"] for p in ps], [p["goodput_tok_s"] for p in ps], marker=".", label=n,
+                    linewidth=1.6 if n.startswith("dynaserve") else 0.9)
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel("goodput (tok/s)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("Simulated DynaServe vs PD colocation vs PD disaggregation (A100-80G, TBT p99 <= "
+                 f"{report['setup']['tbt_slo_ms']:g} ms)", fontsize=10)
+    fig.tight_layout()
+    path = f"{stem}.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return [path]
+
+
+__all__ = ["SYSTEMS", "WORKLOADS", "add_parser", "attains", "ratios", "run"]
