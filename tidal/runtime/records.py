@@ -1,5 +1,6 @@
-"""The front end's records: the cluster's configuration, what it knows of each request, and the
-model facts the HTTP server reads (no weights: those live in the workers)."""
+"""The front end's records: what it knows of each request, and the model facts the HTTP server
+reads (no weights: those live in the workers). The configuration is :mod:`tidal.cluster.config`'s
+(``ClusterConfig`` is re-exported here)."""
 
 from __future__ import annotations
 
@@ -7,27 +8,11 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from tidal.cluster.dispatch import ClusterLayout
+from tidal.cluster.config import ClusterConfig
 from tidal.config import EngineConfig
 from tidal.core.sampling import SamplingParams
 from tidal.engine.llm_engine import RequestSnapshot
 from tidal.runtime.kv_transfer import KVHandle
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    layout: ClusterLayout = field(default_factory=ClusterLayout)
-    prefill_batching: str | None = None  # the prefill instances' policy (default: the engine's batching)
-    router: str = "least-outstanding"
-    backend: str = "process"  # process | ray
-    ray_address: str | None = None
-    threads_per_instance: int | None = None  # default: the cores split evenly
-    transport: str = "shm"  # shm | ray (KV hand-offs)
-    layers_per_chunk: int = 8
-    tokens_per_chunk: int = 0
-    restart: bool = True
-    start_timeout_s: float = 600.0
-    kv_pressure: str = "preempt"  # preempt | drop (KunServe: tidal.runtime.pressure)
 
 
 @dataclass
@@ -80,7 +65,6 @@ class FrontEngine:
         mc = config.model
         self.max_model_len = min(mc.max_model_len or self.arch.max_position_embeddings,
                                  self.arch.max_position_embeddings)
-        self.scheduler = type("SchedulerInfo", (), {"config": config.scheduler})()
         self.device, self.dtype = mc.device, mc.dtype
 
 
