@@ -415,11 +415,11 @@ class GroupTail:
         worker, e, spec, me = self.worker, self.engine, self.spec, self.worker.cfg.index
         self.local: dict[str, KV] = {}  # moved requests' KV of our layers, until the head places them
         moved, lost = [], []
-        for rid, group in list(e._groups.items()):
-            if len(group.children) != 1:
+        for rid in e.request_ids():
+            if e.num_sequences(rid) != 1:
                 lost.append(rid)  # n > 1: a snapshot moves one sequence; the front end re-runs it
                 continue
-            req = group.children[0].request
+            req = e.scheduler.requests[rid]
             if req.num_computed_tokens and req in e.scheduler.running:
                 e.pause_request(rid)
             snap = e.export_request(rid)

@@ -190,11 +190,7 @@ class Worker:
         for ex in list(self.exports):
             if ex.request_id == rid and ex.stream:
                 self.exports.remove(ex)
-        req = e.scheduler.requests.get(rid)
-        if req is not None:
-            req.pause_at = None
-            if rid in e.scheduler.paused:
-                e.resume_request(rid)
+        e.cancel_pause(rid)
 
     def on_abort(self, cmd: Any) -> None:
         rid = cmd.request_id
@@ -278,7 +274,7 @@ class Worker:
         g = self.head or self.tail
         if g is None and not e.dropped_weight_bytes:
             return
-        lost = list(e._groups)
+        lost = e.request_ids()
         e.abort_request(lost)
         self.waiting_kv.clear()  # their chunks' handles are the front end's to release
         self.importing.clear()
@@ -372,11 +368,7 @@ class Worker:
         """The ``migrate`` baseline (Llumnix-like, KunServe Sec. 2.3): move a decoding request with
         its KV to another instance, as a hand-off. Only a running request that has sampled a token
         and holds one sequence moves; otherwise ``unmoved`` (it finished, or waits preempted)."""
-        e = self.engine
-        req = e.scheduler.requests.get(rid)
-        group = e._groups.get(rid)
-        if (req is None or rid in self.handing_off or rid in self.importing or req not in e.scheduler.running
-                or not req.output_token_ids or req.in_prefill or req.is_finished or group is None or len(group.children) != 1):
+        if rid in self.handing_off or rid in self.importing or not self.engine.is_movable(rid):
             self.send(P.Unmoved(rid))
             return
         self.hand_off(rid)
