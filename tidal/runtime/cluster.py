@@ -68,8 +68,11 @@ class ClusterLLM(HandoffFront):
         pressure mode against the layout); only what needs the model's shape is checked here."""
         engine_config, cluster = config.engine, config.cluster
         self.serving, self.config, self.cluster = config, engine_config, cluster
-        self.engine = FrontEngine(engine_config)
-        config.check_model(self.engine.arch.num_layers)
+        from tidal.engine.loader import load_checkpoint
+
+        checkpoint = load_checkpoint(engine_config.model.model)  # its metadata: the shape, before the tokenizer
+        config.check_model(checkpoint.arch.num_layers)
+        self.engine = FrontEngine(engine_config, checkpoint)
         self.layout = cluster.layout
         mc = engine_config.model
         # resolved once, here: every worker runs one dtype (KV moves between them)

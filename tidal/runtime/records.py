@@ -54,12 +54,13 @@ class Tracked:
 class FrontEngine:
     """What the server reads of ``llm.engine``: tokenizer, shapes and config (no weights here)."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, checkpoint: Any = None):
         from tidal.engine.loader import load_checkpoint
         from tidal.engine.tokenizer import Tokenizer
 
         self.config = config
-        self.checkpoint = load_checkpoint(config.model.model)  # metadata only: weights load in the workers
+        # metadata only: weights load in the workers
+        self.checkpoint = checkpoint if checkpoint is not None else load_checkpoint(config.model.model)
         self.arch = self.checkpoint.arch
         self.tokenizer = Tokenizer.from_checkpoint(self.checkpoint)
         mc = config.model
