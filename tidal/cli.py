@@ -13,15 +13,15 @@ import logging
 import signal
 import sys
 
-from tidal.cluster.pressure.events import PRESSURE_MODES
 from tidal.common.flags import (
     add_cluster_flags,
     add_engine_flags,
     add_pipeline_flags,
+    add_pressure_flags,
     add_scheduler_flags,
-    cluster_layout,
     engine_config,
     engine_kwargs,
+    serving_config,
 )
 from tidal.config import ConfigError
 
@@ -44,17 +44,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    cfg = engine_config(args)  # policy names and parameters checked before anything loads
-    layout = cluster_layout(args)
-    if args.kv_pressure != "preempt":  # one line naming why, before any worker starts
-        from tidal.cluster.pressure import check_pressure_mode
-        from tidal.engine.loader import load_checkpoint
-
-        try:
-            check_pressure_mode(args.kv_pressure, layout.instances, load_checkpoint(cfg.model.model).arch.num_layers,
-                                layout.mode != "colocate")
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+    serving = serving_config(args)  # the whole tree, validated once, before anything loads
+    cfg, layout = serving.engine, serving.cluster.layout
     if args.backend == "ray":
         from tidal.runtime.backend import check_ray_available, check_reachable
 
@@ -70,15 +61,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         llm = AsyncLLM(LLMEngine(cfg))
         print(f"engine: {llm.engine.describe_weights()}", file=sys.stderr, flush=True)
     else:
-        from tidal.runtime.cluster import ClusterConfig, ClusterLLM
+        from tidal.runtime.cluster import ClusterLLM
 
-        transport = args.kv_transport or ("ray" if args.backend == "ray" else "shm")
-        llm = ClusterLLM(cfg, ClusterConfig(layout=layout, prefill_batching=args.prefill_batching,
-                                            router=args.router, backend=args.backend,
-                                            ray_address=args.ray_address,
-                                            threads_per_instance=args.threads_per_instance, transport=transport,
-                                            kv_pressure=args.kv_pressure),
-                         engine_kwargs(args))
+        llm = ClusterLLM(serving)
     app = build_app(llm, args.served_model_name)
     name = app.state.serving.model_name
 
@@ -141,12 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_scheduler_flags(s)
     add_cluster_flags(s)
     add_pipeline_flags(s)
-    s.add_argument("--kv-pressure", default="preempt", choices=list(PRESSURE_MODES),
-                   help="what throttled instances (their queue's KV does not fit) do: preempt (the scheduler's "
-                        "--preemption-mode alone), migrate (Llumnix-like: running requests move with their KV "
-                        "to the instance with the most room) or drop (KunServe: a pair drops half its layers "
-                        "each, grows its KV pools and serves as one pipeline); migrate and drop need "
-                        "--instances >= 2")
+    add_pressure_flags(s)
     s.set_defaults(func=_cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks")

@@ -1,7 +1,9 @@
 """Configuration dataclasses: the one source of defaults for tidal.
 
 Every dataclass validates itself in ``__post_init__`` and raises :class:`ConfigError` with a
-message naming the offending field. Nothing else in tidal reads environment variables.
+message naming the offending field. The environment is read through :func:`env_str` only,
+but for the native kernels' two switches, read where the kernels load (``TIDAL_NATIVE_SIMD``,
+``TIDAL_NO_NATIVE`` in :mod:`tidal.engine.native`).
 Pure Python: no torch here, so the simulator and the policies can import it.
 """
 
@@ -41,7 +43,7 @@ def parse_size(value: str | int | float, name: str = "size") -> int:
 
 
 def env_str(name: str, default: str | None = None) -> str | None:
-    """The single place where tidal reads the environment."""
+    """Where tidal reads the environment (but for tidal.engine.native's two switches)."""
     return os.environ.get(name, default)
 
 
@@ -235,10 +237,6 @@ class EngineConfig:
                 parts[owners[key]][key] = value
         return cls(ModelConfig(**parts["model"]), CacheConfig(**parts["cache"]),
                    SchedulerConfig(**parts["scheduler"]))
-
-    @staticmethod
-    def field_names() -> list[str]:
-        return [f.name for klass in (ModelConfig, CacheConfig, SchedulerConfig) for f in fields(klass)]
 
 
 def parse_policy_args(items: list[str] | tuple[str, ...]) -> dict[str, str]:

@@ -30,14 +30,12 @@ def test_pool_allocate_none_when_short_and_takes_nothing():
         BlockPool(-1)
 
 
-def test_pool_double_free_and_incref_of_free_block_raise():
+def test_pool_double_free_raises():
     pool = BlockPool(4)
     (b,) = pool.allocate(1)
     pool.free([b])
     with pytest.raises(ValueError):
         pool.free([b])
-    with pytest.raises(ValueError):
-        pool.incref([b])
 
 
 def test_pool_truncate_refuses_live_blocks():
@@ -109,27 +107,6 @@ def test_free_restores_free_count_and_returns_released():
     kv.check_invariants()
 
 
-def test_fork_shares_full_blocks_with_ref_counts():
-    kv = KVCacheManager(num_blocks=10, block_size=4)
-    kv.allocate("p", 10)  # blocks 0,1 full, 2 partial
-    kv.fork("p", "c", 10)  # only the 2 full blocks are shared
-    assert kv.block_table("c") == [0, 1]
-    assert [kv.pool.ref_count(b) for b in (0, 1, 2)] == [2, 2, 1]
-    assert kv.num_free_blocks == 7  # no new blocks taken
-    kv.check_invariants()
-    with pytest.raises(ValueError):
-        kv.fork("p", "c", 4)  # child already has blocks
-    # the child grows on its own blocks
-    assert kv.allocate("c", 12).new_blocks == (3,)
-    # freeing the parent keeps the shared blocks alive for the child
-    assert kv.free("p") == 3
-    assert [kv.pool.ref_count(b) for b in (0, 1, 2)] == [1, 1, 0]
-    assert kv.num_free_blocks == 7
-    kv.free("c")
-    assert kv.num_free_blocks == 10
-    kv.check_invariants()
-
-
 def test_double_free_of_block_raises():
     kv = KVCacheManager(num_blocks=4, block_size=4)
     kv.allocate("a", 4)
@@ -186,17 +163,6 @@ def test_free_releases_host_blocks_of_swapped_request():
     kv.check_invariants()
 
 
-def test_swap_out_of_forked_request_keeps_shared_blocks_for_the_other():
-    kv = KVCacheManager(num_blocks=8, block_size=4, num_host_blocks=8)
-    kv.allocate("p", 8)
-    kv.fork("p", "c", 8)
-    moves = kv.swap_out("c")
-    assert [d for d, _ in moves] == [0, 1]
-    assert kv.block_table("p") == [0, 1]
-    assert [kv.pool.ref_count(b) for b in (0, 1)] == [1, 1]
-    kv.check_invariants()
-
-
 def test_grow_adds_free_blocks():
     kv = KVCacheManager(num_blocks=4, block_size=4)
     kv.allocate("a", 16)
@@ -216,17 +182,15 @@ def test_shrink_relocates_live_high_blocks_to_free_low_ones():
     kv.allocate("b", 4)  # 3,4,5,6
     kv.allocate("c", 3)  # 7,8,9
     kv.free("a")  # 0,1,2 free
-    kv.fork("c", "d", 2)  # d shares 7,8
     kv.free("b")  # 3..6 free
     kv.allocate("e", 2)  # 0,1
-    # live: e=[0,1], c=[7,8,9], d=[7,8]; free: 2..6
+    # live: e=[0,1], c=[7,8,9]; free: 2..6
     moves = kv.shrink(4)  # new size 6: 7,8,9 must move down to 2,3,4
     assert moves == [(7, 2), (8, 3), (9, 4)]
     assert kv.num_blocks == 6
     assert kv.block_table("c") == [2, 3, 4]
-    assert kv.block_table("d") == [2, 3]
     assert kv.block_table("e") == [0, 1]
-    assert [kv.pool.ref_count(b) for b in range(6)] == [1, 1, 2, 2, 1, 0]
+    assert [kv.pool.ref_count(b) for b in range(6)] == [1, 1, 1, 1, 1, 0]
     assert kv.num_free_blocks == 1
     kv.check_invariants()
 

@@ -1,5 +1,5 @@
 """Stateful property tests for the paged KV block bookkeeping (hypothesis; pure, no torch): random
-sequences of allocate, fork, free, swap, grow and shrink against a model of what each table holds."""
+sequences of allocate, free, swap, grow and shrink against a model of what each table holds."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ GARBAGE = ("garbage",)
 
 
 class KVMachine(RuleBasedStateMachine):
-    """Random allocate/free/abort/fork/swap/grow/shrink against a simple model.
+    """Random allocate/free/abort/swap/grow/shrink against a simple model.
 
     The model: ``tokens[r]`` (tokens request r holds), ``where[r]`` ("dev" or "host") and
     ``labels[r]`` (per table slot, which logical content it must hold). A simulated content
@@ -45,18 +45,16 @@ class KVMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(4, 16), num_host=st.integers(0, 8), data=st.data())
     def setup(self, num_blocks, num_host, data):
         self.kv = KVCacheManager(num_blocks=num_blocks, block_size=BLOCK_SIZE, num_host_blocks=num_host)
-        # Start from a fragmented pool (live blocks above free ones, some shared) so that the
+        # Start from a fragmented pool (live blocks above free ones) so that the
         # rules below, shrink above all, meet interesting states early.
         self._fragment(data, fill=data.draw(st.booleans()))
 
     def _fragment(self, data, fill: bool):
-        """Allocate requests (until the pool is full if ``fill``), then fork some and drop some."""
+        """Allocate requests (until the pool is full if ``fill``), then drop some."""
         for _ in range(100 if fill else data.draw(st.integers(0, 6))):
             if not self._try_new(data.draw(st.integers(1, 2 * BLOCK_SIZE)), reserve=0):
                 break
         for rid in sorted(self.where):
-            if data.draw(st.booleans()):  # share its full blocks with a child
-                self._fork(rid, data.draw(st.integers(0, self.tokens[rid])))
             if data.draw(st.booleans()):
                 self._drop(rid)
 
@@ -142,24 +140,6 @@ class KVMachine(RuleBasedStateMachine):
         free, host_free = self.kv.num_free_blocks, self.kv.host_pool.num_free
         assert self.kv.free("nobody") == 0
         assert (self.kv.num_free_blocks, self.kv.host_pool.num_free) == (free, host_free)
-
-    @precondition(lambda self: any(w == "dev" for w in self.where.values()))
-    @rule(data=st.data())
-    def fork(self, data):
-        parent = data.draw(st.sampled_from(self._on("dev")))
-        self._fork(parent, data.draw(st.integers(0, self.tokens[parent])))
-
-    def _fork(self, parent, full):
-        child = f"r{self.next_id}"
-        self.next_id += 1
-        free_before = self.kv.num_free_blocks
-        self.kv.fork(parent, child, full)
-        n = full // BLOCK_SIZE
-        assert self.kv.num_free_blocks == free_before
-        assert self.kv.block_table(child) == self.kv.block_table(parent)[:n]
-        self.tokens[child] = n * BLOCK_SIZE
-        self.where[child] = "dev"
-        self.labels[child] = list(self.labels[parent][:n])
 
     @precondition(lambda self: any(w == "dev" for w in self.where.values()))
     @rule(data=st.data())
@@ -324,7 +304,7 @@ TestKVMachine = KVMachine.TestCase
 @settings(max_examples=200, deadline=None)
 @given(data=st.data())
 def test_shrink_after_fragmentation_keeps_every_table_on_its_own_content(data):
-    """Focused on relocation: fill the pool, fork some requests, drop some (leaving holes below
+    """Focused on relocation: fill the pool, drop some requests (leaving holes below
     live blocks), maybe swap one out, then shrink; the moves, applied to the simulated content
     store, must leave every table on its own data."""
     m = KVMachine()

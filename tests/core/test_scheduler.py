@@ -449,3 +449,19 @@ def test_random_workloads_do_preempt():
             preempt += s.num_preemptions
             swaps += sum(len(p.swap_out) for p in d.plans)
     assert preempt > 10 and swaps > 0
+
+
+def test_decode_only_fast_path_keeps_the_finished_ids_for_the_next_plan():
+    """begin_decodes / end_decodes (a simulator's steps without a plan) must not lose the ids a
+    plan carries so that executors drop their state: they reach the next plan."""
+    s = make_scheduler()
+    d = Driver(s)
+    d.add(make_request("a", 4, max_tokens=1))
+    d.add(make_request("b", 4, max_tokens=4))
+    d.step()  # both prefill; a finishes in this update
+    positions = s.decode_positions()
+    assert positions == [("b", 4)]  # its first output token, at the position after the prompt
+    batch = s.begin_decodes(positions)
+    s.end_decodes(batch, 7, 1.0)
+    s.end_decode_run(0, 7, 1.0)
+    assert s.schedule(2.0).finished == ("a",)

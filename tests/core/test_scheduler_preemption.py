@@ -78,6 +78,10 @@ def test_swap_preemption_swaps_out_then_in_and_keeps_computed_tokens():
     assert b.status is RequestStatus.SWAPPED and s.swapped == [b]
     computed = b.num_computed_tokens
     assert computed > 8
+    # the head of the queue is the swapped request: it needs its host blocks back (the one
+    # definition the runtime's status and the simulator's monitor both report)
+    assert s.hol_block_demand() == s.kv.num_host_blocks_of("b") == -(-computed // 4)
+    assert s.queued_block_demand() == 0  # nothing waits
     nblocks = s.kv.blocks_for_tokens(computed)
     assert len(plan.swap_out) == nblocks
     assert s.kv.num_host_blocks_of("b") == nblocks

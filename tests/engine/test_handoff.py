@@ -95,3 +95,24 @@ def test_pause_needs_a_running_request(make_engine, prompt):
     with pytest.raises(ValueError, match="only a running request"):
         e.pause_request("r")
     e.abort_request("r")
+
+
+def test_what_a_worker_reads_of_a_request_to_move_it(make_engine, prompt):
+    """The engine's side of a move (no private field read by the workers): which requests it
+    holds, how many sequences, which can move now, and DynaServe's unsplit."""
+    e = make_engine(max_num_batched_tokens=64)
+    e.add_request("one", None, PARAMS, prompt_token_ids=prompt)
+    e.add_request("two", None, dataclasses.replace(PARAMS, n=2), prompt_token_ids=prompt)
+    e.add_request("alpha", None, PARAMS, prompt_token_ids=prompt, pause_at=len(prompt) + 2)
+    assert sorted(e.request_ids()) == ["alpha", "one", "two"]
+    assert (e.num_sequences("one"), e.num_sequences("two"), e.num_sequences("gone")) == (1, 2, 0)
+    assert not e.is_movable("one")  # still in its prefill: nothing sampled
+    while not e.scheduler.drain_reached_pause():
+        e.step()
+    assert e.is_movable("one") and not e.is_movable("two") and not e.is_movable("gone")
+    assert "alpha" in e.scheduler.paused and not e.is_movable("alpha")  # paused at its split point
+    e.cancel_pause("alpha")  # alpha keeps the whole request: it runs on, with no split point
+    assert "alpha" not in e.scheduler.paused and e.scheduler.requests["alpha"].pause_at is None
+    e.cancel_pause("gone")  # a request not here: nothing to do
+    e.abort_request(e.request_ids())
+    assert e.request_ids() == [] and e.kv_manager.num_free_blocks == e.kv_manager.num_blocks

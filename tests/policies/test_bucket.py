@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.policies.bucket_reference import adjust_buckets, assign, max_safe_batch_size
 from tests.policies.drive import admitted, step
 from tidal.config import ConfigError, ModelArch, SchedulerConfig
 from tidal.core.kv_manager import KVCacheManager
@@ -18,11 +19,8 @@ from tidal.policies.bucket import (
     Bucket,
     BucketPolicy,
     ChosenBucket,
-    adjust_buckets,
-    assign,
     expected_waste,
     max_safe_batch_blocks,
-    max_safe_batch_size,
     memory_len,
     waste_ratio,
 )

@@ -8,10 +8,11 @@ import random
 
 import pytest
 
+from tests.policies.bucket_reference import adjust_buckets, assign
 from tidal.core.policy import SchedulerView
 from tidal.core.request import Request, RequestClass
 from tidal.core.sampling import SamplingParams
-from tidal.policies.bucket import BucketPolicy, adjust_buckets, assign
+from tidal.policies.bucket import BucketPolicy
 
 
 class Reference:

@@ -38,12 +38,13 @@ def shm_segments() -> set[str]:
 
 
 def start(mode: str, prefill: int = 0, prefill_batching: str | None = None, engine: dict | None = None):
-    from tidal.runtime.cluster import ClusterConfig, ClusterLLM
+    from tidal.runtime.cluster import ClusterConfig, ClusterLLM, ServingConfig
 
     engine = engine or ENGINE
-    llm = ClusterLLM(EngineConfig.from_kwargs(**engine),
-                     ClusterConfig(layout=ClusterLayout(2, mode, prefill), prefill_batching=prefill_batching,
-                                   threads_per_instance=1, layers_per_chunk=10, tokens_per_chunk=16), engine)
+    llm = ClusterLLM(ServingConfig(
+        EngineConfig.from_kwargs(**engine),
+        ClusterConfig(layout=ClusterLayout(2, mode, prefill), prefill_batching=prefill_batching,
+                      threads_per_instance=1, layers_per_chunk=10, tokens_per_chunk=16)))
     llm.start()
     return llm
 
@@ -183,10 +184,11 @@ def test_ray_backend_greedy_equals_one_engine(reference):
     pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
     import ray
 
-    from tidal.runtime.cluster import ClusterConfig, ClusterLLM
+    from tidal.runtime.cluster import ClusterConfig, ClusterLLM, ServingConfig
 
-    llm = ClusterLLM(EngineConfig.from_kwargs(**ENGINE),
-                     ClusterConfig(layout=ClusterLayout(2), backend="ray", threads_per_instance=1), ENGINE)
+    llm = ClusterLLM(ServingConfig(
+        EngineConfig.from_kwargs(**ENGINE),
+        ClusterConfig(layout=ClusterLayout(2), backend="ray", threads_per_instance=1)))
     try:
         llm.start()
 
@@ -213,7 +215,7 @@ class _FakeRay:
 
 def test_a_joined_ray_cluster_listens_on_the_node_address_and_needs_ray_kv_across_machines(monkeypatch):
     from tidal.runtime.backend import RayBackend
-    from tidal.runtime.cluster import ClusterConfig, ClusterLLM
+    from tidal.runtime.cluster import ClusterConfig, ClusterLLM, ServingConfig
 
     backend = object.__new__(RayBackend)
     backend.ray, backend.started_here = _FakeRay(["10.1.2.3", "10.1.2.4"]), False
@@ -230,8 +232,9 @@ def test_a_joined_ray_cluster_listens_on_the_node_address_and_needs_ray_kv_acros
     monkeypatch.setattr(RayBackend, "shutdown", lambda self: shut.append(self))
     monkeypatch.setattr(ClusterLLM, "_make_backend", lambda self: multi)
     with pytest.raises(ConfigError, match="use --kv-transport ray"):
-        ClusterLLM(EngineConfig.from_kwargs(**ENGINE), ClusterConfig(layout=ClusterLayout(2), backend="ray",
-                                                                     transport="shm"), ENGINE)
+        ClusterLLM(ServingConfig(
+            EngineConfig.from_kwargs(**ENGINE),
+            ClusterConfig(layout=ClusterLayout(2), backend="ray", transport="shm")))
     assert shut == [multi]
 
 
@@ -239,12 +242,13 @@ FRONT_END = """
 import os, sys, time
 from tidal.cluster.dispatch import ClusterLayout
 from tidal.config import EngineConfig
-from tidal.runtime.cluster import ClusterConfig, ClusterLLM
+from tidal.runtime.cluster import ClusterConfig, ClusterLLM, ServingConfig
 
 if __name__ == "__main__":
     kw = dict(dtype="float32", num_blocks_override=10)
-    llm = ClusterLLM(EngineConfig.from_kwargs(**kw),
-                     ClusterConfig(layout=ClusterLayout(2, "colocate", 0), threads_per_instance=1), kw)
+    llm = ClusterLLM(ServingConfig(
+        EngineConfig.from_kwargs(**kw),
+        ClusterConfig(layout=ClusterLayout(2, "colocate", 0), threads_per_instance=1)))
     llm.start()
     print("ready", *[h.pid for h in llm.handles], flush=True)
     time.sleep(300)
@@ -305,11 +309,12 @@ def test_a_worker_that_cannot_start_fails_the_start_with_its_reason_not_a_restar
     deaths in a row it is not restarted, and start() fails at once, naming it, with nothing left
     running (it used to be restarted until the 600 s start timeout, ~11 times a second)."""
     from tidal.engine.async_engine import EngineDeadError
-    from tidal.runtime.cluster import START_ATTEMPTS, ClusterConfig, ClusterLLM
+    from tidal.runtime.cluster import START_ATTEMPTS, ClusterConfig, ClusterLLM, ServingConfig
 
     kw = dict(dtype="float32", kv_cache_memory="1KiB")
-    llm = ClusterLLM(EngineConfig.from_kwargs(**kw),
-                     ClusterConfig(layout=ClusterLayout(2, "colocate", 0), threads_per_instance=1), kw)
+    llm = ClusterLLM(ServingConfig(
+        EngineConfig.from_kwargs(**kw),
+        ClusterConfig(layout=ClusterLayout(2, "colocate", 0), threads_per_instance=1)))
     seen: list[int] = []
     start = llm.backend.start
 

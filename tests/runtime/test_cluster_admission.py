@@ -13,10 +13,12 @@ from tidal.engine.async_engine import QueueFullError
 
 
 def test_burst_is_bounded_by_the_backlog_not_the_batch(reuse_smol_tokenizer):
-    from tidal.runtime.cluster import ClusterConfig, ClusterLLM
+    from tidal.runtime.cluster import ClusterConfig, ClusterLLM, ServingConfig
 
     cfg = EngineConfig.from_kwargs(dtype="float32", max_num_seqs=64, max_queued_requests=8)
-    llm = ClusterLLM(cfg, ClusterConfig(layout=ClusterLayout(instances=2)), {})
+    llm = ClusterLLM(ServingConfig(
+        cfg,
+        ClusterConfig(layout=ClusterLayout(instances=2))))
     for rec in llm.monitor.instances:  # idle, as their "ready" report would say
         rec.alive = True
     params = SamplingParams(max_tokens=4)

@@ -70,12 +70,13 @@ def _reference(engine_kwargs, ps) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def cluster(engine_kwargs):
-    from tidal.runtime.cluster import ClusterConfig, ClusterLLM
+    from tidal.runtime.cluster import ClusterConfig, ClusterLLM, ServingConfig
 
     before = shm_segments()
-    llm = ClusterLLM(EngineConfig.from_kwargs(**engine_kwargs),
-                     ClusterConfig(layout=ClusterLayout(4, "colocate", 0), threads_per_instance=1, layers_per_chunk=2,
-                                   kv_pressure="drop"), engine_kwargs)
+    llm = ClusterLLM(ServingConfig(
+        EngineConfig.from_kwargs(**engine_kwargs),
+        ClusterConfig(layout=ClusterLayout(4, "colocate", 0), threads_per_instance=1, layers_per_chunk=2,
+                      kv_pressure="drop")))
     llm.start()
     pids = {h.pid for h in llm.handles}
     try:

@@ -49,12 +49,13 @@ def reference(make_engine, smol_tokenizer):
 
 
 def _cluster(instances: int = 2, **engine):
-    from tidal.runtime.cluster import ClusterConfig, ClusterLLM
+    from tidal.runtime.cluster import ClusterConfig, ClusterLLM, ServingConfig
 
     kw = dict(ENGINE, **engine)
-    return ClusterLLM(EngineConfig.from_kwargs(**kw),
-                      ClusterConfig(layout=ClusterLayout(instances, "colocate", 0), threads_per_instance=1,
-                                    layers_per_chunk=4, kv_pressure="drop"), kw)
+    return ClusterLLM(ServingConfig(
+        EngineConfig.from_kwargs(**kw),
+        ClusterConfig(layout=ClusterLayout(instances, "colocate", 0), threads_per_instance=1,
+                      layers_per_chunk=4, kv_pressure="drop")))
 
 
 def test_drop_mode_needs_two_instances():

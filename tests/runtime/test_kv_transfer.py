@@ -8,7 +8,6 @@ import glob
 import math
 import multiprocessing
 import os
-import pickle
 import secrets
 import subprocess
 import sys
@@ -517,6 +516,7 @@ def test_the_front_ends_outbox_never_blocks_on_a_worker_that_cannot_take_a_comma
     import zmq
 
     from tidal.runtime.outbox import Outbox
+    from tidal.runtime.protocol import Abort, decode_command
 
     ctx = zmq.Context()
     socks = [ctx.socket(zmq.PUSH) for _ in range(2)]
@@ -524,19 +524,19 @@ def test_the_front_ends_outbox_never_blocks_on_a_worker_that_cannot_take_a_comma
         s.setsockopt(zmq.LINGER, 0)
         s.bind(f"inproc://outbox-{i}")
     box = Outbox()
-    for i, msg in ((0, ("abort", "a")), (1, ("abort", "b")), (1, ("abort", "c"))):
+    for i, msg in ((0, Abort("a")), (1, Abort("b")), (1, Abort("c"))):
         box.put(i, msg)
     alive = [False, True].__getitem__  # worker 0 died, worker 1 still starts
     try:
         box.flush(socks, alive)  # returns: nothing blocks
-        assert list(box.queue) == [(1, ("abort", "b")), (1, ("abort", "c"))]
+        assert list(box.queue) == [(1, Abort("b")), (1, Abort("c"))]
         pull = ctx.socket(zmq.PULL)
         pull.connect("inproc://outbox-1")
         deadline = time.monotonic() + 5
         while box.queue and time.monotonic() < deadline:
             box.flush(socks, alive)
             time.sleep(0.01)
-        assert [pickle.loads(pull.recv()) for _ in range(2)] == [("abort", "b"), ("abort", "c")]
+        assert [decode_command(pull.recv()) for _ in range(2)] == [Abort("b"), Abort("c")]
         pull.close(0)
         box.clear_wakeups()  # the puts' wake-ups are read without blocking
     finally:

@@ -6,20 +6,20 @@ leaves the books: nothing reserved, the request's instance and outstanding sets 
 from __future__ import annotations
 
 import asyncio
-import threading
 
 from tidal.cluster.monitor import GlobalMonitor, InstanceStatus
 from tidal.core.sampling import SamplingParams
 from tidal.runtime.migrate import MigrateCoordinator
+from tidal.runtime.protocol import Abort, Migrate
 from tidal.runtime.records import Handoff, Tracked
 
 
 class FakeFront:
-    """What MigrateCoordinator reads and calls on ClusterLLM."""
+    """The part of tidal.runtime.front.Front that MigrateCoordinator uses."""
+
+    ready = True
 
     def __init__(self, statuses: list[InstanceStatus]):
-        self._ready = threading.Event()
-        self._ready.set()
         self.monitor = GlobalMonitor(statuses)
         self.requests: dict[str, Tracked] = {}
         self.by_wid: dict[str, Tracked] = {}
@@ -33,10 +33,13 @@ class FakeFront:
         self.monitor.on_dispatch(instance, rid, 0.0)
         return t
 
-    def _send(self, i: int, msg: tuple) -> None:
-        self.sent.append((i, msg))
+    def send(self, i: int, cmd: object) -> None:
+        self.sent.append((i, cmd))
 
-    def _failover(self, t: Tracked) -> None:
+    def recompute(self, t: Tracked, src: int, abort: bool = True) -> None:
+        if abort:
+            self.send(src, Abort(t.wid))
+        self.monitor.on_finish(src, t.rid)
         self.failed_over.append(t.rid)
 
 
@@ -52,7 +55,7 @@ def test_a_throttled_instance_moves_its_shortest_running_request_and_reserves_it
     front.track("short", 0, 100, 12)  # 8 blocks
     front.track("new", 0, 40, 0)  # still in prefill: never moves
     mc.tick(1.0)  # the head of line lacks 12 - 2 = 10 blocks: shortest first, 8 then 11
-    assert front.sent == [(0, ("migrate", "short")), (0, ("migrate", "long"))]
+    assert front.sent == [(0, Migrate("short")), (0, Migrate("long"))]
     assert front.monitor.instances[1].reserved == {"short": 8, "long": 11}
     mc.tick(2.0)  # the same view again: both are counted as leaving already
     assert len(front.sent) == 2
@@ -75,10 +78,10 @@ def test_a_refused_move_is_rerun_from_its_tokens_and_a_dead_destination_voids_th
     front, mc = _front()
     a = front.track("a", 0, 100, 12)
     mc.tick(1.0)
-    assert [m for _, m in front.sent] == [("migrate", "a")]
+    assert [m for _, m in front.sent] == [Migrate("a")]
     a.handoff = Handoff(0, None, 7, 1, dst=1)
     mc.on_refused(a, 1)  # a stale report: no room on 1 after all
-    assert front.sent[-1] == (0, ("abort", "a")) and front.failed_over == ["a"]
+    assert front.sent[-1] == (0, Abort("a")) and front.failed_over == ["a"]
     assert front.monitor.instances[1].reserved == {} and "a" not in front.monitor.instances[0].outstanding
     # a move whose destination dies before the source said handoff: the source may already be
     # exporting it, so it is aborted there and re-run
@@ -86,7 +89,7 @@ def test_a_refused_move_is_rerun_from_its_tokens_and_a_dead_destination_voids_th
     front2.track("c", 0, 100, 12)
     mc2.tick(1.0)
     mc2.on_failure(1, 2.0)
-    assert front2.sent[-1] == (0, ("abort", "c")) and front2.failed_over == ["c"] and mc2.target("c") is None
+    assert front2.sent[-1] == (0, Abort("c")) and front2.failed_over == ["c"] and mc2.target("c") is None
     # a request that ends while moving gives its reservation back
     front3, mc3 = _front()
     d = front3.track("d", 0, 100, 12)

@@ -43,12 +43,13 @@ def reference(make_engine, smol_tokenizer):
 
 
 def test_a_throttled_instance_migrates_running_requests_with_their_kv(smol_tokenizer, reference):
-    from tidal.runtime.cluster import ClusterConfig, ClusterLLM
+    from tidal.runtime.cluster import ClusterConfig, ClusterLLM, ServingConfig
 
     before = shm_segments()
-    llm = ClusterLLM(EngineConfig.from_kwargs(**ENGINE),
-                     ClusterConfig(layout=ClusterLayout(2, "colocate", 0), router="round-robin",
-                                   threads_per_instance=1, layers_per_chunk=8, kv_pressure="migrate"), ENGINE)
+    llm = ClusterLLM(ServingConfig(
+        EngineConfig.from_kwargs(**ENGINE),
+        ClusterConfig(layout=ClusterLayout(2, "colocate", 0), router="round-robin", threads_per_instance=1,
+                      layers_per_chunk=8, kv_pressure="migrate")))
     llm.start()
     pids = [h.pid for h in llm.handles]
     try:

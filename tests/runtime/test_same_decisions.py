@@ -49,11 +49,12 @@ def test_the_runtime_reexports_the_pure_chunk_plan_and_defaults():
 
 
 def _run_real(work) -> tuple[list[Decision], dict, dict]:
-    from tidal.runtime.cluster import ClusterConfig, ClusterLLM
+    from tidal.runtime.cluster import ClusterConfig, ClusterLLM, ServingConfig
 
-    llm = ClusterLLM(EngineConfig.from_kwargs(**ENGINE),
-                     ClusterConfig(layout=ClusterLayout(3, "disaggregate", 1), router="round-robin",
-                                   threads_per_instance=1, layers_per_chunk=10, tokens_per_chunk=16), ENGINE)
+    llm = ClusterLLM(ServingConfig(
+        EngineConfig.from_kwargs(**ENGINE),
+        ClusterConfig(layout=ClusterLayout(3, "disaggregate", 1), router="round-robin",
+                      threads_per_instance=1, layers_per_chunk=10, tokens_per_chunk=16)))
     log: list[Decision] = []
     llm.dispatcher.recorder = log.append
     pids: list[int] = []

@@ -31,13 +31,13 @@ def _workload() -> list[tuple[list[int], int]]:
 
 
 def _run_real(work):
-    from tidal.runtime.cluster import ClusterConfig, ClusterLLM
+    from tidal.runtime.cluster import ClusterConfig, ClusterLLM, ServingConfig
 
     log = []
-    llm = ClusterLLM(EngineConfig.from_kwargs(**ENGINE),
-                     ClusterConfig(layout=ClusterLayout(2, "split"), threads_per_instance=1, layers_per_chunk=10,
-                                   tokens_per_chunk=16), ENGINE,
-                     splitter=SplitPlanner(PARAMS, step_time, recorder=log.append))
+    llm = ClusterLLM(ServingConfig(
+        EngineConfig.from_kwargs(**ENGINE),
+        ClusterConfig(layout=ClusterLayout(2, "split"), threads_per_instance=1, layers_per_chunk=10,
+                      tokens_per_chunk=16)), splitter=SplitPlanner(PARAMS, step_time, recorder=log.append))
     llm.start()
     try:
         assert serve_burst(llm, work) == [m for _, m in work]

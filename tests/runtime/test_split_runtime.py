@@ -72,13 +72,14 @@ class FixedSplits:
 
 @pytest.fixture(scope="module")
 def split_cluster():
-    from tidal.runtime.cluster import ClusterConfig, ClusterLLM
+    from tidal.runtime.cluster import ClusterConfig, ClusterLLM, ServingConfig
 
     before = shm_segments()
     planner = FixedSplits()
-    llm = ClusterLLM(EngineConfig.from_kwargs(**ENGINE),
-                     ClusterConfig(layout=ClusterLayout(2, "split"), threads_per_instance=1, layers_per_chunk=10,
-                                   tokens_per_chunk=16), ENGINE, splitter=planner)
+    llm = ClusterLLM(ServingConfig(
+        EngineConfig.from_kwargs(**ENGINE),
+        ClusterConfig(layout=ClusterLayout(2, "split"), threads_per_instance=1, layers_per_chunk=10,
+                      tokens_per_chunk=16)), splitter=planner)
     llm.start()
     yield llm, planner
     stop(llm)

@@ -6,13 +6,13 @@ waiting forever. Driven command by command on one in-process worker, so every st
 
 from __future__ import annotations
 
-import pickle
-
 import pytest
 
 from tests.runtime.test_cluster import ENGINE
+from tidal.config import EngineConfig
 from tidal.core.sampling import SamplingParams
 from tidal.runtime.kv_transfer import plan_chunks
+from tidal.runtime.protocol import Finish, KVChunk, Landed, Refused, Reserve, decode_reply
 
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 BS = 16  # the engine's default block size
@@ -28,13 +28,13 @@ def worker(tmp_path):
     inbox = ctx.socket(zmq.PULL)  # what the worker says
     out_addr = f"ipc://{tmp_path}/out"
     inbox.bind(out_addr)
-    w = Worker(WorkerConfig(0, "colocated", dict(ENGINE), 1, f"ipc://{tmp_path}/cmd", out_addr,
-                            layers_per_chunk=30, tokens_per_chunk=BS))
+    w = Worker(WorkerConfig(0, "colocated", EngineConfig.from_kwargs(**ENGINE, num_threads=1), f"ipc://{tmp_path}/cmd",
+                            out_addr, layers_per_chunk=30, tokens_per_chunk=BS))
 
-    def said() -> list[tuple]:
+    def said() -> list:
         msgs = []
         while inbox.poll(200):
-            msgs.append(pickle.loads(inbox.recv())[2:])
+            msgs.append(decode_reply(inbox.recv())[2])
         return msgs
 
     yield w, said
@@ -65,16 +65,16 @@ def test_an_import_grows_chunk_by_chunk_then_lands(worker, smol_tokenizer):
     s = len(prompt) + 2  # inside the output: alpha sampled 3 tokens
     chunks, tokens, last_time = _chunks(w, prompt, s)
     assert len(chunks) >= 3
-    w.handle(("reserve", "r", prompt, PARAMS, 0, "online", s))
+    w.handle(Reserve("r", prompt, PARAMS, 0, "online", s))
     assert kv.num_blocks_of("r") == 0 and said() == []
     for handle, last in chunks[:-1]:
-        w.handle(("kv", "r", handle, last))
+        w.handle(KVChunk("r", handle, last))
         assert kv.num_blocks_of("r") == -(-handle.spec.end // BS)  # blocks for what has landed, no more
-    w.handle(("kv", "r", *chunks[-1]))
+    w.handle(KVChunk("r", *chunks[-1]))
     assert kv.num_blocks_of("r") == -(-s // BS)
     assert "r" in w.engine.scheduler.paused  # all KV here, still waiting for alpha's tokens
-    w.handle(("finish", "r", tokens, 0, last_time))
-    assert said() == [("landed", "r")]
+    w.handle(Finish("r", tokens, 0, last_time))
+    assert said() == [Landed("r")]
     assert w.engine.scheduler.requests["r"].last_token_time == last_time
     while w.engine.has_unfinished_requests():
         w.engine.step()
@@ -88,31 +88,31 @@ def test_a_chunk_without_room_waits_and_a_stuck_import_is_refused(worker, smol_t
     s = len(prompt)
     chunks, tokens, last_time = _chunks(w, prompt, s)
     assert len(chunks) >= 3
-    w.handle(("reserve", "r", prompt, PARAMS, 0, "online", s))
-    w.handle(("kv", "r", *chunks[0]))
+    w.handle(Reserve("r", prompt, PARAMS, 0, "online", s))
+    w.handle(KVChunk("r", *chunks[0]))
     held = kv.num_blocks_of("r")
     assert held == 1
     assert kv.allocate("hog", kv.num_free_blocks * BS) is not None  # someone else holds every free block
     for c in chunks[1:]:
-        w.handle(("kv", "r", *c))
-    w.handle(("finish", "r", tokens, 0, last_time))
+        w.handle(KVChunk("r", *c))
+    w.handle(Finish("r", tokens, 0, last_time))
     assert kv.num_blocks_of("r") == held and len(w.waiting_kv["r"]) == len(chunks)  # all wait, in order
     kv.free("hog")
     w.land_arrived()  # what the worker does after a step that freed blocks
-    assert said() == [("landed", "r")] and not w.waiting_kv
+    assert said() == [Landed("r")] and not w.waiting_kv
     w.engine.abort_request("r")
 
     # nothing on the instance can free blocks (no request runs or waits): give the import back
     chunks, tokens, last_time = _chunks(w, prompt, s)
-    w.handle(("reserve", "q", prompt, PARAMS, 0, "online", s))
-    w.handle(("kv", "q", *chunks[0]))
+    w.handle(Reserve("q", prompt, PARAMS, 0, "online", s))
+    w.handle(KVChunk("q", *chunks[0]))
     assert kv.allocate("hog", kv.num_free_blocks * BS) is not None
-    w.handle(("kv", "q", *chunks[1]))
+    w.handle(KVChunk("q", *chunks[1]))
     assert "q" in w.waiting_kv and not w.engine.has_runnable_requests()
     w.refuse_stuck_import()
-    assert said() == [("refused", "q", "no room in the KV cache for the rest of its KV")]
+    assert said() == [Refused("q", "no room in the KV cache for the rest of its KV")]
     assert not w.waiting_kv and "q" not in w.importing and kv.num_blocks_of("q") == 0
-    w.handle(("kv", "q", *chunks[2]))  # late chunks of a refused import are not ours
+    w.handle(KVChunk("q", *chunks[2]))  # late chunks of a refused import are not ours
     assert "q" not in w.waiting_kv
     for handle, _ in chunks[1:]:
         w.transport.release(handle)  # the front end's job for a refused import

@@ -163,6 +163,10 @@ class GlobalMonitor:
         self.pending_handoffs.pop(request_id, None)
         self.instances[dst].reserved[request_id] = blocks
 
+    def on_reservation_end(self, request_id: str, dst: int) -> None:
+        """A move into ``dst`` ended without a hand-off landing there: its blocks are free again."""
+        self.instances[dst].reserved.pop(request_id, None)
+
     def on_handoff(self, request_id: str, src: int, dst: int, ok: bool = True) -> None:
         """The hand-off of ``request_id`` from prefill instance ``src`` to decode instance ``dst``
         landed (``ok``) or was refused (then the request stays on ``src``)."""

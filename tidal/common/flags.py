@@ -1,7 +1,8 @@
 """The command-line flags the commands share, each defined once.
 
-Five groups: engine (the model and its memory), scheduler, workload, SLO and capacity search,
-output. ``tidal generate | serve | sim | profile`` and the ``tidal bench`` commands add the groups
+The groups: engine (the model and its memory), scheduler, workload, SLO and capacity search,
+output, cluster, pipeline and KV pressure (``--kv-pressure``); :func:`serving_config` turns a
+serving cluster's flags into its one config tree (:class:`tidal.cluster.config.ServingConfig`). ``tidal generate | serve | sim | profile`` and the ``tidal bench`` commands add the groups
 they take with ``add_*_flags`` and turn the parsed arguments into config objects with
 :func:`engine_kwargs`, :func:`scheduler_config`, :func:`cache_config`, :func:`workload_options` and
 :func:`capacity_search`, so one flag means the same everywhere.
@@ -27,6 +28,7 @@ from typing import Any
 
 from tidal import metrics as M
 from tidal import workload as W
+from tidal.cluster.pressure.events import PRESSURE_MODES
 from tidal.config import (
     ATTENTION_BACKENDS,
     DTYPES,
@@ -198,6 +200,17 @@ PIPELINE_FLAGS: tuple[Flag, ...] = (
 )
 
 
+# what a throttled instance does (its queue's KV does not fit): tidal serve's workers, tidal sim's instances
+PRESSURE_FLAGS: tuple[Flag, ...] = (
+    _flag("--kv-pressure", default="preempt", choices=list(PRESSURE_MODES),
+          help="what throttled instances (their queue's KV does not fit) do: preempt (the scheduler's "
+               "--preemption-mode alone), migrate (Llumnix-like: running requests move with their KV "
+               "to the instance with the most room) or drop (KunServe: a pair drops half its layers "
+               "each, grows its KV pools and serves as one pipeline); migrate and drop need "
+               "--instances >= 2 and --mode colocate"),
+)
+
+
 def _add_group(p: argparse.ArgumentParser, title: str, flags: tuple[Flag, ...], *,
                only: Iterable[str] | None, omit: Iterable[str], defaults: Mapping[str, Any] | None,
                helps: Mapping[str, str] | None, choices: Mapping[str, Sequence[Any]] | None,
@@ -274,6 +287,27 @@ def add_pipeline_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """``--profile`` (:data:`PIPELINE_FLAGS`), read by :func:`engine_kwargs`."""
     return _add_group(p, "pipeline group (--kv-pressure drop)", PIPELINE_FLAGS, only=None, omit=(), defaults=None,
                       helps=None, choices=None, aliases=None)
+
+
+def add_pressure_flags(p: argparse.ArgumentParser, *, defaults: Mapping[str, Any] | None = None,
+                       helps: Mapping[str, str] | None = None) -> argparse._ArgumentGroup:
+    """``--kv-pressure`` (:data:`PRESSURE_FLAGS`), read by :func:`serving_config` (and ``tidal sim``)."""
+    return _add_group(p, "KV pressure", PRESSURE_FLAGS, only=None, omit=(), defaults=defaults, helps=helps,
+                      choices=None, aliases=None)
+
+
+def serving_config(args: argparse.Namespace) -> Any:
+    """The serving cluster's whole config (:class:`tidal.cluster.config.ServingConfig`: engine,
+    scheduler, cache, cluster, pressure) from its flags, validated once, here: a bad value or
+    combination is a :class:`ConfigError` before anything loads."""
+    from tidal.cluster.config import ClusterConfig, ServingConfig
+
+    transport = args.kv_transport or ("ray" if args.backend == "ray" else "shm")
+    cluster = ClusterConfig(layout=cluster_layout(args), prefill_batching=args.prefill_batching, router=args.router,
+                            backend=args.backend, ray_address=args.ray_address,
+                            threads_per_instance=args.threads_per_instance, transport=transport,
+                            kv_pressure=args.kv_pressure)
+    return ServingConfig(EngineConfig.from_kwargs(**engine_kwargs(args)), cluster)
 
 
 def cluster_layout(args: argparse.Namespace) -> Any:
@@ -388,8 +422,9 @@ def capacity_search(args: argparse.Namespace) -> M.CapacitySearch:
 
 
 __all__ = [
-    "CLUSTER_FLAGS", "ENGINE_FLAGS", "OUTPUT_FLAGS", "SCHEDULER_FLAGS", "SLO_FLAGS", "WORKLOAD_FLAGS", "Flag",
-    "add_cluster_flags", "add_engine_flags", "add_output_flags", "cluster_layout", "add_scheduler_flags", "add_slo_flags", "add_workload_flags",
-    "cache_config", "capacity_search", "check_capacity_flags", "engine_config", "engine_kwargs",
-    "positive_float", "positive_int", "scheduler_config", "workload_options",
+    "CLUSTER_FLAGS", "ENGINE_FLAGS", "OUTPUT_FLAGS", "PRESSURE_FLAGS", "SCHEDULER_FLAGS", "SLO_FLAGS", "WORKLOAD_FLAGS",
+    "Flag", "add_cluster_flags", "add_engine_flags", "add_output_flags", "add_pressure_flags", "cluster_layout",
+    "add_scheduler_flags", "add_slo_flags", "add_workload_flags", "cache_config", "capacity_search",
+    "check_capacity_flags", "engine_config", "engine_kwargs", "positive_float", "positive_int", "scheduler_config",
+    "serving_config", "workload_options",
 ]

@@ -12,7 +12,7 @@ import platform
 import sys
 from typing import Any
 
-from tidal.config import affinity_cores
+from tidal.config import affinity_cores, env_str
 
 ISA_PREFIXES = ("avx512_bf16", "amx", "avx512f", "avx2")
 # variables that make torch, MKL, oneDNN and tidal's kernels use less of the CPU than it has (an AVX2 run on
@@ -62,7 +62,7 @@ def machine_info(**extra: Any) -> dict[str, Any]:
         "platform": platform.platform(),
         "loadavg": load_average(),
     }
-    limits = {v: os.environ[v] for v in ISA_LIMITS if v in os.environ}
+    limits = {v: value for v in ISA_LIMITS if (value := env_str(v)) is not None}
     if limits:
         info["isa_limits"] = limits
     torch = sys.modules.get("torch")

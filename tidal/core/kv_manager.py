@@ -52,12 +52,6 @@ class BlockPool:
             self._ref[b] = 1
         return out
 
-    def incref(self, blocks: list[int]) -> None:
-        for b in blocks:
-            if self._ref[b] <= 0:
-                raise ValueError(f"block {b} is free; cannot share it")
-            self._ref[b] += 1
-
     def free(self, blocks: list[int]) -> None:
         for b in blocks:
             if self._ref[b] <= 0:
@@ -189,16 +183,6 @@ class KVCacheManager:
             table = tables.get(request_id)
             if (table is None or len(table) * bs <= num_tokens) and self.allocate(request_id, num_tokens + 1) is None:
                 raise ValueError(f"no room for request {request_id}: check blocks_for_one_more first")
-
-    def fork(self, parent_id: str, child_id: str, num_full_tokens: int) -> None:
-        """Share the parent's full blocks holding ``num_full_tokens`` tokens with a child."""
-        if child_id in self._tables:
-            raise ValueError(f"request {child_id} already has blocks")
-        n = num_full_tokens // self.block_size
-        shared = self._tables[parent_id][:n]
-        self.pool.incref(shared)
-        self._tables[child_id] = list(shared)
-        self._frozen.pop(child_id, None)
 
     def free(self, request_id: str) -> int:
         """Release every block of the request (device and host). Returns blocks released."""

@@ -8,7 +8,8 @@ simulator drive the very same object.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 from tidal.config import SchedulerConfig
 from tidal.core.kv_manager import KVCacheManager
@@ -31,6 +32,25 @@ class RequestRejected(ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+@dataclass
+class StepBudget:
+    """What one step may still take (SGLang's ``PrefillAdder`` pattern): tokens and sequences
+    left, and the chunks bought so far; every chunk is charged here, in one place."""
+
+    tokens: int
+    max_seqs: int
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    scheduled: set[str] = field(default_factory=set)  # the requests with a chunk this step
+
+    def has_seat(self, num_running: int) -> bool:
+        return num_running < self.max_seqs
+
+    def add(self, chunk: ScheduledChunk) -> None:
+        self.chunks.append(chunk)
+        self.scheduled.add(chunk.request_id)
+        self.tokens -= chunk.num_tokens
 
 
 class Scheduler:
@@ -168,6 +188,19 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    def queued_block_demand(self) -> int:
+        """KV blocks the waiting requests need to start: each its tokens and the next one's slot
+        (what the monitor's ``InstanceStatus`` reports, in the simulator and the runtime alike)."""
+        bs = self.kv.block_size
+        return sum(-(-(r.num_tokens + 1) // bs) for r in self.waiting)
+
+    def hol_block_demand(self) -> int:
+        """KV blocks the head of the queue needs: the first swapped request's host blocks (it
+        comes back first), else the first waiting one's tokens and next slot; 0 for none."""
+        if self.swapped:
+            return self.kv.num_host_blocks_of(self.swapped[0].request_id)
+        return -(-(self.waiting[0].num_tokens + 1) // self.kv.block_size) if self.waiting else 0
+
     def view(self, now: float) -> SchedulerView:
         return SchedulerView(
             now=now, running=tuple(self.running), waiting=self.waiting.snapshot(),
@@ -212,52 +245,68 @@ class Scheduler:
         victim.status = RequestStatus.WAITING
         self.waiting.appendleft(victim)
 
+    def _add_chunk(self, req: Request, budget: StepBudget, room: Callable[[Request, int], bool]) -> bool:
+        """The one place a chunk is bought: its length within what the budget has left, its
+        blocks (``room``: allocate them, False if there are none), the chunk, the charge."""
+        n = self._chunk_len(req, budget.tokens)
+        if not room(req, n):
+            return False
+        budget.add(self._make_chunk(req, n))
+        return True
+
+    def _room(self, reserve: int = 0) -> Callable[[Request, int], bool]:
+        """Allocate a request's blocks for ``n`` more tokens, keeping ``reserve`` blocks free."""
+        return lambda req, n: self.kv.allocate(req.request_id, req.num_computed_tokens + n, reserve=reserve) is not None
+
+    def _room_preempting(self, budget: StepBudget, preempted: list[str], swap_out: list[tuple[int, int]],
+                         now: float) -> Callable[[Request, int], bool]:
+        """A running request's blocks, preempting others (the policy's victim) until they fit;
+        False when the request itself left the running list (preempted, or it alone outgrew the
+        whole pool: then the pool is its context and it finishes)."""
+
+        def room(req: Request, n: int) -> bool:
+            while self.kv.allocate(req.request_id, req.num_computed_tokens + n) is None:
+                others_hold = self.kv.num_blocks - self.kv.num_free_blocks - self.kv.num_blocks_of(req.request_id)
+                if others_hold == 0:
+                    self.finish_request(req.request_id, FinishReason.LENGTH, now=now)
+                    self._pending_updates.append(RequestUpdate(
+                        req.request_id, [], finished=True, finish_reason=FinishReason.LENGTH.value))
+                    return False
+                candidates = [r for r in self.running if r.request_id not in budget.scheduled]
+                victim = self.policy.preemption_victim(candidates) or default_victim(candidates)
+                self._preempt(victim, swap_out)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    return False
+            return True
+
+        return room
+
     def schedule(self, now: float) -> StepPlan:
         # the policy decides once per step, first; everything it is asked afterwards is about this step
         view = self.view(now)
         caps = self.policy.plan_step(view).within(self.policy.seq_ceiling(self.config.max_num_seqs),
                                                   self.config.max_num_batched_tokens)
         self.last_caps = caps
-        budget, max_seqs = caps.token_budget, caps.max_num_seqs
+        budget = StepBudget(caps.token_budget, caps.max_num_seqs)
         # the admission watermark only matters while the pool is shared; an empty pool admits
         # whatever fits (else a recomputed request larger than num_blocks - reserve would starve)
         reserve = int(self.watermark * self.kv.num_blocks)
-        chunks: list[ScheduledChunk] = []
-        scheduled: set[str] = set()
         preempted: list[str] = []
         swap_out: list[tuple[int, int]] = []
         swap_in: list[tuple[int, int]] = []
 
         # 1. running requests, in admission order: decodes and unfinished prefills
+        room = self._room_preempting(budget, preempted, swap_out, now)
         idx = 0
-        while idx < len(self.running) and budget > 0:
-            req = self.running[idx]
-            n = self._chunk_len(req, budget)
-            while self.kv.allocate(req.request_id, req.num_computed_tokens + n) is None:
-                others_hold = self.kv.num_blocks - self.kv.num_free_blocks - self.kv.num_blocks_of(req.request_id)
-                if others_hold == 0:  # it alone outgrew the whole pool: the pool is its context
-                    self.finish_request(req.request_id, FinishReason.LENGTH, now=now)
-                    self._pending_updates.append(RequestUpdate(
-                        req.request_id, [], finished=True, finish_reason=FinishReason.LENGTH.value))
-                    req = None
-                    break
-                candidates = [r for r in self.running if r.request_id not in scheduled]
-                victim = self.policy.preemption_victim(candidates) or default_victim(candidates)
-                self._preempt(victim, swap_out)
-                preempted.append(victim.request_id)
-                if victim is req:
-                    req = None
-                    break
-            if req is None:
-                continue  # the list shifted under idx
-            chunks.append(self._make_chunk(req, n))
-            scheduled.add(req.request_id)
-            budget -= n
-            idx += 1
+        while idx < len(self.running) and budget.tokens > 0:
+            if self._add_chunk(self.running[idx], budget, room):
+                idx += 1
+            # else the request left the running list, which shifted under idx
 
         # 2. admissions, only when nothing was preempted this step (else we would thrash)
         if not preempted:
-            while self.swapped and len(self.running) < max_seqs:
+            while self.swapped and budget.has_seat(len(self.running)):
                 req = self.swapped[0]
                 moves = self.kv.swap_in(req.request_id, reserve=reserve if self.running else 0)
                 if moves is None:
@@ -266,12 +315,8 @@ class Scheduler:
                 self.swapped.pop(0)
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
-                if budget > 0:
-                    n = self._chunk_len(req, budget)
-                    if self.kv.allocate(req.request_id, req.num_computed_tokens + n) is not None:
-                        chunks.append(self._make_chunk(req, n))
-                        scheduled.add(req.request_id)
-                        budget -= n
+                if budget.tokens > 0:
+                    self._add_chunk(req, budget, self._room())
             admitted: list[Request] = []
             if not self.swapped and self.waiting:
                 # nothing joined or left the queue since the view (a preemption skips admissions),
@@ -279,13 +324,11 @@ class Scheduler:
                 waiting = view.waiting if len(view.waiting) == len(self.waiting) else self.waiting.snapshot()
                 order = self.policy.order_waiting(waiting, now)
                 for req in self.waiting.fcfs(waiting) if order is None else order:
-                    if budget <= 0 or len(self.running) >= max_seqs:
+                    if budget.tokens <= 0 or not budget.has_seat(len(self.running)):
                         break
                     if not self.policy.admit(req, admitted):
                         continue
-                    n = self._chunk_len(req, budget)
-                    held = reserve if self.running else 0
-                    if self.kv.allocate(req.request_id, req.num_computed_tokens + n, reserve=held) is None:
+                    if not self._add_chunk(req, budget, self._room(reserve if self.running else 0)):
                         break
                     self.waiting.remove(req)
                     req.status = RequestStatus.RUNNING
@@ -293,12 +336,10 @@ class Scheduler:
                         req.first_scheduled_time = now
                     self.running.append(req)
                     admitted.append(req)
-                    chunks.append(self._make_chunk(req, n))
-                    scheduled.add(req.request_id)
-                    budget -= n
 
         finished, self._finished_since_plan = tuple(self._finished_since_plan), []
         self._step_id += 1
+        chunks = budget.chunks
         composition = BatchComposition.of(chunks, self.policy.padded_tokens(chunks) if chunks else 0)
         return StepPlan(self._step_id, tuple(chunks), composition, tuple(swap_out), tuple(swap_in),
                         tuple(preempted), finished)
@@ -370,7 +411,7 @@ class Scheduler:
         """``schedule`` for the step :meth:`decode_positions` just vouched for (``positions`` is its
         answer): the blocks, the step id; returns the batch for :meth:`end_decodes`."""
         self.kv.allocate_one_more(positions)
-        self._finished_since_plan = []  # what this step's plan would have carried
+        # no plan: the ids finished since the last one stay for the next plan (an executor's state)
         self._step_id += 1
         return tuple(self.running)
 
@@ -404,7 +445,6 @@ class Scheduler:
         finish nobody (at most :meth:`decode_run_room`), the last ending at ``now``, once their
         blocks are allocated: each running request took ``steps`` tokens ``token``. No updates:
         the caller records the tokens (a simulator's run of steps)."""
-        self._finished_since_plan = []
         self._step_id += steps
         tokens = [token] * steps
         for req in self.running:

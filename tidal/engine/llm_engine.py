@@ -312,6 +312,33 @@ class LLMEngine:
     def has_runnable_requests(self) -> bool:
         return self.scheduler.has_runnable()
 
+    # what a worker moving requests reads and changes (tidal.runtime.worker / group), no private field
+    def request_ids(self) -> list[str]:
+        """The requests this engine holds, by the ids they were added (or imported) with."""
+        return list(self._groups)
+
+    def num_sequences(self, request_id: str) -> int:
+        """The sequences of ``request_id`` (its ``n``); 0 for a request not here."""
+        group = self._groups.get(request_id)
+        return 0 if group is None else len(group.children)
+
+    def is_movable(self, request_id: str) -> bool:
+        """A hand-off or a migration can take it with its KV: one sequence, running, past its
+        prefill with a sampled token, not finished."""
+        req = self.scheduler.requests.get(request_id)
+        return (self.num_sequences(request_id) == 1 and req is not None and req in self.scheduler.running
+                and bool(req.output_token_ids) and not req.in_prefill and not req.is_finished)
+
+    def cancel_pause(self, request_id: str) -> None:
+        """DynaServe's unsplit: an alpha part keeps the whole request (no split point; resumed if
+        it already paused there)."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return
+        req.pause_at = None
+        if request_id in self.scheduler.paused:
+            self.resume_request(request_id)
+
     def import_request(self, snap: RequestSnapshot, paused: bool = False, hold_tokens: int | None = None) -> None:
         """Continue a request exported by another engine.
 

@@ -23,10 +23,10 @@ Choices made here, where the paper leaves room:
   pool in tokens: ``num_total_blocks * block_size``. The pool is already sized at 90 % of the device
   less the weights (``gpu_memory_utilization``), so that is where Eq. 5's 0.9 is applied;
   ``bucket.m_safe_frac`` (default 1) can reserve more. Alg. 1's N_max (split size m and merge
-  threshold) sums the waiting requests in arrival order; the cap returned by ``max_num_seqs``
-  sums the running requests first (they hold their memory), then the chosen bucket's waiting ones
-  in the order they would be admitted. :func:`max_safe_batch_size` is the same Eq. 6 in bytes
-  for a model shape.
+  threshold) sums the waiting requests in arrival order; the step's cap (``plan_step``'s
+  ``StepCaps.max_num_seqs``) sums the running requests first (they hold their memory), then the chosen bucket's waiting ones
+  in the order they would be admitted (the tests check it against Eq. 6 in bytes for a model
+  shape).
 * **Order.** Requests are grouped by (priority, class, bucket). Groups go lower priority first,
   then online before offline, then the group holding the earliest arrival first (the paper's
   order for online buckets; also used between offline buckets so that none starves). Inside a
@@ -50,7 +50,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from tidal.config import ModelArch, SchedulerConfig
+from tidal.config import SchedulerConfig
 from tidal.core.plan import StepPlan, StepResult
 from tidal.core.policy import PolicyState, SchedulerView, SchedulingPolicy, StepCaps
 from tidal.core.request import Request, RequestClass
@@ -99,22 +99,6 @@ def n_max_prefix(seq_lens: Iterable[int], budget_tokens: float) -> int:
     return n + int((budget_tokens - used) // (used / n)) if n and used > 0 else n
 
 
-def max_safe_batch_size(arch: ModelArch, dtype_bytes: int, m_remain_bytes: int,
-                        seq_lens: int | Sequence[int], m_safe_frac: float = 0.9) -> int:
-    """N_max = max{N | sum_{i<=N} S_i <= M_safe / (2 L H D B)}, M_safe = 0.9 M_remain (Eq. 5-6), in bytes.
-
-    ``seq_lens`` is one S shared by every request (then N_max = floor(M_safe / (2LHDB S))) or the
-    lengths in admission order (then the longest prefix that fits). 2LHDB is
-    ``arch.kv_bytes_per_token(dtype_bytes)`` (H = the KV heads, which Eq. 1's H is for MHA).
-    """
-    budget_tokens = safe_memory(m_remain_bytes, m_safe_frac) / arch.kv_bytes_per_token(dtype_bytes)
-    if isinstance(seq_lens, int):
-        if seq_lens <= 0:
-            raise ValueError("sequence length must be > 0")
-        return int(budget_tokens // seq_lens)
-    return n_max_prefix(seq_lens, budget_tokens)
-
-
 def max_safe_batch_blocks(num_total_blocks: int, block_size: int, seq_lens: Iterable[int],
                           m_safe_frac: float = 1.0) -> int | None:
     """Eq. 6 on a paged KV pool (what the policy sees of memory), None for no lengths.
@@ -147,42 +131,6 @@ class Bucket:
 
     def as_list(self) -> list[int]:
         return [self.low, self.up, len(self.members)]
-
-
-def assign(bounds: Sequence[tuple[int, int]], items: Iterable[Any],
-           key: Callable[[Any], int] = bucket_key) -> list[Bucket]:
-    """Put each item in the bucket with low <= S < up (Alg. 1 lines 2-9); S >= L_max goes last."""
-    buckets = [Bucket(lo, up) for lo, up in bounds]
-    for item in items:
-        s = key(item)
-        for b in buckets:
-            if b.low <= s < b.up:
-                b.members.append(item)
-                break
-        else:  # S >= L_max: the last bucket
-            buckets[-1].members.append(item)
-    return buckets
-
-
-def adjust_buckets(buckets: list[Bucket], n_max: int, theta: float = 0.5, l_max: int | None = None,
-                   key: Callable[[Any], int] = bucket_key) -> list[Bucket]:
-    """One round of AdjustBuckets (Alg. 1 lines 10-29): merge everything into [0, L_max) when
-    the total is below N_max; else split each bucket holding more than m = N_max members of which
-    more than theta lie below its midpoint."""
-    total = sum(len(b.members) for b in buckets)
-    if total < n_max:
-        up = l_max if l_max is not None else buckets[-1].up
-        return [Bucket(0, up, [m for b in buckets for m in b.members])]
-    out: list[Bucket] = []
-    for b in buckets:
-        n = len(b.members)
-        below = [m for m in b.members if key(m) < b.mid]
-        if n > n_max and len(below) / n > theta and b.up - b.low >= 2:
-            out.append(Bucket(b.low, b.mid, below))
-            out.append(Bucket(b.mid, b.up, [m for m in b.members if key(m) >= b.mid]))
-        else:
-            out.append(b)
-    return out
 
 
 def expected_waste(buckets: Sequence[Bucket], key: Callable[[Any], int] = bucket_key) -> float:

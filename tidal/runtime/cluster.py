@@ -6,15 +6,20 @@ The HTTP server talks to it exactly as to :class:`tidal.engine.async_engine.Asyn
 - the pure :class:`~tidal.cluster.dispatch.Dispatcher` and
   :class:`~tidal.cluster.monitor.GlobalMonitor` pick an instance per request and, when
   disaggregated, the decode instance of each hand-off (the simulator drives the same objects);
-- one I/O thread owns the ZeroMQ sockets: it sends the commands queued by the event loop,
-  receives every worker's outputs and routes them to the request streams, forwards KV chunk
+- one I/O thread owns the ZeroMQ sockets: it sends the commands queued by the event loop
+  (the typed messages of :mod:`tidal.runtime.protocol`), receives every worker's replies, each
+  handled by its type's handler here, and routes them to the request streams, forwards KV chunk
   handles from prefill to decode workers, and watches the workers' process sentinels;
 - with ``--mode split`` (DynaServe), a split planner picks a pair of instances and a split point
   per request: the alpha member computes the first ``s`` tokens of KV and streams them, chunk by
   chunk as it computes, to the beta member, which holds a reservation and continues the request;
 - when a worker dies, its requests are re-run on the live instances from their prompt plus the
   tokens already streamed (recompute), their streams continue, and the worker is restarted.
-  Only when no instance is alive does a request fail (the server answers 503).
+  Only when no instance is alive does a request fail (the server answers 503). A worker that
+  fails otherwise (an exception other than a client's rejection: ``Fatal``) is handled the same way.
+
+The coordinators of ``--kv-pressure`` and ``--mode split`` see this front end through the narrow
+:class:`tidal.runtime.front.Front` protocol (``send``, ``failover``, ``recompute``, ...).
 """
 
 from __future__ import annotations
@@ -25,7 +30,6 @@ import dataclasses
 import itertools
 import logging
 import os
-import pickle
 import tempfile
 import threading
 import time
@@ -36,19 +40,22 @@ from typing import Any
 
 import zmq
 
-from tidal.cluster.dispatch import Dispatcher, check_role_policies, role_scheduler
+from tidal.cluster.config import ServingConfig
+from tidal.cluster.dispatch import Dispatcher
 from tidal.cluster.monitor import GlobalMonitor, InstanceStatus
 from tidal.cluster.router import RouteRequest, build_router
 from tidal.common.progress import startup_line
-from tidal.config import ConfigError, EngineConfig, default_cpu_threads
+from tidal.config import ConfigError, default_cpu_threads
 from tidal.core.admission import admit
 from tidal.core.sampling import SamplingParams
 from tidal.engine.async_engine import EngineDeadError, QueueFullError
 from tidal.engine.llm_engine import RequestSnapshot, dtype_name
 from tidal.engine.outputs import RequestOutput
+from tidal.runtime import protocol as P
+from tidal.runtime.handoffs import HandoffFront
 from tidal.runtime.kv_transfer import build_transport
 from tidal.runtime.outbox import Outbox
-from tidal.runtime.records import ClusterConfig, FrontEngine, Handoff, Tracked
+from tidal.runtime.records import ClusterConfig, FrontEngine, Tracked
 from tidal.runtime.split_front import SplitCoordinator
 from tidal.runtime.worker import WorkerConfig
 
@@ -56,25 +63,24 @@ log = logging.getLogger("tidal.cluster")
 START_ATTEMPTS = 3  # a worker that dies this many times in a row before it is ready is not restarted
 
 
-class ClusterLLM:
-    def __init__(self, engine_config: EngineConfig, cluster: ClusterConfig, engine_kwargs: dict[str, Any],
-                 splitter: Any = None):
-        from tidal.policies import check_policy
+class ClusterLLM(HandoffFront):
+    def __init__(self, config: ServingConfig, *, splitter: Any = None):
+        """``config``: the whole tree, validated when it was built (each role's policy, the
+        pressure mode against the layout); only what needs the model's shape is checked here."""
+        engine_config, cluster = config.engine, config.cluster
+        self.serving, self.config, self.cluster = config, engine_config, cluster
+        from tidal.engine.loader import load_checkpoint
 
-        # before any worker starts: each role's policy (BucketServe Sec. III: the prefill instances
-        # may batch by their own, e.g. length buckets)
-        check_role_policies(engine_config.scheduler, cluster.layout, cluster.prefill_batching, check_policy)
-        self.config, self.cluster = engine_config, cluster
-        self.engine = FrontEngine(engine_config)
+        checkpoint = load_checkpoint(engine_config.model.model)  # its metadata: the shape, before the tokenizer
+        config.check_model(checkpoint.arch.num_layers)
+        self.engine = FrontEngine(engine_config, checkpoint)
         self.layout = cluster.layout
-        self.pressure = self._pressure()  # --kv-pressure drop: KunServe's coordinator (else None)
+        mc = engine_config.model
+        # resolved once, here: every worker runs one dtype (KV moves between them)
+        self.dtype = dtype_name(mc.dtype, mc.device, 4 * self.engine.arch.num_params())
+        self.pressure = self._pressure()  # --kv-pressure migrate / drop: its coordinator (else None)
         n = self.layout.instances
         self.threads = cluster.threads_per_instance or max(1, default_cpu_threads() // n)
-        self.engine_kwargs = dict(engine_kwargs)
-        self.engine_kwargs.pop("num_threads", None)
-        mc = engine_config.model
-        if mc.dtype == "auto":  # resolved once, here: every worker runs one dtype (KV moves between them)
-            self.engine_kwargs["dtype"] = dtype_name("auto", mc.device, 4 * self.engine.arch.num_params())
         self.transport_tag = str(os.getpid())  # this cluster's shared-memory segments are tidal-kv-<pid>-*
         self.transport = build_transport(cluster.transport, self.transport_tag)
         self.backend = self._make_backend()
@@ -118,6 +124,7 @@ class ClusterLLM:
         self.unready_deaths = [0] * n  # per instance: deaths in a row before its ready message
         self.num_failovers = 0
         self._t0 = time.monotonic()
+        self._replies = self._reply_table()  # reply type -> its handler (run by the I/O thread)
 
     @property
     def splitter(self) -> Any:
@@ -140,14 +147,7 @@ class ClusterLLM:
         return addr
 
     def _pressure(self) -> Any:
-        from tidal.cluster.pressure import check_pressure_mode
-        from tidal.config import ConfigError
-
         mode = self.cluster.kv_pressure
-        try:
-            check_pressure_mode(mode, self.layout.instances, self.engine.arch.num_layers, self.layout.mode != "colocate")
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
         if mode == "migrate":  # the Llumnix-like baseline
             from tidal.runtime.migrate import MigrateCoordinator
 
@@ -156,8 +156,7 @@ class ClusterLLM:
             return None
         from tidal.runtime.pressure import DropCoordinator, model_memory
 
-        mc = self.config.model
-        dtype_bytes = {"float32": 4}.get(dtype_name(mc.dtype, mc.device, 4 * self.engine.arch.num_params()), 2)
+        dtype_bytes = {"float32": 4}.get(self.dtype, 2)
         return DropCoordinator(self, model_memory(self.engine.arch, dtype_bytes))
 
     def _make_backend(self) -> Any:
@@ -167,14 +166,11 @@ class ClusterLLM:
             return RayBackend(self.cluster.ray_address)
         return ProcessBackend()
 
-    def role_kwargs(self, role: str) -> dict[str, Any]:
-        """The engine arguments of an instance of ``role``: its own policy and policy arguments."""
-        sched = role_scheduler(self.config.scheduler, role, self.cluster.prefill_batching)
-        return {**self.engine_kwargs, "batching": sched.batching, "policy_args": dict(sched.policy_args)}
-
     def _worker_config(self, i: int) -> WorkerConfig:
         role = self.layout.roles()[i]
-        return WorkerConfig(i, role, self.role_kwargs(role), self.threads, self.cmd_addresses[i],
+        dtype = self.dtype if self.config.model.dtype == "auto" else self.config.model.dtype
+        engine = self.serving.engine_for(role, dtype=dtype, num_threads=self.threads)
+        return WorkerConfig(i, role, engine, self.cmd_addresses[i],
                             self.out_address, self.cluster.transport, self.cluster.layers_per_chunk,
                             self.cluster.tokens_per_chunk, self.generation[i], transport_tag=self.transport_tag)
 
@@ -214,7 +210,7 @@ class ClusterLLM:
         for i, h in enumerate(self.handles):
             if h is not None:
                 with contextlib.suppress(zmq.ZMQError):
-                    self.cmd_socks[i].send(pickle.dumps(("shutdown",)), zmq.NOBLOCK)
+                    self.cmd_socks[i].send(P.encode_command(P.Shutdown()), zmq.NOBLOCK)
         for h in self.handles:
             if h is not None:
                 h.join(10)
@@ -294,9 +290,9 @@ class ClusterLLM:
             self._end_move(t)
             for i in {t.instance, *(() if t.handoff is None else (t.handoff.src, t.handoff.dst))}:
                 if i is not None and i >= 0:
-                    self._send(i, ("abort", t.wid))
+                    self.send(i, P.Abort(t.wid))
                     self.monitor.on_finish(i, request_id)
-            self._drop_handoff(t)
+            self.drop_handoff(t)
             if self.splitter is not None:
                 self.splitter.on_finish(request_id, None)
 
@@ -336,16 +332,42 @@ class ClusterLLM:
             return False
         t.instance = i
         if fresh:
-            self._send(i, ("add", t.wid, t.prompt_ids, t.params, t.priority, t.request_class, None))
+            self.send(i, P.Add(t.wid, t.prompt_ids, t.params, t.priority, t.request_class))
         else:
             snap = RequestSnapshot(t.wid, None, list(t.prompt_ids), list(t.tokens), t.params, 0, {}, t.priority,
                                    t.request_class, text_sent=t.text_sent)
-            self._send(i, ("import", snap, False))
+            self.send(i, P.Import(snap, False))
         return True
 
-    def _failover(self, t: Tracked) -> None:
+    # ---------------------------------------------------------------- the coordinators' view (tidal.runtime.front)
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def send(self, i: int, cmd: Any) -> None:
+        """Queue a command for worker ``i`` (sent by the I/O thread)."""
+        self.outbox.put(i, cmd)
+
+    def group_address(self, name: str) -> str:
+        return f"ipc://{os.path.join(self._ipc_dir, name)}"
+
+    def worker_pid(self, i: int) -> int | None:
+        h = self.handles[i]
+        return None if h is None else h.pid
+
+    def recompute(self, t: Tracked, src: int, abort: bool = True) -> None:
+        if abort:
+            self.send(src, P.Abort(t.wid))
+        self.monitor.on_finish(src, t.rid)
+        self.failover(t)
+
+    def failover(self, t: Tracked) -> None:
         self._end_move(t)
-        self._drop_handoff(t)
+        self.drop_handoff(t)
         if self.splitter is not None:
             self.splitter.on_finish(t.rid, None)  # its planned parts are void; it runs whole now
         # a new id on the workers: outputs of the old run still in flight from a live instance (one
@@ -366,38 +388,7 @@ class ClusterLLM:
         if self.pressure is not None:
             self.pressure.forget(t)  # a migration of ``t`` in flight: its reservation goes
 
-    def _drop_handoff(self, t: Tracked) -> None:
-        """Forget ``t``'s hand-off: its reservation on the target, and the chunks in flight."""
-        h = t.handoff
-        if h is not None and h.dst is not None:
-            self.monitor.on_handoff(t.rid, h.src, h.dst, ok=False)
-        self._release_handoff(t)
-        t.handoff = None
-
-    def _release_handoff(self, t: Tracked) -> None:
-        if t.handoff is not None:
-            for h in t.handoff.handles:
-                self.transport.release(h)
-            t.handoff.handles.clear()
-
-    def _try_handoff(self, t: Tracked) -> None:
-        h = t.handoff
-        if h is None or h.dst is not None:
-            return
-        dst = self.pressure.target(t.wid) if self.pressure is not None else None  # a migration's own target
-        if dst is None:
-            dst = self.dispatcher.choose_decode(t.rid, h.blocks, self.now())
-        if dst is None:
-            return  # waits, visible in the monitor's pending hand-offs
-        h.dst = dst
-        self._send(dst, ("import", h.meta, True))
-        for k, handle in enumerate(h.handles):
-            self._send(dst, ("kv", t.wid, handle, k == h.num_chunks - 1))
-
     # ---------------------------------------------------------------- I/O thread
-    def _send(self, i: int, msg: tuple) -> None:
-        self.outbox.put(i, msg)
-
     def _deliver(self, t: Tracked, item: Any) -> None:
         t.loop.call_soon_threadsafe(t.queue.put_nowait, item)
 
@@ -427,10 +418,11 @@ class ClusterLLM:
                     except zmq.Again:
                         break
                     with self._lock:
-                        self._on_message(pickle.loads(raw))
+                        self._on_reply(*P.decode_reply(raw))
                 with self._lock:
                     for fd, i in sentinels.items():
-                        if fd in events or not self.handles[i].alive():
+                        h = self.handles[i]  # a Fatal reply may have replaced (or removed) it already
+                        if h is not None and h.sentinel == fd and (fd in events or not h.alive()):
                             self._on_worker_death(i, "the worker process exited")
                     for i, h in enumerate(self.handles):  # Ray actors have no sentinel
                         if h is not None and h.sentinel is None and not h.alive():
@@ -442,103 +434,74 @@ class ClusterLLM:
                 for t in self.requests.values():
                     self._deliver(t, EngineDeadError(f"cluster front end failed: {e}"))
 
-    def _on_message(self, msg: tuple) -> None:
-        i, gen, kind, *rest = msg
+    def _reply_table(self) -> dict[type, Any]:
+        return {P.Ready: self._on_ready, P.Out: self._on_status, P.Idle: self._on_status,
+                P.Grouped: self._on_pressure, P.ExchangeDone: self._on_pressure, P.Ungrouped: self._on_pressure,
+                P.Restored: self._on_pressure, P.Rejected: self._on_rejected, P.HandoffStarted: self._on_handoff,
+                P.KVChunk: self._on_kv, P.SplitDone: self._on_split_done, P.Landed: self._on_landed,
+                P.Refused: self._on_refused, P.Unmoved: self._on_unmoved, P.Fatal: self._on_fatal}
+
+    def _on_reply(self, i: int, gen: int, reply: Any) -> None:
         if gen != self.generation[i]:
             return  # from a worker that has since died
-        now = self.now()
-        if kind == "ready":
-            self.weights[i] = rest[1]
-            if self.pressure is not None and hasattr(self.pressure, "on_layer_bytes"):
-                self.pressure.on_layer_bytes(rest[2])
-            self.unready_deaths[i] = 0
-            rec = self.monitor.instances[i]
-            if rec.failures:
-                self.monitor.on_restart(rest[0], now)
-                if self.splitter is not None:
-                    self.splitter.on_restart(i)
-            else:
-                self.monitor.on_status(rest[0], now)
-                rec.alive = True
-            if all(r.alive for r in self.monitor.instances):
-                self._ready.set()
-        elif kind in ("out", "idle"):
-            if kind == "out":
-                for out in rest[0]:
-                    self._on_output(i, out)
-            self.monitor.on_status(rest[-1], now)
-            if self.split is not None:
-                self.split.record_step(rest[-1])
-            for t in list(self.requests.values()):
-                if t.handoff is not None and t.handoff.dst is None:
-                    self._try_handoff(t)
-            if self.pressure is not None:
-                self.pressure.tick(now)
-        elif kind == "grouped" and self.pressure is not None:  # KunServe: a drop took effect on worker i
-            self.pressure.on_grouped(i, *rest, now)
-        elif kind == "exchange_done" and self.pressure is not None:
-            self.pressure.on_exchange_done(i, *rest, now)
-        elif kind == "ungrouped" and self.pressure is not None:
-            self.pressure.on_ungrouped(i, *rest, now)
-        elif kind == "restored" and self.pressure is not None:
-            self.pressure.on_restored(i, *rest, now)
-        elif kind == "rejected":
-            rid, message, param = rest
-            t = self.by_wid.pop(rid, None)
-            if t is not None:
-                self.requests.pop(t.rid, None)
-                self.monitor.on_finish(i, t.rid)
-                from tidal.core.scheduler import RequestRejected
+        self._replies[type(reply)](i, reply, self.now())
 
-                self._deliver(t, RequestRejected(message, param=param))
-        elif kind == "handoff":
-            rid, meta, blocks, nchunks = rest
-            t = self.by_wid.get(rid)
-            if t is None:
-                return
-            t.handoff = Handoff(i, meta, blocks, nchunks)
-            self._try_handoff(t)
-        elif kind == "kv":
-            rid, handle, last = rest
-            t = self.by_wid.get(rid)
-            if t is None or t.handoff is None:
-                self.transport.release(handle)  # aborted meanwhile
-                return
-            t.handoff.handles.append(handle)
-            self.kv_bytes_moved += handle.nbytes
-            if t.split_log is not None:
-                t.split_log["kv_bytes"] += handle.nbytes
-            if t.handoff.dst is not None:
-                self._send(t.handoff.dst, ("kv", rid, handle, last))
-        elif kind == "split_done":
-            self.split.on_split_done(i, *rest)
-        elif kind == "landed":
-            t = self.by_wid.get(rest[0])
-            if t is not None and t.handoff is not None:
-                if self.pressure is not None and self.pressure.target(t.wid) == i:
-                    self.pressure.on_landed(t, i)  # a migration
-                else:
-                    self.monitor.on_handoff(t.rid, t.handoff.src, i, ok=True)
-                t.instance, t.handoff = i, None  # the decode worker released the chunks it read
-        elif kind == "refused":
-            t = self.by_wid.get(rest[0])
-            if t is not None and t.handoff is not None and t.handoff.split is not None and t.handoff.dst == i:
-                self.split.unsplit(t)
-            elif t is not None and t.handoff is not None and t.handoff.dst == i and self.pressure is not None \
-                    and self.pressure.target(t.wid) == i:
-                self.pressure.on_refused(t, i)
-            elif t is not None and t.handoff is not None and t.handoff.dst == i:
-                self.monitor.on_handoff(t.rid, t.handoff.src, i, ok=False)
-                t.handoff.dst = None  # retried when an instance reports room
-            elif t is not None:  # a fail-over import found no room here: try again elsewhere
-                self.monitor.on_finish(i, t.rid)
-                self._failover(t)
-        elif kind == "unmoved" and self.pressure is not None:  # a migration the source could not start
-            t = self.by_wid.get(rest[0])
-            if t is not None:
-                self.pressure.on_unmoved(t)
-        elif kind == "fatal":
-            log.error("worker %d failed: %s\n%s", i, rest[0], rest[1])
+    def _on_ready(self, i: int, r: P.Ready, now: float) -> None:
+        self.weights[i] = r.weights
+        if self.pressure is not None:
+            self.pressure.on_layer_bytes(r.layer_bytes)
+        self.unready_deaths[i] = 0
+        rec = self.monitor.instances[i]
+        if rec.failures:
+            self.monitor.on_restart(r.status, now)
+            if self.splitter is not None:
+                self.splitter.on_restart(i)
+        else:
+            self.monitor.on_status(r.status, now)
+            rec.alive = True
+        if all(rec.alive for rec in self.monitor.instances):
+            self._ready.set()
+
+    def _on_status(self, i: int, r: P.Out | P.Idle, now: float) -> None:
+        if isinstance(r, P.Out):
+            for out in r.outputs:
+                self._on_output(i, out)
+        self.monitor.on_status(r.status, now)
+        if self.split is not None:
+            self.split.record_step(r.status)
+        for t in list(self.requests.values()):
+            if t.handoff is not None and t.handoff.dst is None:
+                self._try_handoff(t)
+        if self.pressure is not None:
+            self.pressure.tick(now)
+
+    def _on_pressure(self, i: int, r: Any, now: float) -> None:
+        """KunServe's replies (a drop took effect, an exchange or a restore ended, a group left)."""
+        if self.pressure is None:
+            return
+        if isinstance(r, P.Grouped):
+            self.pressure.on_grouped(i, r.role, r.members, r.request_ids, r.num_blocks, r.layer_ids, now)
+        elif isinstance(r, P.ExchangeDone):
+            self.pressure.on_exchange_done(i, r.members, r.exchanged, r.moved, now)
+        elif isinstance(r, P.Ungrouped):
+            self.pressure.on_ungrouped(i, r.lost, r.num_blocks, now)
+        else:
+            self.pressure.on_restored(i, r.role, r.num_blocks, r.layer_ids, r.num_back, r.stats, now)
+
+    def _on_rejected(self, i: int, r: P.Rejected, now: float) -> None:
+        from tidal.core.scheduler import RequestRejected
+
+        t = self.by_wid.pop(r.request_id, None)
+        if t is not None:
+            self.requests.pop(t.rid, None)
+            self.monitor.on_finish(i, t.rid)
+            self._deliver(t, RequestRejected(r.message, param=r.param))
+
+    def _on_fatal(self, i: int, r: P.Fatal, now: float) -> None:
+        """The worker failed (it exits after saying so): counted and failed over like a death."""
+        log.error("worker %d failed: %s\n%s", i, r.error, r.traceback)
+        if self.handles[i] is not None:
+            self._on_worker_death(i, f"it failed: {r.error}")
 
     def _on_output(self, i: int, out: RequestOutput) -> None:
         t = self.by_wid.get(out.request_id)
@@ -560,8 +523,8 @@ class ClusterLLM:
             self._end_move(t)
             h = t.handoff
             if h is not None and h.split is not None:  # alpha finished before its split point
-                self._send(h.dst, ("abort", t.wid))
-                self._drop_handoff(t)
+                self.send(h.dst, P.Abort(t.wid))
+                self.drop_handoff(t)
             if self.splitter is not None:
                 self.splitter.on_finish(t.rid, len(t.tokens) if len(out.outputs) == 1 else None)
         self._deliver(t, out)
@@ -588,9 +551,9 @@ class ClusterLLM:
             if t.handoff is not None:  # a hand-off touching the dead instance: recompute instead
                 for j in (t.handoff.src, t.handoff.dst):
                     if j is not None and j != i:
-                        self._send(j, ("abort", t.wid))
+                        self.send(j, P.Abort(t.wid))
                         self.monitor.on_finish(j, t.rid)
-            self._failover(t)
+            self.failover(t)
         if self.unready_deaths[i] >= START_ATTEMPTS:  # it cannot start (its error is in the log above)
             log.error("instance %d died %d times before it was ready; not restarting it", i, self.unready_deaths[i])
             if not self._ready.is_set():  # the cluster is starting: start() fails with this
@@ -602,4 +565,4 @@ class ClusterLLM:
             self.num_restarts += 1
 
 
-__all__ = ["ClusterConfig", "ClusterLLM"]
+__all__ = ["ClusterConfig", "ClusterLLM", "ServingConfig"]

@@ -51,6 +51,7 @@ import torch
 from tidal.engine.stage import TailStage, microbatch_cost
 from tidal.runtime.kv_transfer import iter_chunks
 from tidal.runtime.peer import PEER_TIMEOUT_S, WATCH_S, HubStageLink, PeerLink, PeerLost
+from tidal.runtime.protocol import ExchangeDone
 
 log = logging.getLogger("tidal.worker")
 KV = dict[int, tuple[torch.Tensor, torch.Tensor]]
@@ -242,7 +243,7 @@ class GroupHead:
             self.links[m].send(("kv", rid, list(self.engine.kv_manager.block_table(rid)), handle, last))
         if not self.reported and not self.expect and not self.queue:
             self.reported = True
-            self.worker.send("exchange_done", self.spec.members, self.num_exchanged, len(self.moved))
+            self.worker.send(ExchangeDone(self.spec.members, self.num_exchanged, len(self.moved)))
 
     @property
     def busy(self) -> bool:
@@ -414,11 +415,11 @@ class GroupTail:
         worker, e, spec, me = self.worker, self.engine, self.spec, self.worker.cfg.index
         self.local: dict[str, KV] = {}  # moved requests' KV of our layers, until the head places them
         moved, lost = [], []
-        for rid, group in list(e._groups.items()):
-            if len(group.children) != 1:
+        for rid in e.request_ids():
+            if e.num_sequences(rid) != 1:
                 lost.append(rid)  # n > 1: a snapshot moves one sequence; the front end re-runs it
                 continue
-            req = group.children[0].request
+            req = e.scheduler.requests[rid]
             if req.num_computed_tokens and req in e.scheduler.running:
                 e.pause_request(rid)
             snap = e.export_request(rid)

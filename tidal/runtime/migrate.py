@@ -25,11 +25,13 @@ from typing import Any
 
 from tidal.cluster.handoff import handoff_blocks
 from tidal.cluster.pressure import MigrationController
+from tidal.runtime.front import Front
 from tidal.runtime.pressure import PressureLog
+from tidal.runtime.protocol import Migrate
 
 
 class MigrateCoordinator(PressureLog):
-    def __init__(self, llm: Any):
+    def __init__(self, llm: Front):
         super().__init__()
         self.llm = llm
         self.ctl: MigrationController | None = None  # the monitor exists once the front end is built
@@ -40,7 +42,7 @@ class MigrateCoordinator(PressureLog):
     # ---------------------------------------------------------------- deciding (under the front end's lock)
     def tick(self, now: float) -> None:
         llm = self.llm
-        if not llm._ready.is_set():
+        if not llm.ready:
             return
         if self.ctl is None:
             self.ctl = MigrationController(llm.monitor, recorder=self._record)
@@ -58,7 +60,7 @@ class MigrateCoordinator(PressureLog):
             t = llm.by_wid[m.request_id]
             self.moving[m.request_id] = (m.src, m.dst, m.blocks)
             llm.monitor.on_handoff_start(t.rid, m.dst, m.blocks)  # reserved there until it lands or fails
-            llm._send(m.src, ("migrate", m.request_id))
+            llm.send(m.src, Migrate(m.request_id))
 
     def target(self, wid: str) -> int | None:
         """Where a hand-off of ``wid`` goes when it is a migration (else None: the dispatcher picks)."""
@@ -69,7 +71,7 @@ class MigrateCoordinator(PressureLog):
     def on_landed(self, t: Any, dst: int) -> None:
         src, _, _ = self.moving.pop(t.wid)
         mon = self.llm.monitor
-        mon.instances[dst].reserved.pop(t.rid, None)
+        mon.on_reservation_end(t.rid, dst)
         mon.on_move(t.rid, src, dst)
         self.num_migrated += 1
 
@@ -77,7 +79,7 @@ class MigrateCoordinator(PressureLog):
         """``t`` ended (finished, aborted, re-run) or its move did: release its reservation."""
         move = self.moving.pop(t.wid, None)
         if move is not None:
-            self.llm.monitor.instances[move[1]].reserved.pop(t.rid, None)
+            self.llm.monitor.on_reservation_end(t.rid, move[1])
         return move is not None
 
     def on_unmoved(self, t: Any) -> None:
@@ -88,13 +90,9 @@ class MigrateCoordinator(PressureLog):
     def on_refused(self, t: Any, dst: int) -> None:
         """The destination had no room after all: the KV is leaving (or left) the source, so the
         request is re-run from its streamed tokens where the router sends it."""
-        llm = self.llm
         self.forget(t)
         self.num_failed += 1
-        src = t.handoff.src
-        llm._send(src, ("abort", t.wid))
-        llm.monitor.on_finish(src, t.rid)
-        llm._failover(t)
+        self.llm.recompute(t, t.handoff.src)
 
     def on_failure(self, i: int, now: float) -> None:
         """Instance ``i`` died: moves into it are void. A request whose KV had not left its source
@@ -107,9 +105,7 @@ class MigrateCoordinator(PressureLog):
             self.forget(t)
             self.num_failed += 1
             if t.handoff is None:
-                llm._send(src, ("abort", t.wid))  # the source may already be exporting it
-                llm.monitor.on_finish(src, t.rid)
-                llm._failover(t)
+                llm.recompute(t, src)  # the source may already be exporting it: aborted there
 
     def snapshot(self) -> dict[str, Any]:
         return {"mode": "migrate", "moving": len(self.moving), "migrated": self.num_migrated,

@@ -11,21 +11,22 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
 
+from tidal.runtime.protocol import encode_command
+
 
 class Outbox:
     def __init__(self) -> None:
-        self.queue: deque[tuple[int, tuple]] = deque()
+        self.queue: deque[tuple[int, Any]] = deque()
         self.wake_r, self.wake_w = os.pipe()  # the I/O thread polls wake_r
 
-    def put(self, i: int, msg: tuple) -> None:
-        """Queue ``msg`` for worker ``i`` and wake the I/O thread."""
+    def put(self, i: int, msg: Any) -> None:
+        """Queue the command ``msg`` (:mod:`tidal.runtime.protocol`) for worker ``i`` and wake the I/O thread."""
         self.queue.append((i, msg))
         self.wake()
 
@@ -46,7 +47,7 @@ class Outbox:
                 waiting.append((i, msg))
                 continue
             try:
-                socks[i].send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), zmq.NOBLOCK)
+                socks[i].send(encode_command(msg), zmq.NOBLOCK)
             except zmq.Again:
                 if alive(i):
                     held.add(i)

@@ -16,7 +16,6 @@ from the checkpoint and the group dissolves. A worker failure in a group restore
 from __future__ import annotations
 
 import logging
-import os
 from collections import Counter
 from dataclasses import replace
 from typing import Any
@@ -29,7 +28,9 @@ from tidal.cluster.pressure import (
     PressureDecision,
     RestorePlan,
 )
+from tidal.runtime.front import Front
 from tidal.runtime.group import GroupSpec
+from tidal.runtime.protocol import Group, Restore, Ungroup
 
 log = logging.getLogger("tidal.cluster")
 EVENT_LOG = 256  # pressure events kept for /admin/state
@@ -43,7 +44,9 @@ def model_memory(arch: Any, dtype_bytes: int) -> ModelMemory:
 
 
 class PressureLog:
-    """The decisions and events of a ``--kv-pressure`` mode, for ``/admin/state`` and ``/metrics``."""
+    """A ``--kv-pressure`` mode's coordinator: the replies it hears from the front end (each a
+    no-op unless the mode overrides it), and its decisions and events, for ``/admin/state`` and
+    ``/metrics``."""
 
     def __init__(self) -> None:
         self.events: list[dict[str, Any]] = []
@@ -54,9 +57,44 @@ class PressureLog:
         self.events.append(d.to_dict())
         del self.events[:-EVENT_LOG]
 
+    def tick(self, now: float) -> None:
+        """After an instance report (under the front end's lock): decide, and act."""
+
+    def on_layer_bytes(self, layer_bytes: int) -> None:
+        """A worker's ready message: what dropping one of its layers frees."""
+
+    def on_grouped(self, i: int, role: str, members: tuple[int, ...], request_ids: list[str], num_blocks: int,
+                   layer_ids: list[int], now: float) -> None: ...
+
+    def on_exchange_done(self, i: int, members: tuple[int, ...], exchanged: int, moved: int, now: float) -> None: ...
+
+    def on_ungrouped(self, i: int, lost: list[str], num_blocks: int, now: float) -> None: ...
+
+    def on_restored(self, i: int, role: str, num_blocks: int, layer_ids: list[int], num_back: int,
+                    stats: dict[str, Any], now: float) -> None: ...
+
+    def on_failure(self, i: int, now: float) -> None: ...
+
+    def target(self, wid: str) -> int | None:
+        """Where a hand-off of ``wid`` goes when this mode moves it (else None: the dispatcher picks)."""
+        return None
+
+    def forget(self, t: Any) -> bool:
+        """``t`` ended (finished, aborted, re-run): drop what this mode holds for it."""
+        return False
+
+    def on_landed(self, t: Any, dst: int) -> None: ...
+
+    def on_refused(self, t: Any, dst: int) -> None: ...
+
+    def on_unmoved(self, t: Any) -> None: ...
+
+    def snapshot(self) -> dict[str, Any]:
+        raise NotImplementedError
+
 
 class DropCoordinator(PressureLog):
-    def __init__(self, llm: Any, model: ModelMemory):
+    def __init__(self, llm: Front, model: ModelMemory):
         super().__init__()
         self.llm, self.model = llm, model
         self.ctl: KunServeController | None = None
@@ -85,7 +123,7 @@ class DropCoordinator(PressureLog):
     def tick(self, now: float) -> None:
         """After a report (under the front end's lock): decide, and execute a new plan."""
         llm = self.llm
-        if not llm._ready.is_set() or not all(r.alive for r in llm.monitor.instances):
+        if not llm.ready or not all(r.alive for r in llm.monitor.instances):
             return
         if self.ctl is None:  # the undropped pools are the first real reports
             self.ctl = KunServeController(llm.monitor, self.model, recorder=self._record,
@@ -101,7 +139,7 @@ class DropCoordinator(PressureLog):
                 self._defer_restore(plan, now)
                 return
             self.restoring = plan
-            llm._send(head, ("restore",))  # the head drives it and gathers the group (tidal.runtime.group)
+            llm.send(head, Restore())  # the head drives it and gathers the group (tidal.runtime.group)
             return
         if plan is None:
             return
@@ -110,10 +148,10 @@ class DropCoordinator(PressureLog):
         for g in plan.changed:
             self.formed += 1
             spec = GroupSpec(tuple(g), {i: tuple(plan.layers[i]) for i in g},
-                             {m: f"ipc://{os.path.join(llm._ipc_dir, f'group-{self.formed}-{m}')}" for m in g[1:]},
-                             {i: llm.handles[i].pid for i in g})  # each member watches its peers' processes
+                             {m: llm.group_address(f"group-{self.formed}-{m}") for m in g[1:]},
+                             {i: llm.worker_pid(i) for i in g})  # each member watches its peers' processes
             for m in g:
-                llm._send(m, ("group", spec))
+                llm.send(m, Group(spec))
             self.waiting_heads.add(g[0])
             self.exchanging.add(g[0])
             self.ctl.note("exchange", now, tuple(g), layers={i: list(plan.layers[i]) for i in g})
@@ -127,8 +165,7 @@ class DropCoordinator(PressureLog):
             for rid in request_ids:
                 t = llm.by_wid.get(rid)
                 if t is not None:
-                    llm.monitor.on_finish(t.instance, t.rid)
-                    llm._failover(t)
+                    llm.recompute(t, t.instance, abort=False)
             return
         for rid in request_ids:  # the other members' requests now run on the head
             t = llm.by_wid.get(rid)
@@ -191,7 +228,7 @@ class DropCoordinator(PressureLog):
         self.dropped.pop(i, None)
         self.layers.pop(i, None)
         for s in sorted(survivors - {i}):
-            self.llm._send(s, ("ungroup",))
+            self.llm.send(s, Ungroup())
 
     def on_ungrouped(self, i: int, lost: list[str], num_blocks: int, now: float) -> None:
         """A survivor restored its layers; the requests it held lost their KV of the peer's layers
@@ -204,14 +241,7 @@ class DropCoordinator(PressureLog):
         for rid in lost:
             t = llm.by_wid.get(rid)
             if t is not None and t.instance == i:
-                llm.monitor.on_finish(i, t.rid)
-                llm._failover(t)
-
-    def target(self, wid: str) -> int | None:
-        return None  # hand-offs are not this mode's (it moves KV inside a group)
-
-    def forget(self, t: Any) -> bool:
-        return False
+                llm.recompute(t, i, abort=False)
 
     def snapshot(self) -> dict[str, Any]:
         groups = [list(g) for g in self.ctl.groups if len(g) > 1] if self.ctl is not None else []

@@ -1,5 +1,6 @@
-"""The front end's records: the cluster's configuration, what it knows of each request, and the
-model facts the HTTP server reads (no weights: those live in the workers)."""
+"""The front end's records: what it knows of each request, and the model facts the HTTP server
+reads (no weights: those live in the workers). The configuration is :mod:`tidal.cluster.config`'s
+(``ClusterConfig`` is re-exported here)."""
 
 from __future__ import annotations
 
@@ -7,28 +8,11 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from tidal.cluster.dispatch import ClusterLayout
+from tidal.cluster.config import ClusterConfig
 from tidal.config import EngineConfig
 from tidal.core.sampling import SamplingParams
 from tidal.engine.llm_engine import RequestSnapshot
 from tidal.runtime.kv_transfer import KVHandle
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    layout: ClusterLayout = field(default_factory=ClusterLayout)
-    prefill_batching: str | None = None  # the prefill instances' policy (default: the engine's batching)
-    router: str = "least-outstanding"
-    backend: str = "process"  # process | ray
-    ray_address: str | None = None
-    threads_per_instance: int | None = None  # default: the cores split evenly
-    transport: str = "shm"  # shm | ray (KV hand-offs)
-    layers_per_chunk: int = 8
-    tokens_per_chunk: int = 0
-    restart: bool = True
-    # more than a worker's longest wait for a kernel build elsewhere (tidal.config.start_wait_s: 600 s) and its own start
-    start_timeout_s: float = 900.0
-    kv_pressure: str = "preempt"  # preempt | drop (KunServe: tidal.runtime.pressure)
 
 
 @dataclass
@@ -70,18 +54,18 @@ class Tracked:
 class FrontEngine:
     """What the server reads of ``llm.engine``: tokenizer, shapes and config (no weights here)."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, checkpoint: Any = None):
         from tidal.engine.loader import load_checkpoint
         from tidal.engine.tokenizer import Tokenizer
 
         self.config = config
-        self.checkpoint = load_checkpoint(config.model.model)  # metadata only: weights load in the workers
+        # metadata only: weights load in the workers
+        self.checkpoint = checkpoint if checkpoint is not None else load_checkpoint(config.model.model)
         self.arch = self.checkpoint.arch
         self.tokenizer = Tokenizer.from_checkpoint(self.checkpoint)
         mc = config.model
         self.max_model_len = min(mc.max_model_len or self.arch.max_position_embeddings,
                                  self.arch.max_position_embeddings)
-        self.scheduler = type("SchedulerInfo", (), {"config": config.scheduler})()
         self.device, self.dtype = mc.device, mc.dtype
 
 

@@ -15,13 +15,15 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+from tidal.runtime.front import Front
+from tidal.runtime.protocol import Add, Finish, Reserve, Unsplit
 from tidal.runtime.records import Handoff, Tracked
 
 SPLIT_LOG = 4096  # split decisions kept for /admin/splits
 
 
 class SplitCoordinator:
-    def __init__(self, cluster: Any, planner: Any = None):
+    def __init__(self, cluster: Front, planner: Any = None):
         self.c = cluster
         self.step_table: Any = None  # a ProfileTable, when the default planner is used
         self.planner = planner if planner is not None else self._default_planner()
@@ -54,7 +56,7 @@ class SplitCoordinator:
         pairs = self.live_pairs()
         if not pairs or t.params.n > 1:  # a hand-off moves one sequence: n > 1 runs whole
             return None
-        max_tokens = t.params.max_tokens or max(1, c.engine.max_model_len - len(t.prompt_ids))
+        max_tokens = t.params.max_tokens or max(1, c.max_model_len - len(t.prompt_ids))
         d = self.planner.plan(t.rid, len(t.prompt_ids), max_tokens, None, c.now(), candidates=pairs)
         alpha, beta = d.pair
         s = d.split
@@ -66,24 +68,24 @@ class SplitCoordinator:
         t.instance = alpha if whole is None else whole
         c.monitor.on_dispatch(t.instance, t.rid, c.now())
         if whole is not None:
-            c._send(whole, ("add", t.wid, t.prompt_ids, t.params, t.priority, t.request_class, None))
+            c.send(whole, Add(t.wid, t.prompt_ids, t.params, t.priority, t.request_class))
             return True
         blocks = -(-s // c.monitor.instances[beta].block_size)
         c.monitor.on_handoff_start(t.rid, beta, blocks)
         t.handoff = Handoff(alpha, None, blocks, -1, dst=beta, split=s)
-        c._send(alpha, ("add", t.wid, t.prompt_ids, t.params, t.priority, t.request_class, s))
-        c._send(beta, ("reserve", t.wid, t.prompt_ids, t.params, t.priority, t.request_class, s))
+        c.send(alpha, Add(t.wid, t.prompt_ids, t.params, t.priority, t.request_class, s))
+        c.send(beta, Reserve(t.wid, t.prompt_ids, t.params, t.priority, t.request_class, s))
         return True
 
     def unsplit(self, t: Tracked) -> None:
         """Beta cannot take its part: alpha keeps the whole request (or, if alpha already let it go,
         the request is recomputed elsewhere)."""
         h = t.handoff
-        self.c._drop_handoff(t)
+        self.c.drop_handoff(t)
         if h.alpha_done:
-            self.c._failover(t)
+            self.c.failover(t)
         else:
-            self.c._send(h.src, ("unsplit", t.wid))
+            self.c.send(h.src, Unsplit(t.wid))
 
     def on_split_done(self, i: int, rid: str, tokens: list[int], last_token_time: float | None) -> None:
         """Alpha reached its split point (its last chunk is on its way): beta gets alpha's tokens
@@ -95,11 +97,11 @@ class SplitCoordinator:
         h = t.handoff
         if h is None or h.split is None or h.dst is None:
             c.monitor.on_finish(i, rid)
-            c._failover(t)  # alpha let go of a request whose beta part was refused: recompute
+            c.failover(t)  # alpha let go of a request whose beta part was refused: recompute
             return
         h.alpha_done = True
         self.planner.on_handoff(rid)
-        c._send(h.dst, ("finish", rid, list(tokens), t.text_sent, last_token_time))
+        c.send(h.dst, Finish(rid, list(tokens), t.text_sent, last_token_time))
 
 
 __all__ = ["SPLIT_LOG", "SplitCoordinator"]

@@ -1,25 +1,13 @@
 """One engine instance in its own process (or Ray actor): commands in, outputs and status out.
 
 The control path is ZeroMQ: the front end PUSHes commands to each worker's socket and PULLs
-every worker's messages from one socket. Messages are tuples of plain data (pickled); KV never
-travels on this path, only :class:`tidal.runtime.kv_transfer.KVHandle`s naming the chunks.
-
-Commands (front end -> worker): ``add`` (with a split point for DynaServe's alpha part),
-``abort``, ``import`` (a snapshot without KV; paused when its KV follows in chunks, recomputed
-otherwise), ``reserve`` (DynaServe's beta part: a paused request for KV that streams in while
-alpha computes; it takes blocks chunk by chunk as the KV lands), ``kv`` (one chunk of a paused
-import; the last one resumes it), ``finish`` (alpha's sampled tokens and the time of its last
-one: resumes a reserved beta part once all its KV is here), ``unsplit`` (alpha keeps the whole
-request), ``migrate`` (move a running request with its KV, as a hand-off: the Llumnix-like
-baseline, :mod:`tidal.runtime.migrate`), ``group`` (KunServe: become the head or a stage of a pipeline group,
-:mod:`tidal.runtime.group`), ``ungroup``, ``restore``, ``shutdown``.
-
-Messages (worker -> front end): ``ready``, ``out`` (RequestOutputs of a step plus the instance's
-status), ``rejected``, ``handoff`` (a prefill instance finished a request's prefill: its
-snapshot; chunks follow), ``kv`` (a chunk written), ``split_done`` (an alpha part reached its
-split point; all its chunks were sent), ``landed`` / ``refused`` (a hand-off's import or a
-reservation), ``unmoved`` (a migration that cannot start), ``grouped`` (a drop took effect: the requests that moved
-here, the pool, the layers held), ``exchange_done`` (every request's KV is where the group needs it), ``fatal``.
+every worker's replies from one socket. Both are the typed messages of
+:mod:`tidal.runtime.protocol` (one dataclass each, versioned frames); KV never travels on this
+path, only :class:`tidal.runtime.kv_transfer.KVHandle`s naming the chunks. Each command has a
+handler here (``on_<command>``, by type in :meth:`Worker.handle`); a client's
+:class:`~tidal.core.scheduler.RequestRejected` is answered (``Rejected``, or ``Refused`` for an
+import), any other exception is the worker's failure (``Fatal``, then it exits and the front end
+re-runs its requests).
 
 A prefill worker (BucketServe's disaggregation) pauses each request after its first token,
 then writes one KV chunk per loop turn between its steps, so it keeps computing while the
@@ -35,7 +23,6 @@ import contextlib
 import faulthandler
 import logging
 import os
-import pickle
 import signal
 import sys
 import time
@@ -45,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tidal.common.progress import set_startup_label
+from tidal.runtime import protocol as P
 
 log = logging.getLogger("tidal.worker")
 CHUNK_BUDGET_S = 0.01  # time a worker spends putting hand-off chunks between two steps
@@ -54,8 +42,7 @@ CHUNK_BUDGET_S = 0.01  # time a worker spends putting hand-off chunks between tw
 class WorkerConfig:
     index: int
     role: str  # colocated | prefill | decode
-    engine_kwargs: dict[str, Any]
-    num_threads: int
+    engine: Any  # EngineConfig: its role's, whole (tidal.cluster.config.ServingConfig.engine_for)
     cmd_address: str  # the worker PULLs its commands here
     out_address: str  # and PUSHes its messages here
     transport: str = "shm"
@@ -85,12 +72,11 @@ class _Export:
 
 
 def instance_status(engine: Any, index: int, step_time_s: float | None = None) -> Any:
-    from tidal.cluster.handoff import handoff_blocks
     from tidal.cluster.monitor import InstanceStatus
 
     sched, kv = engine.scheduler, engine.kv_manager
     bs = kv.block_size
-    queued = sum(handoff_blocks(r.num_tokens, bs) for r in sched.waiting)
+    queued = sched.queued_block_demand()
     p = d = 0
     ctx = 0.0
     plan = getattr(engine, "last_plan", None)
@@ -98,8 +84,7 @@ def instance_status(engine: Any, index: int, step_time_s: float | None = None) -
         dec = [c.context_len for c in plan.chunks if c.is_decode]
         p, d = plan.composition.num_prefill_tokens, len(dec)
         ctx = sum(dec) / d if d else 0.0
-    head = sched.swapped[0] if sched.swapped else sched.waiting[0] if sched.waiting else None
-    hol = handoff_blocks(head.num_tokens, bs) if head is not None else 0
+    hol = sched.hol_block_demand()  # the simulator's definition too (a swapped head: its host blocks)
     return InstanceStatus(index, kv.num_blocks, kv.num_free_blocks, bs, sched.num_running, sched.num_waiting,
                           queued, step_time_s, sched.num_preemptions, hol, step_prefill_tokens=p,
                           step_decode_count=d, step_decode_context=ctx, batching=engine.config.scheduler.batching,
@@ -125,7 +110,6 @@ class Worker:
     def __init__(self, cfg: WorkerConfig):
         import zmq
 
-        from tidal.config import EngineConfig
         from tidal.engine.llm_engine import LLMEngine
         from tidal.runtime.kv_transfer import build_transport
 
@@ -136,8 +120,7 @@ class Worker:
         self.out = self.ctx.socket(zmq.PUSH)
         self.out.setsockopt(zmq.LINGER, 2000)
         self.out.connect(cfg.out_address)
-        kwargs = dict(cfg.engine_kwargs, num_threads=cfg.num_threads)
-        self.engine = LLMEngine(EngineConfig.from_kwargs(**kwargs))
+        self.engine = LLMEngine(cfg.engine)
         from tidal.engine.loader import clear_cache
 
         clear_cache()  # a worker builds one engine: a per-process copy of the weights would only cost memory
@@ -151,106 +134,125 @@ class Worker:
         self.head: Any = None  # KunServe: this worker heads a pipeline group (tidal.runtime.group)
         self.tail: Any = None  # or is the tail stage of one
         self.running = True
+        self._handlers = self._handler_table()  # command type -> its handler
 
     # ---------------------------------------------------------------- messages
-    def send(self, *msg: Any) -> None:
-        self.out.send(pickle.dumps((self.cfg.index, self.cfg.generation, *msg), protocol=pickle.HIGHEST_PROTOCOL))
+    def send(self, reply: Any) -> None:
+        from tidal.runtime.protocol import encode_reply
+
+        self.out.send(encode_reply(self.cfg.index, self.cfg.generation, reply))
 
     def status(self, step_time_s: float | None = None) -> Any:
         return instance_status(self.engine, self.cfg.index, step_time_s)
 
-    def handle(self, msg: tuple) -> None:
+    def handle(self, cmd: Any) -> None:
+        """Run one command (:mod:`tidal.runtime.protocol`). Only a client's
+        :class:`~tidal.core.scheduler.RequestRejected` is answered here (``Rejected`` /
+        ``Refused``); any other exception propagates: the worker fails (``Fatal``) and the front
+        end counts it and re-runs its requests elsewhere."""
+        self._handlers[type(cmd)](cmd)
+
+    def _handler_table(self) -> dict[type, Any]:
+        return {P.Add: self.on_add, P.Reserve: self.on_reserve, P.Finish: self.on_finish, P.Unsplit: self.on_unsplit,
+                P.Abort: self.on_abort, P.Import: self.on_import, P.KVChunk: self.on_kv, P.Migrate: self.on_migrate,
+                P.Group: self.on_group, P.Ungroup: lambda _: self.ungroup(), P.Restore: self.on_restore,
+                P.Shutdown: self.on_shutdown}
+
+    def on_add(self, cmd: Any) -> None:
         from tidal.core.scheduler import RequestRejected
 
-        kind = msg[0]
-        e = self.engine
-        if kind == "add":
-            _, rid, prompt_ids, params, priority, rclass, pause_at = msg
-            try:
-                e.add_request(rid, None, params, prompt_token_ids=prompt_ids, priority=priority, request_class=rclass,
-                              pause_at=pause_at)
-            except (RequestRejected, ValueError) as err:
-                self.send("rejected", rid, str(err), getattr(err, "param", None))
-                return
-            if pause_at is not None:
-                self.exports.append(_Export(rid, stream=True))
-        elif kind == "reserve":
-            _, rid, prompt_ids, params, priority, rclass, num_kv = msg
-            try:
-                e.reserve_import(rid, prompt_ids, params, num_kv, priority, rclass, hold_tokens=0)
-            except (RequestRejected, ValueError) as err:
-                self.send("refused", rid, str(err))
-                return
-            self.importing.add(rid)
-        elif kind == "finish":
-            rid = msg[1]
-            if rid in self.importing:
-                self.waiting_kv.setdefault(rid, deque()).append(msg)
-                self.land_arrived()
-        elif kind == "unsplit":
-            rid = msg[1]
-            for ex in list(self.exports):
-                if ex.request_id == rid and ex.stream:
-                    self.exports.remove(ex)
-            req = e.scheduler.requests.get(rid)
-            if req is not None:
-                req.pause_at = None
-                if rid in e.scheduler.paused:
-                    e.resume_request(rid)
-        elif kind == "abort":
-            rid = msg[1]
-            e.abort_request(rid)
-            self.handing_off.discard(rid)
-            self.importing.discard(rid)
-            self.waiting_kv.pop(rid, None)  # their handles are the front end's to release
-            for ex in list(self.exports):
-                if ex.request_id == rid:
-                    self.exports.remove(ex)
-            if self.head is not None:
-                self.head.forget(rid)
-        elif kind == "import":
-            _, snap, paused = msg
-            try:
-                e.import_request(snap, paused=paused)
-            except (RequestRejected, ValueError) as err:
-                self.send("refused", snap.request_id, str(err))
-                return
-            if paused:
-                self.importing.add(snap.request_id)
-        elif kind == "kv":
-            rid = msg[1]
-            if rid not in self.importing:
-                return  # not ours (refused or aborted): the front end still owns the handle
-            self.waiting_kv.setdefault(rid, deque()).append(msg)
-            self.land_arrived()
-        elif kind == "migrate":
-            self.migrate(msg[1])
-        elif kind == "group":  # KunServe Sec. 4.1-4.2: become the head or a stage of a pipeline group
-            spec = msg[1]
-            from tidal.runtime.group import GroupHead, GroupTail
-            from tidal.runtime.peer import PeerLost
+        try:
+            self.engine.add_request(cmd.request_id, None, cmd.params, prompt_token_ids=cmd.prompt_ids,
+                                    priority=cmd.priority, request_class=cmd.request_class, pause_at=cmd.pause_at)
+        except RequestRejected as err:
+            self.send(P.Rejected(cmd.request_id, str(err), err.param))
+            return
+        if cmd.pause_at is not None:
+            self.exports.append(_Export(cmd.request_id, stream=True))
 
-            try:
-                pieces = self.leave_group()
-                if spec.head == self.cfg.index:
-                    self.head = GroupHead(self, spec, pieces)
-                    self.send("grouped", "head", spec.members, self.head.moved, e.kv_manager.num_blocks,
-                              e.model.layer_ids)
-                else:
-                    self.tail = GroupTail(self, spec, pieces)
-                    self.send("grouped", "tail", spec.members, self.tail.lost, e.kv_manager.num_blocks,
-                              e.model.layer_ids)
-            except PeerLost:
-                self.ungroup()
-                return
-            self.send("idle", self.status())
-        elif kind == "ungroup":  # a member of the group failed (the front end saw it)
+    def on_reserve(self, cmd: Any) -> None:
+        from tidal.core.scheduler import RequestRejected
+
+        try:
+            self.engine.reserve_import(cmd.request_id, cmd.prompt_ids, cmd.params, cmd.num_kv_tokens, cmd.priority,
+                                       cmd.request_class, hold_tokens=0)
+        except RequestRejected as err:
+            self.send(P.Refused(cmd.request_id, str(err)))
+            return
+        self.importing.add(cmd.request_id)
+
+    def on_finish(self, cmd: Any) -> None:
+        if cmd.request_id in self.importing:
+            self.waiting_kv.setdefault(cmd.request_id, deque()).append(cmd)
+            self.land_arrived()
+
+    def on_unsplit(self, cmd: Any) -> None:
+        rid, e = cmd.request_id, self.engine
+        for ex in list(self.exports):
+            if ex.request_id == rid and ex.stream:
+                self.exports.remove(ex)
+        e.cancel_pause(rid)
+
+    def on_abort(self, cmd: Any) -> None:
+        rid = cmd.request_id
+        self.engine.abort_request(rid)
+        self.handing_off.discard(rid)
+        self.importing.discard(rid)
+        self.waiting_kv.pop(rid, None)  # their handles are the front end's to release
+        for ex in list(self.exports):
+            if ex.request_id == rid:
+                self.exports.remove(ex)
+        if self.head is not None:
+            self.head.forget(rid)
+
+    def on_import(self, cmd: Any) -> None:
+        from tidal.core.scheduler import RequestRejected
+
+        try:
+            self.engine.import_request(cmd.snapshot, paused=cmd.paused)
+        except RequestRejected as err:
+            self.send(P.Refused(cmd.snapshot.request_id, str(err)))
+            return
+        if cmd.paused:
+            self.importing.add(cmd.snapshot.request_id)
+
+    def on_kv(self, cmd: Any) -> None:
+        if cmd.request_id not in self.importing:
+            return  # not ours (refused or aborted): the front end still owns the handle
+        self.waiting_kv.setdefault(cmd.request_id, deque()).append(cmd)
+        self.land_arrived()
+
+    def on_migrate(self, cmd: Any) -> None:
+        self.migrate(cmd.request_id)
+
+    def on_group(self, cmd: Any) -> None:
+        """KunServe Sec. 4.1-4.2: become the head or a stage of a pipeline group."""
+        from tidal.runtime.group import GroupHead, GroupTail
+        from tidal.runtime.peer import PeerLost
+
+        spec, e = cmd.spec, self.engine
+        try:
+            pieces = self.leave_group()
+            if spec.head == self.cfg.index:
+                self.head = GroupHead(self, spec, pieces)
+                self.send(P.Grouped("head", spec.members, self.head.moved, e.kv_manager.num_blocks, e.model.layer_ids))
+            else:
+                self.tail = GroupTail(self, spec, pieces)
+                self.send(P.Grouped("tail", spec.members, self.tail.lost, e.kv_manager.num_blocks, e.model.layer_ids))
+        except PeerLost:
             self.ungroup()
-        elif kind == "restore":  # KunServe Sec. 4.4: the pressure is gone; overlapped with serving
-            if self.head is None or not self.head.begin_restore():
-                self.send("restored", "refused", e.kv_manager.num_blocks, e.model.layer_ids, 0, {})
-        elif kind == "shutdown":
-            self.running = False
+            return
+        self.send(P.Idle(self.status()))
+
+    def on_restore(self, cmd: Any) -> None:
+        """KunServe Sec. 4.4: the pressure is gone; overlapped with serving."""
+
+        if self.head is None or not self.head.begin_restore():
+            e = self.engine
+            self.send(P.Restored("refused", e.kv_manager.num_blocks, e.model.layer_ids))
+
+    def on_shutdown(self, cmd: Any) -> None:
+        self.running = False
 
     def leave_group(self) -> dict:
         """Before joining a new group (Fig. 6 merges groups): a head collapses its group (its
@@ -273,7 +275,7 @@ class Worker:
         g = self.head or self.tail
         if g is None and not e.dropped_weight_bytes:
             return
-        lost = list(e._groups)
+        lost = e.request_ids()
         e.abort_request(lost)
         self.waiting_kv.clear()  # their chunks' handles are the front end's to release
         self.importing.clear()
@@ -287,8 +289,8 @@ class Worker:
         self.head = self.tail = None
         if e.dropped_weight_bytes:
             e.restore_layers(sorted(e.dropped_weight_bytes))
-        self.send("ungrouped", lost, e.kv_manager.num_blocks)
-        self.send("idle", self.status())
+        self.send(P.Ungrouped(lost, e.kv_manager.num_blocks))
+        self.send(P.Idle(self.status()))
 
     # ---------------------------------------------------------------- imports
     def land_arrived(self) -> None:
@@ -303,8 +305,8 @@ class Worker:
         for rid, q in list(self.waiting_kv.items()):
             while q:
                 msg = q[0]
-                if msg[0] == "kv":
-                    handle, last = msg[2], msg[3]
+                if isinstance(msg, P.KVChunk):
+                    handle, last = msg.handle, msg.last
                     if not e.grow_import(rid, handle.spec.end):
                         break
                     try:
@@ -318,11 +320,11 @@ class Worker:
                     if not last:
                         continue
                     e.resume_request(rid)
-                else:  # ("finish", rid, alpha's tokens, text sent, alpha's last token time)
-                    e.finish_import(rid, msg[2], msg[3], msg[4])
+                else:  # P.Finish: alpha's tokens, the text sent, alpha's last token time
+                    e.finish_import(rid, msg.tokens, msg.text_sent, msg.last_token_time)
                     q.popleft()
                 self.importing.discard(rid)
-                self.send("landed", rid)
+                self.send(P.Landed(rid))
             if not q:
                 self.waiting_kv.pop(rid, None)
 
@@ -338,7 +340,7 @@ class Worker:
         self.waiting_kv.pop(rid, None)
         self.importing.discard(rid)
         self.engine.abort_request(rid)
-        self.send("refused", rid, why)
+        self.send(P.Refused(rid, why))
 
     # ---------------------------------------------------------------- hand-offs (prefill role)
     def start_handoffs(self, outs: list) -> None:
@@ -360,19 +362,15 @@ class Worker:
         chunks = plan_chunks(e.model.layer_ids, 0, meta.num_computed_tokens, self.cfg.layers_per_chunk,
                              self.cfg.tokens_per_chunk or None)
         blocks = handoff_blocks(meta.num_computed_tokens, e.kv_manager.block_size)
-        self.send("handoff", rid, meta, blocks, len(chunks))
+        self.send(P.HandoffStarted(rid, meta, blocks, len(chunks)))
         self.exports.append(_Export(rid, deque(chunks)))
 
     def migrate(self, rid: str) -> None:
         """The ``migrate`` baseline (Llumnix-like, KunServe Sec. 2.3): move a decoding request with
         its KV to another instance, as a hand-off. Only a running request that has sampled a token
         and holds one sequence moves; otherwise ``unmoved`` (it finished, or waits preempted)."""
-        e = self.engine
-        req = e.scheduler.requests.get(rid)
-        group = e._groups.get(rid)
-        if (req is None or rid in self.handing_off or rid in self.importing or req not in e.scheduler.running
-                or not req.output_token_ids or req.in_prefill or req.is_finished or group is None or len(group.children) != 1):
-            self.send("unmoved", rid)
+        if rid in self.handing_off or rid in self.importing or not self.engine.is_movable(rid):
+            self.send(P.Unmoved(rid))
             return
         self.hand_off(rid)
 
@@ -419,7 +417,7 @@ class Worker:
             spec = ex.chunks.popleft()
             handle = self.transport.put(e.export_kv(ex.request_id, list(spec.layers), spec.start, spec.end), spec)
             last = not ex.chunks and not ex.stream
-            self.send("kv", ex.request_id, handle, last)
+            self.send(P.KVChunk(ex.request_id, handle, last))
             if not last:
                 return True
         self.exports.remove(ex)
@@ -428,7 +426,7 @@ class Worker:
             req = e.scheduler.requests.get(ex.request_id)
             if req is None:
                 return True  # it finished here: its outputs said so
-            self.send("split_done", ex.request_id, list(req.output_token_ids), req.last_token_time)
+            self.send(P.SplitDone(ex.request_id, list(req.output_token_ids), req.last_token_time))
         e.abort_request(ex.request_id)  # its KV now lives in the chunks
         return True
 
@@ -438,7 +436,7 @@ class Worker:
 
         from tidal.runtime.peer import PeerLost
 
-        self.send("ready", self.status(), self.engine.describe_weights(), self.engine.model.layer_weight_bytes())
+        self.send(P.Ready(self.status(), self.engine.describe_weights(), self.engine.model.layer_weight_bytes()))
         poller = zmq.Poller()
         poller.register(self.cmd, zmq.POLLIN)
         while self.running:
@@ -459,11 +457,11 @@ class Worker:
                 self.tail.close()
                 self.tail = None
                 e.restore_layers(sorted(e.dropped_weight_bytes))
-                self.send("restored", "tail", e.kv_manager.num_blocks, e.model.layer_ids, 0, {})
-                self.send("idle", self.status())
+                self.send(P.Restored("tail", e.kv_manager.num_blocks, e.model.layer_ids))
+                self.send(P.Idle(self.status()))
                 return
             if poller.poll(0):
-                self.handle(pickle.loads(self.cmd.recv()))
+                self.handle(P.decode_command(self.cmd.recv()))
             return
         busy = (e.has_runnable_requests() or any(x.ready for x in self.exports)
                 or (self.head is not None and self.head.busy))
@@ -473,7 +471,7 @@ class Worker:
                     raw = self.cmd.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                self.handle(pickle.loads(raw))
+                self.handle(P.decode_command(raw))
                 if not self.running:
                     return
         if self.exports:
@@ -487,7 +485,7 @@ class Worker:
             if self.waiting_kv and not e.has_runnable_requests():
                 self.refuse_stuck_import()
         elif not busy:
-            self.send("idle", self.status())
+            self.send(P.Idle(self.status()))
         if self.head is not None and self.head.restoring is not None:
             self.advance_restore()
 
@@ -498,12 +496,12 @@ class Worker:
         if done is None:
             return
         if done:
-            self.send("restored", "head", e.kv_manager.num_blocks, e.model.layer_ids, self.head.num_back,
-                      self.head.restore_stats)
+            self.send(P.Restored("head", e.kv_manager.num_blocks, e.model.layer_ids, self.head.num_back,
+                                 self.head.restore_stats))
             self.head = None
         else:
-            self.send("restored", "refused", e.kv_manager.num_blocks, e.model.layer_ids, 0, {})
-        self.send("idle", self.status())
+            self.send(P.Restored("refused", e.kv_manager.num_blocks, e.model.layer_ids))
+        self.send(P.Idle(self.status()))
 
     def step(self) -> None:
         """One engine step, then what follows it: hand-offs to start, alpha parts' KV to queue,
@@ -517,7 +515,7 @@ class Worker:
             self.stream_splits()
         if self.waiting_kv:
             self.land_arrived()  # the step may have freed blocks
-        self.send("out", outs, self.status(dt))
+        self.send(P.Out(outs, self.status(dt)))
 
     def close(self) -> None:
         if self.head is not None:
@@ -549,7 +547,7 @@ def worker_main(cfg: WorkerConfig) -> None:
     except BaseException as e:  # noqa: BLE001 - report, then die: the front end restarts us
         if worker is not None:
             with contextlib.suppress(Exception):
-                worker.send("fatal", f"{type(e).__name__}: {e}", traceback.format_exc())
+                worker.send(P.Fatal(f"{type(e).__name__}: {e}", traceback.format_exc()))
         raise
     finally:
         if worker is not None:

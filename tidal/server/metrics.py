@@ -58,7 +58,7 @@ class _EngineCollector:
                           s.get("kv_cache_usage_perc", 0.0))
         yield self._gauge("tidal:num_kv_blocks_used", "KV blocks in use.", total - free)
         yield self._gauge("tidal:num_kv_blocks_total", "KV blocks in the pool.", total)
-        cap = batch_size_cap(s, self.llm.engine.scheduler.config.max_num_seqs)
+        cap = batch_size_cap(s, self.llm.engine.config.scheduler.max_num_seqs)
         yield self._gauge("tidal:batch_size_cap", "Current cap on running requests.", cap)
         pre = CounterMetricFamily("tidal:num_preemptions", "Preemptions since start.", labels=["model_name"])
         pre.add_metric([self.model_name], float(s.get("num_preemptions", 0)))

@@ -101,14 +101,6 @@ class HardwareSpec:
         ``utilization * memory_bytes`` less weights, reserved memory and activations (CUDA)."""
         return "budget" if self.kv_budget_bytes is not None else "fraction"
 
-    @property
-    def effective_flops(self) -> float:
-        return self.peak_flops * self.compute_efficiency
-
-    @property
-    def effective_bandwidth(self) -> float:
-        return self.mem_bandwidth * self.memory_efficiency
-
 
 _GPU_COMMON = dict(step_overhead_s=1.5e-3, reserved_bytes=1 * GiB, kind="gpu", allreduce_latency_s=10e-6,
                    memory_efficiency=0.8)

@@ -97,16 +97,11 @@ class SimInstance:
 
     @property
     def queued_block_demand(self) -> int:
-        bs = self.kv.block_size
-        return sum(-(-(r.num_tokens + 1) // bs) for r in self.scheduler.waiting)
+        return self.scheduler.queued_block_demand()
 
     @property
     def hol_block_demand(self) -> int:
-        """Blocks the head of the queue needs: the first swapped request (it comes back first), else the first waiting."""
-        s = self.scheduler
-        if s.swapped:
-            return self.kv.num_host_blocks_of(s.swapped[0].request_id)
-        return -(-(s.waiting[0].num_tokens + 1) // self.kv.block_size) if s.waiting else 0
+        return self.scheduler.hol_block_demand()
 
     @property
     def num_running(self) -> int:

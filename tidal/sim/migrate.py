@@ -13,10 +13,23 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from tidal.cluster.moves import (
+    NO_DEADLINES,
+    Command,
+    FreeSource,
+    Move,
+    MoveKind,
+    Pause,
+    Phase,
+    Reserve,
+    Resume,
+    SendChunk,
+    moved_request,
+)
 from tidal.cluster.pressure import Migration, MigrationController
 from tidal.core.scheduler import RequestRejected
 from tidal.sim.loop import Event
-from tidal.sim.pressure import Call, LinkQueue, PressureHandler, copy_request, kv_chunk_bytes
+from tidal.sim.pressure import Call, LinkQueue, PressureHandler, kv_chunk_bytes
 
 if TYPE_CHECKING:
     from tidal.sim.instance import SimInstance
@@ -36,6 +49,7 @@ class MigrateHandler(PressureHandler):
         self.moved = 0
         self.moved_bytes = 0
         self.stall_s = 0.0
+        self.moves: dict[str, Move] = {}  # the moves in flight, by request
 
     def after_step(self, inst: SimInstance, now: float) -> list[Event]:
         self.watch(now)
@@ -52,35 +66,71 @@ class MigrateHandler(PressureHandler):
         return out
 
     def _start(self, m: Migration, now: float) -> Event | None:
+        """Drive one move of the pure machine (:class:`tidal.cluster.moves.Move`), the one the
+        runtime's moves follow too: reserve on the destination, pause the source, send the chunks."""
         assert self.sim is not None
-        src, dst = self.sim.instances[m.src], self.sim.instances[m.dst]
-        req = src.scheduler.requests[m.request_id]
-        try:
-            ok = dst.scheduler.add_running(copy_request(req, now, with_kv=True))
-        except RequestRejected:
-            ok = False
-        if not ok:
-            return None
-        dst.scheduler.pause(m.request_id)
-        src.scheduler.pause(m.request_id)
-        self.leaving[m.src] += m.blocks
-        self.incoming[m.dst] += m.blocks
+        req = self.sim.instances[m.src].scheduler.requests[m.request_id]
         chunks = kv_chunk_bytes(self.cfg, (0, self.cfg.model.num_layers), req.num_computed_tokens)
-        end = self.links.send(m.src, now, chunks)
-        self.moved_bytes += sum(chunks)
-        self.stall_s += end - now
-        return Call(end, lambda t, m=m: self._land(m, t))
+        move = Move(m.request_id, MoveKind.MIGRATE, m.src, m.blocks, len(chunks), dst=m.dst,
+                    deadlines=NO_DEADLINES)
+        self.moves[m.request_id] = move
+        return self._run(move, move.start(now), now, chunks)
 
-    def _land(self, m: Migration, now: float) -> list[Event]:
+    def _run(self, move: Move, cmds: list[Command], now: float, chunks: list[int] | None = None) -> Event | None:
+        """Carry out the machine's commands; feed back what they cause at once (a reservation's
+        answer, the source freed). Returns the landing of the chunks sent, if any."""
+        assert self.sim is not None
+        sim, rid = self.sim, move.request_id
+        event: Event | None = None
+        sent: list[int] = []
+        while cmds:
+            c = cmds.pop(0)
+            if isinstance(c, Reserve):
+                src, dst = sim.instances[move.src], sim.instances[c.dst]
+                try:
+                    ok = dst.scheduler.add_running(moved_request(src.scheduler.requests[rid], with_kv=True))
+                except RequestRejected:
+                    ok = False
+                if ok:
+                    dst.scheduler.pause(rid)  # its blocks are held until the KV lands
+                cmds += move.reserved(c.dst, now) if ok else move.refused(c.dst, now)
+            elif isinstance(c, Pause):
+                sim.instances[c.instance].scheduler.pause(rid)
+                self.leaving[move.src] += move.blocks
+                self.incoming[move.dst] += move.blocks
+            elif isinstance(c, SendChunk):
+                sent.append(c.index)
+            elif isinstance(c, FreeSource):
+                sim.instances[c.instance].scheduler.abort_requests([rid], now)  # its KV is on dst now
+                cmds += move.source_freed(now)
+            elif isinstance(c, Resume):
+                sim.instances[c.instance].scheduler.resume(rid)
+            else:  # the simulator has no deadlines to miss and no failures: nothing else is asked
+                raise AssertionError(f"unexpected move command {c!r}")
+        if sent:
+            assert chunks is not None
+            end = self.links.send(move.src, now, [chunks[k] for k in sent])
+            self.moved_bytes += sum(chunks[k] for k in sent)
+            self.stall_s += end - now
+            event = Call(end, lambda t, move=move, sent=tuple(sent): self._land(move, sent, t))
+        if move.over:
+            self.moves.pop(rid, None)
+        return event
+
+    def _land(self, move: Move, sent: tuple[int, ...], now: float) -> list[Event]:
         assert self.sim is not None
         sim = self.sim
-        src, dst = sim.instances[m.src], sim.instances[m.dst]
-        src.scheduler.abort_requests([m.request_id], now)  # its KV is on dst now: free it here
-        dst.scheduler.resume(m.request_id)
-        sim.monitor.on_move(m.request_id, m.src, m.dst)
-        self.leaving[m.src] -= m.blocks
-        self.incoming[m.dst] -= m.blocks
+        cmds: list[Command] = []
+        for k in sent:
+            cmds += move.chunk_landed(k, now)
+        landed = move.phase is Phase.LANDED
+        self._run(move, cmds, now)
+        assert landed and move.phase is Phase.DONE and move.dst is not None
+        sim.monitor.on_move(move.request_id, move.src, move.dst)
+        self.leaving[move.src] -= move.blocks
+        self.incoming[move.dst] -= move.blocks
         self.moved += 1
+        src, dst = sim.instances[move.src], sim.instances[move.dst]
         return [e for e in (sim._wake(dst, now), sim._wake(src, now)) if e is not None]
 
     def summary(self) -> dict[str, Any]:

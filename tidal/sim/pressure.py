@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tidal.cluster.handoff import DEFAULT_LAYERS_PER_CHUNK, plan_chunks
+from tidal.cluster.moves import moved_request
 from tidal.cluster.pressure import ChunkCost, ModelMemory, PressureDecision, ThrottleDetector
 from tidal.core.request import Request
 from tidal.sim.links import LinkSpec
@@ -88,14 +89,8 @@ def kv_chunk_bytes(cfg: PressureConfig, layers: tuple[int, int], num_tokens: int
 
 
 def copy_request(req: Request, now: float, with_kv: bool) -> Request:
-    """The request as another scheduler takes it: its tokens, and its computed KV if it moves."""
-    new = Request(req.request_id, req.prompt_token_ids, req.sampling_params, arrival_time=req.arrival_time,
-                  eos_token_ids=req.eos_token_ids, priority=req.priority, request_class=req.request_class)
-    new.output_token_ids = list(req.output_token_ids)
-    new.num_computed_tokens = req.num_computed_tokens if with_kv else 0
-    new.num_preemptions = req.num_preemptions
-    new.first_scheduled_time, new.first_token_time = req.first_scheduled_time, req.first_token_time
-    return new
+    """The request as another scheduler takes it (:func:`tidal.cluster.moves.moved_request`)."""
+    return moved_request(req, with_kv)
 
 
 class PressureHandler:

@@ -45,7 +45,6 @@ DEFAULT_OUTPUT = "results/sim.json"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from tidal.cluster.dispatch import MODES
     from tidal.cluster.handoff import DEFAULT_LAYERS_PER_CHUNK, DEFAULT_TOKENS_PER_CHUNK
-    from tidal.cluster.pressure import PRESSURE_MODES
     from tidal.sim.hardware import HARDWARE
     from tidal.sim.links import LINK_NAMES
     from tidal.sim.models import MODELS
@@ -64,10 +63,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="link KV hand-offs travel on (--mode disaggregate; default: nvlink on a GPU, BucketServe's "
                         "one-node testbed), or KV migrations, exchanges, activations and restored layers "
                         "(--kv-pressure migrate/drop; default ib-hdr, KunServe's 200 Gbps); shm on the cpu")
-    g.add_argument("--kv-pressure", default=None, choices=list(PRESSURE_MODES),
-                   help="what a throttled instance (its queue's KV does not fit) does: preempt (the scheduler's "
-                        "--preemption-mode alone), migrate (Llumnix-like: requests move with their KV to spare "
-                        "instances), drop (KunServe: groups drop replicated layers and run as pipelines)")
+    F.add_pressure_flags(p, defaults={"kv_pressure": None}, helps={
+        "kv_pressure": "what a throttled instance (its queue's KV does not fit) does: preempt (the scheduler's "
+                       "--preemption-mode alone), migrate (Llumnix-like: requests move with their KV to spare "
+                       "instances), drop (KunServe: groups drop replicated layers and run as pipelines); "
+                       "default: no handler (preempt, without the throttle log)"})
     g.add_argument("--no-lookahead", action="store_true",
                    help="--kv-pressure drop: token-count microbatches instead of KunServe's cost-balanced lookahead")
     g.add_argument("--kv-layers-per-chunk", type=int, default=DEFAULT_LAYERS_PER_CHUNK,

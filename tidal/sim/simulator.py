@@ -35,6 +35,18 @@ from tidal.cluster.decisions import Decision
 from tidal.cluster.dispatch import ClusterLayout, Dispatcher
 from tidal.cluster.handoff import handoff_blocks
 from tidal.cluster.monitor import GlobalMonitor
+from tidal.cluster.moves import (
+    NO_DEADLINES,
+    FreeSource,
+    Move,
+    MoveKind,
+    Pause,
+    Reserve,
+    Resume,
+    Retry,
+    SendChunk,
+    moved_request,
+)
 from tidal.cluster.router import Router, RouteRequest
 from tidal.core.plan import RequestUpdate
 from tidal.core.request import Request
@@ -151,6 +163,7 @@ class ClusterSimulator:
         self.handoff = handoff
         self.handoffs: list[Handoff] = []
         self._pending: dict[int, Handoff] = {}  # request index -> hand-off waiting for a decode instance
+        self._moves: dict[int, Move] = {}  # request index -> its move (tidal.cluster.moves), until it lands
         self._in_flight = 0
         self._max_pending = 0
         self._link_free = [0.0] * len(self.instances)  # when each prefill instance's link is free again
@@ -257,14 +270,18 @@ class ClusterSimulator:
 
     # ---------------------------------------------------------------- P/D hand-offs
     def _start_handoff(self, src: SimInstance, rid: str, now: float) -> list[Event | None]:
-        """``rid`` sampled its first token on prefill instance ``src`` (n = 1: every simulated request)."""
+        """``rid`` sampled its first token on prefill instance ``src`` (n = 1: every simulated
+        request). The move is the pure machine both shells drive (:class:`tidal.cluster.moves.Move`)."""
         assert self.handoff is not None
         req = src.scheduler.requests[rid]
-        src.scheduler.pause(rid)
         nchunks, nbytes, duration = self.handoff.cost(req.num_computed_tokens)
         h = Handoff(rid, self._index[rid], src.index, handoff_blocks(req.num_computed_tokens, src.block_size),
                     req.num_computed_tokens, nchunks, nbytes, duration, now)
         self.handoffs.append(h)
+        self._moves[h.index] = Move(rid, MoveKind.HANDOFF, src.index, h.blocks, nchunks, deadlines=NO_DEADLINES)
+        cmds = self._moves[h.index].start(now)  # pause on src, then ask for a decode instance
+        assert isinstance(cmds[0], Pause) and isinstance(cmds[1], Reserve)
+        src.scheduler.pause(rid)
         self._pending[h.index] = h
         self._max_pending = max(self._max_pending, len(self._pending))
         out = self._try(h, now)
@@ -272,23 +289,25 @@ class ClusterSimulator:
         return out
 
     def _try(self, h: Handoff, now: float) -> list[Event | None]:
+        """The machine's ``Reserve``: the dispatcher's decode instance holds a paused copy, or
+        (none has room) the hand-off stays pending, or (the copy does not fit) it is refused."""
         dst_index = self.dispatcher.choose_decode(h.request_id, h.blocks, now)
         if dst_index is None:
             return []  # pending: the monitor shows it; the request keeps its blocks on src
+        move = self._moves[h.index]
         src, dst = self.instances[h.src], self.instances[dst_index]
-        sreq = src.scheduler.requests[h.request_id]
-        req = Request(h.request_id, sreq.prompt_token_ids, sreq.sampling_params, arrival_time=now)
-        req.output_token_ids = list(sreq.output_token_ids)
-        req.num_computed_tokens = sreq.num_computed_tokens
         try:
-            ok = dst.scheduler.add_running(req)
+            ok = dst.scheduler.add_running(moved_request(src.scheduler.requests[h.request_id], with_kv=True))
         except RequestRejected:
             ok = False
-        if not ok:  # refused (the runtime's "refused"): retried later
+        if not ok:  # refused (the runtime's "refused"): the machine retries at the next report
+            assert isinstance(move.refused(dst_index, now)[0], Retry)
             self.monitor.on_handoff(h.request_id, h.src, dst_index, ok=False)
             h.refusals += 1
             return []
         dst.scheduler.pause(h.request_id)  # its blocks are held until the last chunk lands
+        sends = move.reserved(dst_index, now)
+        assert len(sends) == h.num_chunks and all(isinstance(c, SendChunk) for c in sends)
         del self._pending[h.index]
         h.dst, h.chosen_s = dst_index, now
         h.start_s = max(now, self._link_free[h.src])  # chunks one after the other on src's link
@@ -317,9 +336,13 @@ class ClusterSimulator:
 
     def _land(self, h: Handoff, now: float) -> list[Event]:
         assert h.dst is not None
+        move = self._moves.pop(h.index)
+        cmds = [c for k in range(h.num_chunks) for c in move.chunk_landed(k, now)]
+        assert cmds == [Resume(h.dst), FreeSource(h.src)]
         src, dst = self.instances[h.src], self.instances[h.dst]
-        src.scheduler.abort_requests([h.request_id], now)  # after its last chunk the prefill frees it
         dst.scheduler.resume(h.request_id)
+        src.scheduler.abort_requests([h.request_id], now)  # after its last chunk the prefill frees it
+        move.source_freed(now)
         self.monitor.on_handoff(h.request_id, h.src, h.dst, ok=True)
         h.landed = True
         self._in_flight -= 1

@@ -1,0 +1,92 @@
+"""The configuration of several instances: one tree, validated once, sent to the workers whole.
+
+:class:`ServingConfig` is the root: the engine's :class:`~tidal.config.EngineConfig` (model,
+cache, scheduler) and the :class:`ClusterConfig` (layout, router, backend, KV transport and
+chunking, the ``--kv-pressure`` mode). Each part checks itself on construction and the root
+checks what spans parts (each role's policy, the pressure mode against the layout), so a bad
+combination is a one-line :class:`~tidal.config.ConfigError` before any worker starts. A worker
+gets its role's :class:`~tidal.config.EngineConfig` as an object (:meth:`ServingConfig.engine_for`),
+never a dictionary of keyword arguments to rebuild it from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from tidal.cluster.dispatch import ClusterLayout, check_role_policies, role_scheduler
+from tidal.cluster.pressure.events import PRESSURE_MODES, check_pressure_mode
+from tidal.cluster.router import ROUTERS
+from tidal.config import ConfigError, EngineConfig
+
+BACKENDS = ("process", "ray")
+TRANSPORTS = ("shm", "ray")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    layout: ClusterLayout = field(default_factory=ClusterLayout)
+    prefill_batching: str | None = None  # the prefill instances' policy (default: the engine's batching)
+    router: str = "least-outstanding"
+    backend: str = "process"  # process | ray
+    ray_address: str | None = None
+    threads_per_instance: int | None = None  # default: the cores split evenly
+    transport: str = "shm"  # shm | ray (KV hand-offs)
+    layers_per_chunk: int = 8
+    tokens_per_chunk: int = 0
+    restart: bool = True
+    # more than a worker's longest wait for a kernel build elsewhere (tidal.config.start_wait_s: 600 s) and its own start
+    start_timeout_s: float = 900.0
+    kv_pressure: str = "preempt"  # preempt | drop (KunServe: tidal.runtime.pressure) | migrate (tidal.runtime.migrate)
+
+    def __post_init__(self) -> None:
+        if self.router not in ROUTERS:
+            raise ConfigError(f"router must be one of {', '.join(ROUTERS)}; got {self.router!r}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"kv transport must be one of {', '.join(TRANSPORTS)}; got {self.transport!r}")
+        if self.threads_per_instance is not None and self.threads_per_instance <= 0:
+            raise ConfigError(f"threads per instance must be > 0, got {self.threads_per_instance}")
+        if self.layers_per_chunk < 0 or self.tokens_per_chunk < 0:
+            raise ConfigError("layers and tokens per KV chunk must be >= 0 (0: all in one chunk)")
+        if self.start_timeout_s <= 0:
+            raise ConfigError(f"start timeout must be > 0 s, got {self.start_timeout_s}")
+        if self.kv_pressure not in PRESSURE_MODES:
+            raise ConfigError(f"--kv-pressure must be one of {', '.join(PRESSURE_MODES)}; got {self.kv_pressure!r}")
+        try:  # what the layout alone decides; the model's layer count is checked where it is known
+            check_pressure_mode(self.kv_pressure, self.layout.instances, None, self.layout.mode != "colocate")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """The whole tree of a serving cluster (engine, scheduler, cache, cluster, pressure)."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+    def __post_init__(self) -> None:
+        from tidal.policies import check_policy
+
+        # each role's policy (BucketServe Sec. III: the prefill instances may batch by their own)
+        check_role_policies(self.engine.scheduler, self.cluster.layout, self.cluster.prefill_batching, check_policy)
+
+    def check_model(self, num_layers: int) -> None:
+        """What needs the model's shape (read once, from the checkpoint's metadata)."""
+        c = self.cluster
+        try:
+            check_pressure_mode(c.kv_pressure, c.layout.instances, num_layers, c.layout.mode != "colocate")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def engine_for(self, role: str, **model: object) -> EngineConfig:
+        """The engine config of an instance of ``role`` (its own policy and policy arguments), with
+        ``model`` fields set (the dtype resolved once for all, the instance's threads)."""
+        e = self.engine
+        return dataclasses.replace(e, model=dataclasses.replace(e.model, **model),
+                                   scheduler=role_scheduler(e.scheduler, role, self.cluster.prefill_batching))
+
+
+__all__ = ["BACKENDS", "TRANSPORTS", "ClusterConfig", "ServingConfig"]

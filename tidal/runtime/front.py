@@ -1,0 +1,50 @@
+"""What a coordinator (``--kv-pressure migrate`` / ``drop``, ``--mode split``) may use of the
+cluster front end: a narrow protocol, so a coordinator depends on these names only and its tests
+drive it with a small stand-in, never with :class:`~tidal.runtime.cluster.ClusterLLM`'s insides.
+All of it is called under the front end's lock (from the I/O thread or the event loop)."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from tidal.cluster.dispatch import ClusterLayout
+from tidal.cluster.monitor import GlobalMonitor
+from tidal.config import EngineConfig
+from tidal.runtime.records import Tracked
+
+
+class Front(Protocol):
+    config: EngineConfig
+    layout: ClusterLayout
+    monitor: GlobalMonitor
+    requests: dict[str, Tracked]  # by the client's request id
+    by_wid: dict[str, Tracked]  # by the id its current run has on the workers
+
+    @property
+    def ready(self) -> bool:
+        """Every instance reported ready once."""
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    def now(self) -> float: ...
+
+    def send(self, i: int, cmd: Any) -> None:
+        """Queue a :mod:`tidal.runtime.protocol` command for worker ``i``."""
+
+    def failover(self, t: Tracked) -> None:
+        """Re-run ``t`` from its prompt and streamed tokens where the router sends it."""
+
+    def recompute(self, t: Tracked, src: int, abort: bool = True) -> None:
+        """``t`` leaves instance ``src`` (told to abort it when ``abort``) and is re-run elsewhere."""
+
+    def drop_handoff(self, t: Tracked) -> None:
+        """Forget ``t``'s hand-off: its reservation on the target, and the chunks in flight."""
+
+    def group_address(self, name: str) -> str:
+        """A fresh control address for the workers of a pipeline group to talk on."""
+
+    def worker_pid(self, i: int) -> int | None: ...
+
+
+__all__ = ["Front"]
