@@ -90,6 +90,12 @@ def test_graphs_step_aside_when_the_layers_change(make_tiny_engine, monkeypatch)
     assert not chunks_ok([C()])
 
 
+def test_a_pipeline_stage_runs_eager(make_tiny_engine, monkeypatch):
+    monkeypatch.setattr(LLMEngine, "static_decode_on_cpu", True)
+    assert make_tiny_engine(layer_range=(0, 2)).runner.graphs is None  # no head: its steps give hidden states
+    assert make_tiny_engine(enforce_eager=True).runner.graphs is None
+
+
 def test_scratch_block_survives_grow_and_shrink(tiny_llama):
     kv = PagedKVCache(tiny_llama.arch, [0, 1], 6, 16, torch.float32, torch.device("cpu"), scratch_block=True)
     assert kv.layers[0].k.shape[0] == 7 and kv.scratch_block == 6

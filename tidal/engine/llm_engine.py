@@ -148,8 +148,10 @@ class LLMEngine:
         layer_ids = self.model.layer_ids
         self.kv_dtype = self.dtype if cc.kv_cache_dtype == "auto" else resolve_dtype(cc.kv_cache_dtype, self.device)
         self.model.set_attention(mc.attention_backend, self.kv_dtype)
-        # CUDA: decode steps replay CUDA graphs (engine/cuda_graph.py) unless --enforce-eager (or --compile)
-        graphs = (self.device.type == "cuda" or self.static_decode_on_cpu) and not mc.enforce_eager and not mc.compile
+        # CUDA: decode steps replay CUDA graphs (engine/cuda_graph.py) unless --enforce-eager (or --compile); a
+        # pipeline stage (a layer range) runs eager: its steps take and give hidden states
+        graphs = ((self.device.type == "cuda" or self.static_decode_on_cpu) and not mc.enforce_eager and not mc.compile
+                  and self.model.is_first and self.model.is_last)
         block_bytes = kv_block_bytes(arch, cc.block_size, self.kv_dtype, len(layer_ids))
         num_blocks = self._num_blocks(block_bytes, graphs)
         num_host = cc.swap_space // block_bytes if sc.preemption_mode == "swap" else 0
