@@ -31,7 +31,7 @@ def _decode_batch(engine: Any, n: int, context: int) -> tuple:
     a prefill of ``context`` random tokens."""
     import torch
 
-    from tidal.engine.model import AttentionBatch, DecodeGroup, PrefillSeq
+    from tidal.engine.attention import AttentionBatch, DecodeGroup, PrefillSeq
 
     bs, dev = engine.kv_manager.block_size, engine.device
     width = context // bs + 1

@@ -59,7 +59,7 @@ def _matmuls(tokens: list[int], repeats: int) -> list[dict]:
 def _attention(cases: list[tuple[int, int]], repeats: int) -> list[dict]:
     import torch
 
-    from tidal.engine.model import AttentionBatch, DecodeGroup, KVLayer, _decode_attention
+    from tidal.engine.attention import AttentionBatch, DecodeGroup, KVLayer, _decode_attention
     from tidal.engine.quant import _median_time
 
     rows, bs, heads, kv_heads, d = [], 16, 9, 3, 64

@@ -294,7 +294,7 @@ def test_float32_engine_uses_them_and_falls_back(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------ paged decode attention
 def _paged(n: int, heads: int, kv_heads: int, d: int, block_size: int, positions: list[int], seed: int = 0):
     """A shuffled KV pool, each decode's table pointing at its own blocks, padded with block 0."""
-    from tidal.engine.model import KVLayer
+    from tidal.engine.attention import KVLayer
 
     g = torch.Generator().manual_seed(seed)
     width = max(p // block_size + 1 for p in positions) + 1
@@ -318,7 +318,7 @@ def test_paged_attention_equals_the_gathered_sdpa(heads, kv_heads, d, positions,
     size that is not a multiple of 8, positions at 0, at a block's edge and mid-block; long
     contexts of a few decodes, which the kernel splits into spans merged afterwards (how many
     depends on the thread count)."""
-    from tidal.engine.model import AttentionBatch, DecodeGroup, _decode_attention
+    from tidal.engine.attention import AttentionBatch, DecodeGroup, _decode_attention
 
     bs = 4
     before = torch.get_num_threads()
@@ -412,7 +412,8 @@ def test_decode_layer_equals_the_python_layers(tmp_path, monkeypatch, kind, step
     chunk after 20 cached tokens."""
     from gguf import GGMLQuantizationType as QT
 
-    from tidal.engine.model import AttentionBatch, DecodeGroup, DecoderLayer, KVLayer, PrefillSeq
+    from tidal.engine.attention import AttentionBatch, DecodeGroup, KVLayer, PrefillSeq
+    from tidal.engine.model import DecoderLayer
 
     from .test_quant import _tiny_model
 

@@ -30,8 +30,9 @@ import torch.nn.functional as F
 
 from tidal.common.progress import startup_phase
 from tidal.core.plan import ScheduledChunk
+from tidal.engine.attention import AttentionBatch, DecodeGroup
 from tidal.engine.kv_cache import PagedKVCache
-from tidal.engine.model import AttentionBatch, DecodeGroup, LlamaModel
+from tidal.engine.model import LlamaModel
 
 MIN_WIDTH = 2  # blocks: widths 0 and 1 would specialize graphs of their own
 

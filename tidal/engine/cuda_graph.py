@@ -28,8 +28,9 @@ import torch
 
 from tidal.common.progress import startup_line, startup_phase
 from tidal.core.plan import ScheduledChunk
+from tidal.engine.attention import AttentionBatch, DecodeGroup
 from tidal.engine.kv_cache import PagedKVCache
-from tidal.engine.model import AttentionBatch, DecodeGroup, LlamaModel
+from tidal.engine.model import LlamaModel
 
 SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)  # then steps of 64
 

@@ -14,7 +14,7 @@ import torch
 
 from tidal.config import ModelArch
 from tidal.engine import hugepages
-from tidal.engine.model import KVLayer
+from tidal.engine.attention import KVLayer
 
 
 def _dtype_bytes(dtype: torch.dtype) -> int:

@@ -22,10 +22,11 @@ import torch
 
 from tidal.cluster.pressure.lookahead import ChunkCost
 from tidal.core.plan import ScheduledChunk, StepPlan, StepResult
+from tidal.engine.attention import AttentionBatch, DecodeGroup, KVLayer, PrefillSeq
 from tidal.engine.compiled import CompiledDecode
 from tidal.engine.cuda_graph import GraphedDecode
 from tidal.engine.kv_cache import PagedKVCache
-from tidal.engine.model import AttentionBatch, DecodeGroup, KVLayer, LlamaModel, PrefillSeq
+from tidal.engine.model import LlamaModel
 from tidal.engine.sampler import Sampler
 from tidal.engine.stage import StageLink, split_microbatches
 
