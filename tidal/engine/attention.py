@@ -11,6 +11,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+PARTITION = 512  # tokens of context a Triton decode program covers (a split of FlashDecoding)
+
+
+def num_splits(width_tokens: int) -> int:
+    """Spans the Triton kernel splits a decode's context into: a function of the block-table width alone
+    (here, not in triton_attention.py, so that sizing the CUDA graphs' pool needs no Triton)."""
+    return max(1, -(-width_tokens // PARTITION))
+
 
 # ------------------------------------------------------------------------------------ batch
 @dataclass

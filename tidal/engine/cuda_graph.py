@@ -28,7 +28,7 @@ import torch
 
 from tidal.common.progress import startup_line, startup_phase
 from tidal.core.plan import ScheduledChunk
-from tidal.engine.attention import AttentionBatch, DecodeGroup
+from tidal.engine.attention import AttentionBatch, DecodeGroup, num_splits
 from tidal.engine.kv_cache import PagedKVCache
 from tidal.engine.model import LlamaModel
 
@@ -56,8 +56,6 @@ def graph_pool_bytes(num_seqs: int, hidden: int, intermediate: int, vocab: int, 
     """An upper estimate of the graphs' memory pool (the largest graph's activations: its tensors are
     shared by every smaller one): a layer's activations (the residual, the QKV, MLP and attention
     rows), the attention's split partials in float32, and the float32 logits."""
-    from tidal.engine.triton_attention import num_splits
-
     per_row = (4 * hidden + 3 * intermediate + 4 * heads * head_dim) * dtype_bytes + vocab * 4
     splits = num_splits(width_tokens)
     return num_seqs * (per_row + heads * splits * (head_dim + 1) * 4) + (8 << 20)

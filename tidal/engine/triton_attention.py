@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-PARTITION = 512  # tokens of context a decode program covers (a split of FlashDecoding)
+from tidal.engine.attention import PARTITION, num_splits
+
 TILE_N = 32  # keys a loop iteration reads (two 16-token blocks)
 BLOCK_M = 32  # query rows of a prefill tile
 
@@ -79,11 +80,6 @@ def _decode_kernel(Q, K, V, Tables, Lens, Out, Lse, scale,
     tl.store(Out + n * son + heads[:, None] * soh + s * sos + d[None, :], out, mask=rmask[:, None])
     tl.store(Lse + n * sln + heads * slh + s, tl.where(has, m + tl.log(tl.where(has, lsum, 1.0)), float("-inf")),
              mask=rmask)
-
-
-def num_splits(width_tokens: int) -> int:
-    """Spans a decode's context is split into: a function of the block-table width alone."""
-    return max(1, -(-width_tokens // PARTITION))
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
