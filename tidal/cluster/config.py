@@ -37,6 +37,8 @@ class ClusterConfig:
     restart: bool = True
     # more than a worker's longest wait for a kernel build elsewhere (tidal.config.start_wait_s: 600 s) and its own start
     start_timeout_s: float = 900.0
+    # each step of a request's move (reserve, transfer, free: tidal.cluster.moves) before it falls back
+    move_timeout_s: float = 120.0
     kv_pressure: str = "preempt"  # preempt | drop (KunServe: tidal.runtime.pressure) | migrate (tidal.runtime.migrate)
 
     def __post_init__(self) -> None:
@@ -52,6 +54,8 @@ class ClusterConfig:
             raise ConfigError("layers and tokens per KV chunk must be >= 0 (0: all in one chunk)")
         if self.start_timeout_s <= 0:
             raise ConfigError(f"start timeout must be > 0 s, got {self.start_timeout_s}")
+        if self.move_timeout_s <= 0:
+            raise ConfigError(f"move timeout must be > 0 s, got {self.move_timeout_s}")
         if self.kv_pressure not in PRESSURE_MODES:
             raise ConfigError(f"--kv-pressure must be one of {', '.join(PRESSURE_MODES)}; got {self.kv_pressure!r}")
         try:  # what the layout alone decides; the model's layer count is checked where it is known

@@ -164,8 +164,8 @@ class Move:
             return []
         self.refusals += 1
         self.log.append((now, f"refused {'source' if dst is None else dst}"))
-        if dst is None:
-            return self._stay(now)
+        if dst is None:  # a destination already reserved lets its reservation (and any KV) go
+            return self._stay(now, release=self.dst is not None)
         if self.kind is MoveKind.HANDOFF:  # the chunks wait with the shell: another decode instance may take them
             self.dst, self.phase = None, Phase.RESERVING
             self.landed.clear()
@@ -177,8 +177,18 @@ class Move:
         if self.phase is not Phase.SENDING or not 0 <= index < self.num_chunks or index in self.landed:
             return []
         self.landed.add(index)
-        if len(self.landed) < self.num_chunks:
+        return self._all_landed(now) if len(self.landed) >= self.num_chunks else []
+
+    def all_landed(self, now: float) -> list[Command]:
+        """The destination says every chunk landed at once (the runtime's ``Landed``: its worker
+        counts the chunks, and a streamed split's count is known only when alpha reaches its
+        split point)."""
+        if self.phase is not Phase.SENDING:
             return []
+        self.landed = set(range(self.num_chunks))
+        return self._all_landed(now)
+
+    def _all_landed(self, now: float) -> list[Command]:
         assert self.dst is not None
         self.phase = Phase.LANDED
         self.deadline = now + self.deadlines.free_s

@@ -43,6 +43,7 @@ import zmq
 from tidal.cluster.config import ServingConfig
 from tidal.cluster.dispatch import Dispatcher
 from tidal.cluster.monitor import GlobalMonitor, InstanceStatus
+from tidal.cluster.moves import MoveDeadlines
 from tidal.cluster.router import RouteRequest, build_router
 from tidal.common.progress import startup_line
 from tidal.config import ConfigError, default_cpu_threads
@@ -109,6 +110,9 @@ class ClusterLLM(HandoffFront):
         # --mode split (or a given planner): DynaServe's coordinator (else None)
         self.split = SplitCoordinator(self, splitter) if splitter is not None or self.layout.split else None
         self.kv_bytes_moved = 0
+        d = cluster.move_timeout_s  # every step of a move has this long (tidal.cluster.moves)
+        self.move_deadlines = MoveDeadlines(reserve_s=d, transfer_s=d, free_s=d)
+        self.moves_ended: dict[str, int] = {}
         self.weights: list[str | None] = [None] * n  # what each worker runs (its ready message says)
         self.requests: dict[str, Tracked] = {}  # by the client's request id
         self.by_wid: dict[str, Tracked] = {}  # by the id its current run has on the workers (Tracked.wid)
@@ -287,7 +291,6 @@ class ClusterLLM(HandoffFront):
             if t is None:
                 return
             self.by_wid.pop(t.wid, None)
-            self._end_move(t)
             for i in {t.instance, *(() if t.handoff is None else (t.handoff.src, t.handoff.dst))}:
                 if i is not None and i >= 0:
                     self.send(i, P.Abort(t.wid))
@@ -311,7 +314,7 @@ class ClusterLLM(HandoffFront):
                 "num_kv_blocks": total, "num_free_kv_blocks": free,
                 "num_preemptions": sum(r.status.num_preemptions for r in inst),
                 "instance_failures": self.num_failures, "instance_restarts": self.num_restarts,
-                "failovers": self.num_failovers,
+                "failovers": self.num_failovers, "moves_ended": dict(self.moves_ended),
                 "splits": self.split.num_splits if self.split is not None else 0, "kv_bytes_moved": self.kv_bytes_moved,
                 "cluster": {"mode": self.layout.mode, "router": self.cluster.router, "backend": self.cluster.backend,
                             "threads_per_instance": self.threads, "weights": list(self.weights),
@@ -366,7 +369,6 @@ class ClusterLLM(HandoffFront):
         self.failover(t)
 
     def failover(self, t: Tracked) -> None:
-        self._end_move(t)
         self.drop_handoff(t)
         if self.splitter is not None:
             self.splitter.on_finish(t.rid, None)  # its planned parts are void; it runs whole now
@@ -383,10 +385,6 @@ class ClusterLLM(HandoffFront):
             return
         t.failovers += 1
         self.num_failovers += 1
-
-    def _end_move(self, t: Tracked) -> None:
-        if self.pressure is not None:
-            self.pressure.forget(t)  # a migration of ``t`` in flight: its reservation goes
 
     # ---------------------------------------------------------------- I/O thread
     def _deliver(self, t: Tracked, item: Any) -> None:
@@ -420,6 +418,7 @@ class ClusterLLM(HandoffFront):
                     with self._lock:
                         self._on_reply(*P.decode_reply(raw))
                 with self._lock:
+                    self.tick_moves(self.now())  # deadlines pass with no report too
                     for fd, i in sentinels.items():
                         h = self.handles[i]  # a Fatal reply may have replaced (or removed) it already
                         if h is not None and h.sentinel == fd and (fd in events or not h.alive()):
@@ -469,9 +468,7 @@ class ClusterLLM(HandoffFront):
         self.monitor.on_status(r.status, now)
         if self.split is not None:
             self.split.record_step(r.status)
-        for t in list(self.requests.values()):
-            if t.handoff is not None and t.handoff.dst is None:
-                self._try_handoff(t)
+        self.tick_moves(now)  # waiting hand-offs ask again; a move past its deadline falls back
         if self.pressure is not None:
             self.pressure.tick(now)
 
@@ -520,10 +517,10 @@ class ClusterLLM(HandoffFront):
             self.requests.pop(t.rid, None)
             self.by_wid.pop(t.wid, None)
             self.monitor.on_finish(i, t.rid)
-            self._end_move(t)
             h = t.handoff
-            if h is not None and h.split is not None:  # alpha finished before its split point
-                self.send(h.dst, P.Abort(t.wid))
+            if h is not None:  # alpha finished before its split point: beta's reservation goes
+                if h.dst is not None and h.dst != i:
+                    self.send(h.dst, P.Abort(t.wid))
                 self.drop_handoff(t)
             if self.splitter is not None:
                 self.splitter.on_finish(t.rid, len(t.tokens) if len(out.outputs) == 1 else None)
@@ -547,13 +544,9 @@ class ClusterLLM(HandoffFront):
         affected = [t for t in self.requests.values()
                     if t.rid in lost or t.instance == i
                     or (t.handoff is not None and i in (t.handoff.src, t.handoff.dst))]
-        for t in affected:
-            if t.handoff is not None:  # a hand-off touching the dead instance: recompute instead
-                for j in (t.handoff.src, t.handoff.dst):
-                    if j is not None and j != i:
-                        self.send(j, P.Abort(t.wid))
-                        self.monitor.on_finish(j, t.rid)
-            self.failover(t)
+        for t in affected:  # a move touching the dead instance ends as its machine says (it may stay)
+            if not self.on_instance_failed(t, i, self.now()):
+                self.failover(t)
         if self.unready_deaths[i] >= START_ATTEMPTS:  # it cannot start (its error is in the log above)
             log.error("instance %d died %d times before it was ready; not restarting it", i, self.unready_deaths[i])
             if not self._ready.is_set():  # the cluster is starting: start() fails with this

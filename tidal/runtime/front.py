@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 from tidal.cluster.dispatch import ClusterLayout
 from tidal.cluster.monitor import GlobalMonitor
+from tidal.cluster.moves import Command, MoveKind
 from tidal.config import EngineConfig
 from tidal.runtime.records import Tracked
 
@@ -39,7 +40,14 @@ class Front(Protocol):
         """``t`` leaves instance ``src`` (told to abort it when ``abort``) and is re-run elsewhere."""
 
     def drop_handoff(self, t: Tracked) -> None:
-        """Forget ``t``'s hand-off: its reservation on the target, and the chunks in flight."""
+        """End ``t``'s move from outside the machine: its reservation on the target, the chunks in flight."""
+
+    def begin_move(self, t: Tracked, kind: MoveKind, src: int, blocks: int, num_chunks: int = 0,
+                   dst: int | None = None, meta: Any = None, split: int | None = None, started: bool = False) -> None:
+        """Start moving ``t`` (:class:`tidal.cluster.moves.Move`; the front end carries out its commands)."""
+
+    def carry_out(self, t: Tracked, cmds: list[Command]) -> None:
+        """Do what ``t``'s move says (the commands an event on it returned)."""
 
     def group_address(self, name: str) -> str:
         """A fresh control address for the workers of a pipeline group to talk on."""

@@ -1,15 +1,47 @@
 """The front end's side of moving a request between workers with its KV: a prefill-to-decode
 hand-off (BucketServe's disaggregation), a migration (``--kv-pressure migrate``) and a DynaServe
-split's beta part (``--mode split``). The source pauses the request and says ``HandoffStarted``
-with its snapshot; its KV chunks (``KVChunk``) are forwarded to the destination once one is
-chosen (the dispatcher's decode pick, or the migration's target); the destination answers
-``Landed`` or ``Refused``. A mixin of :class:`~tidal.runtime.cluster.ClusterLLM`: every method
-runs under its lock."""
+split's beta part (``--mode split``). Each is a :class:`~tidal.cluster.moves.Move`, the pure
+machine the simulator drives too: this mixin feeds it the workers' replies and carries out the
+commands it returns.
+
+How the machine's commands are carried out here (the protocol's messages in brackets):
+
+- ``Pause``: a migration's source is told to start (``Migrate``); a prefill worker pauses a
+  request itself at its first token and a split's alpha at its split point (its ``Add`` said
+  where), so for those there is nothing to send;
+- ``Reserve``: the dispatcher's decode pick (a hand-off), or the reservation on the destination
+  the coordinator chose (a migration; a split's beta gets ``Reserve``); the monitor counts it.
+  A destination that cannot hold the copy answers ``Refused`` later;
+- ``SendChunk``: the snapshot (``Import``) and the chunks the source put (``KVChunk``) go on to
+  the destination, now and as they come; the destination resumes the request after the last one
+  and says ``Landed``;
+- ``Resume`` of the source (the move fell back while the source still holds the request): ``Stay``;
+  ``Release``/``FreeSource``: ``Abort`` there; ``FailOver``: re-run from prompt + streamed tokens.
+
+The source frees a request itself after its last chunk (a ``KVChunk`` with ``last``, or a split's
+``SplitDone``): that is the machine's ``source_freed``. Every step has a deadline (the cluster
+config's ``move_timeout_s``), checked on every turn of the I/O loop: a move never hangs. A mixin
+of :class:`~tidal.runtime.cluster.ClusterLLM`: every method runs under its lock."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from tidal.cluster.moves import (
+    Command,
+    FailOver,
+    FreeSource,
+    Move,
+    MoveDeadlines,
+    MoveKind,
+    Pause,
+    Phase,
+    Release,
+    Reserve,
+    Resume,
+    Retry,
+    SendChunk,
+)
 from tidal.runtime import protocol as P
 from tidal.runtime.records import Handoff, Tracked
 
@@ -23,88 +55,209 @@ class HandoffFront:
     pressure: Any
     split: Any
     kv_bytes_moved: int
+    move_deadlines: MoveDeadlines
+    moves_ended: dict[str, int]  # by how each ended (done / stayed / failed_over), for the stats
 
     def send(self, i: int, cmd: Any) -> None: ...
     def now(self) -> float: ...
     def failover(self, t: Tracked) -> None: ...
 
-    def drop_handoff(self, t: Tracked) -> None:
-        """Forget ``t``'s hand-off: its reservation on the target, and the chunks in flight."""
+    # ---------------------------------------------------------------- driving the machine
+    def begin_move(self, t: Tracked, kind: MoveKind, src: int, blocks: int, num_chunks: int = 0,
+                   dst: int | None = None, meta: Any = None, split: int | None = None, started: bool = False) -> None:
+        """Start moving ``t`` from ``src`` (``dst`` known for a migration and a split)."""
+        move = Move(t.wid, kind, src, blocks, num_chunks, dst=dst, deadlines=self.move_deadlines)
+        t.handoff = Handoff(move, meta, split=split, started=started)
+        self.carry_out(t, move.start(self.now()))
+
+    def carry_out(self, t: Tracked, cmds: list[Command]) -> None:
+        """Do what the machine says, feeding back what that causes at once; end the move when it
+        is over."""
         h = t.handoff
-        if h is not None and h.dst is not None:
-            self.monitor.on_handoff(t.rid, h.src, h.dst, ok=False)
+        if h is None:
+            return
+        todo = list(cmds)
+        while todo and t.handoff is h:
+            todo += self._command(t, h, todo.pop(0))
+        if h.move.over and not h.ended:
+            self._ended(t, h)
+
+    def _command(self, t: Tracked, h: Handoff, c: Command) -> list[Command]:
+        move, now = h.move, self.now()
+        if isinstance(c, Pause):
+            if move.kind is MoveKind.MIGRATE:
+                self.send(c.instance, P.Migrate(t.wid))
+            return []  # a prefill worker and an alpha part pause themselves
+        if isinstance(c, Reserve):
+            if c.dst is None:  # a hand-off: the dispatcher's decode instance (it records the reservation)
+                dst = self.dispatcher.choose_decode(t.rid, c.blocks, now)
+                if dst is None:
+                    return []  # waits (the monitor shows it), asked again on the next report
+                h.forwarded, h.imported = 0, False  # a new destination: everything goes to it
+                return move.reserved(dst, now)
+            self.monitor.on_handoff_start(t.rid, c.dst, c.blocks)
+            h.forwarded, h.imported = 0, False
+            if move.kind is MoveKind.SPLIT:
+                self.send(c.dst, P.Reserve(t.wid, t.prompt_ids, t.params, t.priority, t.request_class, h.split))
+            return move.reserved(c.dst, now)  # a refusal comes back as ``Refused``
+        if isinstance(c, SendChunk):
+            self._forward(t, h)
+            return []
+        if isinstance(c, Resume):
+            if c.instance == move.src and h.started:  # fell back: the source keeps it
+                self.send(c.instance, P.Stay(t.wid))
+            return []  # a destination resumes the request itself after its last chunk
+        if isinstance(c, Release):
+            if h.imported or h.split is not None:  # it holds a copy (or a split's reservation)
+                self.send(c.instance, P.Abort(t.wid))
+            self.monitor.on_reservation_end(t.rid, c.instance)
+            return []
+        if isinstance(c, FreeSource):
+            self.send(c.instance, P.Abort(t.wid))
+            self.monitor.on_finish(c.instance, t.rid)
+            return move.source_freed(now)
+        if isinstance(c, FailOver):
+            self.failover(t)  # ends the move (drop_handoff)
+            return []
+        assert isinstance(c, Retry)
+        return []  # a hand-off asks again at the next report (``tick_moves``)
+
+    def _forward(self, t: Tracked, h: Handoff) -> None:
+        """The snapshot and every chunk not yet sent go to the destination."""
+        dst = h.move.dst
+        if dst is None or h.move.phase is not Phase.SENDING:
+            return
+        if not h.imported and h.meta is not None:
+            self.send(dst, P.Import(h.meta, True))
+            h.imported = True
+        if not h.imported and h.split is None:
+            return  # a migration whose source has not started yet
+        for k in range(h.forwarded, len(h.handles)):
+            self.send(dst, P.KVChunk(t.wid, h.handles[k], h.last_put and k == len(h.handles) - 1))
+        h.forwarded = len(h.handles)
+
+    def _ended(self, t: Tracked, h: Handoff) -> None:
+        move = h.move
+        h.ended = True
+        self.moves_ended[move.phase.value] = self.moves_ended.get(move.phase.value, 0) + 1
+        if self.pressure is not None and move.kind is MoveKind.MIGRATE:
+            self.pressure.on_move_end(t, move)
+        if move.phase is Phase.DONE:
+            assert move.dst is not None
+            if move.kind is MoveKind.MIGRATE:
+                self.monitor.on_reservation_end(t.rid, move.dst)
+                self.monitor.on_move(t.rid, move.src, move.dst)
+            else:
+                self.monitor.on_handoff(t.rid, move.src, move.dst, ok=True)
+            h.handles.clear()  # the destination released the chunks it read
+            t.instance, t.handoff = move.dst, None
+        elif move.phase is Phase.STAYED:
+            self._release_handoff(t)
+            t.instance, t.handoff = move.src, None
+            if move.kind is MoveKind.SPLIT and t.split_log is not None:
+                t.split_log["whole_on"] = move.src
+        # FAILED_OVER: ``failover`` already let the move go
+
+    def tick_moves(self, now: float) -> None:
+        """Every move past its step's deadline falls back; waiting hand-offs ask again."""
+        for t in list(self.requests.values()):
+            h = t.handoff
+            if h is None:
+                continue
+            self.carry_out(t, h.move.tick(now))
+            if t.handoff is h and h.move.phase is Phase.RESERVING and h.move.kind is MoveKind.HANDOFF:
+                self.carry_out(t, [Reserve(h.move.blocks)])
+
+    def drop_handoff(self, t: Tracked) -> None:
+        """End ``t``'s move from outside the machine (the request finished, was aborted or is
+        re-run): its reservation on the destination goes, and the chunks in flight."""
+        h = t.handoff
+        if h is None:
+            return
+        if not h.move.over:
+            if h.move.dst is not None:
+                self.monitor.on_reservation_end(t.rid, h.move.dst)
+            if self.pressure is not None and h.move.kind is MoveKind.MIGRATE:
+                self.pressure.on_move_end(t, h.move)
+            h.ended = True
+            self.moves_ended["dropped"] = self.moves_ended.get("dropped", 0) + 1
         self._release_handoff(t)
         t.handoff = None
 
     def _release_handoff(self, t: Tracked) -> None:
         if t.handoff is not None:
-            for h in t.handoff.handles:
-                self.transport.release(h)
+            for handle in t.handoff.handles:
+                self.transport.release(handle)
             t.handoff.handles.clear()
 
-    def _try_handoff(self, t: Tracked) -> None:
-        h = t.handoff
-        if h is None or h.dst is not None:
-            return
-        dst = self.pressure.target(t.wid) if self.pressure is not None else None  # a migration's own target
-        if dst is None:
-            dst = self.dispatcher.choose_decode(t.rid, h.blocks, self.now())
-        if dst is None:
-            return  # waits, visible in the monitor's pending hand-offs
-        h.dst = dst
-        self.send(dst, P.Import(h.meta, True))
-        for k, handle in enumerate(h.handles):
-            self.send(dst, P.KVChunk(t.wid, handle, k == h.num_chunks - 1))
-
+    # ---------------------------------------------------------------- replies
     def _on_handoff(self, i: int, r: P.HandoffStarted, now: float) -> None:
+        """The source paused the request and its chunks follow: a prefill's hand-off begins, or a
+        migration's source started."""
         t = self.by_wid.get(r.request_id)
         if t is None:
             return
-        t.handoff = Handoff(i, r.snapshot, r.blocks, r.num_chunks)
-        self._try_handoff(t)
+        h = t.handoff
+        if h is None:  # a prefill's hand-off: the dispatcher picks the decode instance
+            self.begin_move(t, MoveKind.HANDOFF, i, r.blocks, r.num_chunks, meta=r.snapshot, started=True)
+            return
+        h.meta, h.move.num_chunks, h.started = r.snapshot, r.num_chunks, True  # a migration's source began
+        self._forward(t, h)
 
     def _on_kv(self, i: int, r: P.KVChunk, now: float) -> None:
         t = self.by_wid.get(r.request_id)
         if t is None or t.handoff is None:
             self.transport.release(r.handle)  # aborted meanwhile
+            if t is not None and r.last and t.instance == i:  # it stayed, but the source let it go already
+                self.monitor.on_finish(i, t.rid)
+                self.failover(t)
             return
-        t.handoff.handles.append(r.handle)
+        h = t.handoff
+        h.handles.append(r.handle)
+        h.last_put = r.last  # after its last chunk the source freed the request
         self.kv_bytes_moved += r.handle.nbytes
         if t.split_log is not None:
             t.split_log["kv_bytes"] += r.handle.nbytes
-        if t.handoff.dst is not None:
-            self.send(t.handoff.dst, r)
+        self._forward(t, h)
+        if r.last:
+            self.carry_out(t, h.move.source_freed(now))
 
     def _on_split_done(self, i: int, r: P.SplitDone, now: float) -> None:
         self.split.on_split_done(i, r.request_id, r.tokens, r.last_token_time)
 
     def _on_landed(self, i: int, r: P.Landed, now: float) -> None:
         t = self.by_wid.get(r.request_id)
-        if t is not None and t.handoff is not None:
-            if self.pressure is not None and self.pressure.target(t.wid) == i:
-                self.pressure.on_landed(t, i)  # a migration
-            else:
-                self.monitor.on_handoff(t.rid, t.handoff.src, i, ok=True)
-            t.instance, t.handoff = i, None  # the decode worker released the chunks it read
+        if t is not None and t.handoff is not None and t.handoff.move.dst == i:
+            self.carry_out(t, t.handoff.move.all_landed(now))
 
     def _on_refused(self, i: int, r: P.Refused, now: float) -> None:
         t = self.by_wid.get(r.request_id)
-        if t is not None and t.handoff is not None and t.handoff.split is not None and t.handoff.dst == i:
-            self.split.unsplit(t)
-        elif t is not None and t.handoff is not None and t.handoff.dst == i and self.pressure is not None \
-                and self.pressure.target(t.wid) == i:
-            self.pressure.on_refused(t, i)
-        elif t is not None and t.handoff is not None and t.handoff.dst == i:
-            self.monitor.on_handoff(t.rid, t.handoff.src, i, ok=False)
-            t.handoff.dst = None  # retried when an instance reports room
-        elif t is not None:  # a fail-over import found no room here: try again elsewhere
+        if t is None:
+            return
+        h = t.handoff
+        if h is not None and h.move.dst == i:  # the destination cannot hold the copy
+            self.monitor.on_reservation_end(t.rid, i)
+            self.carry_out(t, h.move.refused(i, now))  # a hand-off's chunks wait for the next destination
+        elif h is None:  # a fail-over's import found no room here, or a source told to keep a request it let go
             self.monitor.on_finish(i, t.rid)
             self.failover(t)
 
     def _on_unmoved(self, i: int, r: P.Unmoved, now: float) -> None:
+        """A migration's source could not start (the request finished, or waits preempted): it stays."""
         t = self.by_wid.get(r.request_id)
-        if t is not None and self.pressure is not None:  # a migration the source could not start
-            self.pressure.on_unmoved(t)
+        if t is not None and t.handoff is not None:
+            self.carry_out(t, t.handoff.move.refused(None, now))
+
+    def on_instance_failed(self, t: Tracked, i: int, now: float) -> bool:
+        """Instance ``i`` died under ``t``'s move: the machine says whether the request stays on its
+        source, lands, or is re-run. Returns False when ``t`` has no move touching ``i``."""
+        h = t.handoff
+        if h is None or i not in (h.move.src, h.move.dst):
+            return False
+        if h.move.dst == i and not h.move.over:
+            self.monitor.on_reservation_end(t.rid, i)
+        self.carry_out(t, h.move.failed(i, now))
+        return True
 
 
 __all__ = ["HandoffFront"]

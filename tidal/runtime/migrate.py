@@ -3,7 +3,8 @@
 After each instance report the pure :class:`~tidal.cluster.pressure.MigrationController` reads
 the global monitor and names running requests to move, with their KV, from a throttled instance
 to the one with the most room (the simulator's :mod:`tidal.sim.migrate` asks the same question).
-A move is the prefill-to-decode hand-off path, run mid-decode:
+Each move is a :class:`tidal.cluster.moves.Move` of kind ``migrate`` (the machine the simulator's
+migrations run through), driven by the front end (:mod:`tidal.runtime.handoffs`):
 
 1. the front end reserves the request's blocks on the destination (the monitor counts them) and
    sends the source ``migrate``;
@@ -14,8 +15,9 @@ A move is the prefill-to-decode hand-off path, run mid-decode:
    after its last chunk. Nothing recomputes.
 
 A destination that refuses (its last report was stale) or dies, or a source that can no longer
-move the request (``unmoved``: it finished or was preempted meanwhile), ends the move: the request
-stays where it is, or, once its KV has left, is re-run from its streamed tokens (recompute).
+move the request (``unmoved``: it finished or was preempted meanwhile), ends the move as the
+machine says: the request stays where it is (``stay``) while its source holds it, else it is re-run
+from its streamed tokens (recompute). This coordinator only decides and counts.
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ from collections import Counter
 from typing import Any
 
 from tidal.cluster.handoff import handoff_blocks
+from tidal.cluster.moves import Move, MoveKind, Phase
 from tidal.cluster.pressure import MigrationController
 from tidal.runtime.front import Front
 from tidal.runtime.pressure import PressureLog
-from tidal.runtime.protocol import Migrate
 
 
 class MigrateCoordinator(PressureLog):
@@ -59,53 +61,18 @@ class MigrateCoordinator(PressureLog):
         for m in self.ctl.decide(now, running, leaving, incoming):
             t = llm.by_wid[m.request_id]
             self.moving[m.request_id] = (m.src, m.dst, m.blocks)
-            llm.monitor.on_handoff_start(t.rid, m.dst, m.blocks)  # reserved there until it lands or fails
-            llm.send(m.src, Migrate(m.request_id))
-
-    def target(self, wid: str) -> int | None:
-        """Where a hand-off of ``wid`` goes when it is a migration (else None: the dispatcher picks)."""
-        move = self.moving.get(wid)
-        return None if move is None else move[1]
+            # the move machine reserves on m.dst (the monitor counts it) and tells the source to start
+            llm.begin_move(t, MoveKind.MIGRATE, m.src, m.blocks, dst=m.dst)
 
     # ---------------------------------------------------------------- outcomes
-    def on_landed(self, t: Any, dst: int) -> None:
-        src, _, _ = self.moving.pop(t.wid)
-        mon = self.llm.monitor
-        mon.on_reservation_end(t.rid, dst)
-        mon.on_move(t.rid, src, dst)
-        self.num_migrated += 1
-
-    def forget(self, t: Any) -> bool:
-        """``t`` ended (finished, aborted, re-run) or its move did: release its reservation."""
-        move = self.moving.pop(t.wid, None)
-        if move is not None:
-            self.llm.monitor.on_reservation_end(t.rid, move[1])
-        return move is not None
-
-    def on_unmoved(self, t: Any) -> None:
-        """The source could not start the move (the request finished, or waits preempted): it stays."""
-        if self.forget(t):
+    def on_move_end(self, t: Any, move: Move) -> None:
+        """``t``'s migration ended: landed (``done``), or not (it stayed, was re-run, or ended)."""
+        if self.moving.pop(move.request_id, None) is None:
+            return
+        if move.phase is Phase.DONE:
+            self.num_migrated += 1
+        else:
             self.num_failed += 1
-
-    def on_refused(self, t: Any, dst: int) -> None:
-        """The destination had no room after all: the KV is leaving (or left) the source, so the
-        request is re-run from its streamed tokens where the router sends it."""
-        self.forget(t)
-        self.num_failed += 1
-        self.llm.recompute(t, t.handoff.src)
-
-    def on_failure(self, i: int, now: float) -> None:
-        """Instance ``i`` died: moves into it are void. A request whose KV had not left its source
-        stays there; one already handed off is re-run by the front end (its hand-off touches ``i``)."""
-        llm = self.llm
-        for wid, (src, dst, _) in list(self.moving.items()):
-            t = llm.by_wid.get(wid)
-            if dst != i or t is None:
-                continue
-            self.forget(t)
-            self.num_failed += 1
-            if t.handoff is None:
-                llm.recompute(t, src)  # the source may already be exporting it: aborted there
 
     def snapshot(self) -> dict[str, Any]:
         return {"mode": "migrate", "moving": len(self.moving), "migrated": self.num_migrated,

@@ -75,19 +75,8 @@ class PressureLog:
 
     def on_failure(self, i: int, now: float) -> None: ...
 
-    def target(self, wid: str) -> int | None:
-        """Where a hand-off of ``wid`` goes when this mode moves it (else None: the dispatcher picks)."""
-        return None
-
-    def forget(self, t: Any) -> bool:
-        """``t`` ended (finished, aborted, re-run): drop what this mode holds for it."""
-        return False
-
-    def on_landed(self, t: Any, dst: int) -> None: ...
-
-    def on_refused(self, t: Any, dst: int) -> None: ...
-
-    def on_unmoved(self, t: Any) -> None: ...
+    def on_move_end(self, t: Any, move: Any) -> None:
+        """A move this mode started (a migration) ended, however it ended."""
 
     def snapshot(self) -> dict[str, Any]:
         raise NotImplementedError

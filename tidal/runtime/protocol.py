@@ -15,7 +15,7 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class ProtocolError(RuntimeError):
@@ -77,8 +77,9 @@ class Finish:
 
 
 @dataclass(frozen=True)
-class Unsplit:
-    """Alpha keeps the whole request (its beta part was refused)."""
+class Stay:
+    """A move fell back while this source still held the request: keep it (stop its export, clear
+    a split point) and run it on. A source that already let it go answers ``Refused``."""
 
     request_id: str
 
@@ -117,7 +118,7 @@ class Shutdown:
     pass
 
 
-COMMANDS = (Add, Reserve, Import, KVChunk, Finish, Unsplit, Abort, Migrate, Group, Ungroup, Restore, Shutdown)
+COMMANDS = (Add, Reserve, Import, KVChunk, Finish, Stay, Abort, Migrate, Group, Ungroup, Restore, Shutdown)
 
 
 # ---------------------------------------------------------------- replies (worker -> front end)
@@ -285,4 +286,4 @@ def _frame(raw: bytes, size: int) -> tuple:
 __all__ = ["COMMANDS", "PROTOCOL_VERSION", "REPLIES", "Abort", "Add", "ExchangeDone", "Fatal", "Finish", "Group",
            "Grouped", "HandoffStarted", "Idle", "Import", "KVChunk", "Landed", "Migrate", "Out", "ProtocolError",
            "Ready", "Refused", "Rejected", "Reserve", "Restore", "Restored", "Shutdown", "SplitDone", "Ungroup",
-           "Ungrouped", "Unmoved", "Unsplit", "decode_command", "decode_reply", "encode_command", "encode_reply"]
+           "Stay", "Ungrouped", "Unmoved", "decode_command", "decode_reply", "encode_command", "encode_reply"]

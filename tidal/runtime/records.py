@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tidal.cluster.config import ClusterConfig
+from tidal.cluster.moves import Move
 from tidal.config import EngineConfig
 from tidal.core.sampling import SamplingParams
 from tidal.engine.llm_engine import RequestSnapshot
@@ -17,14 +18,26 @@ from tidal.runtime.kv_transfer import KVHandle
 
 @dataclass
 class Handoff:
-    src: int
-    meta: RequestSnapshot | None
-    blocks: int
-    num_chunks: int  # -1: a streamed alpha part, whose chunk count is known when it ends
-    handles: list[KVHandle] = field(default_factory=list)
-    dst: int | None = None
-    split: int | None = None  # DynaServe: alpha computes KV [0, split); dst (beta) is reserved from the start
-    alpha_done: bool = False
+    """A move of the request in flight: its state is the pure machine's (:class:`~tidal.cluster.moves.Move`,
+    the simulator drives the same one); the rest is what the front end holds for it."""
+
+    move: Move
+    meta: RequestSnapshot | None = None  # the snapshot the destination imports (not for a split's beta)
+    handles: list[KVHandle] = field(default_factory=list)  # the chunks the source put, in order
+    split: int | None = None  # DynaServe: alpha computes KV [0, split) for beta, reserved from the start
+    started: bool = False  # the source began (a hand-off's snapshot came, an alpha part was added)
+    forwarded: int = 0  # chunks sent on to the current destination
+    imported: bool = False  # the current destination got the snapshot
+    last_put: bool = False  # the source put its last chunk (and freed the request)
+    ended: bool = False
+
+    @property
+    def src(self) -> int:
+        return self.move.src
+
+    @property
+    def dst(self) -> int | None:
+        return self.move.dst
 
 
 @dataclass

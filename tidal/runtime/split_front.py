@@ -2,10 +2,11 @@
 
 For each new request the planner (:class:`tidal.cluster.split.SplitPlanner`, Alg. 1, the object
 the simulator drives too) names a pair of live instances and a split point ``s``. Alpha gets an
-``add`` with ``pause_at = s`` and beta a ``reserve``; alpha's worker streams the KV it computes and,
-at the split point, says ``split_done`` with the tokens it sampled, which go to beta as ``finish``
-(Sec. 4.3). If beta cannot take its part, alpha keeps the whole request (``unsplit``), or, when
-alpha already let it go, the request is recomputed elsewhere. The planner's step-time model is a
+``add`` with ``pause_at = s``; beta's part is a move (:class:`tidal.cluster.moves.Move`, kind
+``split``, driven by :mod:`tidal.runtime.handoffs`): beta gets a ``reserve``, alpha's worker streams
+the KV it computes and, at the split point, says ``split_done`` with the tokens it sampled, which
+go to beta as ``finish`` (Sec. 4.3). If beta cannot take its part, alpha keeps the whole request
+(``stay``), or, when alpha already let it go, the request is recomputed elsewhere. The planner's step-time model is a
 profile table every worker's step report fills (Sec. 4.1: the predictor "continuously calibrates
 itself"); until the first report it counts tokens.
 """
@@ -15,9 +16,10 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+from tidal.cluster.moves import MoveKind
 from tidal.runtime.front import Front
-from tidal.runtime.protocol import Add, Finish, Reserve, Unsplit
-from tidal.runtime.records import Handoff, Tracked
+from tidal.runtime.protocol import Add, Finish
+from tidal.runtime.records import Tracked
 
 SPLIT_LOG = 4096  # split decisions kept for /admin/splits
 
@@ -71,25 +73,15 @@ class SplitCoordinator:
             c.send(whole, Add(t.wid, t.prompt_ids, t.params, t.priority, t.request_class))
             return True
         blocks = -(-s // c.monitor.instances[beta].block_size)
-        c.monitor.on_handoff_start(t.rid, beta, blocks)
-        t.handoff = Handoff(alpha, None, blocks, -1, dst=beta, split=s)
         c.send(alpha, Add(t.wid, t.prompt_ids, t.params, t.priority, t.request_class, s))
-        c.send(beta, Reserve(t.wid, t.prompt_ids, t.params, t.priority, t.request_class, s))
+        # the move machine reserves beta (``reserve``); a refusal there ends in alpha keeping it whole
+        c.begin_move(t, MoveKind.SPLIT, alpha, blocks, dst=beta, split=s, started=True)
         return True
 
-    def unsplit(self, t: Tracked) -> None:
-        """Beta cannot take its part: alpha keeps the whole request (or, if alpha already let it go,
-        the request is recomputed elsewhere)."""
-        h = t.handoff
-        self.c.drop_handoff(t)
-        if h.alpha_done:
-            self.c.failover(t)
-        else:
-            self.c.send(h.src, Unsplit(t.wid))
-
     def on_split_done(self, i: int, rid: str, tokens: list[int], last_token_time: float | None) -> None:
-        """Alpha reached its split point (its last chunk is on its way): beta gets alpha's tokens
-        and the time of the last one (a monotonic time: one clock for this host's processes)."""
+        """Alpha reached its split point and let its part go (its last chunk is on its way): beta
+        gets alpha's tokens and the time of the last one (a monotonic time: one clock for this
+        host's processes)."""
         c = self.c
         t = c.by_wid.get(rid)
         if t is None:
@@ -99,9 +91,9 @@ class SplitCoordinator:
             c.monitor.on_finish(i, rid)
             c.failover(t)  # alpha let go of a request whose beta part was refused: recompute
             return
-        h.alpha_done = True
         self.planner.on_handoff(rid)
         c.send(h.dst, Finish(rid, list(tokens), t.text_sent, last_token_time))
+        c.carry_out(t, h.move.source_freed(c.now()))
 
 
 __all__ = ["SPLIT_LOG", "SplitCoordinator"]

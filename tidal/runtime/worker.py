@@ -153,7 +153,7 @@ class Worker:
         self._handlers[type(cmd)](cmd)
 
     def _handler_table(self) -> dict[type, Any]:
-        return {P.Add: self.on_add, P.Reserve: self.on_reserve, P.Finish: self.on_finish, P.Unsplit: self.on_unsplit,
+        return {P.Add: self.on_add, P.Reserve: self.on_reserve, P.Finish: self.on_finish, P.Stay: self.on_stay,
                 P.Abort: self.on_abort, P.Import: self.on_import, P.KVChunk: self.on_kv, P.Migrate: self.on_migrate,
                 P.Group: self.on_group, P.Ungroup: lambda _: self.ungroup(), P.Restore: self.on_restore,
                 P.Shutdown: self.on_shutdown}
@@ -186,11 +186,17 @@ class Worker:
             self.waiting_kv.setdefault(cmd.request_id, deque()).append(cmd)
             self.land_arrived()
 
-    def on_unsplit(self, cmd: Any) -> None:
+    def on_stay(self, cmd: Any) -> None:
+        """The move fell back (its destination refused or died, or it timed out): the request runs
+        on here. Its chunks already put are the front end's to release."""
         rid, e = cmd.request_id, self.engine
+        if not e.num_sequences(rid):
+            self.send(P.Refused(rid, "this instance let the request go already"))
+            return
         for ex in list(self.exports):
-            if ex.request_id == rid and ex.stream:
+            if ex.request_id == rid:
                 self.exports.remove(ex)
+        self.handing_off.discard(rid)
         e.cancel_pause(rid)
 
     def on_abort(self, cmd: Any) -> None:
