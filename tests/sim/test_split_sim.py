@@ -213,3 +213,22 @@ def test_bad_split_arguments_give_one_line(tmp_path, capsys, argv, needle):
                        "--output", str(tmp_path / "x.json"), "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 2 and needle in err and err.count("\n") == 1, err
+
+
+def test_a_beta_that_can_never_hold_its_part_refuses_and_alpha_runs_the_request_whole():
+    """The move machine's split refusal (tidal.cluster.moves), as the runtime's beta answers
+    ``refused``: beta's pool (8 blocks of 16) cannot hold a 200-token prompt's KV, so its part is
+    refused at the first chunk; alpha keeps the request, clears its split point and finishes it."""
+    config = SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=64)
+    insts = [SimInstance(0, config, 512, 16, Constant(), 8192), SimInstance(1, config, 8, 16, Constant(), 8192)]
+    planner = SplitPlanner(SplitParams(token_budget=4096, max_num_seqs=64, epsilon_s=0.0), one_per_pass)
+    sim = SplitSimulator(insts, planner, [RequestSpec(0.0, 200, 6)], HandoffConfig(LINK, LAYERS, BYTES, 1, 2, 0),
+                         max_model_len=8192, length_mode="oracle", stream_tokens=16)
+    res = sim.run()
+    (t,) = res.splits
+    assert t.handoff and t.stayed_on_alpha and t.landed_s is None and t.sent_tokens == 0
+    rec = res.records[0]
+    assert rec.success and rec.output_tokens == 6
+    assert res.instances[1]["steps"] == 0 and _free(sim)
+    assert sim.monitor.instances[1].reserved == {} and not sim._moves
+    assert summarize_splits(res.splits)["stayed_on_alpha"] == 1

@@ -35,6 +35,7 @@ from typing import Any
 
 from tidal.cluster.dispatch import ClusterLayout
 from tidal.cluster.handoff import handoff_blocks
+from tidal.cluster.moves import NO_DEADLINES, Command, FreeSource, Move, MoveKind, Pause, Reserve, Resume
 from tidal.cluster.split import SplitDecision, SplitPlanner, SplitRecord
 from tidal.cluster.split_predict import MicroRequest
 from tidal.core.plan import BatchComposition, ScheduledChunk, StepPlan
@@ -148,6 +149,7 @@ class SplitTransfer:
     landed_s: float | None = None  # beta resumed it
     whole_transfer_s: float = 0.0  # the same KV sent in one go after the pause (no streaming)
     finished_on_alpha: bool = False  # the request ended before its split point
+    stayed_on_alpha: bool = False  # beta refused its part (it can never hold it): alpha ran it whole
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -180,6 +182,7 @@ class SplitSimulator(ClusterSimulator):
         self._parts: dict[str, tuple[MicroRequest | None, MicroRequest | None, int]] = {}  # alpha, beta, alpha's samples
         self._streaming: dict[int, dict[str, int]] = {i: {} for i in range(len(instances))}  # alpha -> rid -> unsent
         self._waiting_room: dict[str, SplitTransfer] = {}  # KV ready but no room on beta yet
+        self._moves: dict[str, Move] = {}  # beta's parts in flight (tidal.cluster.moves), by request
         self.load_timeline: dict[str, list] = {"t": [], "instance": [], "load_s": []}
 
     # ---------------------------------------------------------------- arrival: Alg. 1
@@ -223,7 +226,40 @@ class SplitSimulator(ClusterSimulator):
         self._parts[rid] = (dec.alpha, dec.beta, a_samples)
         if dec.handoff:
             self._streaming[a][rid] = 0
+            # beta's part is a move (tidal.cluster.moves), as in the runtime: beta reserved now (the
+            # monitor counts it), its blocks held chunk by chunk as the KV arrives (``_hold``)
+            blocks = handoff_blocks(dec.split, self.instances[b].block_size)
+            self._moves[rid] = move = Move(rid, MoveKind.SPLIT, a, blocks, 0, dst=b, deadlines=NO_DEADLINES)
+            self._carry_out(move, move.start(now), now)
         return self._wake(self.instances[first], now)
+
+    def _carry_out(self, move: Move, cmds: list[Command], now: float) -> None:
+        """Do what beta's move says (the runtime's front end does the same: tidal.runtime.handoffs)."""
+        rid, todo = move.request_id, list(cmds)
+        while todo:
+            c = todo.pop(0)
+            if isinstance(c, Reserve):
+                assert c.dst is not None
+                self.monitor.on_handoff_start(rid, c.dst, c.blocks)
+                todo += move.reserved(c.dst, now)  # beta answers a refusal later (``_hold``)
+            elif isinstance(c, Resume) and c.instance == move.src:  # fell back: alpha keeps it whole
+                req = self.instances[c.instance].scheduler.requests.get(rid)
+                if req is not None:
+                    req.pause_at = None
+                    if rid in self.instances[c.instance].scheduler.paused:
+                        self.instances[c.instance].scheduler.resume(rid)
+                self._streaming[move.src].pop(rid, None)
+                self._waiting_room.pop(rid, None)
+                self.transfers[self._index[rid]].stayed_on_alpha = True
+            elif isinstance(c, Resume):
+                self.instances[c.instance].scheduler.resume(rid)  # beta runs it with alpha's tokens
+            elif isinstance(c, FreeSource):
+                self.instances[c.instance].scheduler.abort_requests([rid], now)  # its KV is on beta now
+                todo += move.source_freed(now)
+            else:  # Pause: alpha pauses itself at s (its pause_at); nothing fails or times out here
+                assert isinstance(c, Pause), f"unexpected move command {c!r}"
+        if move.over:
+            self._moves.pop(rid, None)
 
     def _transfer(self, i: int, dec: SplitDecision, now: float) -> SplitTransfer:
         t = SplitTransfer(dec.request_id, i, dec.pair[0], dec.pair[1], dec.prompt_len, dec.predicted_output,
@@ -289,7 +325,8 @@ class SplitSimulator(ClusterSimulator):
             self.planner.on_handoff(rid)
         n = self._unsent(t)
         if n > 0 and not self._hold(t, t.sent_tokens + n, now):
-            self._waiting_room[rid] = t
+            if not t.stayed_on_alpha:
+                self._waiting_room[rid] = t
             return []
         self._waiting_room.pop(rid, None)
         return self._send(t, now, final)
@@ -326,13 +363,15 @@ class SplitSimulator(ClusterSimulator):
         req.num_computed_tokens = tokens
         try:
             ok = dst.add_running(req)
-        except RequestRejected:
-            ok = False
-        if not ok:
+        except RequestRejected:  # beta can never hold it: the move falls back (alpha keeps it whole)
+            self.monitor.on_handoff(t.request_id, t.alpha, t.beta, ok=False)
+            move = self._moves[t.request_id]
+            self._carry_out(move, move.refused(t.beta, now), now)
             return False
+        if not ok:
+            return False  # no room yet: the KV waits on alpha, retried when beta ends a step
         dst.pause(t.request_id)
         t.reserved_s = now
-        self.monitor.on_handoff_start(t.request_id, t.beta, handoff_blocks(t.split, self.instances[t.beta].block_size))
         return True
 
     def _retry_rooms(self, index: int, now: float) -> list[Event | None]:
@@ -344,18 +383,20 @@ class SplitSimulator(ClusterSimulator):
             if n <= 0 or self._hold(t, t.sent_tokens + n, now):
                 del self._waiting_room[rid]
                 out.extend(self._send(t, now, final=t.paused_s is not None))
+            elif t.stayed_on_alpha:
+                out.append(self._wake(self.instances[t.alpha], now))
         return out
 
     def _land(self, t: SplitTransfer, now: float) -> list[Event]:  # type: ignore[override]
         src, dst = self.instances[t.alpha], self.instances[t.beta]
         sreq = src.scheduler.requests.get(t.request_id)
         dreq = dst.scheduler.requests.get(t.request_id)
-        if sreq is None or dreq is None:  # ended meanwhile
+        move = self._moves.get(t.request_id)
+        if sreq is None or dreq is None or move is None:  # ended meanwhile
             return []
         dreq.output_token_ids = list(sreq.output_token_ids)  # the engine's finish_import
         dreq.last_token_time = sreq.last_token_time
-        src.scheduler.abort_requests([t.request_id], now)
-        dst.scheduler.resume(t.request_id)
+        self._carry_out(move, move.all_landed(now), now)  # beta resumes it, alpha frees it
         self.monitor.on_handoff(t.request_id, t.alpha, t.beta, ok=True)
         t.landed_s = now
         return [e for e in (self._wake(dst, now), self._wake(src, now)) if e is not None]
@@ -365,7 +406,8 @@ class SplitSimulator(ClusterSimulator):
         t = self.transfers.get(i)
         self.planner.on_finish(rid, self.records[i].counted_tokens)
         self._parts.pop(rid, None)
-        if t is None or not t.handoff or t.landed_s is not None:
+        self._moves.pop(rid, None)  # ended from outside its move (the runtime's drop_handoff)
+        if t is None or not t.handoff or t.landed_s is not None or t.stayed_on_alpha:
             return []
         # it ended on alpha before its split point (a shorter output than predicted): beta lets go
         t.finished_on_alpha = True
@@ -373,7 +415,7 @@ class SplitSimulator(ClusterSimulator):
         self._waiting_room.pop(rid, None)
         if t.reserved_s is not None:
             self.instances[t.beta].scheduler.abort_requests([rid], now)
-            self.monitor.on_handoff(rid, t.alpha, t.beta, ok=False)
+        self.monitor.on_handoff(rid, t.alpha, t.beta, ok=False)  # beta's reservation goes
         return []
 
 
@@ -401,6 +443,7 @@ def summarize_splits(transfers: Sequence[SplitTransfer]) -> dict[str, Any]:
         "inside_output": sum(t.handoff and t.split > t.prompt_len for t in ts),
         "cold_starts": sum(t.cold_start for t in ts),
         "finished_on_alpha": sum(t.finished_on_alpha for t in ts),
+        "stayed_on_alpha": sum(t.stayed_on_alpha for t in ts),
         "phi": distribution(t.phi for t in ts),
         "split_minus_prompt": distribution(t.split - t.prompt_len for t in ts),
         "probes": distribution(t.probes for t in ts),
