@@ -9,10 +9,12 @@ commands it returns. The kinds differ only in what a refusal means (:class:`Move
 - ``handoff`` (BucketServe's P/D hand-off): a refusal is retried on another decode instance
   when one has room (the chunks wait with the shell); a failure recomputes (a prefill instance
   does not decode);
-- ``migrate`` (the Llumnix-like baseline), ``split`` (DynaServe's beta part: alpha keeps the whole
-  request) and ``exchange`` (KunServe's drop: a member's requests move to the group's head): a
-  refusal or a failure leaves the request on its source while the source still holds it, else
-  it is recomputed.
+- ``migrate`` (the Llumnix-like baseline) and ``split`` (DynaServe's beta part: alpha keeps the
+  whole request): a refusal or a failure leaves the request on its source while the source still
+  holds it, else it is recomputed;
+- ``exchange`` (KunServe's drop, Sec. 4.2: a member's requests move to the group that replaces
+  it): the source retires into the group as the move starts (it holds the request no more), so a
+  refusal or a failure recomputes the request (on the group: the shell places a fail-over).
 
 Every step has a deadline (:class:`MoveDeadlines`): a move that cannot finish falls back (the
 request stays on its source while its KV is there, else it is recomputed: ``FailOver``), it never
@@ -137,6 +139,8 @@ class Move:
         for a decode instance."""
         self.deadline = now + self.deadlines.reserve_s
         self.log.append((now, "start"))
+        if self.kind is MoveKind.EXCHANGE:  # the source stopped it and retires into the group
+            self.paused = self.source_free = True
         if self.dst is not None:
             return [Reserve(self.blocks, self.dst)]
         self.paused = True
@@ -245,7 +249,7 @@ class Move:
         out: list[Command] = [Release(self.dst)] if release and self.dst is not None else []
         self.phase = Phase.STAYED
         self.log.append((now, "stayed"))
-        return [*out, Resume(self.src)] if self.paused else out
+        return [*out, Resume(self.src)] if self.paused and not self.source_free else out
 
     def _fail_over(self, now: float, reason: str, release: bool) -> list[Command]:
         out: list[Command] = [Release(self.dst)] if release and self.dst is not None else []

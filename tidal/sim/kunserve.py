@@ -26,6 +26,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from tidal.cluster.moves import (
+    NO_DEADLINES,
+    FailOver,
+    Move,
+    MoveKind,
+    Phase,
+    Release,
+    Reserve,
+    Resume,
+    SendChunk,
+)
 from tidal.cluster.pressure import DropPlan, KunServeController, RestorePlan, RestorePolicy, kv_moves
 from tidal.core.request import Request, RequestStatus
 from tidal.core.scheduler import RequestRejected, Scheduler
@@ -137,11 +148,7 @@ class DropHandler(PressureHandler):
         moves = kv_moves(before, after)
         total = 0
         for req in running:
-            copy = copy_request(req, now, with_kv=True)
-            if not self._admit(new, copy):
-                new.scheduler.add_request(copy_request(req, now, with_kv=False))
-                continue
-            total += self._send(new, req.request_id, moves, req.num_computed_tokens, now)
+            total += self._move(old, new, req, moves, now)[0]
         for req in queued:
             new.scheduler.add_request(copy_request(req, now, with_kv=False))
         for rid in list(old.scheduler.requests):
@@ -157,22 +164,46 @@ class DropHandler(PressureHandler):
         except RequestRejected:
             return False
 
-    def _send(self, inst: SimInstance, rid: str, moves: list, tokens: int, now: float) -> int:
-        """Pause ``rid`` on ``inst`` until its KV ``moves`` land (each on its sender's link)."""
-        chunks = [(m.src, kv_chunk_bytes(self.cfg, m.layers, tokens)) for m in moves]
-        chunks = [(src, c) for src, c in chunks if c]
-        if not chunks:
-            return 0
-        inst.scheduler.pause(rid)
-        end = max(self.links.send(src, now, c) for src, c in chunks)
-        self.in_flight += 1
-        self.sim.loop.push(Call(end, lambda t: self._landed(inst, rid, t)))  # type: ignore[union-attr]
-        return sum(sum(c) for _, c in chunks)
-
-    def _landed(self, inst: SimInstance, rid: str, now: float) -> Event | None:
+    def _move(self, src: SimInstance, dst: SimInstance, req: Request, layer_moves: list, now: float,
+              fits: bool = True) -> tuple[int, bool]:
+        """One running request of an exchange (or a restore) moving to ``dst`` with its KV: a move
+        of the one machine (:class:`tidal.cluster.moves.Move`, kind ``exchange``): ``dst`` holds a
+        paused copy and the KV ``layer_moves`` name goes on each sender's link, or (no room, or
+        ``fits`` False) the request recomputes there. Returns the bytes sent and whether its KV moved."""
         assert self.sim is not None
-        if rid in inst.scheduler.paused:
-            inst.scheduler.resume(rid)
+        rid, tokens = req.request_id, req.num_computed_tokens
+        chunks = [(m.src, c) for m in layer_moves if (c := kv_chunk_bytes(self.cfg, m.layers, tokens))]
+        move = Move(rid, MoveKind.EXCHANGE, src.index, src.kv.num_blocks_of(rid), len(chunks), dst=dst.index,
+                    deadlines=NO_DEADLINES)
+        todo, sent = move.start(now), []
+        while todo:
+            c = todo.pop(0)
+            if isinstance(c, Reserve):
+                ok = fits and self._admit(dst, copy_request(req, now, with_kv=True))
+                todo += move.reserved(dst.index, now) if ok else move.refused(dst.index, now)
+            elif isinstance(c, SendChunk):
+                sent.append(chunks[c.index])
+            elif isinstance(c, FailOver):  # the source retired into the group: it recomputes there
+                dst.scheduler.add_request(copy_request(req, now, with_kv=False))
+            elif isinstance(c, Resume):
+                dst.scheduler.resume(rid)
+            else:  # Release: the refused copy was never admitted
+                assert isinstance(c, Release), f"unexpected move command {c!r}"
+        if move.phase is Phase.SENDING and not sent:  # nothing of its KV has to move
+            move.all_landed(now)
+        if not sent:
+            return 0, move.phase is Phase.DONE
+        dst.scheduler.pause(rid)  # stalled until its last chunk lands
+        end = max(self.links.send(s, now, c) for s, c in sent)
+        self.in_flight += 1
+        self.sim.loop.push(Call(end, lambda t: self._landed(dst, move, t)))
+        return sum(sum(c) for _, c in sent), True
+
+    def _landed(self, inst: SimInstance, move: Move, now: float) -> Event | None:
+        assert self.sim is not None
+        for c in move.all_landed(now):
+            if isinstance(c, Resume) and move.request_id in inst.scheduler.paused:
+                inst.scheduler.resume(move.request_id)
         self.in_flight -= 1
         if not self.in_flight:
             self.note("exchange-done", now, self.moves_of, seconds=round(now - self.moves_started, 4))
@@ -200,12 +231,10 @@ class DropHandler(PressureHandler):
             need = grp.kv.num_blocks_of(req.request_id)
             home = max(room, key=lambda i: (room[i], -i))
             dst = self.base[home]
-            if room[home] >= need and self._admit(dst, copy_request(req, now, with_kv=True)):
-                room[home] -= need
-                nbytes += self._send(dst, req.request_id, kv_moves(before, {home: (0, self.cfg.model.num_layers)}),
-                                     req.num_computed_tokens, now)
-            else:  # no member holds it: it recomputes there
-                dst.scheduler.add_request(copy_request(req, now, with_kv=False))
+            sent, moved = self._move(grp, dst, req, kv_moves(before, {home: (0, self.cfg.model.num_layers)}), now,
+                                     fits=room[home] >= need)  # no member holds it: it recomputes there
+            room[home] -= need if moved else 0
+            nbytes += sent
             self.sim.monitor.on_move(req.request_id, grp.index, home)
         for req in queued:
             dst = min(members, key=lambda m: (m.queued_block_demand + m.kv.num_blocks - m.kv.num_free_blocks, m.index))
