@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from tidal.cluster.moves import NO_DEADLINES, FailOver, Move, MoveKind, Release, Reserve, Resume, SendChunk
 from tidal.engine.stage import TailStage, microbatch_cost
 from tidal.runtime.kv_transfer import iter_chunks
 from tidal.runtime.peer import PEER_TIMEOUT_S, WATCH_S, HubStageLink, PeerLink, PeerLost
@@ -169,6 +170,7 @@ class GroupHead:
             self._settle(rid)
         self.num_exchanged = len(own)  # own requests whose KV of other layers went to their members
         self.moved: list[str] = []
+        self.moves: dict[str, Move] = {}  # the moved requests still waiting for a member's ``ok``
         for m, hello in hellos.items():
             for snap, handles in hello[2]:
                 self._land(m, snap, handles)
@@ -176,10 +178,10 @@ class GroupHead:
         self.restoring: _Restore | None = None
         self.restore_stats: dict[str, Any] = {}
 
-    def _queue(self, rid: str, member: int, handles: list) -> None:
+    def _queue(self, rid: str, member: int, handles: list, count: bool = True) -> None:
         for k, h in enumerate(handles):
             self.queue.append((member, rid, h, k == len(handles) - 1))
-        if handles:
+        if handles and count:
             self.expect[rid] = self.expect.get(rid, 0) + 1
 
     def _settle(self, rid: str) -> None:
@@ -190,36 +192,62 @@ class GroupHead:
                 self.engine.resume_request(rid)
 
     def _land(self, sender: int, snap: Any, handles: dict[int, list]) -> None:
-        """A request that lived on ``sender``: import it paused, write its KV of our layers, queue
-        the rest to their members, ask the sender to write its own (local) part at our block ids."""
+        """A request that lived on ``sender`` moves here: a move of the one machine
+        (:class:`tidal.cluster.moves.Move`, kind ``exchange``, as the simulator's exchange). Its
+        reservation is the paused import; its chunks are our layers' KV (written now), the other
+        members' (queued to them) and the sender's own part (``place``: written there at our
+        block ids); each member's ``ok`` lands one, and the last resumes it. No room even now: it
+        recomputes here (the sender retired it into the group)."""
         from tidal.core.scheduler import RequestRejected
 
-        e, tr = self.engine, self.worker.transport
+        e, tr, head = self.engine, self.worker.transport, self.spec.head
         rid = snap.request_id
-        try:
-            e.import_request(snap, paused=bool(snap.num_computed_tokens))
-        except (RequestRejected, ValueError):  # no room even now: recompute it here instead
-            _release_all(tr, handles)
-            self.links[sender].send(("forget", rid))
-            e.import_request(dataclasses.replace(snap, num_computed_tokens=0, kv={}))
-            self.moved.append(rid)
-            return
-        for m, hs in handles.items():
-            if m == self.spec.head:
-                for h in hs:
-                    e.import_kv(rid, tr.get(h), h.spec.start)
-                    tr.release(h)
-            else:
-                self._queue(rid, m, hs)
+        others = [m for m, hs in handles.items() if m != head and hs]
+        move = Move(rid, MoveKind.EXCHANGE, sender, 0, len(others) + bool(snap.num_computed_tokens), dst=head,
+                    deadlines=NO_DEADLINES)  # the peer links' watch is its deadline: a lost member ungroups
         self.moved.append(rid)
+        todo = move.start(time.monotonic())
+        while todo:
+            c = todo.pop(0)
+            if isinstance(c, Reserve):
+                try:
+                    e.import_request(snap, paused=bool(snap.num_computed_tokens))
+                    todo += move.reserved(head, time.monotonic())
+                except RequestRejected:
+                    todo += move.refused(head, time.monotonic())
+            elif isinstance(c, FailOver):  # no room even now: recompute it here instead
+                _release_all(tr, handles)
+                self.links[sender].send(("forget", rid))
+                e.import_request(dataclasses.replace(snap, num_computed_tokens=0, kv={}))
+                return
+            elif not isinstance(c, (Release, SendChunk)):  # the chunks go below, the refused copy is none
+                raise AssertionError(f"unexpected move command {c!r}")
+        for h in handles.get(head, []):
+            e.import_kv(rid, tr.get(h), h.spec.start)
+            tr.release(h)
+        for m in others:
+            self._queue(rid, m, handles[m], count=False)
         if snap.num_computed_tokens:
-            self.expect[rid] = self.expect.get(rid, 0) + 1
             self.links[sender].send(("place", rid, list(e.kv_manager.block_table(rid))))
-        self._settle(rid)
+        self.moves[rid] = move
+        self._landed_one(rid, 0)
+
+    def _landed_one(self, rid: str, n: int = 1) -> None:
+        """A member wrote its part of moved ``rid`` (``ok``): the last one resumes it here."""
+        move, now = self.moves[rid], time.monotonic()
+        cmds = [c for _ in range(n) for c in move.chunk_landed(len(move.landed), now)]
+        if not move.num_chunks:  # none of its KV had to move
+            cmds += move.all_landed(now)
+        for c in cmds:
+            if isinstance(c, Resume) and rid in self.engine.scheduler.paused:
+                self.engine.resume_request(rid)
+        if move.over:
+            del self.moves[rid]
 
     def forget(self, rid: str) -> None:
         """``rid`` was aborted here: its queued chunks never go (its blocks may be reused)."""
         self.expect.pop(rid, None)
+        self.moves.pop(rid, None)
         for item in [q for q in self.queue if q[1] == rid]:
             self.queue.remove(item)
             self.worker.transport.release(item[2])
@@ -233,7 +261,9 @@ class GroupHead:
                 if msg[0] == "back" and r is not None and m not in r.back:
                     r.back[m] = msg[1]
                 elif msg[0] == "ok":
-                    if msg[1] in self.expect:
+                    if msg[1] in self.moves:
+                        self._landed_one(msg[1])
+                    elif msg[1] in self.expect:
                         self.expect[msg[1]] -= 1
                         self._settle(msg[1])
                 else:
@@ -241,7 +271,7 @@ class GroupHead:
         if self.queue:
             m, rid, handle, last = self.queue.popleft()
             self.links[m].send(("kv", rid, list(self.engine.kv_manager.block_table(rid)), handle, last))
-        if not self.reported and not self.expect and not self.queue:
+        if not self.reported and not self.expect and not self.moves and not self.queue:
             self.reported = True
             self.worker.send(ExchangeDone(self.spec.members, self.num_exchanged, len(self.moved)))
 
