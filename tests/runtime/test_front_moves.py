@@ -9,6 +9,7 @@ chunk handle released or read."""
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from typing import Any
 
 from tidal.cluster.dispatch import ClusterLayout, Dispatcher
@@ -53,6 +54,7 @@ class Front(HandoffFront):
         self.kv_bytes_moved = 0
         self.move_deadlines = MoveDeadlines(reserve_s=10, transfer_s=10, free_s=10)
         self.moves_ended: dict[str, int] = {}
+        self.move_records: deque = deque()
         self.sent: list[tuple[int, Any]] = []
         self.failed_over: list[str] = []
         self.clock = 0.0
@@ -119,6 +121,9 @@ def test_a_migration_reserves_starts_the_source_forwards_its_chunks_and_lands():
     assert "a" in front.monitor.instances[1].outstanding and "a" not in front.monitor.instances[0].outstanding
     assert front.transport.released == []  # the destination read (and released) them
     assert front.pressure.snapshot()["migrated"] == 1 and front.moves_ended == {"done": 1}
+    (rec,) = front.move_records
+    assert (rec.request_id, rec.kind, rec.src, rec.dst, rec.outcome) == ("a", "migrate", 0, 1, "done")
+    assert rec.events == ("start", "reserved 1", "landed 1", "done")
 
 
 def test_a_source_that_cannot_start_keeps_the_request_and_nothing_stays_reserved():

@@ -63,7 +63,7 @@ def _run_real(work) -> tuple[list[Decision], dict, dict]:
         pids = [h.pid for h in llm.handles if h is not None]
         assert serve_burst(llm, work) == [m for _, m in work]
         snap = llm.stats["cluster"]
-        return log, snap, {"pools": pools_of(llm), "scheduler": llm.config.scheduler}
+        return log, snap, {"pools": pools_of(llm), "scheduler": llm.config.scheduler, "moves": list(llm.move_records)}
     finally:
         llm.shutdown()
         wait_gone(pids)  # every worker stopped, by its own id
@@ -125,6 +125,17 @@ def test_runtime_and_simulator_make_the_same_dispatch_and_handoff_decisions():
         taken = [d for d in handoffs if d.choice is not None]
         assert sorted(d.request_id for d in taken) == sorted(f"r{i}" for i in range(N))
         assert {d.choice for d in taken} <= {1, 2}
+    # every hand-off is a move of the one machine (tidal.cluster.moves) in both shells, and each went
+    # the same way: from the prefill instance, reserved on a decode instance, landed, done (a
+    # refusal on a stale view, which only the runtime can meet, would show as "refused" and a retry)
+    def moves(records):
+        return sorted((m.request_id, m.kind, m.src, m.outcome, tuple(e.split()[0] for e in m.events if
+                                                                      not e.startswith("refused")))
+                      for m in records)
+
+    expected_moves = sorted((f"r{i}", "handoff", 0, "done", ("start", "reserved", "landed", "done")) for i in range(N))
+    assert moves(info["moves"]) == moves(res.moves) == expected_moves
+    assert all(m.dst in (1, 2) for m in [*info["moves"], *res.moves])
     # the chunks of every hand-off, as both shells plan them (layers 0-29 by 10, tokens by 16)
     assert [h.num_chunks for h in res.handoffs] == [len(plan_chunks(range(30), 0, len(ids), 10, 16))
                                                   for ids, _ in work]

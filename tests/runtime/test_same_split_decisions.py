@@ -42,7 +42,7 @@ def _run_real(work):
     try:
         assert serve_burst(llm, work) == [m for _, m in work]
         settle(llm)
-        return log, pools_of(llm), llm.config.scheduler, llm.stats
+        return log, pools_of(llm), llm.config.scheduler, {**llm.stats, "moves": list(llm.move_records)}
     finally:
         stop(llm)
 
@@ -80,3 +80,12 @@ def test_runtime_and_simulator_make_the_same_split_decisions():
         assert (again.pair, again.split, again.probes) == (r.decision.pair, r.decision.split, r.decision.probes)
     # the runtime split what it planned to split, and moved KV for each of them
     assert stats["splits"] == sum(r.decision.handoff for r in real) and stats["kv_bytes_moved"] > 0
+    # every beta part is a move of the one machine (tidal.cluster.moves) in both shells, from the
+    # decision's alpha to its beta, and each ended the same way, event for event
+    def moves(records):
+        return sorted((m.request_id, m.kind, m.src, m.dst, m.outcome, m.events) for m in records)
+
+    planned = sorted((r.decision.request_id, r.decision.pair) for r in real if r.decision.handoff)
+    assert [(m[0], (m[2], m[3])) for m in moves(stats["moves"])] == planned
+    assert moves(stats["moves"]) == moves(res.moves)
+    assert {m.outcome for m in res.moves} == {"done"}

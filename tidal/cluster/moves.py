@@ -260,6 +260,25 @@ class Move:
         return [*out, FailOver(reason)]
 
 
+@dataclass(frozen=True)
+class MoveRecord:
+    """How one move went, as both shells record it (their same-decision tests compare these): the
+    request, the kind, where from and to, how it ended and its events in order (times left out:
+    the shells' clocks differ)."""
+
+    request_id: str
+    kind: str
+    src: int
+    dst: int | None
+    outcome: str  # done | stayed | failed_over | dropped (ended from outside: the request finished, was aborted)
+    events: tuple[str, ...]
+
+    @classmethod
+    def of(cls, move: Move, request_id: str | None = None) -> MoveRecord:
+        return cls(request_id or move.request_id, move.kind.value, move.src, move.dst,
+                   move.phase.value if move.over else "dropped", tuple(e for _, e in move.log))
+
+
 def moved_request(req: Request, with_kv: bool) -> Request:
     """The copy a destination takes: the request's tokens, parameters, priority and class, its
     arrival time and first-token times (its latency is the client's, not the move's), and its
@@ -274,5 +293,5 @@ def moved_request(req: Request, with_kv: bool) -> Request:
     return new
 
 
-__all__ = ["NO_DEADLINES", "Command", "FailOver", "FreeSource", "Move", "MoveDeadlines", "MoveKind", "Pause", "Phase", "Release",
+__all__ = ["NO_DEADLINES", "Command", "FailOver", "FreeSource", "Move", "MoveDeadlines", "MoveKind", "MoveRecord", "Pause", "Phase", "Release",
            "Reserve", "Resume", "Retry", "SendChunk", "moved_request"]

@@ -43,7 +43,7 @@ import zmq
 from tidal.cluster.config import ServingConfig
 from tidal.cluster.dispatch import Dispatcher
 from tidal.cluster.monitor import GlobalMonitor, InstanceStatus
-from tidal.cluster.moves import MoveDeadlines
+from tidal.cluster.moves import MoveDeadlines, MoveRecord
 from tidal.cluster.router import RouteRequest, build_router
 from tidal.common.progress import startup_line
 from tidal.config import ConfigError, default_cpu_threads
@@ -60,6 +60,7 @@ from tidal.runtime.records import ClusterConfig, FrontEngine, Tracked
 from tidal.runtime.split_front import SplitCoordinator
 from tidal.runtime.worker import WorkerConfig
 
+MOVE_LOG = 4096  # the latest moves kept (ClusterLLM.move_records)
 log = logging.getLogger("tidal.cluster")
 START_ATTEMPTS = 3  # a worker that dies this many times in a row before it is ready is not restarted
 
@@ -113,6 +114,7 @@ class ClusterLLM(HandoffFront):
         d = cluster.move_timeout_s  # every step of a move has this long (tidal.cluster.moves)
         self.move_deadlines = MoveDeadlines(reserve_s=d, transfer_s=d, free_s=d)
         self.moves_ended: dict[str, int] = {}
+        self.move_records: deque[MoveRecord] = deque(maxlen=MOVE_LOG)
         self.weights: list[str | None] = [None] * n  # what each worker runs (its ready message says)
         self.requests: dict[str, Tracked] = {}  # by the client's request id
         self.by_wid: dict[str, Tracked] = {}  # by the id its current run has on the workers (Tracked.wid)

@@ -25,6 +25,7 @@ of :class:`~tidal.runtime.cluster.ClusterLLM`: every method runs under its lock.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 from tidal.cluster.moves import (
@@ -34,6 +35,7 @@ from tidal.cluster.moves import (
     Move,
     MoveDeadlines,
     MoveKind,
+    MoveRecord,
     Pause,
     Phase,
     Release,
@@ -56,7 +58,8 @@ class HandoffFront:
     split: Any
     kv_bytes_moved: int
     move_deadlines: MoveDeadlines
-    moves_ended: dict[str, int]  # by how each ended (done / stayed / failed_over), for the stats
+    moves_ended: dict[str, int]  # by how each ended (done / stayed / failed_over / dropped), for the stats
+    move_records: deque[MoveRecord]  # the latest moves as they ended (the same-decision tests read them)
 
     def send(self, i: int, cmd: Any) -> None: ...
     def now(self) -> float: ...
@@ -139,6 +142,7 @@ class HandoffFront:
     def _ended(self, t: Tracked, h: Handoff) -> None:
         move = h.move
         h.ended = True
+        self.move_records.append(MoveRecord.of(move, t.rid))
         self.moves_ended[move.phase.value] = self.moves_ended.get(move.phase.value, 0) + 1
         if self.pressure is not None and move.kind is MoveKind.MIGRATE:
             self.pressure.on_move_end(t, move)
@@ -181,6 +185,7 @@ class HandoffFront:
                 self.pressure.on_move_end(t, h.move)
             h.ended = True
             self.moves_ended["dropped"] = self.moves_ended.get("dropped", 0) + 1
+            self.move_records.append(MoveRecord.of(h.move, t.rid))
         self._release_handoff(t)
         t.handoff = None
 

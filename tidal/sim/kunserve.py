@@ -31,6 +31,7 @@ from tidal.cluster.moves import (
     FailOver,
     Move,
     MoveKind,
+    MoveRecord,
     Phase,
     Release,
     Reserve,
@@ -192,6 +193,7 @@ class DropHandler(PressureHandler):
         if move.phase is Phase.SENDING and not sent:  # nothing of its KV has to move
             move.all_landed(now)
         if not sent:
+            self.sim.move_records.append(MoveRecord.of(move))
             return 0, move.phase is Phase.DONE
         dst.scheduler.pause(rid)  # stalled until its last chunk lands
         end = max(self.links.send(s, now, c) for s, c in sent)
@@ -204,6 +206,7 @@ class DropHandler(PressureHandler):
         for c in move.all_landed(now):
             if isinstance(c, Resume) and move.request_id in inst.scheduler.paused:
                 inst.scheduler.resume(move.request_id)
+        self.sim.move_records.append(MoveRecord.of(move))
         self.in_flight -= 1
         if not self.in_flight:
             self.note("exchange-done", now, self.moves_of, seconds=round(now - self.moves_started, 4))

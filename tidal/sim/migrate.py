@@ -19,6 +19,7 @@ from tidal.cluster.moves import (
     FreeSource,
     Move,
     MoveKind,
+    MoveRecord,
     Pause,
     Phase,
     Reserve,
@@ -115,6 +116,7 @@ class MigrateHandler(PressureHandler):
             event = Call(end, lambda t, move=move, sent=tuple(sent): self._land(move, sent, t))
         if move.over:
             self.moves.pop(rid, None)
+            sim.move_records.append(MoveRecord.of(move))
         return event
 
     def _land(self, move: Move, sent: tuple[int, ...], now: float) -> list[Event]:

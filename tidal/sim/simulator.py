@@ -40,6 +40,7 @@ from tidal.cluster.moves import (
     FreeSource,
     Move,
     MoveKind,
+    MoveRecord,
     Pause,
     Reserve,
     Resume,
@@ -75,6 +76,7 @@ class SimResult:
     splits: list[Any] = field(default_factory=list)  # --mode split: tidal.sim.split.SplitTransfer per request
     split_load: dict[str, list] = field(default_factory=dict)  # --mode split: the planner's predicted loads
     pressure: dict[str, Any] | None = None  # --kv-pressure: its decisions and their summary
+    moves: list[MoveRecord] = field(default_factory=list)  # every request move, as it ended (tidal.cluster.moves)
 
 
 class _Arrival(Event):
@@ -163,6 +165,7 @@ class ClusterSimulator:
         self.handoff = handoff
         self.handoffs: list[Handoff] = []
         self._pending: dict[int, Handoff] = {}  # request index -> hand-off waiting for a decode instance
+        self.move_records: list[MoveRecord] = []  # every move as it ended, for the same-decision tests
         self._moves: dict[int, Move] = {}  # request index -> its move (tidal.cluster.moves), until it lands
         self._in_flight = 0
         self._max_pending = 0
@@ -343,6 +346,7 @@ class ClusterSimulator:
         dst.scheduler.resume(h.request_id)
         src.scheduler.abort_requests([h.request_id], now)  # after its last chunk the prefill frees it
         move.source_freed(now)
+        self.move_records.append(MoveRecord.of(move))
         self.monitor.on_handoff(h.request_id, h.src, h.dst, ok=True)
         h.landed = True
         self._in_flight -= 1
@@ -424,4 +428,5 @@ class ClusterSimulator:
             timelines=[{**inst.timeline.to_dict(), "role": inst.role} for inst in self.instances],
             simulated_time_s=self.loop.now, num_events=self.loop.num_fired, routed=self.routed,
             mode=self.layout.mode, handoffs=self.handoffs, max_pending_handoffs=self._max_pending,
-            handoff_timeline=self._htl, pressure=self.pressure.summary() if self.pressure is not None else None)
+            handoff_timeline=self._htl, pressure=self.pressure.summary() if self.pressure is not None else None,
+            moves=self.move_records)

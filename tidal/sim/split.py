@@ -35,7 +35,17 @@ from typing import Any
 
 from tidal.cluster.dispatch import ClusterLayout
 from tidal.cluster.handoff import handoff_blocks
-from tidal.cluster.moves import NO_DEADLINES, Command, FreeSource, Move, MoveKind, Pause, Reserve, Resume
+from tidal.cluster.moves import (
+    NO_DEADLINES,
+    Command,
+    FreeSource,
+    Move,
+    MoveKind,
+    MoveRecord,
+    Pause,
+    Reserve,
+    Resume,
+)
 from tidal.cluster.split import SplitDecision, SplitPlanner, SplitRecord
 from tidal.cluster.split_predict import MicroRequest
 from tidal.core.plan import BatchComposition, ScheduledChunk, StepPlan
@@ -260,6 +270,7 @@ class SplitSimulator(ClusterSimulator):
                 assert isinstance(c, Pause), f"unexpected move command {c!r}"
         if move.over:
             self._moves.pop(rid, None)
+            self.move_records.append(MoveRecord.of(move))
 
     def _transfer(self, i: int, dec: SplitDecision, now: float) -> SplitTransfer:
         t = SplitTransfer(dec.request_id, i, dec.pair[0], dec.pair[1], dec.prompt_len, dec.predicted_output,
@@ -406,7 +417,9 @@ class SplitSimulator(ClusterSimulator):
         t = self.transfers.get(i)
         self.planner.on_finish(rid, self.records[i].counted_tokens)
         self._parts.pop(rid, None)
-        self._moves.pop(rid, None)  # ended from outside its move (the runtime's drop_handoff)
+        move = self._moves.pop(rid, None)  # ended from outside its move (the runtime's drop_handoff)
+        if move is not None:
+            self.move_records.append(MoveRecord.of(move))
         if t is None or not t.handoff or t.landed_s is not None or t.stayed_on_alpha:
             return []
         # it ended on alpha before its split point (a shorter output than predicted): beta lets go
