@@ -148,8 +148,8 @@ def run_benchmark(opts: BenchOptions) -> BenchResult:
     import torch
 
     from tidal.config import default_cpu_threads
-    from tidal.engine.llm_engine import dtype_name
     from tidal.engine.loader import load_checkpoint
+    from tidal.engine.sizing import dtype_name
 
     requested = opts.dtype
     if opts.device != "cpu" and not (opts.device.startswith("cuda") and torch.cuda.is_available()):
