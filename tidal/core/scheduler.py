@@ -77,8 +77,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests in / out
     def add_request(self, req: Request) -> None:
-        validate_request(req.request_id, req.num_prompt_tokens, req.sampling_params.max_tokens, in_use=self.requests,
-                         max_model_len=self.max_model_len, kv=self.kv)
+        validate_request(req.request_id, req.num_prompt_tokens, in_use=self.requests, max_model_len=self.max_model_len,
+                         kv=self.kv)
         if req.max_model_len is None:
             req.max_model_len = self.max_model_len
         req.status = RequestStatus.WAITING

@@ -1,8 +1,9 @@
 """Request validation, in one place: what makes a request one that can never run here.
 
 Pure functions of the request's numbers and the instance's limits. The engine (the client's
-request), the scheduler (every request it admits: new, imported or moved) and the simulator
-(before it dispatches) call these, so one bad request is refused with the same message by each.
+request: :func:`check_prompt_tokens`, :func:`check_context`), the simulator (before it dispatches:
+:func:`check_context`) and the scheduler (every request it admits, new, imported or moved:
+:func:`validate_request`) call these, so one bad request is refused with the same message by each.
 """
 
 from __future__ import annotations
@@ -65,12 +66,14 @@ def check_kv_room(num_prompt_tokens: int, kv: KVPool) -> None:
             f"{kv.num_blocks * kv.block_size} tokens", param="prompt")
 
 
-def validate_request(request_id: str, num_prompt_tokens: int, max_tokens: int | None, *,
-                     in_use: Container[str] = (), max_model_len: int | None = None,
-                     kv: KVPool | None = None) -> None:
-    """Every check an instance makes of a request it is asked to hold, in this order: its id is
-    free, it fits the context, its prompt fits the KV pool. Raises :class:`RequestRejected`."""
+def validate_request(request_id: str, num_prompt_tokens: int, *, in_use: Container[str] = (),
+                     max_model_len: int | None = None, kv: KVPool | None = None) -> None:
+    """What an instance's scheduler checks of every request it admits (new, imported or moved),
+    in this order: its id is free, its prompt leaves room in the context for one output token, its
+    prompt fits the KV pool. ``max_tokens`` is the front doors' check (:func:`check_context`, in
+    the engine and the simulator): the scheduler ends a request at the context (``length``).
+    Raises :class:`RequestRejected`."""
     check_request_id(request_id, in_use)
-    check_context(num_prompt_tokens, max_tokens, max_model_len)
+    check_context(num_prompt_tokens, None, max_model_len)
     if kv is not None:
         check_kv_room(num_prompt_tokens, kv)

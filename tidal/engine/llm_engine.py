@@ -9,8 +9,8 @@
   (hand-offs, migration, DynaServe's split), what runtime workers call.
 - :class:`~tidal.engine.pool.PoolResizer` (``engine.pool``): KunServe's layer drop / restore.
 
-Requests are validated by :mod:`tidal.core.validation` (here: the prompt; the scheduler: id,
-context and KV pool). ``step()`` runs one step and returns the outputs that changed.
+Requests are validated by :mod:`tidal.core.validation` (here: the prompt, its id and
+``max_tokens``; the scheduler: each sequence's id, context and KV room). ``step()`` runs one step and returns the outputs that changed.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 from tidal.config import EngineConfig
 from tidal.core.request import FinishReason, Request, RequestClass
 from tidal.core.sampling import SamplingParams
-from tidal.core.validation import check_prompt_tokens, check_request_id
+from tidal.core.validation import check_context, check_prompt_tokens, check_request_id
 from tidal.engine.engine_core import EngineCore, prepare_device
 from tidal.engine.loader import LoadedCheckpoint, load_checkpoint
 from tidal.engine.output_processor import OutputProcessor
@@ -117,6 +117,7 @@ class LLMEngine:
                 prompt_token_ids = list(prompt)
         check_prompt_tokens(prompt_token_ids or [], self.arch.vocab_size)
         check_request_id(request_id, self.outputs)
+        check_context(len(prompt_token_ids), params.max_tokens, self.max_model_len)
         arrival = self.clock() if arrival_time is None else arrival_time
         reqs = []
         for i in range(params.n):
@@ -127,7 +128,7 @@ class LLMEngine:
             reqs.append(Request(child_id, list(prompt_token_ids), child_params, arrival_time=arrival,
                                 eos_token_ids=self.eos_token_ids, priority=priority,
                                 request_class=RequestClass(request_class), pause_at=pause_at))
-        self.core.add_requests(reqs)  # the scheduler validates the id, the context and the KV pool
+        self.core.add_requests(reqs)  # the scheduler checks each sequence's id, context and KV room
         self.outputs.add_request(request_id, text, params, reqs, arrival)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
