@@ -42,7 +42,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, checkpoint: LoadedCheckpoint | None = None,
                  tokenizer: Tokenizer | None = None, clock: Callable[[], float] = time.monotonic):
         self.config = config = config or EngineConfig()
-        self.clock = clock  # the scheduler's "now"; a test can drive the engine on a virtual clock
+        self._clock = clock  # the scheduler's "now"; a test can drive the engine on a virtual clock
         device = prepare_device(config)
         policy = build_policy(config.scheduler)  # a bad --batching / --policy-arg fails here, before the weights load
         ckpt = checkpoint or load_checkpoint(config.model.model)
@@ -52,13 +52,22 @@ class LLMEngine:
         tok = self.tokenizer
         self.eos_token_ids = tuple(core.arch.eos_token_ids) or (
             (tok.eos_token_id,) if tok.eos_token_id is not None else ())
-        self.transfer = KVTransfer(core, self.outputs, lambda: self.clock(), self.eos_token_ids)
+        self.transfer = KVTransfer(core, self.outputs, clock, self.eos_token_ids)  # no reference back here: an
+        # engine dropped is freed at once (its KV pool with it), not at the next cyclic collection
         self.pool = PoolResizer(core)
         # the parts' objects, as the engine's attributes (tests, the server and benchmarks read them)
         self.device, self.policy, self.checkpoint, self.arch = core.device, core.policy, core.checkpoint, core.arch
         self.dtype, self.kv_dtype, self.quantization, self.model = core.dtype, core.kv_dtype, core.quantization, core.model
         self.kv_cache, self.kv_manager, self.scheduler, self.runner = (core.kv_cache, core.kv_manager, core.scheduler,
                                                                        core.runner)
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        return self._clock
+
+    @clock.setter
+    def clock(self, clock: Callable[[], float]) -> None:
+        self._clock = self.transfer.clock = clock
 
     @property
     def tokenizer(self) -> Tokenizer:
