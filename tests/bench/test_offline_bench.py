@@ -212,7 +212,7 @@ def test_dtype_default_is_what_the_engine_picks(monkeypatch):
     """`tidal bench offline` defaults to the engine's `auto`: bf16 only where the CPU has it natively."""
     import torch
 
-    from tidal.engine.llm_engine import dtype_name, resolve_dtype
+    from tidal.engine.sizing import dtype_name, resolve_dtype
 
     opts = ob.options_from_args(_offline_args())
     assert opts.dtype == "auto"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tidal.engine import dtype_pick
-from tidal.engine.llm_engine import dtype_name, resolve_dtype
+from tidal.engine.sizing import dtype_name, resolve_dtype
 
 
 @pytest.fixture

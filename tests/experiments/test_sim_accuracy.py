@@ -81,7 +81,7 @@ def test_small_run_end_to_end(tmp_path: Path, capsys, monkeypatch, smol_ckpt, re
     assert "sim@speed" in stdout and "simulated saturation" in stdout and "torch" in stdout and "2 threads" in stdout
     res = json.loads(out.read_text())
     assert res["machine"]["threads"] == 2 and res["saturation_rps"] > 0
-    from tidal.engine.llm_engine import dtype_name
+    from tidal.engine.sizing import dtype_name
 
     assert res["dtype"] == res["machine"]["dtype"] == dtype_name("auto") != "auto"  # the default, resolved
     assert [r["load"] for r in res["runs"]] == [0.3, 0.85]

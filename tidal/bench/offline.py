@@ -43,6 +43,13 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from tidal.bench.offline_peak import (
+    combine_peaks,
+    decode_step_flops,
+    linear_params,
+    machine_info,
+    measure_matmul_peak,
+)
 from tidal.bench.offline_report import format_report, write_plot  # noqa: F401
 from tidal.bench.offline_systems import (  # noqa: F401  (re-exported for tests and scripts)
     _DESCRIPTION,
@@ -59,13 +66,8 @@ from tidal.bench.offline_systems import (  # noqa: F401  (re-exported for tests 
     SystemRunner,
     SystemUnavailable,
     Workload,
-    combine_peaks,
-    decode_step_flops,
     installed_systems,
-    linear_params,
-    machine_info,
     make_workloads,
-    measure_matmul_peak,
 )
 from tidal.common import flags as F
 from tidal.common.machine import load_average
@@ -146,8 +148,8 @@ def run_benchmark(opts: BenchOptions) -> BenchResult:
     import torch
 
     from tidal.config import default_cpu_threads
-    from tidal.engine.llm_engine import dtype_name
     from tidal.engine.loader import load_checkpoint
+    from tidal.engine.sizing import dtype_name
 
     requested = opts.dtype
     if opts.device != "cpu" and not (opts.device.startswith("cuda") and torch.cuda.is_available()):

@@ -23,15 +23,10 @@ from tidal.core.plan import (
 )
 from tidal.core.policy import SchedulerView, SchedulingPolicy, StepCaps, default_victim, is_passive
 from tidal.core.request import FinishReason, Request, RequestStatus
+from tidal.core.validation import RequestRejected, validate_request
 from tidal.core.waiting import WaitingQueue
 
-
-class RequestRejected(ValueError):
-    """The request can never run on this instance (too long for the context or the KV pool)."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
+__all__ = ["RequestRejected", "Scheduler", "StepBudget"]
 
 
 @dataclass
@@ -82,17 +77,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests in / out
     def add_request(self, req: Request) -> None:
-        if req.request_id in self.requests:
-            raise RequestRejected(f"request id {req.request_id!r} is already in use")
-        n = req.num_prompt_tokens
-        if self.max_model_len is not None and n >= self.max_model_len:
-            raise RequestRejected(
-                f"the prompt has {n} tokens; this model's context length is {self.max_model_len}, "
-                f"which must also hold at least one output token", param="prompt")
-        if self.kv.blocks_for_tokens(n + 1) > self.kv.num_blocks:
-            raise RequestRejected(
-                f"the prompt has {n} tokens but the KV cache holds only "
-                f"{self.kv.num_blocks * self.kv.block_size} tokens", param="prompt")
+        validate_request(req.request_id, req.num_prompt_tokens, in_use=self.requests, max_model_len=self.max_model_len,
+                         kv=self.kv)
         if req.max_model_len is None:
             req.max_model_len = self.max_model_len
         req.status = RequestStatus.WAITING

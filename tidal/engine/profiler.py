@@ -256,11 +256,7 @@ def profile_eq1(engine: Any, grid: Sequence[tuple[int, int]] | None = None, repe
 
 
 def _requests(engine: Any, ids: Sequence[str]) -> list[Any]:
-    out = []
-    for rid in ids:
-        gid, idx = engine._child_parent[rid]
-        out.append(engine._groups[gid].children[idx].request)
-    return out
+    return [engine.scheduler.requests[rid] for rid in ids]
 
 
 def profile_engine(engine: Any, grid: Sequence[Sequence[Chunk]] | None = None, repeats: int = 3, warmup: int = 1,

@@ -91,13 +91,10 @@ class GroupSpec:
         return out
 
 
-def _requests(engine: Any) -> list[tuple[str, Any]]:
-    return list(engine.scheduler.requests.items())
-
-
-def _running_with_kv(engine: Any) -> list[tuple[str, Any]]:
-    """The running requests that hold computed KV (those a regroup or restore must carry over)."""
-    return [(rid, r) for rid, r in _requests(engine) if r.num_computed_tokens and r in engine.scheduler.running]
+def _running_with_kv(engine: Any) -> list[tuple[str, int]]:
+    """The running requests that hold computed KV (those a regroup or restore must carry over),
+    with their tokens of KV."""
+    return list(engine.transfer.running_with_kv().items())
 
 
 def _release_all(transport: Any, handles: dict[str, list]) -> None:
@@ -110,12 +107,12 @@ def _relayer(engine: Any, keep: set[int]) -> int:
     """Hold exactly the decoder layers ``keep``: drop the others (the pool grows by their bytes,
     Sec. 4.1's local memory manager) and load the missing ones from the host copy. Returns the
     pool's block count."""
-    present = set(engine.model.layer_ids)
+    present = set(engine.transfer.layer_ids)
     if present - keep:
         engine.drop_layers(sorted(present - keep))
     if keep - present:
         engine.restore_layers(sorted(keep - present))
-    return engine.kv_manager.num_blocks
+    return engine.transfer.num_blocks
 
 
 def _put(worker: Any, kv: KV, num_tokens: int) -> list:
@@ -146,11 +143,11 @@ class GroupHead:
         keep = spec.keeps(spec.head)
         # Sec. 4.2: every running request pauses; its KV of the other members' layers leaves before the drop
         own = {}
-        for rid, req in _running_with_kv(e):
+        for rid, n in _running_with_kv(e):
             e.pause_request(rid)
-            gone = [layer for layer in e.model.layer_ids if layer not in keep]
-            kv = e.export_kv(rid, gone, 0, req.num_computed_tokens) if gone else {}
-            own[rid] = (req.num_computed_tokens, {**kv, **pieces.get(rid, {})})
+            gone = [layer for layer in e.transfer.layer_ids if layer not in keep]
+            kv = e.export_kv(rid, gone, 0, n) if gone else {}
+            own[rid] = (n, {**kv, **pieces.get(rid, {})})
         n_head = _relayer(e, keep)
         hellos = {m: self.links[m].wait_for("hello")[0] for m in spec.stages}
         self.num_blocks = min([n_head] + [h[1] for h in hellos.values()])
@@ -188,7 +185,7 @@ class GroupHead:
         """Resume ``rid`` when no member has its KV to write any more."""
         if not self.expect.get(rid):
             self.expect.pop(rid, None)
-            if rid in self.engine.scheduler.paused:
+            if self.engine.transfer.is_paused(rid):
                 self.engine.resume_request(rid)
 
     def _land(self, sender: int, snap: Any, handles: dict[int, list]) -> None:
@@ -228,7 +225,7 @@ class GroupHead:
         for m in others:
             self._queue(rid, m, handles[m], count=False)
         if snap.num_computed_tokens:
-            self.links[sender].send(("place", rid, list(e.kv_manager.block_table(rid))))
+            self.links[sender].send(("place", rid, e.transfer.block_table(rid)))
         self.moves[rid] = move
         self._landed_one(rid, 0)
 
@@ -239,7 +236,7 @@ class GroupHead:
         if not move.num_chunks:  # none of its KV had to move
             cmds += move.all_landed(now)
         for c in cmds:
-            if isinstance(c, Resume) and rid in self.engine.scheduler.paused:
+            if isinstance(c, Resume) and self.engine.transfer.is_paused(rid):
                 self.engine.resume_request(rid)
         if move.over:
             del self.moves[rid]
@@ -270,7 +267,7 @@ class GroupHead:
                     log.warning("head: unexpected message from stage %d: %s", m, msg[0])
         if self.queue:
             m, rid, handle, last = self.queue.popleft()
-            self.links[m].send(("kv", rid, list(self.engine.kv_manager.block_table(rid)), handle, last))
+            self.links[m].send(("kv", rid, self.engine.transfer.block_table(rid), handle, last))
         if not self.reported and not self.expect and not self.moves and not self.queue:
             self.reported = True
             self.worker.send(ExchangeDone(self.spec.members, self.num_exchanged, len(self.moved)))
@@ -308,7 +305,7 @@ class GroupHead:
         e, tr = self.engine, self.worker.transport
         if self.queue or self.expect or self.restoring is not None:
             raise RuntimeError("a group merges only once its exchange is done and no restore runs")
-        asks = [(rid, list(e.kv_manager.block_table(rid)), 0, r.num_computed_tokens) for rid, r in _running_with_kv(e)]
+        asks = [(rid, e.transfer.block_table(rid), 0, n) for rid, n in _running_with_kv(e)]
         for link in self.links.values():
             link.send(("export_back", asks))
         pieces: dict[str, KV] = {}
@@ -332,7 +329,7 @@ class GroupHead:
         e = self.engine
         if self.queue or self.expect or self.restoring is not None:
             return False
-        live = {rid: (r.num_computed_tokens, tuple(e.kv_manager.block_table(rid))) for rid, r in _running_with_kv(e)}
+        live = {rid: (n, tuple(e.transfer.block_table(rid))) for rid, n in _running_with_kv(e)}
         self.restoring = _Restore(live, sorted(e.dropped_weight_bytes), time.perf_counter(), e.num_steps)
         for link in self.links.values():
             link.send(("export_back", [(rid, list(bt), 0, n) for rid, (n, bt) in live.items()]))
@@ -362,7 +359,7 @@ class GroupHead:
         to restore too."""
         e, tr = self.engine, self.worker.transport
         t0 = time.perf_counter()
-        live = [(rid, req.num_computed_tokens) for rid, req in _running_with_kv(e)]
+        live = _running_with_kv(e)
         for rid, _ in live:
             e.pause_request(rid)
         back: dict[str, list] = {}
@@ -372,7 +369,7 @@ class GroupHead:
         r.back = {}  # from here on every handle is imported or released below
         asks = []
         for rid, n in live:
-            bt = tuple(e.kv_manager.block_table(rid))
+            bt = tuple(e.transfer.block_table(rid))
             first = r.live.get(rid)
             start = first[0] if first is not None and rid in back and bt[:len(first[1])] == first[1] \
                 and n >= first[0] else 0
@@ -445,12 +442,12 @@ class GroupTail:
         worker, e, spec, me = self.worker, self.engine, self.spec, self.worker.cfg.index
         self.local: dict[str, KV] = {}  # moved requests' KV of our layers, until the head places them
         moved, lost = [], []
+        with_kv = e.transfer.running_with_kv()
         for rid in e.request_ids():
             if e.num_sequences(rid) != 1:
                 lost.append(rid)  # n > 1: a snapshot moves one sequence; the front end re-runs it
                 continue
-            req = e.scheduler.requests[rid]
-            if req.num_computed_tokens and req in e.scheduler.running:
+            if rid in with_kv:
                 e.pause_request(rid)
             snap = e.export_request(rid)
             parts = spec.split({**snap.kv, **pieces.get(rid, {})}) if snap.num_computed_tokens else {}

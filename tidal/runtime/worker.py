@@ -241,10 +241,10 @@ class Worker:
             pieces = self.leave_group()
             if spec.head == self.cfg.index:
                 self.head = GroupHead(self, spec, pieces)
-                self.send(P.Grouped("head", spec.members, self.head.moved, e.kv_manager.num_blocks, e.model.layer_ids))
+                self.send(P.Grouped("head", spec.members, self.head.moved, e.transfer.num_blocks, e.transfer.layer_ids))
             else:
                 self.tail = GroupTail(self, spec, pieces)
-                self.send(P.Grouped("tail", spec.members, self.tail.lost, e.kv_manager.num_blocks, e.model.layer_ids))
+                self.send(P.Grouped("tail", spec.members, self.tail.lost, e.transfer.num_blocks, e.transfer.layer_ids))
         except PeerLost:
             self.ungroup()
             return
@@ -255,7 +255,7 @@ class Worker:
 
         if self.head is None or not self.head.begin_restore():
             e = self.engine
-            self.send(P.Restored("refused", e.kv_manager.num_blocks, e.model.layer_ids))
+            self.send(P.Restored("refused", e.transfer.num_blocks, e.transfer.layer_ids))
 
     def on_shutdown(self, cmd: Any) -> None:
         self.running = False
@@ -295,7 +295,7 @@ class Worker:
         self.head = self.tail = None
         if e.dropped_weight_bytes:
             e.restore_layers(sorted(e.dropped_weight_bytes))
-        self.send(P.Ungrouped(lost, e.kv_manager.num_blocks))
+        self.send(P.Ungrouped(lost, e.transfer.num_blocks))
         self.send(P.Idle(self.status()))
 
     # ---------------------------------------------------------------- imports
@@ -365,9 +365,9 @@ class Worker:
         e.pause_request(rid)
         meta = e.export_request(rid, layers=[])
         self.handing_off.add(rid)
-        chunks = plan_chunks(e.model.layer_ids, 0, meta.num_computed_tokens, self.cfg.layers_per_chunk,
+        chunks = plan_chunks(e.transfer.layer_ids, 0, meta.num_computed_tokens, self.cfg.layers_per_chunk,
                              self.cfg.tokens_per_chunk or None)
-        blocks = handoff_blocks(meta.num_computed_tokens, e.kv_manager.block_size)
+        blocks = handoff_blocks(meta.num_computed_tokens, e.transfer.block_size)
         self.send(P.HandoffStarted(rid, meta, blocks, len(chunks)))
         self.exports.append(_Export(rid, deque(chunks)))
 
@@ -386,16 +386,15 @@ class Worker:
         from tidal.runtime.kv_transfer import plan_chunks
 
         e = self.engine
-        reached = set(e.scheduler.drain_reached_pause())
+        reached = set(e.transfer.drain_reached_pause())
         for ex in self.exports:
             if not ex.stream or ex.done:
                 continue
-            req = e.scheduler.requests.get(ex.request_id)
-            if req is None:  # finished (or aborted) before its split point: nothing to hand over
+            upto = e.transfer.computed_tokens(ex.request_id)
+            if upto is None:  # finished (or aborted) before its split point: nothing to hand over
                 ex.done, ex.chunks = True, deque()
                 continue
-            upto = req.num_computed_tokens
-            ex.chunks.extend(plan_chunks(e.model.layer_ids, ex.sent, upto, self.cfg.layers_per_chunk,
+            ex.chunks.extend(plan_chunks(e.transfer.layer_ids, ex.sent, upto, self.cfg.layers_per_chunk,
                                          self.cfg.tokens_per_chunk or None))
             ex.sent = upto
             ex.done = ex.request_id in reached
@@ -429,10 +428,10 @@ class Worker:
         self.exports.remove(ex)
         self.handing_off.discard(ex.request_id)
         if ex.stream:
-            req = e.scheduler.requests.get(ex.request_id)
-            if req is None:
+            sampled = e.transfer.sampled(ex.request_id)
+            if sampled is None:
                 return True  # it finished here: its outputs said so
-            self.send(P.SplitDone(ex.request_id, list(req.output_token_ids), req.last_token_time))
+            self.send(P.SplitDone(ex.request_id, *sampled))
         e.abort_request(ex.request_id)  # its KV now lives in the chunks
         return True
 
@@ -463,7 +462,7 @@ class Worker:
                 self.tail.close()
                 self.tail = None
                 e.restore_layers(sorted(e.dropped_weight_bytes))
-                self.send(P.Restored("tail", e.kv_manager.num_blocks, e.model.layer_ids))
+                self.send(P.Restored("tail", e.transfer.num_blocks, e.transfer.layer_ids))
                 self.send(P.Idle(self.status()))
                 return
             if poller.poll(0):
@@ -502,11 +501,11 @@ class Worker:
         if done is None:
             return
         if done:
-            self.send(P.Restored("head", e.kv_manager.num_blocks, e.model.layer_ids, self.head.num_back,
+            self.send(P.Restored("head", e.transfer.num_blocks, e.transfer.layer_ids, self.head.num_back,
                                  self.head.restore_stats))
             self.head = None
         else:
-            self.send(P.Restored("refused", e.kv_manager.num_blocks, e.model.layer_ids))
+            self.send(P.Restored("refused", e.transfer.num_blocks, e.transfer.layer_ids))
         self.send(P.Idle(self.status()))
 
     def step(self) -> None:

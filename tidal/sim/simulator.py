@@ -52,7 +52,7 @@ from tidal.cluster.router import Router, RouteRequest
 from tidal.core.plan import RequestUpdate
 from tidal.core.request import Request
 from tidal.core.sampling import SamplingParams
-from tidal.core.scheduler import RequestRejected
+from tidal.core.validation import RequestRejected, check_context
 from tidal.metrics import RequestRecord
 from tidal.sim.instance import SimInstance
 from tidal.sim.loop import Event, EventLoop
@@ -196,9 +196,10 @@ class ClusterSimulator:
         self._arrived += 1
         spec, rec = self.specs[i], self.records[i]
         rec.send_s = now
-        if self.max_model_len is not None and spec.prompt_len + spec.output_len > self.max_model_len:
-            return self._refuse(rec, now, f"context: prompt {spec.prompt_len} + max_tokens {spec.output_len} "
-                                          f"exceeds the model's context of {self.max_model_len} tokens")
+        try:  # before dispatch: a request too long for the context reaches no instance
+            check_context(spec.prompt_len, spec.output_len, self.max_model_len)
+        except RequestRejected as e:
+            return self._refuse(rec, now, f"context: {e}")
         k = self.dispatcher.dispatch(RouteRequest(self.ids[i], spec.prompt_len, spec.output_len), now)
         if k is None:
             return self._refuse(rec, now, "unavailable: no instance is alive")
