@@ -116,3 +116,20 @@ def test_what_a_worker_reads_of_a_request_to_move_it(make_engine, prompt):
     e.cancel_pause("gone")  # a request not here: nothing to do
     e.abort_request(e.request_ids())
     assert e.request_ids() == [] and e.kv_manager.num_free_blocks == e.kv_manager.num_blocks
+
+
+def test_an_imported_request_keeps_its_age(make_engine, prompt):
+    """The move machine's moved copy keeps the client's arrival (tidal.cluster.moves.moved_request):
+    a snapshot carries how long ago the request arrived, and the importer's arrival time is its own
+    clock less that, so two machines need not share a clock and the request keeps its FCFS place."""
+    a, b = make_engine(max_num_batched_tokens=64), make_engine(max_num_batched_tokens=64)
+    a.clock, b.clock = (lambda: 100.0), (lambda: 5000.0)
+    a.add_request("r", None, PARAMS, prompt_token_ids=prompt, arrival_time=97.5)
+    run_until(a, "r", 1)
+    a.pause_request("r")
+    snap = a.export_request("r")
+    assert snap.age_s == pytest.approx(2.5)
+    b.import_request(snap)
+    assert b.scheduler.requests["r"].arrival_time == pytest.approx(4997.5)
+    a.abort_request("r")
+    b.abort_request("r")

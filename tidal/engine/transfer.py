@@ -37,6 +37,9 @@ class RequestSnapshot:
     priority: int = 0
     request_class: str = "online"
     text_sent: int | None = None  # characters of output text the client already has (None: all of it)
+    # how long before the export the client sent it: the importer's arrival time is its own clock
+    # less this (the request keeps its place in FCFS and its latency; machines need not share a clock)
+    age_s: float = 0.0
 
 
 class KVTransfer:
@@ -132,7 +135,7 @@ class KVTransfer:
         kv = self.kv_cache.export(self.kv_manager.block_table(req.request_id), layers, 0, req.num_computed_tokens)
         return RequestSnapshot(request_id, state.prompt, list(req.prompt_token_ids), list(req.output_token_ids),
                                state.params, req.num_computed_tokens, kv, req.priority, req.request_class.value,
-                               text_sent=seq.sent)
+                               text_sent=seq.sent, age_s=max(0.0, self.clock() - req.arrival_time))
 
     def export_kv(self, request_id: str, layers: list[int], start: int, end: int) -> KV:
         """KV of ``layers`` for tokens ``[start, end)`` of a request (one chunk of a hand-off)."""
@@ -162,7 +165,7 @@ class KVTransfer:
         :meth:`grow_import` as chunks arrive.
         """
         check_request_id(snap.request_id, self.outputs)
-        req = Request(snap.request_id, list(snap.prompt_token_ids), snap.params, arrival_time=self.clock(),
+        req = Request(snap.request_id, list(snap.prompt_token_ids), snap.params, arrival_time=self.clock() - snap.age_s,
                       eos_token_ids=self.eos_token_ids, priority=snap.priority,
                       request_class=RequestClass(snap.request_class))
         req.output_token_ids = list(snap.output_token_ids)

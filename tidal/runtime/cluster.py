@@ -253,7 +253,8 @@ class ClusterLLM(HandoffFront):
             raise RequestRejected("the prompt is empty", param="prompt")
         rid = request_id or f"req-{next(self._ids)}"
         q: asyncio.Queue = asyncio.Queue()
-        t = Tracked(rid, list(prompt_token_ids), params, priority, request_class, asyncio.get_running_loop(), q)
+        t = Tracked(rid, list(prompt_token_ids), params, priority, request_class, asyncio.get_running_loop(), q,
+                    arrival_s=self.now())
         max_q = self.config.scheduler.max_queued_requests
         with self._lock:
             if not self._admit(max_q):
@@ -340,7 +341,7 @@ class ClusterLLM(HandoffFront):
             self.send(i, P.Add(t.wid, t.prompt_ids, t.params, t.priority, t.request_class))
         else:
             snap = RequestSnapshot(t.wid, None, list(t.prompt_ids), list(t.tokens), t.params, 0, {}, t.priority,
-                                   t.request_class, text_sent=t.text_sent)
+                                   t.request_class, text_sent=t.text_sent, age_s=self.now() - t.arrival_s)
             self.send(i, P.Import(snap, False))
         return True
 
