@@ -208,3 +208,19 @@ def test_the_moved_copy_keeps_arrival_time_and_history():
         assert (c.arrival_time, c.priority, c.request_class, c.num_preemptions) == (2.5, -1, RequestClass.OFFLINE, 2)
         assert (c.first_scheduled_time, c.first_token_time, c.last_token_time) == (2.6, 2.9, None)
         assert c.num_computed_tokens == computed
+
+
+def test_lost_kv_recomputes_a_handoff_and_leaves_another_move_on_a_source_that_holds_it():
+    m = move(MoveKind.HANDOFF)
+    m.start(0.0)
+    m.reserved(1, 0.1)
+    assert m.lost(0.2) == [Release(1), FreeSource(0), FailOver("its KV was lost on the way")]
+    m = move(MoveKind.MIGRATE, dst=1)
+    m.start(0.0)
+    m.reserved(1, 0.1)
+    assert m.lost(0.2) == [Release(1), Resume(0)] and m.phase is Phase.STAYED
+    m = move(MoveKind.MIGRATE, dst=1, chunks=1)
+    m.start(0.0)
+    m.reserved(1, 0.1)
+    m.chunk_landed(0, 0.2)
+    assert m.lost(0.3) == [] and m.phase is Phase.LANDED  # every chunk is in already

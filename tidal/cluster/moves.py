@@ -225,6 +225,17 @@ class Move:
             return self._fail_over(now, "the destination failed mid-move", release=False)
         return self._fall_back(now, "the destination failed mid-move", release=False)
 
+    def lost(self, now: float) -> list[Command]:
+        """The KV on its way cannot be read any more (its owner died, or it was released): the
+        move cannot finish. A hand-off is recomputed (a prefill instance does not decode); any
+        other move falls back (the source keeps the request while it holds it)."""
+        if self.over or self.phase is Phase.LANDED:
+            return []
+        self.log.append((now, "lost"))
+        if self.kind is MoveKind.HANDOFF:
+            return self._fail_over(now, "its KV was lost on the way", release=self.dst is not None)
+        return self._fall_back(now, "its KV was lost on the way", release=self.dst is not None)
+
     def tick(self, now: float) -> list[Command]:
         """Time passed: a step past its deadline falls back (the move never hangs)."""
         if self.over or now < self.deadline:
