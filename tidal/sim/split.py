@@ -51,7 +51,7 @@ from tidal.cluster.split_predict import MicroRequest
 from tidal.core.plan import BatchComposition, ScheduledChunk, StepPlan
 from tidal.core.request import Request
 from tidal.core.sampling import SamplingParams
-from tidal.core.scheduler import RequestRejected
+from tidal.core.validation import RequestRejected, check_context
 from tidal.metrics import distribution
 from tidal.sim.cost_model import CostModel
 from tidal.sim.instance import SimInstance
@@ -200,9 +200,10 @@ class SplitSimulator(ClusterSimulator):
         spec, rec = self.specs[i], self.records[i]
         rec.send_s = now
         rid = self.ids[i]
-        if self.max_model_len is not None and spec.prompt_len + spec.output_len > self.max_model_len:
-            return self._refuse(rec, now, f"context: prompt {spec.prompt_len} + max_tokens {spec.output_len} "
-                                          f"exceeds the model's context of {self.max_model_len} tokens")
+        try:  # the engine's and the simulator's one check (tidal.core.validation)
+            check_context(spec.prompt_len, spec.output_len, self.max_model_len)
+        except RequestRejected as e:
+            return self._refuse(rec, now, f"context: {e}")
         for a, b in self.planner.live_pairs(self.pairs):
             self._sync(a)
             self._sync(b)
