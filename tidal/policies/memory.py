@@ -178,7 +178,7 @@ class MemoryPolicy(SchedulingPolicy):
         self.finished = LengthSums()  # finished requests, their real lengths
         self.live = LengthSums()  # the requests on the instance (running, waiting), as _lengths gives them
         self._live: dict[int, tuple[Request, tuple[int, int, int]]] = {}  # id(request) -> (it, its terms)
-        self._open: list[Request] = []  # live requests with no max_tokens: their terms grow, recomputed each time
+        self._open: dict[int, Request] = {}  # live requests with no max_tokens: their terms grow, recomputed each time
         self._members: tuple | None = None  # (running, waiting, cap, block_size) the live sums were taken on
         self.b = self.b_max  # b_{t-1}; Alg. 2 of the paper also starts from B_max
         self.block_size: int | None = None
@@ -203,21 +203,25 @@ class MemoryPolicy(SchedulingPolicy):
 
     def _sync_live(self, view: SchedulerView) -> LengthSums:
         """The live sums over the requests of ``view``: those that joined are added, those that left
-        (finished, aborted, handed off) taken out; a request without max_tokens counts as it stands."""
+        (finished, aborted, handed off) taken out; a request without max_tokens counts as it stands.
+        Set operations on ids, so a long queue costs no Python loop when a few requests come and go."""
         cap = view.num_total_blocks * view.block_size
         # the same requests in the same order as last step (compared by identity, at C speed)
         key = (view.running, view.waiting, cap, self.block_size)
         if key != self._members:
             if self._members is not None and key[2:] != self._members[2:]:
-                self._live, self.live = {}, LengthSums()  # the pool or block size changed: every term did
-            members = {id(r): r for r in (*view.running, *view.waiting)}
-            for k in [k for k in self._live if k not in members]:
+                self._live, self._open, self.live = {}, {}, LengthSums()  # every term changed with the pool
+            now = dict(zip(map(id, view.running), view.running, strict=True))
+            now.update(zip(map(id, view.waiting), view.waiting, strict=True))
+            for k in self._live.keys() - now.keys():
                 self.live.remove(*self._live.pop(k)[1])
-            self._open = []
-            for k, r in members.items():
+            for k in self._open.keys() - now.keys():
+                del self._open[k]
+            for k in now.keys() - self._live.keys() - self._open.keys():
+                r = now[k]
                 if r.sampling_params.max_tokens is None:
-                    self._open.append(r)
-                elif k not in self._live:
+                    self._open[k] = r
+                else:
                     terms = self._lengths(r, cap)
                     self._live[k] = (r, terms)
                     self.live.add(*terms)
@@ -225,7 +229,7 @@ class MemoryPolicy(SchedulingPolicy):
         if not self._open:
             return self.live
         grown = LengthSums()
-        for r in self._open:
+        for r in self._open.values():
             grown.add(*self._lengths(r, cap))
         return self.live.plus(grown)
 
