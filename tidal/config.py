@@ -186,6 +186,9 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # 0 = a single prefill may take the whole budget
     preemption_mode: str = "recompute"
     scheduling: str = "chunked"  # one of SCHEDULING_MODES
+    # the prefill chunks of a step run as a padded rectangle (every row as long as the longest), as
+    # an engine without variable-length attention batches prompts (BucketServe Sec. II's padding)
+    pad_prefill: bool = False
     batching: str = "continuous"  # policy name(s) from tidal.policies, joined with "+"
     max_queued_requests: int | None = None  # bounded waiting queue (server); None = unbounded
     tbt_slo_ms: float | None = None  # decode-latency SLO the SLA / SLO-aware policies aim for
@@ -209,6 +212,9 @@ class SchedulerConfig:
         if self.scheduling not in SCHEDULING_MODES:
             raise ConfigError(
                 f"scheduling must be one of {', '.join(SCHEDULING_MODES)}; got {self.scheduling!r}")
+        if self.pad_prefill and self.scheduling != "prefill-first":
+            raise ConfigError("pad_prefill pads a step of prompts: it needs prefill-first scheduling (a chunked "
+                              "step mixes decodes into its prefill)")
         if self.scheduling == "prefill-first" and self.long_prefill_token_threshold:
             raise ConfigError("long_prefill_token_threshold caps a prefill chunk; prefill-first scheduling "
                               "runs every prefill whole (leave it 0)")

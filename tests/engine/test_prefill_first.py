@@ -56,3 +56,19 @@ def test_prefill_first_matches_chunked_greedy(make_tiny_engine, prompts, chunked
     assert any(not any(c.is_decode for c in p.chunks) and len(p.chunks) > 1 for p in plans)  # batched prefills
     assert (recomputed > 0) == bool(num_blocks)
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
+
+
+def test_padded_prefill_computes_its_rectangle_and_changes_no_output(make_tiny_engine, prompts, chunked):
+    """``--pad-prefill`` (an engine without variable-length attention, BucketServe's padding): every
+    prefill step is a rectangle of its longest prompt, the padding is really run through the model
+    and thrown away, so the greedy outputs are the unpadded ones."""
+    engine = make_tiny_engine(max_num_batched_tokens=512, scheduling="prefill-first", pad_prefill=True)
+    plans = watch_plans(engine)
+    assert run_all(engine, prompts, GREEDY) == chunked
+    expected = 0
+    for plan in plans:
+        prompts_ = [c for c in plan.chunks if not c.is_decode]
+        longest = max((c.num_tokens for c in prompts_), default=0)
+        assert plan.composition.num_padded_tokens == sum(longest - c.num_tokens for c in prompts_)
+        expected += plan.composition.num_padded_tokens
+    assert expected > 0 and engine.runner.padded_tokens_computed == expected

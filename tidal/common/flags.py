@@ -127,6 +127,9 @@ SCHEDULER_FLAGS: tuple[Flag, ...] = (
           help="chunked (default): prefill chunks share a step with the decodes; prefill-first: a step is "
                "either all prefills (admissions and recomputes, each whole) or all decodes, prefills first "
                "(vLLM v0's default scheduler)"),
+    _flag("--pad-prefill", action="store_true", default=None,
+          help="run a step's prefill chunks as a padded rectangle, every row as long as the longest (an "
+               "engine without variable-length attention; the padding is computed, and the simulator charges it)"),
     _flag("--batching", default=None, help="scheduling policy name(s), joined with + (default: continuous)"),
     _flag("--max-queued-requests", type=int, default=None, help="bound of the waiting queue (server)"),
     _flag("--tbt-slo-ms", type=float, default=None, help="decode-latency SLO for the SLA/SLO-aware policies"),

@@ -30,6 +30,7 @@ from tidal.core.plan import (
     StepPlan,
     StepResult,
     TokenLogprobs,
+    rectangle_padding,
 )
 from tidal.core.policy import SchedulerView, SchedulingPolicy, StepCaps, default_victim, is_passive
 from tidal.core.request import FinishReason, Request, RequestStatus
@@ -326,7 +327,10 @@ class Scheduler:
         finished, self._finished_since_plan = tuple(self._finished_since_plan), []
         self._step_id += 1
         chunks = budget.chunks
-        composition = BatchComposition.of(chunks, self.policy.padded_tokens(chunks) if chunks else 0)
+        padded = self.policy.padded_tokens(chunks) if chunks else 0
+        if self.config.pad_prefill and not padded:  # BucketServe Eq. 1's S_max x N over the step's prompts
+            padded = rectangle_padding([c for c in chunks if not c.is_decode])
+        composition = BatchComposition.of(chunks, padded)
         return StepPlan(self._step_id, tuple(chunks), composition, tuple(swap_out), tuple(swap_in),
                         tuple(preempted), finished)
 
