@@ -107,6 +107,9 @@ class ModelArch:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATION = ("auto", "none", "int4")  # tidal.engine.quant
 PREEMPTION_MODES = ("recompute", "swap")
+# chunked: prefill chunks share a step with the decodes (vLLM v1); prefill-first: a step is all prefills,
+# each whole, or all decodes, prefills first (vLLM v0's default scheduler)
+SCHEDULING_MODES = ("chunked", "prefill-first")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: Triton on CUDA, tidal's C++ kernels on CPU float32
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: the model's dtype
 
@@ -182,6 +185,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # token budget of one step (chunked prefill)
     long_prefill_token_threshold: int = 0  # 0 = a single prefill may take the whole budget
     preemption_mode: str = "recompute"
+    scheduling: str = "chunked"  # one of SCHEDULING_MODES
+    # the prefill chunks of a step run as a padded rectangle (every row as long as the longest), as
+    # an engine without variable-length attention batches prompts (BucketServe Sec. II's padding)
+    pad_prefill: bool = False
     batching: str = "continuous"  # policy name(s) from tidal.policies, joined with "+"
     max_queued_requests: int | None = None  # bounded waiting queue (server); None = unbounded
     tbt_slo_ms: float | None = None  # decode-latency SLO the SLA / SLO-aware policies aim for
@@ -202,6 +209,15 @@ class SchedulerConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ConfigError(
                 f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}; got {self.preemption_mode!r}")
+        if self.scheduling not in SCHEDULING_MODES:
+            raise ConfigError(
+                f"scheduling must be one of {', '.join(SCHEDULING_MODES)}; got {self.scheduling!r}")
+        if self.pad_prefill and self.scheduling != "prefill-first":
+            raise ConfigError("pad_prefill pads a step of prompts: it needs prefill-first scheduling (a chunked "
+                              "step mixes decodes into its prefill)")
+        if self.scheduling == "prefill-first" and self.long_prefill_token_threshold:
+            raise ConfigError("long_prefill_token_threshold caps a prefill chunk; prefill-first scheduling "
+                              "runs every prefill whole (leave it 0)")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ConfigError("max_queued_requests must be >= 0")
         if self.tbt_slo_ms is not None and self.tbt_slo_ms <= 0:

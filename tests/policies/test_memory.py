@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from statistics import variance
 
 import pytest
 
@@ -15,8 +16,8 @@ from tidal.core.sampling import SamplingParams
 from tidal.core.scheduler import Scheduler
 from tidal.policies import build_policy
 from tidal.policies.memory import (
+    LengthSums,
     MemoryPolicy,
-    Welford,
     clt_batch_size,
     linear_batch_size,
     safety_buffer,
@@ -64,68 +65,111 @@ def test_eq12_and_eq14_by_hand():
     assert linear_batch_size(5, 0.0, 10) == 0
 
 
-def test_welford_matches_the_textbook_formulas():
-    xs = [6, 10, 14, 3, 25, 9]
-    w = Welford()
-    for x in xs:
-        w.add(x)
-    mean = sum(xs) / len(xs)
-    var = sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)
-    assert w.mean == pytest.approx(mean) and w.variance == pytest.approx(var)
-    a, b = Welford(), Welford()
-    for x in xs[:2]:
-        a.add(x)
-    for x in xs[2:]:
-        b.add(x)
-    m = a.merged(b)
-    assert (m.n, m.mean, m.variance) == (6, pytest.approx(mean), pytest.approx(var))
+def test_length_sums_match_the_textbook_formulas():
+    xs_in, xs_out = [6, 10, 14, 3, 25, 9], [40, 2, 7, 7, 100, 1]
+    sums = LengthSums()
+    for a, b in zip(xs_in, xs_out, strict=True):
+        sums.add(a, b, a + b)
+    sums.add(99, 99, 99)
+    sums.remove(99, 99, 99)
+
+    def var(xs):
+        m = sum(xs) / len(xs)
+        return sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
+
+    assert sums.n == 6 and sums.mean_in == pytest.approx(sum(xs_in) / 6)
+    assert sums.var_tokens == pytest.approx(var(xs_in) + var(xs_out))  # Eq. 9: Var(l_in) + Var(l_out)
+    assert sums.mean_blocks == pytest.approx((sum(xs_in) + sum(xs_out)) / 6)
+    both = sums.plus(sums)
+    assert both.n == 12 and both.mean_out == pytest.approx(sums.mean_out)
 
 
-def test_policy_computes_alg1_from_observed_lengths_and_clamps():
-    cfg = SchedulerConfig(max_num_seqs=256, batching="memory",
-                          policy_args={"memory.min_samples": 3, "memory.eps_m": 0.05})
+def finish(pol: MemoryPolicy, r: Request, reason: FinishReason = FinishReason.STOP) -> None:
+    r.status, r.finish_reason = RequestStatus.FINISHED, reason
+    pol.on_finished(r)
+
+
+def test_policy_computes_alg1_from_every_request_and_clamps():
+    cfg = SchedulerConfig(max_num_seqs=256, batching="memory", policy_args={"memory.eps_m": 0.05, "memory.l0_every": 1})
     pol = build_policy(cfg)
-    # three finished requests of 6, 10 and 14 blocks (block_size 16): mu = 10, sigma = 4 (sample std)
+    # three finished requests of 6, 10 and 14 blocks (block_size 16): mu = 10 blocks; Eq. 9's variance
+    # Var(l_in) + Var(l_out) of prompts 80, 150, 200 and outputs 16, 10, 24 tokens
     fin = [req("f1", 80, outputs=16), req("f2", 150, outputs=10), req("f3", 200, outputs=24)]
     assert [math.ceil(r.num_tokens / 16) for r in fin] == [6, 10, 14]
     pol.plan_step(view(waiting=fin))  # the policy sees them while they are queued...
     for r in fin:  # ... and they finish
-        r.status, r.finish_reason = RequestStatus.FINISHED, FinishReason.STOP
-        pol.on_finished(r)
-    assert (pol.stats.n, pol.stats.mean, pol.stats.std) == (3, pytest.approx(10), pytest.approx(4))
-    # prefill work waiting, a few decodes running: b_t = 93 (worked by hand above)
-    decodes = [req(f"d{i}", 10, outputs=1) for i in range(5)]
-    assert pol.plan_step(view(running=decodes, waiting=[req("w", 10, computed=0)])).max_num_seqs == 93
+        finish(pol, r)
+    assert pol.finished.n == 3
+    assert pol.finished.var_tokens == pytest.approx(variance([80, 150, 200]) + variance([16, 10, 24]))
+    # prefill work waiting: w (150 + 10 tokens = 10 blocks, the mean) joins the estimate, mu stays 10
+    w = req("w", 150, max_tokens=10, computed=0)
+    caps = pol.plan_step(view(waiting=[w]))
     st = pol.state()
-    assert st.b_mem == 93 and st.estimate == "observed"
-    assert st.l0_blocks == pytest.approx(63.6653, abs=1e-3) and st.b_eq12 == pytest.approx(93.6335, abs=1e-3)
+    assert (st.mu_blocks, st.live, st.samples, st.estimate) == (pytest.approx(10.0), 1, 3, "requests")
+    sigma = math.sqrt(variance([80, 150, 200, 150]) + variance([16, 10, 24, 10])) / 16  # Eq. 9, in blocks
+    assert st.sigma_blocks == pytest.approx(sigma)
+    b12 = clt_batch_size(10.0, sigma, 1000, theta_of(0.05))
+    l0 = safety_buffer(10.0, sigma, 1000, theta_of(0.05))
+    assert st.l0_blocks == pytest.approx(l0) and st.b_eq12 == pytest.approx(b12)
+    assert caps.max_num_seqs == linear_batch_size(1000, l0, 10.0) == math.floor(b12)
     # line 6: never below the running decodes ...
-    many = [req(f"m{i}", 10, outputs=1) for i in range(120)]
-    assert pol.plan_step(view(running=many, waiting=[req("w", 10, computed=0)])).max_num_seqs == 120
+    many = [req(f"m{i}", 150, max_tokens=10, outputs=1) for i in range(120)]
+    assert pol.plan_step(view(running=many, waiting=[w])).max_num_seqs == 120
     # ... nor above B_max
-    small = build_policy(SchedulerConfig(max_num_seqs=50, batching="memory", policy_args={"memory.min_samples": 3}))
-    small.stats = pol.stats
-    assert small.plan_step(view(running=decodes, waiting=[req("w", 10, computed=0)])).max_num_seqs == 50
+    small = build_policy(SchedulerConfig(max_num_seqs=50, batching="memory"))
+    assert small.plan_step(view(waiting=[w])).max_num_seqs == 50
     # line 4: no prefill work -> b_t = b_{t-1}
-    b = pol.plan_step(view(running=decodes, waiting=[req("w", 10, computed=0)])).max_num_seqs
-    assert pol.plan_step(view(running=decodes, total=10)).max_num_seqs == b
+    b = pol.plan_step(view(running=many[:5], waiting=[w])).max_num_seqs
+    assert pol.plan_step(view(running=many[:5], total=10)).max_num_seqs == b
     # a fixed L0 (memory.l0, blocks) replaces the CLT buffer: floor((1000 - 100) / 10) = 90
-    fixed = build_policy(SchedulerConfig(max_num_seqs=256, batching="memory", policy_args={"memory.min_samples": 3, "memory.l0": 100}))
-    fixed.stats = pol.stats
-    assert fixed.plan_step(view(waiting=[req("w", 10, computed=0)])).max_num_seqs == 90
+    fixed = build_policy(SchedulerConfig(max_num_seqs=256, batching="memory", policy_args={"memory.l0": 100}))
+    assert fixed.plan_step(view(waiting=[req(f"w{i}", 100, max_tokens=60, computed=0) for i in range(4)])).max_num_seqs == 90
 
 
-def test_before_enough_samples_the_pending_requests_expected_lengths_are_used():
+def test_the_requests_on_the_instance_count_by_their_max_tokens_or_what_they_produced():
     pol = MemoryPolicy(SchedulerConfig(max_num_seqs=256))
-    # expected footprints: (100 + 60) / 16 -> 10 blocks each; no variance -> b = 1000 / 10
+    # known max_tokens: (100 + 60) / 16 -> 10 blocks each; no variance -> b = 1000 / 10
     waiting = [req(f"w{i}", 100, max_tokens=60, computed=0) for i in range(4)]
     assert pol.plan_step(view(waiting=waiting)).max_num_seqs == 100
-    assert pol.state().estimate == "expected"
-    # aborted requests do not count as samples
-    r = waiting[0]
-    r.status, r.finish_reason = RequestStatus.FINISHED, FinishReason.ABORT
-    pol.on_finished(r)
-    assert pol.stats.n == 0
+    assert pol.state().estimate == "requests" and pol.state().live == 4
+    # no max_tokens: the tokens produced so far are a lower bound, and it grows as they do
+    open_ended = req("o", 100, max_tokens=None, outputs=124)  # 224 tokens = 14 blocks
+    pol.plan_step(view(running=[open_ended], waiting=waiting))
+    assert pol.state().mu_blocks == pytest.approx((4 * 10 + 14) / 5)
+    open_ended.output_token_ids += [7] * 32  # 256 tokens = 16 blocks
+    pol.plan_step(view(running=[open_ended], waiting=waiting))
+    assert pol.state().mu_blocks == pytest.approx((4 * 10 + 16) / 5)
+    # aborted requests do not count: they were cut short; one that left leaves the live sums
+    finish(pol, waiting[0], FinishReason.ABORT)
+    pol.plan_step(view(running=[open_ended], waiting=waiting[1:]))
+    assert pol.finished.n == 0 and pol.state().live == 4
+    assert pol.state().mu_blocks == pytest.approx((3 * 10 + 16) / 4)
+
+
+def test_short_requests_finishing_first_do_not_bias_the_estimate_low():
+    """An all-at-once batch of short (2 blocks) and long (30 blocks) requests: the short ones finish
+    first. Estimated from finished requests alone, mu would sink towards 2 blocks once they have;
+    from every request on the instance it stays at the batch's mean, 16 blocks, all along."""
+    cfg = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=4096, batching="memory")
+    sched = Scheduler(cfg, KVCacheManager(2000, 16), policy=build_policy(cfg), watermark=0.0)
+    pol = sched.policy
+    for i in range(200):
+        # prompts of 16 tokens; outputs of 16 (short) or 464 (long) tokens: 2 or 30 blocks
+        sched.add_request(Request(f"r{i}", [100 + i % 50] * 16, SamplingParams(max_tokens=16 if i % 2 else 464)))
+    mus, finished_mus = [], []
+    for step in range(5000):
+        if not sched.has_unfinished():
+            break
+        plan = sched.schedule(step * 0.01)
+        st = pol.state()
+        if st.mu_blocks is not None and st.samples >= 8:
+            mus.append(st.mu_blocks)
+            finished_mus.append(st.finished_mu_blocks)
+        sched.update(plan, StepResult(plan.step_id, sampled={c.request_id: 7 for c in plan.chunks if c.sample},
+                                      step_time_s=0.01, composition=plan.composition), step * 0.01)
+    assert not sched.has_unfinished()
+    assert mus and min(finished_mus) < 3  # the finished ones alone: the short ones, 2 blocks
+    assert min(mus) == pytest.approx(16.0) and max(mus) == pytest.approx(16.0)
 
 
 def test_bad_parameters_are_rejected():

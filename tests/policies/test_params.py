@@ -61,11 +61,11 @@ def test_cross_field_checks_against_the_scheduler_config():
 
 def test_cli_strings_are_coerced_to_the_declared_types():
     pol = build_policy(cfg("bucket+memory+sla", **{"bucket.theta": "0.25", "bucket.offline_order": "LJF",
-                                                   "memory.min_samples": "3", "sla.alpha": "8",
+                                                   "memory.l0_every": "3", "sla.alpha": "8",
                                                    "sla.d_sla_ms": "30"}))
     bucket, memory, sla = pol.parts
     assert isinstance(bucket, BucketPolicy) and (bucket.theta, bucket.offline_order) == (0.25, "ljf")
-    assert isinstance(memory, MemoryPolicy) and memory.min_samples == 3
+    assert isinstance(memory, MemoryPolicy) and memory.l0_every == 3
     assert isinstance(sla, SLAPolicy) and sla.alpha == 8 and sla.d_sla == pytest.approx(0.030)
 
 

@@ -137,3 +137,19 @@ def test_only_batch_members_ever_run_together_under_preemption(seed, mode):
     assert pol.state().completed_batches == pol.state().num_batches >= 1
     assert kv.num_free_blocks == kv.num_blocks
     assert s.num_preemptions > 0  # the tight pool did preempt members
+
+
+def test_length_grouping_takes_the_oldest_and_its_nearest_lengths():
+    """``static.group=length`` (UELLM's length-grouped batches): the oldest waiting request anchors
+    the batch, the others are the closest to it in prompt + max_tokens; FCFS takes the first ones."""
+    lengths = [(40, 10), (400, 100), (45, 12), (390, 120), (38, 9), (200, 50)]
+    for group, expected in (("fcfs", {"r0", "r1", "r2"}), ("length", {"r0", "r2", "r4"})):
+        cfg = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=4096, batching="static",
+                              policy_args={"static.group": group})
+        s = Scheduler(cfg, KVCacheManager(1024, 4), policy=build_policy(cfg), watermark=0.0)
+        for i, (p, o) in enumerate(lengths):
+            s.add_request(req(f"r{i}", p, o, arrival=i * 0.01))
+        plan = s.schedule(1.0)
+        assert {c.request_id for c in plan.chunks} == expected, group
+    with pytest.raises(ValueError):
+        build_policy(SchedulerConfig(batching="static", policy_args={"static.group": "random"}))

@@ -180,6 +180,24 @@ def test_disaggregated_greedy_equals_one_engine_and_hands_off_everything(referen
     assert shm_segments() <= before
 
 
+def test_distserve_as_it_behaves_greedy_equals_one_engine(reference):
+    """The DistServe baseline on real workers (tidal reproduce bucketserve's): P/D with strict FCFS
+    whole prefills (prefill-first), padded batches of prompts (the padding computed and thrown
+    away) and swap-out on decode overflow; every request handed off, outputs equal one engine's."""
+    llm = start("disaggregate", prefill=1, engine={**ENGINE, "max_num_batched_tokens": 512, "scheduling": "prefill-first",
+                                                  "pad_prefill": True, "preemption_mode": "swap"})
+    try:
+        async def run():
+            return await asyncio.gather(*[stream(llm, i) for i in range(len(PROMPTS))])
+
+        assert asyncio.run(run()) == reference
+        assert llm.stats["cluster"]["num_handoffs"] == len(PROMPTS)
+        settle(llm)
+        no_leak(llm)
+    finally:
+        stop(llm)
+
+
 def test_ray_backend_greedy_equals_one_engine(reference):
     pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
     import ray

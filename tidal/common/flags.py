@@ -35,6 +35,7 @@ from tidal.config import (
     KV_CACHE_DTYPES,
     PREEMPTION_MODES,
     QUANTIZATION,
+    SCHEDULING_MODES,
     CacheConfig,
     ConfigError,
     EngineConfig,
@@ -122,6 +123,13 @@ SCHEDULER_FLAGS: tuple[Flag, ...] = (
     _flag("--max-num-batched-tokens", type=int, default=None, help="token budget of one step (prefill chunk)"),
     _flag("--long-prefill-token-threshold", type=int, default=None, help="cap on one request's prefill chunk"),
     _flag("--preemption-mode", default=None, choices=list(PREEMPTION_MODES), help="what preemption does"),
+    _flag("--scheduling", default=None, choices=list(SCHEDULING_MODES),
+          help="chunked (default): prefill chunks share a step with the decodes; prefill-first: a step is "
+               "either all prefills (admissions and recomputes, each whole) or all decodes, prefills first "
+               "(vLLM v0's default scheduler)"),
+    _flag("--pad-prefill", action="store_true", default=None,
+          help="run a step's prefill chunks as a padded rectangle, every row as long as the longest (an "
+               "engine without variable-length attention; the padding is computed, and the simulator charges it)"),
     _flag("--batching", default=None, help="scheduling policy name(s), joined with + (default: continuous)"),
     _flag("--max-queued-requests", type=int, default=None, help="bound of the waiting queue (server)"),
     _flag("--tbt-slo-ms", type=float, default=None, help="decode-latency SLO for the SLA/SLO-aware policies"),

@@ -4,6 +4,16 @@ Pure decision code: it sees requests and block ids, never tensors or clocks (``n
 argument). Each ``schedule`` returns a :class:`StepPlan` saying how many tokens each request
 advances; each ``update`` applies the executor's :class:`StepResult`. The engine and the
 simulator drive the very same object.
+
+Two step shapes (``SchedulerConfig.scheduling``):
+
+- ``chunked`` (the default, vLLM v1): the running requests first (decodes and unfinished
+  prefills, a prefill in chunks within the token budget), then admissions, in one step.
+- ``prefill-first`` (vLLM v0's default scheduler): a step is either all prefills or all
+  decodes. While nothing is swapped out, the prefills go first: running requests still in
+  prefill, then admissions, each prefill whole (a recomputed request's prompt and outputs in one
+  go; one longer than the token budget runs alone in its step). Only a step with no prefill to
+  run is a decode step, with the same preemption and swap-in as the chunked one.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from tidal.core.plan import (
     StepPlan,
     StepResult,
     TokenLogprobs,
+    rectangle_padding,
 )
 from tidal.core.policy import SchedulerView, SchedulingPolicy, StepCaps, default_victim, is_passive
 from tidal.core.request import FinishReason, Request, RequestStatus
@@ -281,54 +292,112 @@ class Scheduler:
         preempted: list[str] = []
         swap_out: list[tuple[int, int]] = []
         swap_in: list[tuple[int, int]] = []
-
-        # 1. running requests, in admission order: decodes and unfinished prefills
         room = self._room_preempting(budget, preempted, swap_out, now)
-        idx = 0
-        while idx < len(self.running) and budget.tokens > 0:
-            if self._add_chunk(self.running[idx], budget, room):
-                idx += 1
-            # else the request left the running list, which shifted under idx
 
-        # 2. admissions, only when nothing was preempted this step (else we would thrash)
-        if not preempted:
-            while self.swapped and budget.has_seat(len(self.running)):
-                req = self.swapped[0]
-                moves = self.kv.swap_in(req.request_id, reserve=reserve if self.running else 0)
-                if moves is None:
-                    break
-                swap_in.extend(moves)
-                self.swapped.pop(0)
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                if budget.tokens > 0:
-                    self._add_chunk(req, budget, self._room())
-            admitted: list[Request] = []
-            if not self.swapped and self.waiting:
-                # nothing joined or left the queue since the view (a preemption skips admissions),
-                # so the policy sees the same snapshot that plan_step saw
-                waiting = view.waiting if len(view.waiting) == len(self.waiting) else self.waiting.snapshot()
-                order = self.policy.order_waiting(waiting, now)
-                for req in self.waiting.fcfs(waiting) if order is None else order:
-                    if budget.tokens <= 0 or not budget.has_seat(len(self.running)):
-                        break
-                    if not self.policy.admit(req, admitted):
-                        continue
-                    if not self._add_chunk(req, budget, self._room(reserve if self.running else 0)):
-                        break
-                    self.waiting.remove(req)
-                    req.status = RequestStatus.RUNNING
-                    if req.first_scheduled_time is None:
-                        req.first_scheduled_time = now
-                    self.running.append(req)
-                    admitted.append(req)
+        if self.config.scheduling == "prefill-first":
+            self._schedule_prefill_first(view, budget, room, reserve, preempted, swap_in, now)
+        else:
+            # 1. running requests, in admission order: decodes and unfinished prefills
+            idx = 0
+            while idx < len(self.running) and budget.tokens > 0:
+                if self._add_chunk(self.running[idx], budget, room):
+                    idx += 1
+                # else the request left the running list, which shifted under idx
+
+            # 2. admissions, only when nothing was preempted this step (else we would thrash)
+            if not preempted:
+                self._swap_in(budget, reserve, swap_in)
+                if not self.swapped:
+                    self._admit(view, budget, reserve, now, self._add_chunk)
 
         finished, self._finished_since_plan = tuple(self._finished_since_plan), []
         self._step_id += 1
         chunks = budget.chunks
-        composition = BatchComposition.of(chunks, self.policy.padded_tokens(chunks) if chunks else 0)
+        padded = self.policy.padded_tokens(chunks) if chunks else 0
+        if self.config.pad_prefill and not padded:  # BucketServe Eq. 1's S_max x N over the step's prompts
+            padded = rectangle_padding([c for c in chunks if not c.is_decode])
+        composition = BatchComposition.of(chunks, padded)
         return StepPlan(self._step_id, tuple(chunks), composition, tuple(swap_out), tuple(swap_in),
                         tuple(preempted), finished)
+
+    def _swap_in(self, budget: StepBudget, reserve: int, swap_in: list[tuple[int, int]]) -> None:
+        """Swapped-out requests back in, oldest first, while seats and blocks allow; each decodes."""
+        while self.swapped and budget.has_seat(len(self.running)):
+            req = self.swapped[0]
+            moves = self.kv.swap_in(req.request_id, reserve=reserve if self.running else 0)
+            if moves is None:
+                break
+            swap_in.extend(moves)
+            self.swapped.pop(0)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            if budget.tokens > 0:
+                self._add_chunk(req, budget, self._room())
+
+    def _admit(self, view: SchedulerView, budget: StepBudget, reserve: int, now: float,
+               add: Callable[[Request, StepBudget, Callable[[Request, int], bool]], bool]) -> None:
+        """Waiting requests join, in the policy's order (else priority, FCFS), each with the chunk
+        ``add`` buys, until seats, tokens or blocks run out."""
+        if not self.waiting:
+            return
+        admitted: list[Request] = []
+        # nothing joined or left the queue since the view (a preemption skips admissions),
+        # so the policy sees the same snapshot that plan_step saw
+        waiting = view.waiting if len(view.waiting) == len(self.waiting) else self.waiting.snapshot()
+        order = self.policy.order_waiting(waiting, now)
+        for req in self.waiting.fcfs(waiting) if order is None else order:
+            if budget.tokens <= 0 or not budget.has_seat(len(self.running)):
+                break
+            if not self.policy.admit(req, admitted):
+                continue
+            if not add(req, budget, self._room(reserve if self.running else 0)):
+                break
+            self.waiting.remove(req)
+            req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            self.running.append(req)
+            admitted.append(req)
+
+    def _add_whole(self, req: Request, budget: StepBudget, room: Callable[[Request, int], bool]) -> bool:
+        """Buy a request's whole prefill (up to its pause point), or nothing: False when it does
+        not fit the tokens the step has left (the step's first prefill always fits: one longer
+        than the budget runs alone) or its blocks are not there."""
+        n = req.num_uncomputed_tokens
+        if req.pause_at is not None:
+            n = min(n, max(req.pause_at - req.num_computed_tokens, 1))
+        if (n > budget.tokens and budget.chunks) or not room(req, n):
+            return False
+        budget.add(self._make_chunk(req, n))
+        return True
+
+    def _schedule_prefill_first(self, view: SchedulerView, budget: StepBudget,
+                                room: Callable[[Request, int], bool], reserve: int, preempted: list[str],
+                                swap_in: list[tuple[int, int]], now: float) -> None:
+        """vLLM v0's default step: all prefills (each whole) when there are any to run, else all
+        decodes. Prefills wait while a swapped-out request waits to come back, as in vLLM v0."""
+        if not self.swapped:
+            # running requests still in prefill (a hand-off's rest, a resumed split), then admissions
+            for req in [r for r in self.running if r.in_prefill]:
+                if budget.tokens <= 0:
+                    break
+                # a False with the request still running: it does not fit this step's tokens (else
+                # it was preempted for its own blocks, or outgrew the pool)
+                if (req.status is RequestStatus.RUNNING and not self._add_whole(req, budget, room)
+                        and req.status is RequestStatus.RUNNING):
+                    break
+            if not preempted:
+                self._admit(view, budget, reserve, now, self._add_whole)
+            if budget.chunks:
+                return
+        # a decode step: every running decode, in admission order, preempting when blocks run out
+        for req in list(self.running):
+            if budget.tokens <= 0:
+                break
+            if req.status is RequestStatus.RUNNING and not req.in_prefill:
+                self._add_chunk(req, budget, room)
+        if not preempted:
+            self._swap_in(budget, reserve, swap_in)
 
     # ------------------------------------------------------------------ results
     def update(self, plan: StepPlan, result: StepResult, now: float) -> list[RequestUpdate]:

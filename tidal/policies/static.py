@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from pydantic import Field
 
@@ -50,10 +51,18 @@ def static_padding(prompt_lens: Sequence[int], output_lens: Sequence[int]) -> tu
 
 class StaticParams(PolicyParams):
     pad: bool = Field(False, description="compute the padding of a static batch (UELLM-like padded baseline)")
+    group: Literal["fcfs", "length"] = Field(
+        "fcfs", description="a batch's members: the oldest waiting (fcfs), or the oldest and those closest to it "
+                            "in predicted length, prompt + max_tokens (length: UELLM's length-grouped batches)")
 
 
 def _fcfs(r: Request) -> tuple:
     return (r.priority, r.arrival_time)
+
+
+def _length(r: Request) -> int:
+    """A request's predicted length: its prompt and what it may generate (max_tokens; the prompt alone without one)."""
+    return r.num_prompt_tokens + (r.sampling_params.max_tokens or 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +81,8 @@ class StaticPolicy(SchedulingPolicy):
     name = "static"
 
     def __init__(self, params: StaticParams | None = None) -> None:
-        self.pad = (params or StaticParams()).pad
+        params = params or StaticParams()
+        self.pad, self.group = params.pad, params.group
         self.members: list[Request] = []  # the current (or last) batch, in admission order
         self._ids: set[str] = set()
         self._unfinished: set[str] = set()  # members that have not finished (on_finished removes them)
@@ -98,12 +108,21 @@ class StaticPolicy(SchedulingPolicy):
         """A new batch forms only when the last one finished and nothing runs."""
         if not self.batch_active and not view.running and view.waiting:
             self._close()
-            self.members = sorted(view.waiting, key=_fcfs)[:view.max_num_seqs]
+            self.members = self._pick(view.waiting, view.max_num_seqs)
             self._ids = {r.request_id for r in self.members}
             self._unfinished = set(self._ids)
             self._done = False
             self.num_batches += 1
         return StepCaps()
+
+    def _pick(self, waiting: Sequence[Request], n: int) -> list[Request]:
+        """The next batch: the first ``n`` by FCFS, or (``group=length``, UELLM's grouping of requests
+        by predicted length) the oldest request and the ``n - 1`` closest to it in prompt +
+        max_tokens, so a padded batch pads little and the oldest never starves."""
+        if self.group == "fcfs":
+            return sorted(waiting, key=_fcfs)[:n]
+        anchor = _length(min(waiting, key=_fcfs))
+        return sorted(sorted(waiting, key=lambda r: (abs(_length(r) - anchor), _fcfs(r)))[:n], key=_fcfs)
 
     def order_waiting(self, waiting: Sequence[Request], now: float) -> list[Request]:
         """The batch's members that wait, FCFS. The others are left out: ``admit`` refuses them,
