@@ -12,6 +12,7 @@ import dataclasses
 import multiprocessing as mp
 import os
 import signal
+import uuid
 from typing import Any
 
 from tidal.common.progress import startup_phase
@@ -132,12 +133,27 @@ class RayBackend:
                     ray.init(num_cpus=max(os.cpu_count() or 1, 1), include_dashboard=False, log_to_driver=False)
                 self.started_here = True
 
-        @ray.remote(num_cpus=num_cpus_per_worker, max_restarts=0)
+        # ``run`` holds the default group's one thread for the worker's life; the ``kv`` group answers
+        # readers of the KV chunks this worker put (tidal.runtime.kv_transfer.RayTransport) meanwhile
+        @ray.remote(num_cpus=num_cpus_per_worker, max_restarts=0, concurrency_groups={"kv": 1})
         class _Actor:
             def run(self, cfg: WorkerConfig) -> None:
                 worker_main(cfg)
 
+            @ray.method(concurrency_group="kv")
+            def fetch(self, key: str) -> Any:
+                from tidal.runtime.kv_transfer import serve_chunk
+
+                return serve_chunk(key)
+
+            @ray.method(concurrency_group="kv")
+            def drop(self, keys: list[str]) -> None:
+                from tidal.runtime.kv_transfer import drop_chunks
+
+                drop_chunks(keys)
+
         self._actor_cls = _Actor
+        self._tag = uuid.uuid4().hex[:8]  # this front end's actors' names: tidal-<tag>-<instance>-<generation>
 
     @property
     def control_host(self) -> str:
@@ -151,7 +167,7 @@ class RayBackend:
         return self.started_here or len({n["NodeManagerAddress"] for n in self.ray.nodes() if n.get("Alive")}) <= 1
 
     def start(self, cfg: WorkerConfig) -> RayHandle:
-        actor = self._actor_cls.remote()
+        actor = self._actor_cls.options(name=f"tidal-{self._tag}-{cfg.index}-{cfg.generation}").remote()
         return RayHandle(actor, actor.run.remote(cfg))
 
     def shutdown(self) -> None:

@@ -27,6 +27,7 @@ class HandoffFront:
     def send(self, i: int, cmd: Any) -> None: ...
     def now(self) -> float: ...
     def failover(self, t: Tracked) -> None: ...
+    def recompute(self, t: Tracked, src: int, abort: bool = True) -> None: ...
 
     def drop_handoff(self, t: Tracked) -> None:
         """Forget ``t``'s hand-off: its reservation on the target, and the chunks in flight."""
@@ -94,6 +95,8 @@ class HandoffFront:
         elif t is not None and t.handoff is not None and t.handoff.dst == i and self.pressure is not None \
                 and self.pressure.target(t.wid) == i:
             self.pressure.on_refused(t, i)
+        elif t is not None and t.handoff is not None and t.handoff.dst == i and r.kv_lost:
+            self.recompute(t, t.handoff.src)  # its chunks cannot be read: a retry would be refused again
         elif t is not None and t.handoff is not None and t.handoff.dst == i:
             self.monitor.on_handoff(t.rid, t.handoff.src, i, ok=False)
             t.handoff.dst = None  # retried when an instance reports room

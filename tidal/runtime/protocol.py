@@ -179,10 +179,12 @@ class Landed:
 
 @dataclass(frozen=True)
 class Refused:
-    """An import or reservation found no room (or its KV was gone)."""
+    """An import or reservation found no room, or (``kv_lost``) its KV could not be read: gone
+    with its owner, or released; a retry with the same chunks would fail the same way."""
 
     request_id: str
     reason: str
+    kv_lost: bool = False
 
 
 @dataclass(frozen=True)

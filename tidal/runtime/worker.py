@@ -25,6 +25,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections import deque
@@ -312,7 +313,7 @@ class Worker:
                     try:
                         kv = self.transport.get(handle)
                     except KVChunkGone as gone:  # the request was aborted: its abort is on its way
-                        self._give_back_import(rid, str(gone))
+                        self._give_back_import(rid, str(gone), kv_lost=True)
                         break
                     e.import_kv(rid, kv, handle.spec.start)
                     self.transport.release(handle)
@@ -334,13 +335,13 @@ class Worker:
         youngest one back (``refused``: its alpha keeps the request, or it is recomputed)."""
         self._give_back_import(next(reversed(self.waiting_kv)), "no room in the KV cache for the rest of its KV")
 
-    def _give_back_import(self, rid: str, why: str) -> None:
+    def _give_back_import(self, rid: str, why: str, kv_lost: bool = False) -> None:
         """Drop a paused import and what arrived for it, and say so (``refused``; the front end
         ignores it for a request it already aborted, and releases the chunks' handles otherwise)."""
         self.waiting_kv.pop(rid, None)
         self.importing.discard(rid)
         self.engine.abort_request(rid)
-        self.send(P.Refused(rid, why))
+        self.send(P.Refused(rid, why, kv_lost))
 
     # ---------------------------------------------------------------- hand-offs (prefill role)
     def start_handoffs(self, outs: list) -> None:
@@ -537,7 +538,8 @@ def worker_main(cfg: WorkerConfig) -> None:
         os.environ.clear()
         os.environ.update(cfg.env)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every stack to stderr
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when workers stop
+    if threading.current_thread() is threading.main_thread():  # (a Ray actor runs it on a pool thread)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when workers stop
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s worker {cfg.index} %(levelname)s: %(message)s")
     set_startup_label(f"worker {cfg.index} engine")  # its start-up lines (kernel build, weights, timings)
     worker = None
