@@ -110,6 +110,8 @@ class ClusterLLM(HandoffFront):
         self.split = SplitCoordinator(self, splitter) if splitter is not None or self.layout.split else None
         self.kv_bytes_moved = 0
         self.weights: list[str | None] = [None] * n  # what each worker runs (its ready message says)
+        self.nodes: list[str | None] = [None] * n  # where each runs (a Ray node's id, or the host's name)
+        self.pids: list[int | None] = [None] * n
         self.requests: dict[str, Tracked] = {}  # by the client's request id
         self.by_wid: dict[str, Tracked] = {}  # by the id its current run has on the workers (Tracked.wid)
         self.outbox = Outbox()
@@ -315,9 +317,16 @@ class ClusterLLM(HandoffFront):
                 "splits": self.split.num_splits if self.split is not None else 0, "kv_bytes_moved": self.kv_bytes_moved,
                 "cluster": {"mode": self.layout.mode, "router": self.cluster.router, "backend": self.cluster.backend,
                             "threads_per_instance": self.threads, "weights": list(self.weights),
-                            **self.monitor.snapshot(self.now()),
+                            **self._snapshot(),
                             **({"kv_pressure": self.pressure.snapshot()} if self.pressure is not None else {})},
             }
+
+    def _snapshot(self) -> dict[str, Any]:
+        """The monitor's view, each instance with where its worker runs (node, pid)."""
+        snap = self.monitor.snapshot(self.now())
+        for d in snap["instances"]:
+            d["node"], d["pid"] = self.nodes[d["index"]], self.pids[d["index"]]
+        return snap
 
     # ---------------------------------------------------------------- placing requests (under the lock)
     def _place(self, t: Tracked, fresh: bool) -> bool:
@@ -448,6 +457,7 @@ class ClusterLLM(HandoffFront):
 
     def _on_ready(self, i: int, r: P.Ready, now: float) -> None:
         self.weights[i] = r.weights
+        self.nodes[i], self.pids[i] = r.node, r.pid
         if self.pressure is not None:
             self.pressure.on_layer_bytes(r.layer_bytes)
         self.unready_deaths[i] = 0

@@ -126,6 +126,8 @@ class Ready:
     status: Any  # InstanceStatus
     weights: str
     layer_bytes: int
+    node: str = ""  # where it runs: the Ray node's id, or the host's name
+    pid: int = 0
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ import faulthandler
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -105,6 +106,14 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
         if os.getppid() == 1:  # the parent is already gone
             os._exit(1)
+
+
+def node_name() -> str:
+    """Where this worker runs: its Ray node's id in a Ray actor, else the host's name."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return ray.get_runtime_context().get_node_id()
+    return socket.gethostname()
 
 
 class Worker:
@@ -437,7 +446,8 @@ class Worker:
 
         from tidal.runtime.peer import PeerLost
 
-        self.send(P.Ready(self.status(), self.engine.describe_weights(), self.engine.model.layer_weight_bytes()))
+        self.send(P.Ready(self.status(), self.engine.describe_weights(), self.engine.model.layer_weight_bytes(),
+                          node_name(), os.getpid()))
         poller = zmq.Poller()
         poller.register(self.cmd, zmq.POLLIN)
         while self.running:
