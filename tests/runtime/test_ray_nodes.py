@@ -7,13 +7,20 @@ on its own node, which ``/admin/state`` shows."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import pytest
 
 pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
 
-from tests.ray_nodes import RayNodes  # noqa: E402
+from tests.ray_nodes import RayNodes, process_tree  # noqa: E402
 from tests.server.conftest import CHAT_MESSAGES, COMPLETION_PROMPT, REF_MAX_TOKENS, ServerProcess  # noqa: E402
+from tests.server.grafana import unsampled_queries  # noqa: E402
 
 pytestmark = pytest.mark.slow
 COMMON = ("--instances", "2", "--backend", "ray", "--threads-per-instance", "1", "--kv-cache-memory", "64MiB")
@@ -78,6 +85,7 @@ def test_greedy_answers_across_two_nodes_equal_one_instance(nodes, reference, mo
              "split": ("--mode", "split")}[mode]
     server = serve(nodes, *flags)
     try:
+        assert not unsampled_queries(server.url)  # every panel of the dashboard has a series from the start
         assert_one_instance_per_node(state(server))
         check_answers(server, reference)
         st = state(server)
@@ -88,5 +96,71 @@ def test_greedy_answers_across_two_nodes_equal_one_instance(nodes, reference, mo
             assert [i["handoffs_in"] for i in cluster["instances"]] == [0, 5]
         if mode == "split":
             assert stats["splits"] >= 1 and stats["kv_bytes_moved"] > 0, stats
+    finally:
+        stop(server)
+
+
+def metric(server: ServerProcess, name: str) -> dict[str, float]:
+    """``name``'s samples by their ``instance`` label."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return {s.labels.get("instance", ""): s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples if s.name == name}
+
+
+def wait_for(cond, what: str, timeout_s: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.5)
+    pytest.fail(f"not within {timeout_s:.0f} s: {what}")
+
+
+def stream_all(server: ServerProcess, n: int, killer) -> list[str]:
+    """``n`` greedy streams at once; ``killer()`` runs once every stream has its first tokens."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    started = threading.Barrier(n + 1)
+
+    def one(_: int) -> str:
+        chunks = client.completions.create(model=server.model, prompt=LONG_PROMPT, max_tokens=REF_MAX_TOKENS,
+                                           temperature=0, stream=True)
+        text, waited = "", False
+        for c in chunks:
+            text += c.choices[0].text if c.choices else ""
+            if not waited and text:
+                waited = True
+                started.wait(timeout=300)
+        return text
+
+    with ThreadPoolExecutor(n) as pool:
+        futs = [pool.submit(one, k) for k in range(n)]
+        started.wait(timeout=300)
+        killer()
+        return [f.result() for f in futs]
+
+
+def test_a_killed_actor_loses_no_request_and_is_restarted(nodes, reference):
+    """SIGKILL the worker actor on the second node while 8 streams run: every stream ends with one
+    instance's answer (its requests re-run on the survivor from prompt + streamed tokens), the
+    instance comes back (a new actor) and the restart is counted in /metrics."""
+    server = serve(nodes)
+    try:
+        st = state(server)
+        victim = next(i for i in st["cluster"]["instances"] if i["node"] != st["cluster"]["instances"][0]["node"])
+        assert victim["pid"] in process_tree(nodes.nodes["node2"].pid)  # the actor on the second node
+        texts = stream_all(server, 8, lambda: os.kill(victim["pid"], signal.SIGKILL))
+        assert texts == [reference["long"]] * 8
+        wait_for(lambda: metric(server, "tidal:instance_restarts_total").get(str(victim["index"])) == 1.0,
+                 "the killed instance restarted")
+        after = state(server)
+        inst = after["cluster"]["instances"][victim["index"]]
+        assert inst["alive"] and inst["failures"] == 1 and inst["pid"] != victim["pid"]
+        assert metric(server, "tidal:instance_failures_total")[str(victim["index"])] == 1.0
+        assert after["stats"]["failovers"] >= 1
+        check_answers(server, reference)  # both instances serve again
     finally:
         stop(server)
