@@ -99,12 +99,16 @@ class RayNodes:
     def start(self) -> RayNodes:
         try:
             self._start("head", ["--head", "--port", str(self.port), "--include-dashboard", "false"])
-            self._start("node2", ["--address", self.address])
-            self.wait_nodes(2)
+            self.add_node("node2")
         except BaseException:
             self.stop()
             raise
         return self
+
+    def add_node(self, name: str) -> None:
+        """Another node joins (a stopped one may come back under its name)."""
+        self._start(name, ["--address", self.address])
+        self.wait_nodes(len(self.nodes))
 
     def alive_nodes(self) -> int:
         out = subprocess.run([sys.executable, "-c", "import ray, sys; ray.init(address=sys.argv[1], "

@@ -164,3 +164,25 @@ def test_a_killed_actor_loses_no_request_and_is_restarted(nodes, reference):
         check_answers(server, reference)  # both instances serve again
     finally:
         stop(server)
+
+
+def test_a_stopped_node_loses_no_request_and_its_instance_returns_with_a_node(nodes, reference):
+    """Stop the second node (its raylet and everything under it) while 8 streams run: every stream
+    ends with one instance's answer on the survivor; the lost instance's new actor waits for room
+    (the head has none left) and starts when a node joins again; the restart is counted."""
+    server = serve(nodes)
+    try:
+        st = state(server)
+        victim = next(i for i in st["cluster"]["instances"] if i["pid"] in process_tree(nodes.nodes["node2"].pid))
+        texts = stream_all(server, 8, lambda: nodes.stop_node("node2"))
+        assert texts == [reference["long"]] * 8
+        wait_for(lambda: not state(server)["cluster"]["instances"][victim["index"]]["alive"], "the loss seen")
+        assert metric(server, "tidal:instance_restarts_total").get(str(victim["index"])) == 0.0
+        nodes.add_node("node2")
+        wait_for(lambda: metric(server, "tidal:instance_restarts_total").get(str(victim["index"])) == 1.0,
+                 "the lost instance restarted on the new node")
+        inst = state(server)["cluster"]["instances"][victim["index"]]
+        assert inst["alive"] and inst["node"] not in (None, victim["node"])
+        check_answers(server, reference)
+    finally:
+        stop(server)
