@@ -88,6 +88,10 @@ class ClusterLLM(HandoffFront):
             self.backend.shutdown()
             raise ConfigError("--kv-transport shm moves KV only between processes of one machine, and the Ray "
                               "cluster has several: use --kv-transport ray")
+        if cluster.kv_pressure == "drop" and not self.backend.single_machine:
+            self.backend.shutdown()  # (KunServe's members stream activations and KV over local sockets)
+            raise ConfigError("--kv-pressure drop links a pipeline group's members over sockets of one machine, "
+                              "and the Ray cluster has several: use --kv-pressure migrate or preempt")
         self.ctx = zmq.Context()
         tag = uuid.uuid4().hex[:10]
         self._ipc_dir = tempfile.mkdtemp(prefix=f"tidal-{tag}-")
