@@ -81,7 +81,7 @@ def assert_one_instance_per_node(st: dict) -> None:
 
 @pytest.mark.parametrize("mode", ["colocate", "disaggregate", "split"])
 def test_greedy_answers_across_two_nodes_equal_one_instance(nodes, reference, mode):
-    flags = {"colocate": (), "disaggregate": ("--mode", "disaggregate", "--prefill-instances", "1"),
+    flags = {"colocate": ("--ray-placement", "strict-spread"), "disaggregate": ("--mode", "disaggregate", "--prefill-instances", "1"),
              "split": ("--mode", "split")}[mode]
     server = serve(nodes, *flags)
     try:
@@ -150,8 +150,8 @@ def test_a_killed_actor_loses_no_request_and_is_restarted(nodes, reference):
     server = serve(nodes)
     try:
         st = state(server)
-        victim = next(i for i in st["cluster"]["instances"] if i["node"] != st["cluster"]["instances"][0]["node"])
-        assert victim["pid"] in process_tree(nodes.nodes["node2"].pid)  # the actor on the second node
+        assert_one_instance_per_node(st)
+        victim = next(i for i in st["cluster"]["instances"] if i["pid"] in process_tree(nodes.nodes["node2"].pid))
         texts = stream_all(server, 8, lambda: os.kill(victim["pid"], signal.SIGKILL))
         assert texts == [reference["long"]] * 8
         wait_for(lambda: metric(server, "tidal:instance_restarts_total").get(str(victim["index"])) == 1.0,
@@ -186,3 +186,36 @@ def test_a_stopped_node_loses_no_request_and_its_instance_returns_with_a_node(no
         check_answers(server, reference)
     finally:
         stop(server)
+
+
+PLACE = """
+import sys
+from tidal.config import ConfigError
+from tidal.runtime.backend import RayBackend
+n, timeout_s = int(sys.argv[2]), float(sys.argv[3])
+try:
+    backend = RayBackend(sys.argv[1], num_instances=n, placement="strict-spread", placement_timeout_s=timeout_s)
+except ConfigError as e:
+    print("ERROR", e)
+else:
+    print("PLACED", backend.pg is not None)
+    backend.shutdown()
+"""
+
+
+def test_a_placement_the_cluster_cannot_give_is_a_clear_error(nodes):
+    """Three instances, each on a node of its own, on two nodes: a one-line error naming the nodes;
+    two fit. (A process of its own joins the cluster: the test process stays no Ray driver.)"""
+    import subprocess
+    import sys
+
+    def place(n: int, timeout_s: float) -> str:
+        out = subprocess.run([sys.executable, "-c", PLACE, nodes.address, str(n), str(timeout_s)], env=nodes.env,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout.strip().splitlines()[-1]
+
+    got = place(3, 5)
+    assert got.startswith("ERROR the Ray cluster cannot place 3 instances of {'CPU': 1.0} with --ray-placement "
+                          "strict-spread within 5 s; its 2 live node(s) have "), got
+    assert place(2, 120) == "PLACED True"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from tests.server.grafana import PROMETHEUS, exposed, load_dashboard, metric_names, queries, unsampled_queries
 
+
 def test_dashboard_json_is_well_formed():
     dash = load_dashboard()
     ids = [p["id"] for p in dash["panels"]]

@@ -169,7 +169,9 @@ class ClusterLLM(HandoffFront):
         from tidal.runtime.backend import ProcessBackend, RayBackend
 
         if self.cluster.backend == "ray":
-            return RayBackend(self.cluster.ray_address)
+            c = self.cluster
+            return RayBackend(c.ray_address, num_instances=self.layout.instances, placement=c.ray_placement,
+                              num_gpus_per_worker=c.num_gpus_per_instance)
         return ProcessBackend()
 
     def _worker_config(self, i: int) -> WorkerConfig:
