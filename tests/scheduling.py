@@ -26,6 +26,7 @@ OWN_SERVER_MODULES = ("tests/server/test_dashboard.py", "tests/server/test_soak.
 HF_SMOL_MODULES = ("tests/bench/test_offline_bench.py", "tests/engine/test_loader.py", "tests/engine/test_parity.py")
 HEAVY_FIRST = (
     "servers",
+    "tests/runtime/test_ray_nodes.py",
     "tests/engine/test_kernel_build.py",
     "tests/runtime/test_kunserve_runtime.py",
     "tests/server/test_dashboard.py",

@@ -22,6 +22,9 @@ from tidal.config import ConfigError, EngineConfig
     ({"kv_pressure": "evict"}, "--kv-pressure must be one of"),
     ({"kv_pressure": "drop"}, "needs at least 2 instances"),
     ({"kv_pressure": "migrate", "layout": ClusterLayout(2, "disaggregate", 1)}, "needs colocated instances"),
+    ({"backend": "ray", "ray_placement": "scatter"}, "--ray-placement must be one of"),
+    ({"backend": "ray", "num_gpus_per_instance": -1}, "--num-gpus-per-instance must be >= 0"),
+    ({"num_gpus_per_instance": 1}, "--num-gpus-per-instance reserves GPUs for Ray actors: it needs --backend ray"),
 ])
 def test_a_bad_cluster_config_is_one_line(kwargs, match):
     with pytest.raises(ConfigError, match=match):

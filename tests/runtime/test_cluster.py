@@ -254,6 +254,11 @@ def test_a_joined_ray_cluster_listens_on_the_node_address_and_needs_ray_kv_acros
             EngineConfig.from_kwargs(**ENGINE),
             ClusterConfig(layout=ClusterLayout(2), backend="ray", transport="shm")))
     assert shut == [multi]
+    with pytest.raises(ConfigError, match="pipeline group's members over sockets of one machine"):
+        ClusterLLM(ServingConfig(
+            EngineConfig.from_kwargs(**ENGINE),
+            ClusterConfig(layout=ClusterLayout(2), backend="ray", transport="ray", kv_pressure="drop")))
+    assert shut == [multi, multi]
 
 
 FRONT_END = """

@@ -216,3 +216,21 @@ def test_a_split_whose_beta_refuses_stays_whole_on_alpha_and_one_after_alpha_let
     front.carry_out(u, u.handoff.move.source_freed(1.0))  # alpha's split_done: it let its part go
     front.reply(1, P.Refused("b", "no room"))
     assert front.failed_over == ["b"] and front.reserved() == {}
+
+
+def test_a_handoff_whose_kv_cannot_be_read_is_recomputed_not_sent_again():
+    """``Refused`` with ``kv_lost`` (the chunks' owner is gone, across Ray nodes): the machine's
+    ``lost``: a hand-off is recomputed (handing the same unreadable chunks to another instance
+    looped, refusal after refusal); a migration would stay on a source that holds it."""
+    front = _pd()
+    front.track("a", 0, 64, 1)
+    front.reply(0, P.HandoffStarted("a", "snap", 5, 1))  # type: ignore[arg-type]
+    h = Handle(0)
+    front.reply(0, P.KVChunk("a", h, True))  # type: ignore[arg-type]
+    front.reply(2, P.Refused("a", "KV chunk x cannot be read", kv_lost=True))
+    assert front.failed_over == ["a"] and front.reserved() == {} and front.transport.released == [h]
+    assert front.move_records[-1].outcome == "failed_over" and "lost" in front.move_records[-1].events
+    front2, t2 = _migrating()
+    _started(front2, 2, last=False)
+    front2.reply(1, P.Refused("a", "KV chunk x cannot be read", kv_lost=True))
+    assert t2.instance == 0 and front2.sent[-1] == (0, P.Stay("a")) and front2.failed_over == []

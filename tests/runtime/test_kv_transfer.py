@@ -352,6 +352,58 @@ def test_shm_no_resource_tracker_warnings_at_exit(tmp_path, mode):
         assert not os.path.exists(f"/dev/shm/{name}")
 
 
+# ============================================================================ Ray: a chunk owned by an actor
+def _owner_actor(ray, name: str):
+    """A worker actor's part of the Ray transport: it puts chunks and answers their readers."""
+
+    @ray.remote(num_cpus=0, concurrency_groups={"kv": 1})
+    class Owner:
+        def put(self, kv, spec):
+            return RayTransport().put(kv, spec)
+
+        @ray.method(concurrency_group="kv")
+        def fetch(self, key):
+            from tidal.runtime.kv_transfer import serve_chunk
+
+            return serve_chunk(key)
+
+        @ray.method(concurrency_group="kv")
+        def drop(self, keys):
+            from tidal.runtime.kv_transfer import drop_chunks
+
+            drop_chunks(keys)
+
+    return Owner.options(name=name).remote()
+
+
+def test_ray_chunk_of_an_actor_crosses_plain_pickle_then_is_gone_when_released_or_its_owner_dies(ray_local):
+    """The control path pickles a handle with plain pickle, which keeps an ObjectRef's id but not
+    its owner: a reader on another node then waited for ever. A handle names the owning actor
+    instead; released, or with its owner dead, it reads as gone at once, never as a hang."""
+    import pickle
+
+    from tidal.runtime.kv_transfer import KVChunkGone
+
+    ray = ray_local
+    name = f"tidal-test-{secrets.token_hex(4)}"
+    owner = _owner_actor(ray, name)
+    kv = rand_kv([0, 1], 7, torch.bfloat16)
+    h = pickle.loads(pickle.dumps(ray.get(owner.put.remote(kv, ChunkSpec((0, 1), 0, 7)))))
+    assert h.ref.server == name and h.ref.ref is None  # no ObjectRef on the control path
+    reader = RayTransport()
+    assert_kv_equal(reader.get(h), kv)
+    assert_kv_equal(reader.get(h), kv)  # a get does not consume the chunk
+    reader.release(h)
+    ray.get(owner.drop.remote([]))  # (the release went before this call: one actor, one kv thread, in order)
+    with pytest.raises(KVChunkGone, match="released"):
+        reader.get(h)
+    h2 = pickle.loads(pickle.dumps(ray.get(owner.put.remote(kv, ChunkSpec((0, 1), 0, 7)))))
+    ray.kill(owner)
+    with pytest.raises(KVChunkGone, match="cannot be read"):  # (bounded: at worst RAY_GET_TIMEOUT_S)
+        reader.get(h2)
+    reader.release(h2)  # harmless with its owner gone
+
+
 # ============================================================================ paged KV caches
 TINY = ModelArch(architecture="llama", vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=4,
                  num_heads=4, num_kv_heads=HEADS, head_dim=DIM, name="tiny")

@@ -118,3 +118,23 @@ def test_a_chunk_without_room_waits_and_a_stuck_import_is_refused(worker, smol_t
         w.transport.release(handle)  # the front end's job for a refused import
     kv.free("hog")
     assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_an_import_whose_kv_is_gone_is_refused_as_lost(worker, smol_tokenizer):
+    """A chunk that cannot be read (its owner released it, or died) gives the import back at once,
+    saying its KV is lost, so that the front end recomputes the request instead of retrying the
+    same chunks (or the worker waiting for them for ever)."""
+    w, said = worker
+    prompt = smol_tokenizer.encode("Why are there two high tides a day? " * 2)
+    s = len(prompt)
+    chunks, _, _ = _chunks(w, prompt, s)
+    w.handle(Reserve("r", prompt, PARAMS, 0, "online", s))
+    w.handle(KVChunk("r", *chunks[0]))
+    gone = chunks[1][0]
+    w.transport.release(gone)
+    w.handle(KVChunk("r", *chunks[1]))
+    [refused] = said()
+    assert refused.request_id == "r" and refused.kv_lost and gone.ref in refused.reason
+    assert "r" not in w.importing and not w.waiting_kv and w.engine.kv_manager.num_blocks_of("r") == 0
+    for handle, _ in chunks[2:]:
+        w.transport.release(handle)

@@ -65,10 +65,10 @@ def _process_tree(pid: int) -> list[int]:
 
 
 class ServerProcess:
-    def __init__(self, *flags: str, background: bool = False):
+    def __init__(self, *flags: str, background: bool = False, env: dict[str, str] | None = None):
         self.log = tempfile.NamedTemporaryFile("w+", prefix="tidal-serve-", suffix=".log", delete=False)  # noqa: SIM115
         cmd = [sys.executable, "-m", "tidal.cli", "serve", "--port", "0", "--dtype", "float32", *flags]
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        env = {**(env or os.environ), "TOKENIZERS_PARALLELISM": "false"}
         env.pop("TIDAL_WEIGHT_CACHE_MB", None)  # a server as users run it (it loads the weights once anyway)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      preexec_fn=_idle_and_die_with_parent if background else die_with_parent)

@@ -43,3 +43,20 @@ def exposed(url: str) -> set[str]:
         names.update(fam.name + s for s in SUFFIXES.get(fam.type, ("",)))
         names.update(s.name for s in fam.samples)
     return names
+
+
+# a family with one series per numeric field of the policy's state: none under the baseline policy
+MAY_BE_EMPTY = {"tidal:policy_state"}
+
+
+def sampled(url: str) -> set[str]:
+    """The sample names of /metrics that have at least one sample (what a Grafana panel shows)."""
+    r = httpx.get(f"{url}/metrics", timeout=30)
+    r.raise_for_status()
+    return {s.name for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+
+
+def unsampled_queries(url: str) -> set[str]:
+    """The dashboard's metrics that the server at ``url`` has no sample of (a panel with "no data")."""
+    names = set().union(*map(metric_names, queries(load_dashboard())))
+    return names - sampled(url) - MAY_BE_EMPTY

@@ -58,6 +58,12 @@ def test_greedy_answers_equal_one_instance(cluster_server, reference):
     assert streamed == reference["chat"]
 
 
+def test_every_metric_the_dashboard_queries_has_a_sample(cluster_server):
+    from tests.server.grafana import unsampled_queries
+
+    assert not unsampled_queries(cluster_server.url)
+
+
 def test_instances_show_in_metrics_and_admin_state(cluster_server):
     state = httpx.get(f"{cluster_server.url}/admin/state", timeout=10).json()
     inst = state["cluster"]["instances"]

@@ -23,6 +23,9 @@ BACKENDS = ("process", "ray")
 TRANSPORTS = ("shm", "ray")
 
 
+RAY_PLACEMENTS = ("spread", "strict-spread", "pack", "strict-pack")
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     layout: ClusterLayout = field(default_factory=ClusterLayout)
@@ -40,8 +43,17 @@ class ClusterConfig:
     # each step of a request's move (reserve, transfer, free: tidal.cluster.moves) before it falls back
     move_timeout_s: float = 120.0
     kv_pressure: str = "preempt"  # preempt | drop (KunServe: tidal.runtime.pressure) | migrate (tidal.runtime.migrate)
+    # Ray: the workers' placement group (one bundle per instance) and what each bundle holds
+    ray_placement: str = "spread"  # spread | strict-spread | pack | strict-pack (Ray's strategies)
+    num_gpus_per_instance: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.ray_placement not in RAY_PLACEMENTS:
+            raise ConfigError(f"--ray-placement must be one of {', '.join(RAY_PLACEMENTS)}; got {self.ray_placement!r}")
+        if self.num_gpus_per_instance < 0:
+            raise ConfigError(f"--num-gpus-per-instance must be >= 0, got {self.num_gpus_per_instance}")
+        if self.num_gpus_per_instance and self.backend != "ray":
+            raise ConfigError("--num-gpus-per-instance reserves GPUs for Ray actors: it needs --backend ray")
         if self.router not in ROUTERS:
             raise ConfigError(f"router must be one of {', '.join(ROUTERS)}; got {self.router!r}")
         if self.backend not in BACKENDS:

@@ -194,6 +194,12 @@ CLUSTER_FLAGS: tuple[Flag, ...] = (
     _flag("--backend", default="process", choices=["process", "ray"],
           help="workers as local processes, or as Ray actors (pip install -e '.[ray]')"),
     _flag("--ray-address", default=None, help="Ray cluster to join (default: start a local Ray)"),
+    _flag("--ray-placement", default="spread", choices=["spread", "strict-spread", "pack", "strict-pack"],
+          help="--backend ray: the workers' placement group, one bundle per instance; strict-spread puts every "
+               "instance on a node of its own (the start fails, naming what is missing, when the cluster has too "
+               "few nodes)"),
+    _flag("--num-gpus-per-instance", type=float, default=0.0,
+          help="--backend ray: GPUs each instance's bundle reserves (1 for --device cuda on GPU nodes)"),
     _flag("--threads-per-instance", type=positive_int, default=None,
           help="CPU threads of each instance (default: the cores split evenly)"),
     _flag("--kv-transport", default=None, choices=["shm", "ray"],
@@ -314,7 +320,8 @@ def serving_config(args: argparse.Namespace) -> Any:
     cluster = ClusterConfig(layout=cluster_layout(args), prefill_batching=args.prefill_batching, router=args.router,
                             backend=args.backend, ray_address=args.ray_address,
                             threads_per_instance=args.threads_per_instance, transport=transport,
-                            kv_pressure=args.kv_pressure)
+                            kv_pressure=args.kv_pressure, ray_placement=args.ray_placement,
+                            num_gpus_per_instance=args.num_gpus_per_instance)
     return ServingConfig(EngineConfig.from_kwargs(**engine_kwargs(args)), cluster)
 
 

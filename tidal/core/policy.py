@@ -92,6 +92,12 @@ def _leaves(value: Any, prefix: str) -> Iterator[tuple[str, float]]:
         yield prefix, float(value)
 
 
+def state_gauges(state: dict[str, Any]) -> list[tuple[str, float]]:
+    """A policy state's numeric fields (its ``to_dict()``, as a cluster's workers report it) as
+    (dotted key, value)."""
+    return list(_leaves({k: v for k, v in state.items() if k != "policy"}, ""))
+
+
 @dataclass(frozen=True, slots=True)
 class PolicyState:
     """What a policy shows of itself. Each policy subclasses it with its own typed fields."""
@@ -113,7 +119,7 @@ class PolicyState:
 
     def gauges(self) -> list[tuple[str, float]]:
         """Every numeric field as (dotted key, value), for Prometheus gauges."""
-        return list(_leaves({k: v for k, v in self.to_dict().items() if k != "policy"}, ""))
+        return state_gauges(self.to_dict())
 
 
 class SchedulingPolicy:

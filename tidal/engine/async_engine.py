@@ -13,6 +13,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -20,6 +21,8 @@ from tidal.core.admission import InstanceLoad, admit
 from tidal.core.sampling import SamplingParams
 from tidal.engine.llm_engine import LLMEngine
 from tidal.engine.outputs import RequestOutput
+
+STEP_EMA = 0.2  # the weight of a new step time in the moving average (the cluster monitor's)
 
 log = logging.getLogger("tidal.async")
 
@@ -42,7 +45,8 @@ class AsyncLLM:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.dead: BaseException | None = None
-        self._stats: dict[str, Any] = engine.stats()
+        self._step_ema: float | None = None
+        self._stats: dict[str, Any] = {**engine.stats(), "step_time_ema_s": None}
         self._pending_adds = 0  # submitted, not yet handled by the engine thread
         self._fresh = 0  # added to the engine since its last step (waiting, but not refused a slot yet)
         self._declined = 0  # left waiting by the last step
@@ -170,13 +174,17 @@ class AsyncLLM:
             except queue.Empty:
                 pass
             with self._lock:
-                self._stats = self.engine.stats()
+                self._stats = {**self.engine.stats(), "step_time_ema_s": self._step_ema}
                 if not self.engine.has_unfinished_requests():
                     self._declined = self._fresh = 0
             if not self.engine.has_unfinished_requests():
                 continue
             try:
+                t0 = time.perf_counter()
                 outs = self.engine.step()
+                dt = time.perf_counter() - t0
+                # the step time's moving average (tidal:instance_step_time_seconds, as a cluster's monitor keeps it)
+                self._step_ema = dt if self._step_ema is None else (1 - STEP_EMA) * self._step_ema + STEP_EMA * dt
             except BaseException as e:  # a bug or OOM: fail every stream, stop the loop
                 log.exception("engine step failed")
                 self.dead = e
@@ -186,7 +194,7 @@ class AsyncLLM:
             # the snapshot first: a client that sees its request finish must not then find the
             # engine's load as it was before this step (the queue bound reads it)
             with self._lock:  # every request added so far has been through a step's admission
-                self._stats = self.engine.stats()
+                self._stats = {**self.engine.stats(), "step_time_ema_s": self._step_ema}
                 self._declined, self._fresh = self._stats["num_requests_waiting"], 0
             for out in outs:
                 self._deliver(out, out.request_id)

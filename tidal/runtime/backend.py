@@ -12,6 +12,7 @@ import dataclasses
 import multiprocessing as mp
 import os
 import signal
+import uuid
 from typing import Any
 
 from tidal.common.progress import startup_phase
@@ -112,7 +113,13 @@ class RayBackend:
 
     name = "ray"
 
-    def __init__(self, address: str | None = None, num_cpus_per_worker: float = 1.0):
+    def __init__(self, address: str | None = None, num_cpus_per_worker: float = 1.0, *, num_instances: int = 0,
+                 placement: str = "spread", num_gpus_per_worker: float = 0.0, placement_timeout_s: float = 120.0):
+        """``num_instances`` > 0: the workers go in a placement group of that many bundles (one
+        per instance, each ``num_cpus_per_worker`` CPUs and ``num_gpus_per_worker`` GPUs), placed
+        by ``placement`` (Ray's strategy: spread, strict-spread, pack, strict-pack); instance ``i``
+        runs in bundle ``i``, also when restarted (Ray places a lost node's bundles again when a
+        node has room)."""
         import ray
 
         self.ray = ray
@@ -132,12 +139,50 @@ class RayBackend:
                     ray.init(num_cpus=max(os.cpu_count() or 1, 1), include_dashboard=False, log_to_driver=False)
                 self.started_here = True
 
-        @ray.remote(num_cpus=num_cpus_per_worker, max_restarts=0)
+        # ``run`` holds the default group's one thread for the worker's life; the ``kv`` group answers
+        # readers of the KV chunks this worker put (tidal.runtime.kv_transfer.RayTransport) meanwhile
+        @ray.remote(num_cpus=num_cpus_per_worker, num_gpus=num_gpus_per_worker, max_restarts=0,
+                    concurrency_groups={"kv": 1})
         class _Actor:
             def run(self, cfg: WorkerConfig) -> None:
                 worker_main(cfg)
 
+            @ray.method(concurrency_group="kv")
+            def fetch(self, key: str) -> Any:
+                from tidal.runtime.kv_transfer import serve_chunk
+
+                return serve_chunk(key)
+
+            @ray.method(concurrency_group="kv")
+            def drop(self, keys: list[str]) -> None:
+                from tidal.runtime.kv_transfer import drop_chunks
+
+                drop_chunks(keys)
+
         self._actor_cls = _Actor
+        self._tag = uuid.uuid4().hex[:8]  # this front end's actors' names: tidal-<tag>-<instance>-<generation>
+        self.pg: Any = None
+        if num_instances:
+            self._place(num_instances, placement, num_cpus_per_worker, num_gpus_per_worker, placement_timeout_s)
+
+    def _place(self, n: int, placement: str, cpus: float, gpus: float, timeout_s: float) -> None:
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+        strategy = placement.upper().replace("-", "_")
+        self.pg = placement_group([dict(bundle) for _ in range(n)], strategy=strategy, name=f"tidal-{self._tag}")
+        ready, _ = self.ray.wait([self.pg.ready()], timeout=timeout_s)
+        if ready:
+            return
+        remove_placement_group(self.pg)
+        self.pg = None
+        nodes = [n.get("Resources", {}) for n in self.ray.nodes() if n.get("Alive")]
+        have = ", ".join(f"{r.get('CPU', 0):g} CPU/{r.get('GPU', 0):g} GPU" for r in nodes)
+        self.shutdown()
+        from tidal.config import ConfigError
+
+        raise ConfigError(f"the Ray cluster cannot place {n} instances of {bundle} with --ray-placement {placement} "
+                          f"within {timeout_s:.0f} s; its {len(nodes)} live node(s) have {have}")
 
     @property
     def control_host(self) -> str:
@@ -151,10 +196,21 @@ class RayBackend:
         return self.started_here or len({n["NodeManagerAddress"] for n in self.ray.nodes() if n.get("Alive")}) <= 1
 
     def start(self, cfg: WorkerConfig) -> RayHandle:
-        actor = self._actor_cls.remote()
+        opts: dict[str, Any] = {"name": f"tidal-{self._tag}-{cfg.index}-{cfg.generation}"}
+        if self.pg is not None:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=cfg.index)
+        actor = self._actor_cls.options(**opts).remote()
         return RayHandle(actor, actor.run.remote(cfg))
 
     def shutdown(self) -> None:
+        if getattr(self, "pg", None) is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            with contextlib.suppress(Exception):
+                remove_placement_group(self.pg)
+            self.pg = None
         if self.started_here:
             self.ray.shutdown()
 

@@ -90,6 +90,10 @@ class ClusterLLM(HandoffFront):
             self.backend.shutdown()
             raise ConfigError("--kv-transport shm moves KV only between processes of one machine, and the Ray "
                               "cluster has several: use --kv-transport ray")
+        if cluster.kv_pressure == "drop" and not self.backend.single_machine:
+            self.backend.shutdown()  # (KunServe's members stream activations and KV over local sockets)
+            raise ConfigError("--kv-pressure drop links a pipeline group's members over sockets of one machine, "
+                              "and the Ray cluster has several: use --kv-pressure migrate or preempt")
         self.ctx = zmq.Context()
         tag = uuid.uuid4().hex[:10]
         self._ipc_dir = tempfile.mkdtemp(prefix=f"tidal-{tag}-")
@@ -116,6 +120,8 @@ class ClusterLLM(HandoffFront):
         self.moves_ended: dict[str, int] = {}
         self.move_records: deque[MoveRecord] = deque(maxlen=MOVE_LOG)
         self.weights: list[str | None] = [None] * n  # what each worker runs (its ready message says)
+        self.nodes: list[str | None] = [None] * n  # where each runs (a Ray node's id, or the host's name)
+        self.pids: list[int | None] = [None] * n
         self.requests: dict[str, Tracked] = {}  # by the client's request id
         self.by_wid: dict[str, Tracked] = {}  # by the id its current run has on the workers (Tracked.wid)
         self.outbox = Outbox()
@@ -169,7 +175,9 @@ class ClusterLLM(HandoffFront):
         from tidal.runtime.backend import ProcessBackend, RayBackend
 
         if self.cluster.backend == "ray":
-            return RayBackend(self.cluster.ray_address)
+            c = self.cluster
+            return RayBackend(c.ray_address, num_instances=self.layout.instances, placement=c.ray_placement,
+                              num_gpus_per_worker=c.num_gpus_per_instance)
         return ProcessBackend()
 
     def _worker_config(self, i: int) -> WorkerConfig:
@@ -321,9 +329,16 @@ class ClusterLLM(HandoffFront):
                 "splits": self.split.num_splits if self.split is not None else 0, "kv_bytes_moved": self.kv_bytes_moved,
                 "cluster": {"mode": self.layout.mode, "router": self.cluster.router, "backend": self.cluster.backend,
                             "threads_per_instance": self.threads, "weights": list(self.weights),
-                            **self.monitor.snapshot(self.now()),
+                            **self._snapshot(),
                             **({"kv_pressure": self.pressure.snapshot()} if self.pressure is not None else {})},
             }
+
+    def _snapshot(self) -> dict[str, Any]:
+        """The monitor's view, each instance with where its worker runs (node, pid)."""
+        snap = self.monitor.snapshot(self.now())
+        for d in snap["instances"]:
+            d["node"], d["pid"] = self.nodes[d["index"]], self.pids[d["index"]]
+        return snap
 
     # ---------------------------------------------------------------- placing requests (under the lock)
     def _place(self, t: Tracked, fresh: bool) -> bool:
@@ -450,6 +465,7 @@ class ClusterLLM(HandoffFront):
 
     def _on_ready(self, i: int, r: P.Ready, now: float) -> None:
         self.weights[i] = r.weights
+        self.nodes[i], self.pids[i] = r.node, r.pid
         if self.pressure is not None:
             self.pressure.on_layer_bytes(r.layer_bytes)
         self.unready_deaths[i] = 0

@@ -240,9 +240,12 @@ class HandoffFront:
         if t is None:
             return
         h = t.handoff
-        if h is not None and h.move.dst == i:  # the destination cannot hold the copy
+        if h is not None and h.move.dst == i:  # the destination cannot hold the copy, or read its KV
             self.monitor.on_reservation_end(t.rid, i)
-            self.carry_out(t, h.move.refused(i, now))  # a hand-off's chunks wait for the next destination
+            if r.kv_lost:  # the same chunks would fail the same way anywhere: the move cannot finish
+                self.carry_out(t, h.move.lost(now))
+            else:
+                self.carry_out(t, h.move.refused(i, now))  # a hand-off's chunks wait for the next destination
         elif h is None:  # a fail-over's import found no room here, or a source told to keep a request it let go
             self.monitor.on_finish(i, t.rid)
             self.failover(t)

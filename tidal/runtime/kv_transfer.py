@@ -9,7 +9,8 @@ picklable :class:`KVHandle` that travels on the control path; the receiver ``get
 
 - :class:`SharedMemoryTransport` (``shm``): one POSIX shared-memory segment per chunk between local
   processes; only the segment's name and shape cross the pipe, never the tensor data.
-- :class:`RayTransport` (``ray``): the Ray object store (needs ``pip install -e '.[ray]'``).
+- :class:`RayTransport` (``ray``): the Ray object store, across the nodes of a Ray cluster (needs
+  ``pip install -e '.[ray]'``); a handle names the worker actor that owns the chunk.
 
 Whoever holds a handle that will never be received (a receiver died) calls ``release``: the
 segment is unlinked, so nothing is left in ``/dev/shm``.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -155,14 +157,59 @@ class SharedMemoryTransport(KVTransport):
             _untrack(shm)
 
 
+@dataclass(frozen=True, slots=True)
+class RayChunkRef:
+    """Where a Ray chunk is: ``server``, the named actor that put it (a worker), and the chunk's
+    ``key`` there; or, put by a process that is no actor (a driver), the ``ObjectRef`` itself."""
+
+    server: str | None
+    key: str
+    ref: Any = None
+
+
+# the chunks this process put and still owns (key -> ObjectRef): the owner's reference keeps each
+# alive until ``release``; a worker actor serves them to readers (``serve_chunk``, ``drop_chunks``)
+_HELD: dict[str, Any] = {}
+RAY_GET_TIMEOUT_S = float(os.environ.get("TIDAL_RAY_KV_TIMEOUT_S", "60"))  # a chunk unread by then is lost
+
+
+def serve_chunk(key: str) -> list[Any] | None:
+    """A worker actor's answer to a reader: the chunk's ``ObjectRef`` inside a list (returned
+    through Ray, so the reader borrows it with its owner's address and Ray counts the reference),
+    or None when it was released."""
+    ref = _HELD.get(key)
+    return None if ref is None else [ref]
+
+
+def drop_chunks(keys: list[str]) -> None:
+    for key in keys:
+        _HELD.pop(key, None)
+
+
 class RayTransport(KVTransport):
-    """Chunks as objects in the Ray object store (``ray.put`` / ``ray.get``); Ray frees an object
-    when its last reference goes, ``release`` drops ours."""
+    """Chunks as objects in the Ray object store, owned by the process that put them.
+
+    An ``ObjectRef`` must not cross the ZeroMQ control path as itself: plain pickle keeps only its
+    id, not its owner's address, and a reader on another node then waits for ever for an object
+    it cannot locate (the P/D hang across Ray nodes). So a worker actor keeps each chunk's
+    reference (``_HELD``) and the handle names the actor and a key; a reader asks the actor for
+    the reference (a Ray call: ownership travels with it), reads the object, and ``release`` tells
+    the actor to drop its reference. Every wait is bounded (``RAY_GET_TIMEOUT_S``): a chunk whose
+    owner died or dropped it is :class:`KVChunkGone`, never a hang."""
 
     name = "ray"
 
     def __init__(self) -> None:
         import ray  # noqa: F401  (fails early with ImportError when Ray is not installed)
+
+        self._servers: dict[str, Any] = {}  # actor name -> its handle
+
+    def _server(self, name: str) -> Any:
+        import ray
+
+        if name not in self._servers:
+            self._servers[name] = ray.get_actor(name)
+        return self._servers[name]
 
     def put(self, kv: KV, spec: ChunkSpec) -> KVHandle:
         import ray
@@ -174,19 +221,44 @@ class RayTransport(KVTransport):
         nbytes = stacked.numel() * stacked.element_size()
         # numpy arrays go zero-copy through Plasma; torch has no numpy dtype for bfloat16, so as int16 bits
         arr = stacked.view(torch.int16).numpy() if stacked.dtype == torch.bfloat16 else stacked.numpy()
-        return KVHandle(self.name, ray.put(arr), spec, shape, str(dtype).removeprefix("torch."), nbytes)
+        ref, key = ray.put(arr), secrets.token_hex(12)
+        _HELD[key] = ref
+        server = ray.get_runtime_context().get_actor_name() if ray.is_initialized() else None
+        # a driver's chunk carries its reference (read in this process, or passed on through Ray itself)
+        where = RayChunkRef(server, key) if server else RayChunkRef(None, key, ref)
+        return KVHandle(self.name, where, spec, shape, str(dtype).removeprefix("torch."), nbytes)
 
     def get(self, handle: KVHandle) -> KV:
         import ray
+        from ray.exceptions import GetTimeoutError, RayError
 
-        arr = ray.get(handle.ref)
+        where: RayChunkRef = handle.ref
+        try:
+            if where.server is None:
+                ref = where.ref
+            else:
+                got = ray.get(self._server(where.server).fetch.remote(where.key), timeout=RAY_GET_TIMEOUT_S)
+                if got is None:
+                    raise KVChunkGone(f"KV chunk {where.key} was released before it was read")
+                ref = got[0]
+            arr = ray.get(ref, timeout=RAY_GET_TIMEOUT_S)
+        except (GetTimeoutError, RayError, ValueError) as e:  # its owner died, or it cannot be reached in time
+            raise KVChunkGone(f"KV chunk {where.key} cannot be read from {where.server or 'its owner'}: "
+                              f"{type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
         t = torch.from_numpy(arr.copy())
         if handle.dtype == "bfloat16":
             t = t.view(torch.bfloat16)
         return {layer: (t[0, j], t[1, j]) for j, layer in enumerate(handle.spec.layers)}
 
     def release(self, handle: KVHandle) -> None:
-        pass  # the object store frees the object when the handle (its ObjectRef) is dropped
+        """The owner drops its reference (Ray frees the object when no reader holds one either);
+        a message to the owning actor when it is another process, which nobody waits for."""
+        where: RayChunkRef = handle.ref
+        if where.server is None or where.key in _HELD:
+            _HELD.pop(where.key, None)
+            return
+        with contextlib.suppress(Exception):  # the owner is gone: so are its chunks
+            self._server(where.server).drop.remote([where.key])
 
 
 TRANSPORTS = {"shm": SharedMemoryTransport, "ray": RayTransport}
@@ -214,5 +286,5 @@ def iter_chunks(kv: KV, start: int, end: int, layers_per_chunk: int | None = Non
         yield spec, chunk_of(kv, spec, start)
 
 
-__all__ = ["KV", "TRANSPORTS", "ChunkSpec", "KVHandle", "KVTransport", "RayTransport", "SharedMemoryTransport",
-           "build_transport", "chunk_of", "iter_chunks", "plan_chunks"]
+__all__ = ["KV", "TRANSPORTS", "ChunkSpec", "KVHandle", "KVTransport", "RayChunkRef", "RayTransport",
+           "SharedMemoryTransport", "build_transport", "drop_chunks", "serve_chunk", "chunk_of", "iter_chunks", "plan_chunks"]

@@ -127,6 +127,8 @@ class Ready:
     status: Any  # InstanceStatus
     weights: str
     layer_bytes: int
+    node: str = ""  # where it runs: the Ray node's id, or the host's name
+    pid: int = 0
 
 
 @dataclass(frozen=True)
@@ -180,10 +182,12 @@ class Landed:
 
 @dataclass(frozen=True)
 class Refused:
-    """An import or reservation found no room (or its KV was gone)."""
+    """An import or reservation found no room, or (``kv_lost``) its KV could not be read: gone
+    with its owner, or released; a retry with the same chunks would fail the same way."""
 
     request_id: str
     reason: str
+    kv_lost: bool = False
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,9 @@ import faulthandler
 import logging
 import os
 import signal
+import socket
 import sys
+import threading
 import time
 import traceback
 from collections import deque
@@ -104,6 +106,14 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
         if os.getppid() == 1:  # the parent is already gone
             os._exit(1)
+
+
+def node_name() -> str:
+    """Where this worker runs: its Ray node's id in a Ray actor, else the host's name."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return ray.get_runtime_context().get_node_id()
+    return socket.gethostname()
 
 
 class Worker:
@@ -318,7 +328,7 @@ class Worker:
                     try:
                         kv = self.transport.get(handle)
                     except KVChunkGone as gone:  # the request was aborted: its abort is on its way
-                        self._give_back_import(rid, str(gone))
+                        self._give_back_import(rid, str(gone), kv_lost=True)
                         break
                     e.import_kv(rid, kv, handle.spec.start)
                     self.transport.release(handle)
@@ -340,13 +350,13 @@ class Worker:
         youngest one back (``refused``: its alpha keeps the request, or it is recomputed)."""
         self._give_back_import(next(reversed(self.waiting_kv)), "no room in the KV cache for the rest of its KV")
 
-    def _give_back_import(self, rid: str, why: str) -> None:
+    def _give_back_import(self, rid: str, why: str, kv_lost: bool = False) -> None:
         """Drop a paused import and what arrived for it, and say so (``refused``; the front end
         ignores it for a request it already aborted, and releases the chunks' handles otherwise)."""
         self.waiting_kv.pop(rid, None)
         self.importing.discard(rid)
         self.engine.abort_request(rid)
-        self.send(P.Refused(rid, why))
+        self.send(P.Refused(rid, why, kv_lost))
 
     # ---------------------------------------------------------------- hand-offs (prefill role)
     def start_handoffs(self, outs: list) -> None:
@@ -441,7 +451,8 @@ class Worker:
 
         from tidal.runtime.peer import PeerLost
 
-        self.send(P.Ready(self.status(), self.engine.describe_weights(), self.engine.model.layer_weight_bytes()))
+        self.send(P.Ready(self.status(), self.engine.describe_weights(), self.engine.model.layer_weight_bytes(),
+                          node_name(), os.getpid()))
         poller = zmq.Poller()
         poller.register(self.cmd, zmq.POLLIN)
         while self.running:
@@ -542,7 +553,8 @@ def worker_main(cfg: WorkerConfig) -> None:
         os.environ.clear()
         os.environ.update(cfg.env)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every stack to stderr
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when workers stop
+    if threading.current_thread() is threading.main_thread():  # (a Ray actor runs it on a pool thread)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when workers stop
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s worker {cfg.index} %(levelname)s: %(message)s")
     set_startup_label(f"worker {cfg.index} engine")  # its start-up lines (kernel build, weights, timings)
     worker = None

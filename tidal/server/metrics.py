@@ -9,6 +9,7 @@ every scrape without the scrape touching the engine.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
@@ -16,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from tidal.core.policy import PolicyState
+from tidal.core.policy import PolicyState, state_gauges
 from tidal.engine.outputs import RequestOutput
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -26,6 +27,8 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 LONG_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                 240.0, 480.0, 960.0, 1920.0)
 FINISH_REASONS = ("stop", "length", "abort")
+REJECTED_STATUSES = (400, 500, 503)  # what a refused submission answers (tidal.server.errors.from_exception)
+ARRIVAL_WINDOW_S = 10.0  # the cluster monitor's window of the arrival rate
 
 
 def batch_size_cap(stats: dict[str, Any], default: int) -> int:
@@ -35,11 +38,18 @@ def batch_size_cap(stats: dict[str, Any], default: int) -> int:
 
 
 class _EngineCollector:
-    """Gauges (and the preemption counter) from the engine's latest stats snapshot."""
+    """Gauges (and the preemption counter) from the engine's latest stats snapshot.
 
-    def __init__(self, llm: Any, model_name: str):
+    Every family the Grafana dashboard (deploy/grafana/tidal.json) queries is exported in every
+    server mode, from the first scrape: a single engine shows itself as instance 0 and its
+    cluster-only counters (fail-overs, hand-offs, splits, KV moved) at 0, so a panel shows 0, not
+    "no data". Only ``tidal:policy_state`` carries no sample under a policy with no numeric state
+    (the ``continuous`` baseline)."""
+
+    def __init__(self, llm: Any, model_name: str, arrival_rate: Any = None):
         self.llm = llm
         self.model_name = model_name
+        self.arrival_rate = arrival_rate or (lambda: 0.0)  # a single engine's requests per second (10 s window)
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         g = GaugeMetricFamily(name, doc, labels=["model_name"])
@@ -48,6 +58,8 @@ class _EngineCollector:
 
     def collect(self) -> Iterable[Metric]:
         s = self.llm.stats
+        cluster = s.get("cluster") if isinstance(s.get("cluster"), dict) else None
+        sched = self.llm.engine.config.scheduler
         total = int(s.get("num_kv_blocks", 0))
         free = int(s.get("num_free_kv_blocks", 0))
         yield self._gauge("tidal:num_requests_running", "Requests running on the engine.",
@@ -58,34 +70,57 @@ class _EngineCollector:
                           s.get("kv_cache_usage_perc", 0.0))
         yield self._gauge("tidal:num_kv_blocks_used", "KV blocks in use.", total - free)
         yield self._gauge("tidal:num_kv_blocks_total", "KV blocks in the pool.", total)
-        cap = batch_size_cap(s, self.llm.engine.config.scheduler.max_num_seqs)
-        yield self._gauge("tidal:batch_size_cap", "Current cap on running requests.", cap)
+        cap = batch_size_cap(s, sched.max_num_seqs)
+        yield self._gauge("tidal:batch_size_cap", "Current cap on running requests (a cluster: each instance's "
+                          "configured one).", cap)
+        budget = s.get("token_budget")
+        yield self._gauge("tidal:token_budget", "Token budget the scheduler used for the last step (a cluster: "
+                          "each instance's configured one).",
+                          budget if isinstance(budget, int) else sched.max_num_batched_tokens)
         pre = CounterMetricFamily("tidal:num_preemptions", "Preemptions since start.", labels=["model_name"])
         pre.add_metric([self.model_name], float(s.get("num_preemptions", 0)))
         yield pre
-        policy = s.get("policy")
-        if isinstance(policy, PolicyState):
-            g = GaugeMetricFamily("tidal:policy_state", "Numeric state of the scheduling policy.",
-                                  labels=["model_name", "key"])
-            for key, val in policy.gauges():
-                g.add_metric([self.model_name, key], val)
-            yield g
-        if isinstance(s.get("token_budget"), int):
-            yield self._gauge("tidal:token_budget", "Token budget the scheduler used for the last step.",
-                              s["token_budget"])
-        if isinstance(s.get("cluster"), dict):
-            yield from self._cluster(s)
+        yield self._policy(s, cluster)
+        yield from self._instances(s, cluster)
 
-    def _cluster(self, s: dict[str, Any]) -> Iterable[Metric]:
+    def _policy(self, s: dict[str, Any], cluster: dict[str, Any] | None) -> Metric:
+        doc = "Numeric state of the scheduling policy."
+        if cluster is None:
+            g = GaugeMetricFamily("tidal:policy_state", doc, labels=["model_name", "key"])
+            policy = s.get("policy")
+            if isinstance(policy, PolicyState):
+                for key, val in policy.gauges():
+                    g.add_metric([self.model_name, key], val)
+            return g
+        g = GaugeMetricFamily("tidal:policy_state", doc, labels=["model_name", "key", "instance"])
+        for inst in cluster["instances"]:
+            state = inst.get("policy")
+            if isinstance(state, dict):
+                for key, val in state_gauges(state):
+                    g.add_metric([self.model_name, key, str(inst["index"])], val)
+        return g
+
+    def _single(self, s: dict[str, Any]) -> dict[str, Any]:
+        """A single engine as the one instance of its own layout (what the monitor says of a cluster's)."""
+        running, waiting = s.get("num_requests_running", 0), s.get("num_requests_waiting", 0)
+        return {"instances": [{
+            "index": 0, "role": "colocated", "kv_usage": s.get("kv_cache_usage_perc", 0.0), "num_running": running,
+            "num_waiting": waiting, "num_blocks": s.get("num_kv_blocks", 0), "outstanding": running + waiting,
+            "arrival_rate": self.arrival_rate(), "step_time_ema_s": s.get("step_time_ema_s"),
+            "alive": bool(getattr(self.llm, "is_running", True)), "batch_size_cap": s.get("batch_size_cap"),
+            "token_budget": s.get("token_budget"), "failures": 0, "restarts": 0}]}
+
+    def _instances(self, s: dict[str, Any], cluster: dict[str, Any] | None) -> Iterable[Metric]:
         """Per-instance series (label ``instance``) and the cluster's events, from the monitor."""
-        c = s["cluster"]
+        c = cluster if cluster is not None else self._single(s)
         series = (("kv_cache_usage_perc", "kv_usage", "Fraction of the instance's KV blocks in use (0..1)."),
                   ("num_requests_running", "num_running", "Requests running on the instance."),
                   ("num_requests_waiting", "num_waiting", "Requests waiting on the instance."),
                   ("num_kv_blocks_total", "num_blocks", "KV blocks in the instance's pool."),
                   ("outstanding_requests", "outstanding", "Requests dispatched to the instance and unfinished."),
                   ("arrival_rate", "arrival_rate", "Requests dispatched to the instance per second (10 s window)."),
-                  ("step_time_seconds", "step_time_ema_s", "Moving average of the instance's step time."),
+                  ("step_time_seconds", "step_time_ema_s", "Moving average of the instance's step time "
+                   "(0 before its first step)."),
                   ("alive", "alive", "1 while the instance's worker is serving."),
                   ("batch_size_cap", "batch_size_cap", "Cap on running requests the instance's policy set last step."),
                   ("token_budget", "token_budget", "Token budget the instance's scheduler used for its last step."))
@@ -93,8 +128,7 @@ class _EngineCollector:
             g = GaugeMetricFamily(f"tidal:instance_{name}", doc, labels=["model_name", "instance", "role"])
             for inst in c["instances"]:
                 val = inst.get(key)
-                if val is not None:
-                    g.add_metric([self.model_name, str(inst["index"]), inst["role"]], float(val))
+                g.add_metric([self.model_name, str(inst["index"]), inst["role"]], float(val or 0))
             yield g
         for name, key, doc in (("instance_failures", "failures", "Times the instance's worker died."),
                                ("instance_restarts", "restarts", "Times the instance's worker was restarted.")):
@@ -154,8 +188,20 @@ class ServerMetrics:
         self.rejected = Counter("tidal:request_rejected",
                                 "Requests refused at submission (queue full, rejected prompt, dead engine).",
                                 ["model_name", "status"], registry=r)
-        r.register(_EngineCollector(llm, model_name))
+        for status in REJECTED_STATUSES:
+            self.rejected.labels(model_name, str(status))
+        self._arrivals: deque[float] = deque()  # a single engine's request arrivals (monotonic), last 10 s
+        r.register(_EngineCollector(llm, model_name, self.arrival_rate))
         ProcessCollector(registry=r)  # process_resident_memory_bytes and friends (the front end's process)
+
+    def arrived(self) -> None:
+        self._arrivals.append(time.monotonic())
+
+    def arrival_rate(self, window_s: float = ARRIVAL_WINDOW_S) -> float:
+        now = time.monotonic()
+        while self._arrivals and self._arrivals[0] < now - window_s:
+            self._arrivals.popleft()
+        return len(self._arrivals) / window_s
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
@@ -178,6 +224,7 @@ class RequestTracker:
 
     def accepted(self, num_prompt_tokens: int, num_choices: int) -> None:
         self.m.prompt_tokens.inc(num_prompt_tokens)
+        self.m.arrived()
         self.num_choices = num_choices
 
     def observe(self, out: RequestOutput) -> None:
