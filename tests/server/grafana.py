@@ -45,10 +45,6 @@ def exposed(url: str) -> set[str]:
     return names
 
 
-# a family with one series per numeric field of the policy's state: none under the baseline policy
-MAY_BE_EMPTY = {"tidal:policy_state"}
-
-
 def sampled(url: str) -> set[str]:
     """The sample names of /metrics that have at least one sample (what a Grafana panel shows)."""
     r = httpx.get(f"{url}/metrics", timeout=30)
@@ -59,4 +55,4 @@ def sampled(url: str) -> set[str]:
 def unsampled_queries(url: str) -> set[str]:
     """The dashboard's metrics that the server at ``url`` has no sample of (a panel with "no data")."""
     names = set().union(*map(metric_names, queries(load_dashboard())))
-    return names - sampled(url) - MAY_BE_EMPTY
+    return names - sampled(url)

@@ -30,4 +30,4 @@ def test_dashboard_json_is_well_formed():
 def test_every_queried_metric_has_a_sample_in_a_single_server(server):
     assert not unsampled_queries(server.url)
     names = set().union(*map(metric_names, queries(load_dashboard())))
-    assert names <= exposed(server.url)  # (policy_state too: its family, with no series under the baseline)
+    assert names <= exposed(server.url)

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.grafana import MAY_BE_EMPTY, load_dashboard, metric_names, queries
+from tests.server.grafana import load_dashboard, metric_names, queries
 from tidal.cluster.monitor import GlobalMonitor, InstanceStatus
 from tidal.config import SchedulerConfig
 from tidal.core.policy import PolicyState
@@ -51,7 +51,9 @@ def _cluster_stats(roles, policy=None):
 
 def test_a_single_engine_exports_every_queried_metric_at_start():
     got = _samples(_single_stats())
-    assert QUERIED - set(got) == MAY_BE_EMPTY
+    assert set(got) >= QUERIED
+    assert sorted((s.labels["key"], s.value) for s in got["tidal:policy_state"]) == \
+        [("caps.max_num_seqs", 8.0), ("caps.token_budget", 512.0)]  # the continuous baseline: its caps
     assert [s.value for s in got["tidal:split_requests_total"]] == [0.0]
     assert [s.value for s in got["tidal:request_failovers_total"]] == [0.0]
     assert [(s.labels["instance"], s.labels["role"], s.value) for s in got["tidal:instance_alive"]] == [("0", "colocated", 1.0)]
@@ -66,8 +68,10 @@ def test_clusters_and_split_servers_export_every_queried_metric_at_start():
         assert set(got) >= QUERIED, QUERIED - set(got)
         assert [s.value for s in got["tidal:token_budget"]] == [512.0]  # the configured one
         assert sorted((s.labels["instance"], s.labels["key"], s.value) for s in got["tidal:policy_state"]) == \
-            [("0", "b_sla", 6.0), ("0", "inner.x", 1.5), ("1", "b_sla", 6.0), ("1", "inner.x", 1.5)]
+            [(i, k, v) for i in "01" for k, v in (("b_sla", 6.0), ("caps.max_num_seqs", 8.0),
+                                                     ("caps.token_budget", 512.0), ("inner.x", 1.5))]
         assert [s.value for s in got["tidal:instance_step_time_seconds"]] == [0.0, 0.0]  # no step yet
         assert [s.labels["role"] for s in got["tidal:instance_alive"]] == roles
-    got = _samples(_cluster_stats(["colocated", "colocated"]))  # the baseline policy: no numeric state
-    assert QUERIED - set(got) == MAY_BE_EMPTY
+    got = _samples(_cluster_stats(["colocated", "colocated"]))  # the baseline policy: only its caps
+    assert set(got) >= QUERIED
+    assert sorted(s.labels["key"] for s in got["tidal:policy_state"]) == ["caps.max_num_seqs"] * 2 + ["caps.token_budget"] * 2

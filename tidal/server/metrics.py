@@ -43,8 +43,9 @@ class _EngineCollector:
     Every family the Grafana dashboard (deploy/grafana/tidal.json) queries is exported in every
     server mode, from the first scrape: a single engine shows itself as instance 0 and its
     cluster-only counters (fail-overs, hand-offs, splits, KV moved) at 0, so a panel shows 0, not
-    "no data". Only ``tidal:policy_state`` carries no sample under a policy with no numeric state
-    (the ``continuous`` baseline)."""
+    "no data". ``tidal:policy_state`` always carries the step caps the policy applied
+    (``caps.max_num_seqs``, ``caps.token_budget``: the configured ones under the ``continuous``
+    baseline, whose state has no other number), beside each policy's own numbers."""
 
     def __init__(self, llm: Any, model_name: str, arrival_rate: Any = None):
         self.llm = llm
@@ -84,9 +85,14 @@ class _EngineCollector:
         yield from self._instances(s, cluster)
 
     def _policy(self, s: dict[str, Any], cluster: dict[str, Any] | None) -> Metric:
-        doc = "Numeric state of the scheduling policy."
+        doc = "Numeric state of the scheduling policy: the step caps it applied and its own numbers."
+        sched = self.llm.engine.config.scheduler
         if cluster is None:
             g = GaugeMetricFamily("tidal:policy_state", doc, labels=["model_name", "key"])
+            budget = s.get("token_budget")
+            g.add_metric([self.model_name, "caps.max_num_seqs"], float(batch_size_cap(s, sched.max_num_seqs)))
+            g.add_metric([self.model_name, "caps.token_budget"],
+                         float(budget if isinstance(budget, int) else sched.max_num_batched_tokens))
             policy = s.get("policy")
             if isinstance(policy, PolicyState):
                 for key, val in policy.gauges():
@@ -94,6 +100,10 @@ class _EngineCollector:
             return g
         g = GaugeMetricFamily("tidal:policy_state", doc, labels=["model_name", "key", "instance"])
         for inst in cluster["instances"]:
+            i = str(inst["index"])
+            g.add_metric([self.model_name, "caps.max_num_seqs", i], float(inst.get("batch_size_cap") or sched.max_num_seqs))
+            g.add_metric([self.model_name, "caps.token_budget", i],
+                         float(inst.get("token_budget") or sched.max_num_batched_tokens))
             state = inst.get("policy")
             if isinstance(state, dict):
                 for key, val in state_gauges(state):
