@@ -7,6 +7,11 @@ shared by the simulator and the multi-instance runtime.
 - ``kv-aware``: the most free KV blocks after what is already queued there and this request
   need (KunServe's dispatcher balances on a memory load metric in the manner of Llumnix);
   ties go to the fewest outstanding requests, then the lower index.
+- ``llumnix``: Llumnix's freeness, those free blocks per outstanding request (its F = (M - sum V)
+  / B: how many more decode steps the batch can take before memory runs out). A KunServe group,
+  whose pool grew by the weights it dropped but whose compute did not, looks free to ``kv-aware``
+  until its pool is as full as the others and takes a burst it cannot prefill in time; per
+  request it looks only as free as it is.
 """
 
 from __future__ import annotations
@@ -82,10 +87,26 @@ class KVAwareRouter(Router):
         return min(range(len(instances)), key=headroom)
 
 
+class LlumnixRouter(Router):
+    name = "llumnix"
+
+    def route(self, req: RouteRequest, instances: Sequence[InstanceLoad]) -> int:
+        def freeness(i: int) -> tuple[float, int, int]:
+            inst = instances[i]
+            need = -(-(req.prompt_len + 1) // inst.block_size)
+            free = inst.num_free_blocks - inst.queued_block_demand - need
+            b = max(inst.num_outstanding, 1)
+            # Llumnix's F = free / B; an overloaded instance (F < 0) ranks lower the more it holds
+            f = free / b if free >= 0 else free * b
+            return (-f, inst.num_outstanding, i)
+        return min(range(len(instances)), key=freeness)
+
+
 ROUTERS: dict[str, Callable[[], Router]] = {
     RoundRobinRouter.name: RoundRobinRouter,
     LeastOutstandingRouter.name: LeastOutstandingRouter,
     KVAwareRouter.name: KVAwareRouter,
+    LlumnixRouter.name: LlumnixRouter,
 }
 
 

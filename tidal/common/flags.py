@@ -189,7 +189,7 @@ CLUSTER_FLAGS: tuple[Flag, ...] = (
     _flag("--prefill-batching", default=None,
           help="batching policy of the prefill instances with --mode disaggregate (default: --batching, which the "
                "decode instances run), e.g. bucket (BucketServe Sec. III)"),
-    _flag("--router", default="least-outstanding", choices=["round-robin", "least-outstanding", "kv-aware"],
+    _flag("--router", default="least-outstanding", choices=["round-robin", "least-outstanding", "kv-aware", "llumnix"],
           help="how the dispatcher picks an instance for a new request"),
     _flag("--backend", default="process", choices=["process", "ray"],
           help="workers as local processes, or as Ray actors (pip install -e '.[ray]')"),

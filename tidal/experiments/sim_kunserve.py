@@ -95,13 +95,15 @@ def workload(dataset: str, duration_s: float, rate: float, seed: int) -> list[An
     return [W.RequestSpec(float(t), s.prompt_len, s.output_len) for t, s in zip(arrivals, base, strict=True)]
 
 
-def simulate(system: dict[str, Any], specs: list[Any], timeline_interval: float) -> dict[str, Any]:
+def simulate(system: dict[str, Any], specs: list[Any], timeline_interval: float, router: str = "kv-aware",
+             gpu_memory_utilization: float = 0.9) -> dict[str, Any]:
     from tidal.config import SchedulerConfig
     from tidal.sim.build import ClusterSpec, build_simulator
 
     sched = SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
                             preemption_mode=system["preemption_mode"])
-    spec = ClusterSpec(model=MODEL, hardware=HARDWARE, instances=INSTANCES, router="kv-aware", scheduler=sched,
+    spec = ClusterSpec(model=MODEL, hardware=HARDWARE, instances=INSTANCES, router=router, scheduler=sched,
+                       gpu_memory_utilization=gpu_memory_utilization,
                        swap_space=SWAP_SPACE if system["preemption_mode"] == "swap" else 0,
                        kv_pressure=system["kv_pressure"], link=LINK, timeline_interval_s=timeline_interval,
                        lookahead=system.get("lookahead", True))
@@ -134,7 +136,8 @@ def mean_demand(timelines: list[dict[str, Any]]) -> float:
     return float(np.mean(vals)) if vals else 0.0
 
 
-def calibrate(dataset: str, duration_s: float, seed: int, progress: bool = True) -> tuple[float, float]:
+def calibrate(dataset: str, duration_s: float, seed: int, progress: bool = True, router: str = "kv-aware",
+              gpu_memory_utilization: float = 0.9) -> tuple[float, float]:
     """The mean rate at which vLLM's average KV demand is ``TARGET_DEMAND`` +- 0.05: scaled by
     target / demand (at most 2x a probe) until bracketed, then bisected; at most ``PROBES`` runs."""
     rate, demand = INITIAL_RATE[dataset], 0.0
@@ -142,7 +145,8 @@ def calibrate(dataset: str, duration_s: float, seed: int, progress: bool = True)
     base = SYSTEMS["vLLM (preempt: recompute)"]
     best = (math.inf, rate, demand)
     for probe in range(PROBES):
-        demand = simulate(base, workload(dataset, duration_s, rate, seed), duration_s / 200)["mean_kv_demand"]
+        demand = simulate(base, workload(dataset, duration_s, rate, seed), duration_s / 200, router,
+                          gpu_memory_utilization)["mean_kv_demand"]
         if progress:
             print(f"  calibrate {dataset}: rate {rate:.2f} req/s -> vLLM's mean KV demand {demand:.1%} "
                   f"(probe {probe + 1})", flush=True)
@@ -167,6 +171,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--duration", type=F.positive_float, default=300.0, help="seconds of arrivals")
     p.add_argument("--rate", type=F.positive_float, default=None,
                    help="mean request rate (default: calibrated to ~50%% average KV demand per dataset)")
+    p.add_argument("--router", default="kv-aware", choices=["kv-aware", "llumnix"],
+                   help="the dispatcher of every system: kv-aware (most free KV blocks) or llumnix (free KV blocks "
+                        "per outstanding request, Llumnix's freeness)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of each GPU for weights and KV (lower: a smaller KV pool, a memory-bound run)")
     p.add_argument("--jobs", type=F.positive_int, default=1,
                    help=f"simulator runs at once, each a process of its own (this machine: {usable_cores()} cores)")
     F.add_workload_flags(p, only=("seed",))
@@ -194,7 +203,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"command: {command}")
     report: dict[str, Any] = {"command": command, "machine": machine_info(), "paper": PAPER,
                               "setup": {"model": MODEL, "hardware": HARDWARE, "instances": INSTANCES, "link": LINK,
-                                        "router": "kv-aware", "max_num_seqs": MAX_NUM_SEQS,
+                                        "router": args.router, "max_num_seqs": MAX_NUM_SEQS,
+                                        "gpu_memory_utilization": args.gpu_memory_utilization,
                                         "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
                                         "swap_space_gib": SWAP_SPACE / 1024**3, "duration_s": args.duration,
                                         "arrivals": f"Gamma(burstiness {BURSTINESS}), rate x Gamma({RATE_SHAPE}) "
@@ -205,10 +215,12 @@ def run(args: argparse.Namespace) -> int:
     if args.rate is not None:
         rates = [(args.rate, None)] * len(names)
     else:
-        rates = run_all(calibrate, [(ds, args.duration, args.seed, not args.no_progress) for ds in names], args.jobs)
+        rates = run_all(calibrate, [(ds, args.duration, args.seed, not args.no_progress, args.router,
+                                     args.gpu_memory_utilization) for ds in names], args.jobs)
     specs_of = {ds: workload(ds, args.duration, rate, args.seed) for ds, (rate, _) in zip(names, rates, strict=True)}
     runs = [(ds, label) for ds in names for label in SYSTEMS]
-    outs = dict(zip(runs, run_all(simulate, [(SYSTEMS[label], specs_of[ds], args.duration / 400) for ds, label in runs],
+    outs = dict(zip(runs, run_all(simulate, [(SYSTEMS[label], specs_of[ds], args.duration / 400, args.router,
+                                              args.gpu_memory_utilization) for ds, label in runs],
                                   args.jobs), strict=True))
     for ds, (rate, demand) in zip(names, rates, strict=True):
         specs = specs_of[ds]

@@ -257,6 +257,7 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
             "dtype": sim_dtype(args),
             "kv_blocks_per_instance": blocks, "block_size": spec.block_size, "max_model_len": max_len,
             "cost_model": spec.cost_model, "router": spec.router, "batching": spec.scheduler.batching,
+            "scheduling": spec.scheduler.scheduling,
             "mode": layout.mode, "prefill_instances": layout.prefill_instances, "roles": layout.roles()}
     if layout.disaggregated:
         hc = handoff_config(spec, arch, hw)
@@ -306,6 +307,8 @@ def format_summary(r: dict[str, Any]) -> str:
                     f"{r['instances'] - r['prefill_instances']} decode ({r['batching']}), link {r['link']['name']}")
     else:
         batching = r["batching"]
+    if r.get("scheduling", "chunked") != "chunked":
+        batching += f" ({r['scheduling']} steps)"
     lines = [f"{r['model']} ({r['dtype']}) on {r['instances']} x {r['hardware']} (tp {r['tp']}), {batching}, "
              f"router {r['router']}, cost model {r['cost_model']}, {r['kv_blocks_per_instance']} KV blocks/instance",
              f"requests: {r['num_requests']} ({r['completed']} completed, {r['failed']} failed)"
