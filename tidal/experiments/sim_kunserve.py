@@ -3,8 +3,11 @@ simulator: P50/P99 TTFT and TPOT of ``preempt`` (vLLM: recompute), ``preempt`` w
 (InferCept-like), ``migrate`` (Llumnix-like) and ``drop`` (KunServe).
 
 The paper's setup (Sec. 5.1, Table 2, cluster A): Qwen-2.5-14B, 8 instances of one A800-80GB
-each (``a800-80g``), 200 Gbps RDMA between servers (``ib-hdr``); the dispatcher balances on KV
-load as Llumnix does (``kv-aware``) for every system. Arrivals are BurstGPT-like: the trace
+each (``a800-80g``), 200 Gbps RDMA between servers (``ib-hdr``); the dispatcher is Llumnix's load
+balancing for every system (``llumnix``: free KV blocks per outstanding request; KunServe Sec. 3:
+"our dispatcher incorporates the load-balancing design from Llumnix"). ``kv-aware`` (the most
+free blocks) is kept as an option: it sends a merged group, whose pool grew by the weights it
+dropped but whose compute did not, more than it can prefill. Arrivals are BurstGPT-like: the trace
 itself is not here, so a Gamma process (burstiness 0.5, BurstGPT's shape in
 :mod:`tidal.workload`) whose rate is modulated per 20 s window by a Gamma(2) factor (mean 1),
 which gives the trace's bursts of ~2x that throttle memory (Fig. 2a). The mean rate is scaled,
@@ -95,7 +98,7 @@ def workload(dataset: str, duration_s: float, rate: float, seed: int) -> list[An
     return [W.RequestSpec(float(t), s.prompt_len, s.output_len) for t, s in zip(arrivals, base, strict=True)]
 
 
-def simulate(system: dict[str, Any], specs: list[Any], timeline_interval: float, router: str = "kv-aware",
+def simulate(system: dict[str, Any], specs: list[Any], timeline_interval: float, router: str = "llumnix",
              gpu_memory_utilization: float = 0.9) -> dict[str, Any]:
     from tidal.config import SchedulerConfig
     from tidal.sim.build import ClusterSpec, build_simulator
@@ -136,7 +139,7 @@ def mean_demand(timelines: list[dict[str, Any]]) -> float:
     return float(np.mean(vals)) if vals else 0.0
 
 
-def calibrate(dataset: str, duration_s: float, seed: int, progress: bool = True, router: str = "kv-aware",
+def calibrate(dataset: str, duration_s: float, seed: int, progress: bool = True, router: str = "llumnix",
               gpu_memory_utilization: float = 0.9) -> tuple[float, float]:
     """The mean rate at which vLLM's average KV demand is ``TARGET_DEMAND`` +- 0.05: scaled by
     target / demand (at most 2x a probe) until bracketed, then bisected; at most ``PROBES`` runs."""
@@ -171,7 +174,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--duration", type=F.positive_float, default=300.0, help="seconds of arrivals")
     p.add_argument("--rate", type=F.positive_float, default=None,
                    help="mean request rate (default: calibrated to ~50%% average KV demand per dataset)")
-    p.add_argument("--router", default="kv-aware", choices=["kv-aware", "llumnix"],
+    p.add_argument("--router", default="llumnix", choices=["kv-aware", "llumnix"],
                    help="the dispatcher of every system: kv-aware (most free KV blocks) or llumnix (free KV blocks "
                         "per outstanding request, Llumnix's freeness)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
