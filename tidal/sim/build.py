@@ -34,7 +34,7 @@ from tidal.sim.simulator import ClusterSimulator
 from tidal.workload import RequestSpec
 
 if TYPE_CHECKING:
-    from tidal.sim.split import ProfileGrid
+    from tidal.sim.step_grid import ProfileGrid
 
 COST_MODELS = ("analytic", "profiled")
 
@@ -165,17 +165,19 @@ def check_policy_args(spec: ClusterSpec) -> None:
     check_role_policies(spec.scheduler, spec.layout, spec.prefill_batching, check_policy)
 
 
-def seed_profile_tables(instances: Sequence[SimInstance], records: Sequence[tuple[int, int, int, float]]) -> int:
+def seed_profile_tables(instances: Sequence[SimInstance], records: Sequence[tuple[int, int, int, int, float]]) -> int:
     """Record an offline profile in the profile table of every policy (or policy part) that has
     one (``slo-compose``: DynaServe's table is "derived from offline profiling", then refined
-    with every step). Returns how many tables were seeded."""
+    with every step). ``records``: (prefill tokens, mean context, decode count, the prefill's
+    prefix, seconds), as :meth:`tidal.sim.step_grid.ProfileGrid.records`. Returns how many tables
+    were seeded."""
     n = 0
     for inst in instances:
         for pol in getattr(inst.policy, "parts", [inst.policy]):
             table = getattr(pol, "table", None)
             if isinstance(table, ProfileTable):
-                for p, c, d, t in records:
-                    table.record(p, c, d, t)
+                for p, c, d, x, t in records:
+                    table.record(p, c, d, t, prefix=x)
                 n += 1
     return n
 
@@ -214,7 +216,7 @@ def build_simulator(spec: ClusterSpec, requests: Sequence[RequestSpec],
     ]
     grid = None
     if layout.split or spec.seed_profile:
-        from tidal.sim.split import ProfileGrid
+        from tidal.sim.step_grid import ProfileGrid
 
         grid = ProfileGrid(cost_model, spec.scheduler.max_num_batched_tokens, spec.scheduler.max_num_seqs, max_len)
     if spec.seed_profile:
