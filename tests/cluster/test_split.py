@@ -24,12 +24,12 @@ from tidal.policies.profile_table import ProfileTable
 BIG = dict(token_budget=2048, max_num_seqs=256)
 
 
-def one_per_pass(p, ctx, d):  # every pass takes 1 s: predicted times count passes
+def one_per_pass(p, ctx, d, prefix=0.0):  # every pass takes 1 s: predicted times count passes
     return 1.0
 
 
-def linear(p, ctx, d):
-    return 0.01 + 1e-4 * p + 2e-4 * d + 1e-7 * d * ctx + 1e-8 * p * ctx
+def linear(p, ctx, d, prefix=0.0):  # prefix: the prefill chunks' token-weighted mean prefix
+    return 0.01 + 1e-4 * p + 2e-4 * d + 1e-7 * d * ctx + 1e-8 * p * ctx + 3e-8 * p * prefix
 
 
 # ============================================================================ split points
@@ -105,12 +105,13 @@ def naive_total(queue, f, budget, max_seqs, kv_cap=float("inf")):
     steps = [m.decode_steps for m in live]
     waiting, running, t = list(range(len(live))), [], 0.0
     while waiting or running:
-        left, sched, ptok, ctxs = budget, [], 0, []
+        left, sched, ptok, ctxs, pairs = budget, [], 0, [], 0
         for i in running:  # admission order: decodes take 1, prefills what is left (at least 1)
             if pre[i] > 0:
                 c = min(pre[i], max(left, 1))
                 sched.append((i, c, True))
                 ptok += c
+                pairs += c * kv[i]  # its chunk after a prefix of kv[i]
             else:
                 c = 1
                 sched.append((i, 1, False))
@@ -124,12 +125,14 @@ def naive_total(queue, f, budget, max_seqs, kv_cap=float("inf")):
                 c = min(pre[i], left)
                 sched.append((i, c, True))
                 ptok += c
+                pairs += c * kv[i]
             else:
                 c = 1
                 sched.append((i, 1, False))
                 ctxs.append(kv[i] + 1)
             left -= c
-        t += f(ptok, sum(ctxs) / len(ctxs) if ctxs else 0.0, len(ctxs))
+        ctx = sum(ctxs) / len(ctxs) if ctxs else 0.0
+        t += f(ptok, ctx, len(ctxs), pairs / ptok) if pairs else f(ptok, ctx, len(ctxs))
         for i, c, is_prefill in sched:
             if is_prefill:
                 pre[i] -= c
@@ -193,9 +196,9 @@ def test_execution_predictor_with_a_profile_table_stays_close_to_the_naive_passe
 def test_execution_predictor_jumps_over_runs_and_is_fast():
     calls = []
 
-    def counted(p, c, d):
+    def counted(p, c, d, prefix=0.0):
         calls.append(1)
-        return linear(p, c, d)
+        return linear(p, c, d, prefix)
     ep = ExecutionPredictor(counted, 2048, 256)
     queue = ([MicroRequest(str(i), 0, 500 + i, 1000) for i in range(50)]
              + [MicroRequest(str(50 + i), 2000, 0, 1000) for i in range(50)])

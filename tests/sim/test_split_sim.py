@@ -35,7 +35,7 @@ class Constant:
         return DT
 
 
-def one_per_pass(p, ctx, d):
+def one_per_pass(p, ctx, d, prefix=0.0):
     return 1.0
 
 
