@@ -353,3 +353,27 @@ def test_every_decision_replays_from_its_record():
     # a different planner answers differently on the same views: the replay checks something
     other = SplitParams(**{**BIG, "max_probes": 1})
     assert any(replay(rec, linear, other) != rec.decision for rec in records)
+
+
+def test_the_predictor_budget_comes_from_each_instances_recent_steps():
+    from tidal.cluster.split import BUDGET_WINDOW
+
+    planner = SplitPlanner(SplitParams(token_budget=2048, max_num_seqs=64), linear)
+    planner.load_ledger(0, [MicroRequest("a", 8000, 0, 4)])  # a long prefill on alpha
+    assert planner.budget(0) == 2048  # nothing reported yet: the configured budget
+    before = planner.load(0)
+    for _ in range(BUDGET_WINDOW):  # alpha's composer has been giving its steps ~500 tokens
+        planner.on_budget(0, 500)
+    assert planner.budget(0) == 496  # the mean, in steps of 16 tokens
+    assert planner.load(0) > before  # more, smaller passes: the ledger is predicted again, longer
+    assert planner.load(0) == pytest.approx(ExecutionPredictor(linear, 496, 64).total_time([MicroRequest("a", 8000, 0, 4)]))
+    planner.on_budget(0, 5000)  # capped at the configured budget; a window of BUDGET_WINDOW steps
+    assert planner.budget(0) == round((500 * (BUDGET_WINDOW - 1) + 2048) / BUDGET_WINDOW / 16) * 16
+    assert planner.budget(1) == 2048  # each instance its own
+    # a decision records the budgets it saw, and a replay with them decides the same
+    records = []
+    planner.recorder = records.append
+    dec = planner.plan("r", 3000, 200, (0, 1), predicted_output=180)
+    assert dict(records[0].budgets) == {0: planner.budget(0)}
+    again = replay(records[0], linear, planner.params)
+    assert (again.split, again.t_alpha, again.t_beta) == (dec.split, dec.t_alpha, dec.t_beta)

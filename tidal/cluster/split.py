@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -40,6 +41,8 @@ from tidal.config import ConfigError
 
 DEFAULT_OUTPUT_ESTIMATE = 256  # before any history: about the mean output of chat traces (BurstGPT 262, ShareGPT 373)
 DEFAULT_LENGTH_BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+BUDGET_WINDOW = 32  # the recent steps whose token budgets an instance's predictions use
+BUDGET_STEP = 16  # ... in steps of this many tokens (a predictor per budget, kept)
 
 
 # ============================================================================ split points
@@ -171,6 +174,7 @@ class SplitRecord:
     max_tokens: int
     candidates: tuple[tuple[int, int], ...]
     ledgers: tuple[tuple[int, tuple[MicroRequest, ...]], ...]
+    budgets: tuple[tuple[int, int], ...] = ()  # each candidate instance's pass budget (recent steps)
 
 
 def pairs(num_instances: int) -> list[tuple[int, int]]:
@@ -215,8 +219,12 @@ class SplitPlanner:
                  recorder: Callable[[SplitRecord], None] | None = None,
                  lengths: LengthPredictor | None = None):
         self.params = params
+        self.step_time = step_time
         self.predictor = ExecutionPredictor(step_time, params.token_budget, params.max_num_seqs,
                                             kv_capacity=params.kv_capacity_tokens)
+        self._predictors: dict[int, ExecutionPredictor] = {params.token_budget: self.predictor}  # by budget
+        self._recent: dict[int, deque[int]] = {}  # instance -> its recent steps' token budgets
+        self._budget: dict[int, int] = {}  # instance -> the pass budget its predictions use
         self.lengths = lengths or LengthPredictor(margin=params.margin)
         self.recorder = recorder
         self._ledgers: dict[int, _Ledger] = {}
@@ -235,10 +243,39 @@ class SplitPlanner:
         """The remaining work on ``instance``, FCFS order."""
         return tuple(p.remaining() for p in self._ledger(instance).parts.values())
 
+    def budget(self, instance: int) -> int:
+        """The per-pass token budget ``instance``'s predictions use: the mean of its recent steps'
+        budgets (DynaServe Sec. 4.1: "a per-pass batch composition drawn from each instance's recent
+        batching history"), in steps of ``BUDGET_STEP`` tokens; ``token_budget`` until it reports any."""
+        return self._budget.get(instance, self.params.token_budget)
+
+    def on_budget(self, instance: int, tokens: int) -> None:
+        """``instance`` ran (or is about to run) a step with a token budget of ``tokens``."""
+        recent = self._recent.get(instance)
+        if recent is None:
+            recent = self._recent[instance] = deque(maxlen=BUDGET_WINDOW)
+        recent.append(min(max(int(tokens), 1), self.params.token_budget))
+        self.set_budget(instance, round(sum(recent) / len(recent) / BUDGET_STEP) * BUDGET_STEP)
+
+    def set_budget(self, instance: int, tokens: int) -> None:
+        """Predict ``instance``'s passes with a budget of ``tokens`` (a replay's recorded one)."""
+        b = min(max(int(tokens), BUDGET_STEP), self.params.token_budget)
+        if self._budget.get(instance, self.params.token_budget) != b:
+            self._budget[instance] = b
+            self._ledger(instance).timeline = None
+
+    def _pred(self, instance: int) -> ExecutionPredictor:
+        b = self.budget(instance)
+        pred = self._predictors.get(b)
+        if pred is None:
+            pred = self._predictors[b] = ExecutionPredictor(self.step_time, b, self.params.max_num_seqs,
+                                                            kv_capacity=self.params.kv_capacity_tokens)
+        return pred
+
     def _timeline(self, instance: int) -> Timeline:
         led = self._ledger(instance)
         if led.timeline is None:
-            led.timeline = self.predictor.timeline([p.remaining() for p in led.parts.values()])
+            led.timeline = self._pred(instance).timeline([p.remaining() for p in led.parts.values()])
         return led.timeline
 
     def load(self, instance: int) -> float:
@@ -260,13 +297,13 @@ class SplitPlanner:
         P, D = prompt_len, predicted_output
         L = P + D
         ta_tl, tb_tl = self._timeline(a), self._timeline(b)
-        pred = self.predictor
+        pa, pb = self._pred(a), self._pred(b)
 
         def probe(phi: Fraction) -> Probe:
             s = -((-phi.numerator * L) // phi.denominator)  # SPLIT at s = ceil(phi L) (Sec. 3.1), exactly
             alpha, beta = split_parts(P, D, s, request_id)
             # Alg. 1 line 6, PREDICT: each instance's total time with the new part behind its ledger
-            return Probe(s, float(phi), pred.total_time_with(ta_tl, alpha), pred.total_time_with(tb_tl, beta))
+            return Probe(s, float(phi), pa.total_time_with(ta_tl, alpha), pb.total_time_with(tb_tl, beta))
 
         phi, lo, hi = Fraction(P, L), Fraction(0), Fraction(1)  # line 3: start from P/D disaggregation
         if not self._ledger(a).parts and not self._ledger(b).parts:
@@ -328,7 +365,9 @@ class SplitPlanner:
                 raise ValueError("split planner: no live pair to place the request on")
         elif not cands:
             cands = (pair,)
-        views = tuple((i, self.ledger(i)) for i in sorted({i for c in cands for i in c}))
+        insts = sorted({i for c in cands for i in c})
+        views = tuple((i, self.ledger(i)) for i in insts)
+        budgets = tuple((i, self._budget[i]) for i in insts if i in self._budget)
         best, n, cold, trace = self.search(prompt_len, D, pair, request_id)
         alpha, beta = split_parts(prompt_len, D, best.split, request_id)
         dec = SplitDecision(request_id, pair, prompt_len, D, best.split, best.phi, n, best.t_alpha, best.t_beta,
@@ -336,7 +375,7 @@ class SplitPlanner:
         self._commit(dec)
         self.num_decisions += 1
         if self.recorder is not None:
-            self.recorder(SplitRecord(dec, now, max_tokens, cands, views))
+            self.recorder(SplitRecord(dec, now, max_tokens, cands, views, budgets))
         return dec
 
     def _commit(self, dec: SplitDecision) -> None:
@@ -419,6 +458,8 @@ def replay(record: SplitRecord, step_time: StepTimeModel, params: SplitParams) -
     planner = SplitPlanner(params, step_time)
     for inst, parts in record.ledgers:
         planner.load_ledger(inst, parts)
+    for inst, b in record.budgets:
+        planner.set_budget(inst, b)
     d = record.decision
     chosen = d.pair if len(record.candidates) <= 1 else None
     return planner.plan(d.request_id, d.prompt_len, record.max_tokens, chosen, record.now,

@@ -164,6 +164,7 @@ class SplitSimulator(ClusterSimulator):
     def _sync(self, inst: int) -> None:
         """Every part on ``inst`` reports its progress to the planner (totals)."""
         sched = self.instances[inst].scheduler
+        self.planner.on_budget(inst, sched.last_caps.token_budget)  # the predictor's budget: recent steps'
         for rid in self.planner.request_ids(inst):
             req = sched.requests.get(rid)
             parts = self._parts.get(rid)
