@@ -137,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     from tidal.experiments import (
         calibration,
         jitter_fit,
+        length_error,
         reproduce,
         sim_accuracy,
         sim_dynaserve,
@@ -155,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     kv_transfer.add_parser(bsub)
     calibration.add_parser(bsub)
     jitter_fit.add_parser(bsub)
+    length_error.add_parser(bsub)
     soak.add_parser(bsub)
     bench_report.add_parser(bsub)
 
