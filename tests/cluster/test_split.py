@@ -377,3 +377,32 @@ def test_the_predictor_budget_comes_from_each_instances_recent_steps():
     assert dict(records[0].budgets) == {0: planner.budget(0)}
     again = replay(records[0], linear, planner.params)
     assert (again.split, again.t_alpha, again.t_beta) == (dec.split, dec.t_alpha, dec.t_beta)
+
+
+def test_flip_roles_puts_alpha_on_the_less_loaded_instance():
+    busy = [MicroRequest(f"q{i}", 1500, 0, 200) for i in range(6)]
+    for flip, want in ((False, (0, 1)), (True, (1, 0))):
+        planner = SplitPlanner(SplitParams(token_budget=2048, max_num_seqs=64, flip_roles=flip), linear)
+        planner.load_ledger(0, busy)  # instance 0 holds a queue; 1 has a short one
+        planner.load_ledger(1, [MicroRequest("w", 100, 0, 10)])
+        dec = planner.plan("r", 2000, 300, None, predicted_output=250, candidates=[(0, 1)])
+        assert dec.pair == want
+        assert planner.orientations([(0, 1)]) == (((0, 1), (1, 0)) if flip else ((0, 1),))
+
+
+def test_a_ttft_target_keeps_the_prefill_unsplit_when_a_split_is_too_slow():
+    def case(target):
+        planner = SplitPlanner(SplitParams(token_budget=512, max_num_seqs=64, ttft_target_s=target), linear)
+        # alpha is busy decoding; beta holds a short prefill queue: the balance point splits the prompt
+        planner.load_ledger(0, [MicroRequest(f"a{i}", 0, 1000, 100) for i in range(40)])
+        planner.load_ledger(1, [MicroRequest(f"b{i}", 2000, 0, 1) for i in range(2)])
+        return planner.plan("r", 4000, 100, (0, 1), predicted_output=60)
+
+    free = case(None)
+    assert 0 < free.split < 4000  # Alg. 1 alone: inside the prompt (prefill on alpha, then on beta)
+    inside = next(p for p in free.trace if p.split == free.split)
+    bound = 0.5 * inside.ttft
+    held = case(bound)
+    chosen = next(p for p in held.trace if p.split == held.split)
+    assert held.split in (0, 4000, 4060) or chosen.ttft <= bound
+    assert chosen.ttft < inside.ttft  # the constraint bought a lower predicted TTFT

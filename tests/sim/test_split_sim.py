@@ -213,3 +213,21 @@ def test_bad_split_arguments_give_one_line(tmp_path, capsys, argv, needle):
                        "--output", str(tmp_path / "x.json"), "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 2 and needle in err and err.count("\n") == 1, err
+
+
+def test_flipped_roles_run_end_to_end_both_ways():
+    records = []
+    spec = ClusterSpec(model="qwen-2.5-14b", hardware="a100-80g", instances=2, mode="split",
+                       scheduler=SchedulerConfig(batching="slo-compose", tbt_slo_ms=100, max_num_batched_tokens=2048,
+                                                 max_num_seqs=128),
+                       split=SplitParams(flip_roles=True, ttft_target_s=1.0))
+    rng = random.Random(2)
+    specs = [RequestSpec(i * 0.03, rng.randint(100, 6000), rng.randint(10, 300)) for i in range(120)]
+    sim = build_simulator(spec, specs)
+    sim.planner.recorder = records.append
+    res = sim.run()
+    assert all(r.success for r in res.records) and len(records) == 120
+    assert {r.decision.pair for r in records} == {(0, 1), (1, 0)}  # either instance is some requests' alpha
+    landed = [t for t in res.splits if t.handoff and t.landed_s is not None]
+    assert {(t.alpha, t.beta) for t in landed} == {(0, 1), (1, 0)}
+    assert all(r.decision.trace and all(p.ttft >= 0 for p in r.decision.trace) for r in records)

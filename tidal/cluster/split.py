@@ -22,7 +22,19 @@ So alpha's and beta's sampled tokens always add up to ``D``, and the runtime pau
 ``Request.pause_at = s`` (the engine computes no KV past it).
 
 Pairs (Sec. 6.1: "1 GPU each for r^alpha and r^beta"): instance ``2k`` is the alpha and ``2k+1``
-the beta of pair ``k`` (:func:`pairs`). A ``recorder`` receives every decision with the ledgers it
+the beta of pair ``k`` (:func:`pairs`), unless ``SplitParams.flip_roles``: then each request's
+alpha is whichever instance of a pair gives the least predicted max(T_alpha, T_beta) (Sec. 3.1:
+the scheduler "routes the partitioned micro-requests to executors based on current system load
+and latency SLOs").
+
+**TTFT** (``SplitParams.ttft_target_s``; Alg. 1 balances load only, and a split inside the prompt
+runs the prefill on alpha and then on beta, one after the other): each probe also predicts the
+request's TTFT, the time until the pass that samples its first token ends on that instance
+(:meth:`~tidal.cluster.split_predict.ExecutionPredictor.times_with`); inside the prompt, alpha's
+prefill time plus beta's (in turn: an upper bound). With a target, Alg. 1's choice among its probes
+takes the TTFT as a constraint: a probe within it beats one past it, and when no probe of the
+search meets it, the unsplit prompt on either side (s = 0, P, L) is probed too; past the target
+the lower TTFT wins. The pair (or orientation) is chosen the same way. A ``recorder`` receives every decision with the ledgers it
 saw (:class:`SplitRecord`); :func:`replay` asks a fresh planner the same question, so the runtime's
 and the simulator's decisions can be shown to be the same function of the same inputs.
 """
@@ -112,7 +124,12 @@ class SplitParams:
     """Alg. 1's knobs. ``max_probes`` is K (Sec. 4.1: "typically set to 6"); ``epsilon_s`` the
     tolerance on |T_alpha - T_beta| (line 7); ``margin`` the length predictor's (Sec. 5: 20);
     ``token_budget`` / ``max_num_seqs`` the instances' limits the predictor's passes obey;
-    ``kv_capacity_tokens`` (None: the paper's predictor) also makes them obey an instance's KV pool."""
+    ``kv_capacity_tokens`` (None: the paper's predictor) also makes them obey an instance's KV pool.
+
+    Placement (Sec. 3.1: micro-requests are routed "based on current system load and latency
+    SLOs"): with ``flip_roles`` either instance of a pair may be a request's alpha (both
+    orientations are searched; the one with the least predicted max(T_alpha, T_beta) wins);
+    with ``ttft_target_s`` the request's predicted TTFT is Alg. 1's constraint (module docstring)."""
 
     max_probes: int = 6
     epsilon_s: float = 0.02
@@ -120,6 +137,8 @@ class SplitParams:
     token_budget: int = 2048
     max_num_seqs: int = 256
     kv_capacity_tokens: int | None = None
+    flip_roles: bool = False
+    ttft_target_s: float | None = None
 
     def __post_init__(self) -> None:
         for name, lo, hi in (("max_probes", 1, 64), ("margin", 0, 1 << 20), ("token_budget", 1, 1 << 24),
@@ -131,6 +150,8 @@ class SplitParams:
             raise ConfigError(f"split.epsilon_s must be >= 0 and finite, got {self.epsilon_s}")
         if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < 1:
             raise ConfigError(f"split.kv_capacity_tokens must be >= 1 (or None), got {self.kv_capacity_tokens}")
+        if self.ttft_target_s is not None and not 0 < self.ttft_target_s < math.inf:
+            raise ConfigError(f"split.ttft_target_s must be > 0 and finite (or None), got {self.ttft_target_s}")
 
 
 # ============================================================================ decisions
@@ -140,6 +161,7 @@ class Probe:
     phi: float
     t_alpha: float
     t_beta: float
+    ttft: float = 0.0  # predicted seconds to the request's first token (module docstring)
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,7 +325,27 @@ class SplitPlanner:
             s = -((-phi.numerator * L) // phi.denominator)  # SPLIT at s = ceil(phi L) (Sec. 3.1), exactly
             alpha, beta = split_parts(P, D, s, request_id)
             # Alg. 1 line 6, PREDICT: each instance's total time with the new part behind its ledger
-            return Probe(s, float(phi), pa.total_time_with(ta_tl, alpha), pb.total_time_with(tb_tl, beta))
+            ta, fa = pa.times_with(ta_tl, alpha)
+            tb, fb = pb.times_with(tb_tl, beta)
+            # TTFT: where the first token is sampled; inside the prompt alpha's then beta's prefill, in turn
+            ttft = fb if alpha is None else fa if beta is None or s >= P else fa + fb
+            return Probe(s, float(phi), ta, tb, ttft)
+
+        target = self.params.ttft_target_s
+
+        def better(pr: Probe, best: Probe | None) -> bool:
+            """Alg. 1's order (the smaller gap, then the smaller max), with the TTFT constraint
+            first when there is one: a probe within it beats one past it; past it, the lower TTFT."""
+            if best is None:
+                return True
+            if target is not None:
+                ok, bok = pr.ttft <= target, best.ttft <= target
+                if ok != bok:
+                    return ok
+                if not ok:
+                    return pr.ttft < best.ttft
+            return (abs(pr.t_alpha - pr.t_beta), max(pr.t_alpha, pr.t_beta)) < (
+                abs(best.t_alpha - best.t_beta), max(best.t_alpha, best.t_beta))
 
         phi, lo, hi = Fraction(P, L), Fraction(0), Fraction(1)  # line 3: start from P/D disaggregation
         if not self._ledger(a).parts and not self._ledger(b).parts:
@@ -321,8 +363,7 @@ class SplitPlanner:
                 pr = seen[s] = probe(phi)
             trace.append(pr)
             gap = abs(pr.t_alpha - pr.t_beta)
-            if best is None or (gap, max(pr.t_alpha, pr.t_beta)) < (abs(best.t_alpha - best.t_beta),
-                                                                    max(best.t_alpha, best.t_beta)):
+            if better(pr, best):
                 best = pr
             if gap < self.params.epsilon_s:  # line 7: balanced
                 break
@@ -331,20 +372,40 @@ class SplitPlanner:
             else:
                 lo = phi
             phi = (lo + hi) / 2
+        if target is not None and best is not None and best.ttft > target:
+            # no probe of the search meets the TTFT target: the prompt unsplit, on either side
+            for phi in (Fraction(0), Fraction(P, L), Fraction(1)):
+                s = -((-phi.numerator * L) // phi.denominator)
+                pr = seen.get(s)
+                if pr is None:
+                    pr = seen[s] = probe(phi)
+                    trace.append(pr)
+                if better(pr, best):
+                    best = pr
         assert best is not None
         return best, len(trace), False, tuple(trace)
 
     def live_pairs(self, candidates: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
         return [p for p in candidates if p[0] not in self.failed and p[1] not in self.failed]
 
+    def orientations(self, candidates: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+        """The (alpha, beta) placements a request may take: each pair as given, and with
+        ``flip_roles`` also reversed."""
+        if not self.params.flip_roles:
+            return tuple(candidates)
+        return tuple(dict.fromkeys(o for a, b in candidates for o in ((a, b), (b, a))))
+
     def choose_pair(self, prompt_len: int, predicted_output: int, candidates: Sequence[tuple[int, int]],
                     request_id: str = "") -> tuple[int, int] | None:
         """The live pair whose best split has the least predicted max(T_alpha, T_beta); ties: the
         lowest index. None when no pair is alive."""
-        best, best_t = None, math.inf
-        for pr in self.live_pairs(candidates):
+        best, best_t = None, (math.inf, math.inf)
+        target = self.params.ttft_target_s
+        for pr in self.live_pairs(self.orientations(candidates)):
             p, _, _, _ = self.search(prompt_len, predicted_output, pr, request_id)
-            t = max(p.t_alpha, p.t_beta)
+            # with a TTFT target: a placement that meets it first, then (past it) the lower TTFT
+            late = max(p.ttft - target, 0.0) if target is not None else 0.0
+            t = (late, max(p.t_alpha, p.t_beta))
             if t < best_t:
                 best, best_t = pr, t
         return best

@@ -276,8 +276,14 @@ class ExecutionPredictor:
     def total_time_with(self, tl: Timeline, part: MicroRequest | None) -> float:
         """``total_time(queue + [part])`` from ``timeline(queue)``: only the passes ``part`` joins
         are recomputed (it is last in FCFS order, so the queue before it progresses as without it)."""
+        return self.times_with(tl, part)[0]
+
+    def times_with(self, tl: Timeline, part: MicroRequest | None) -> tuple[float, float]:
+        """(:meth:`total_time_with`, seconds until ``part``'s last prefill pass ends): when it samples
+        its first token, if it samples (0 for a part without prefill: it feeds a token it has)."""
         if part is None or part.empty:
-            return tl.total
+            return tl.total, 0.0
+        done_at = 0.0
         B = self.budget
         rem, steps = part.prefill_tokens, part.decode_steps
         off = 0  # the part's context after pass q is off + q while it decodes
@@ -313,6 +319,7 @@ class ExecutionPredictor:
                     total += self.run_time(r.p + rem, r.d, r.s, q, 1, rx + rem * pos)
                     q += 1
                     rem = 0
+                    done_at = total
                     off = part.context + part.prefill_tokens - (q - 1)
                     if steps == 0:
                         break
@@ -327,7 +334,7 @@ class ExecutionPredictor:
             i += 1
             if not rem and not steps:
                 total += sum(x.dt for x in runs[i:])
-                return total
+                return total, done_at
         # past the queue's end: the part alone
         if not admitted:
             q = tl.passes
@@ -342,11 +349,12 @@ class ExecutionPredictor:
                 q += j
                 pos += B * j
             total += self.run_time(rem, 0, 0, q, 1, rem * pos)
+            done_at = total
             q += 1
             off = part.context + part.prefill_tokens - (q - 1)
         if steps:
             total += self.run_time(0, 1, off, q, steps)
-        return total
+        return total, done_at
 
 
 __all__ = ["MicroRequest", "Run", "StepTimeModel", "ExecutionPredictor", "Timeline"]

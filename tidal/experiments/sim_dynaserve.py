@@ -9,7 +9,9 @@ one counts), **PD Disagg.** (1 prefill + 1 decode instance) and **DynaServe** (o
 first chunk (Sec. 4.3), so beta holds a copy of what alpha still attends to for all of alpha's
 decoding; ``dynaserve-lead`` starts 64 tokens before the split point (on NVLink the whole KV of a
 split moves in about a millisecond); ``dynaserve-kv`` (not run by default) adds our KV-aware
-execution predictor (``--split-kv-aware``). ``slo-compose`` runs as
+execution predictor (``--split-kv-aware``); ``dynaserve-place`` (not run by default) places each
+request's alpha on either instance by load and takes the ``--ttft-p50-ms`` bound as Alg. 1's TTFT
+constraint (:class:`tidal.cluster.split.SplitParams`). ``slo-compose`` runs as
 DynaServe describes it: its table starts from an offline profile (the cost model on a grid) and is
 refined with every step; it aims at 80 % of the SLO (the table predicts means), and less by what
 its decodes have already waited (``catch_up``: a hand-off that landed mid-step). Poisson arrivals (Sec. 6.1);
@@ -77,6 +79,7 @@ class System:
     chunk: int  # max_num_batched_tokens
     kv_aware: bool = False  # split: the planner's predictor obeys the KV pool (our addition)
     stream_lead: int | None = None  # split: push KV only from this many tokens before s (None: Sec. 4.3)
+    placement: bool = False  # split: alpha/beta per request by load, the TTFT bound as Alg. 1's constraint
 
 
 SYSTEMS = {
@@ -88,10 +91,11 @@ SYSTEMS = {
     "dynaserve": System("split", "slo-compose", 2048),
     "dynaserve-lead": System("split", "slo-compose", 2048, stream_lead=64),
     "dynaserve-kv": System("split", "slo-compose", 2048, kv_aware=True, stream_lead=64),
+    "dynaserve-place": System("split", "slo-compose", 2048, placement=True),
 }
 DEFAULT_SYSTEMS = ("coloc-256", "coloc-512", "coloc-2048", "coloc-slo", "disagg", "dynaserve", "dynaserve-lead")
 COLOC = ("coloc-256", "coloc-512", "coloc-2048")  # PD Coloc. is the better of its tuned chunks
-DYNA = ("dynaserve", "dynaserve-lead", "dynaserve-kv")
+DYNA = ("dynaserve", "dynaserve-lead", "dynaserve-kv", "dynaserve-place")
 PAPER = {
     "capacity": "DynaServe 1.15-3.07x PD Coloc., 1.09-1.67x PD Disagg. (Sec. 1, Fig. 9; 14B: on average 2.37x "
                 "and 1.37x, Sec. 6.3)",
@@ -144,6 +148,7 @@ def emission_ratio(records: list[RequestRecord], specs: list[W.RequestSpec]) -> 
 def run_probe(model: str, system: System, specs: list[W.RequestSpec], tbt_s: float, ttft_p50_s: float,
               stream_lead: int | None, local_scale: float = 0.8, catch_up: bool = True,
               seed_profile: bool = True, step_jitter: str = "off", seed: int = 0) -> dict[str, Any]:
+    from tidal.cluster.split import SplitParams
     from tidal.config import SchedulerConfig
     from tidal.sim.build import ClusterSpec, build_simulator
     from tidal.sim.split import summarize_splits
@@ -156,7 +161,8 @@ def run_probe(model: str, system: System, specs: list[W.RequestSpec], tbt_s: flo
                        prefill_instances=1 if system.mode == "disaggregate" else 0, scheduler=sched,
                        kv_stream_lead=(stream_lead if stream_lead is not None else system.stream_lead)
                        if system.mode == "split" else None, seed_profile=slo and seed_profile,
-                       split_kv_aware=system.kv_aware, step_jitter=step_jitter, jitter_seed=seed)
+                       split_kv_aware=system.kv_aware, step_jitter=step_jitter, jitter_seed=seed,
+                       split=SplitParams(flip_roles=True, ttft_target_s=ttft_p50_s) if system.placement else None)
     res = build_simulator(spec, specs).run()
     s = summarize(res.records)
     good = [r for r in res.records if attains(r, tbt_s)]
