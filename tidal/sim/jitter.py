@@ -60,7 +60,7 @@ class JitterParams:
 
 # fitted by `tidal bench calibrate-jitter` to DynaServe's Table 1 (colocation and 1P1D, Qwen-2.5-14B
 # on 2 x A100-80G); see that module for the fit and its errors
-FITTED = JitterParams(seq_s=90e-6, sigma=0.5, mixed_s=0.9e-3)
+FITTED = JitterParams(seq_s=30e-6, sigma=1.2, mixed_s=0.3e-3)
 
 
 class JitteredCostModel:
