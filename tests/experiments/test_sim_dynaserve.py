@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tidal.cli import main as cli_main
 from tidal.experiments import sim_dynaserve as B
 from tidal.metrics import RequestRecord
@@ -30,23 +32,27 @@ def test_the_papers_definition_has_no_stall_rule():
     assert not B.attains(_rec([0.03] * 20 + [0.5]), 0.1, stall=False)
 
 
-def test_emission_ratio_is_one_when_kept_up_and_falls_with_a_queue():
+def test_sustained_means_a_queue_that_does_not_grow():
     from tidal.workload import RequestSpec
 
     specs = [RequestSpec(float(i), 10, 11) for i in range(101)]  # one a second for 100 s, 11 tokens each
 
-    def recs(delay):  # request i starts delay(i) late, then 11 tokens 0.1 s apart
+    def recs(delay, first=True):  # request i waits delay(i) for its first token, then 10 gaps of 0.1 s
         out = []
         for i, sp in enumerate(specs):
             r = RequestRecord(i, sp.arrival_s, 10, 11)
-            r.send_s, r.ttft_s, r.itl_s, r.success = sp.arrival_s, 0.1 + delay(i), [0.1] * 10, True
+            r.send_s, r.itl_s, r.success = sp.arrival_s, [0.1] * 10, True
+            r.ttft_s = 0.1 + delay(i) if first or i < 50 else None
             out.append(r)
         return out
 
-    kept = B.emission_ratio(recs(lambda i: 0.0), specs)
-    assert abs(kept - 1.0) < 0.03  # the second half (50-100 s) emits 11 tokens a second, as offered
-    behind = B.emission_ratio(recs(lambda i: 0.5 * i), specs)  # a queue growing by 0.5 s a request
-    assert behind < B.KEEP_UP and abs(behind - 2 / 3) < 0.05  # 2/3 of them: served at 1 / 1.5 a second
+    kept = recs(lambda i: 0.0)
+    assert B.sustained(kept) and B.queue_growth(kept) == (pytest.approx(0.1), pytest.approx(0.1))
+    assert abs(B.emission_ratio(kept, specs) - 1.0) < 0.03  # reported beside: 11 tokens a second, as offered
+    assert B.sustained(recs(lambda i: 2.0 + (i % 3)))  # a steady wait of a few seconds is no growth
+    growing = recs(lambda i: 0.5 * i)  # a queue growing by 0.5 s a request
+    assert not B.sustained(growing) and B.emission_ratio(growing, specs) < 0.9
+    assert not B.sustained(recs(lambda i: 0.0, first=False))  # the last ones never started
 
 
 def test_ratios_take_the_better_colocation_chunk():

@@ -189,7 +189,7 @@ def _claims(model: str, wl: str, rows: dict[str, Any], r: dict[str, Any],
 
 
 PAPER_DEF = ("the paper's capacity (Sec. 6.3): >= 99 % of requests at P99 TBT <= the SLO, the rate sustained "
-             "(the second half of the window emits >= 90 % of the tokens offered), no TTFT bound")
+             "(the last quarter's median TTFT at most 2x the first quarter's + 1 s: no growing queue), no TTFT bound")
 REAL_PAPER_DEF = "the real run reports the TTFT-guarded capacity only"
 
 
