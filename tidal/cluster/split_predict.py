@@ -21,8 +21,8 @@ describes it and returns the total time.
   requests) then takes longer, as it does on the engine, where it preempts;
 - a pass lasts ``step_time(prefill tokens, mean context of its decodes after the pass, decode
   count[, prefix])``, the signature of :meth:`tidal.policies.profile_table.ProfileTable.predict`,
-  which is what the runtime passes; ``prefix`` (given when not 0) is the token-weighted mean KV
-  position its prefill chunks start at, so a chunk deep into a long prompt is priced with the
+  which is what the runtime passes; ``prefix`` (given when not 0, to a model that takes a fourth
+  argument) is the token-weighted mean KV position its prefill chunks start at, so a chunk deep into a long prompt is priced with the
   attention over its prefix (an 8,192-token prefill in 2,048-token chunks costs ~16 % more than
   four chunks at prefix 0 on an A100, Qwen-2.5-14B). When it returns ``None`` (an empty table) the pass costs a **token
   proxy**: ``proxy_s_per_token * max(proxy_min_tokens, tokens)``, a roofline in token units (a pass
@@ -48,6 +48,7 @@ overlaps. ``total_time_with(timeline(q), x) == total_time(q + [x])`` (tested).
 from __future__ import annotations
 
 import heapq
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -128,6 +129,17 @@ class Timeline:
     passes: int
 
 
+def _takes_prefix(f: StepTimeModel) -> bool:
+    """Whether ``f`` takes a fourth positional argument (the prefill's prefix)."""
+    try:
+        params = list(inspect.signature(f).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return True
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) >= 4
+
+
 class _Pre:
     __slots__ = ("seq", "rem", "kv_end", "steps", "ahead", "held")
 
@@ -153,11 +165,13 @@ class ExecutionPredictor:
             raise ValueError(f"execution predictor: kv_capacity must be >= 1 token, got {kv_capacity}")
         self.kv_cap: float = float("inf") if kv_capacity is None else kv_capacity
         self.step_time, self.budget, self.max_seqs = step_time, token_budget, max_num_seqs
+        self.prices_prefix = _takes_prefix(step_time)  # a 3-argument model is priced at prefix 0
         self.proxy_s, self.proxy_min, self.max_run = proxy_s_per_token, proxy_min_tokens, max_run
 
     # ------------------------------------------------------------------ one pass, one run
     def pass_time(self, p: float, mean_ctx: float, d: float, prefix: float = 0.0) -> float:
-        t = self.step_time(p, mean_ctx, d, prefix) if prefix > 0 else self.step_time(p, mean_ctx, d)
+        t = (self.step_time(p, mean_ctx, d, prefix) if prefix > 0 and self.prices_prefix
+             else self.step_time(p, mean_ctx, d))
         if t is None:  # no profile yet: the token proxy (module docstring)
             n = p + d
             return self.proxy_s * (n if n > self.proxy_min else self.proxy_min)
