@@ -136,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     from tidal.bench import serve as bench_serve
     from tidal.experiments import (
         calibration,
+        jitter_fit,
+        length_error,
         reproduce,
         sim_accuracy,
         sim_dynaserve,
@@ -153,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim_kunserve.add_parser(bsub)
     kv_transfer.add_parser(bsub)
     calibration.add_parser(bsub)
+    jitter_fit.add_parser(bsub)
+    length_error.add_parser(bsub)
     soak.add_parser(bsub)
     bench_report.add_parser(bsub)
 

@@ -24,12 +24,12 @@ from tidal.policies.profile_table import ProfileTable
 BIG = dict(token_budget=2048, max_num_seqs=256)
 
 
-def one_per_pass(p, ctx, d):  # every pass takes 1 s: predicted times count passes
+def one_per_pass(p, ctx, d, prefix=0.0):  # every pass takes 1 s: predicted times count passes
     return 1.0
 
 
-def linear(p, ctx, d):
-    return 0.01 + 1e-4 * p + 2e-4 * d + 1e-7 * d * ctx + 1e-8 * p * ctx
+def linear(p, ctx, d, prefix=0.0):  # prefix: the prefill chunks' token-weighted mean prefix
+    return 0.01 + 1e-4 * p + 2e-4 * d + 1e-7 * d * ctx + 1e-8 * p * ctx + 3e-8 * p * prefix
 
 
 # ============================================================================ split points
@@ -105,12 +105,13 @@ def naive_total(queue, f, budget, max_seqs, kv_cap=float("inf")):
     steps = [m.decode_steps for m in live]
     waiting, running, t = list(range(len(live))), [], 0.0
     while waiting or running:
-        left, sched, ptok, ctxs = budget, [], 0, []
+        left, sched, ptok, ctxs, pairs = budget, [], 0, [], 0
         for i in running:  # admission order: decodes take 1, prefills what is left (at least 1)
             if pre[i] > 0:
                 c = min(pre[i], max(left, 1))
                 sched.append((i, c, True))
                 ptok += c
+                pairs += c * kv[i]  # its chunk after a prefix of kv[i]
             else:
                 c = 1
                 sched.append((i, 1, False))
@@ -124,12 +125,14 @@ def naive_total(queue, f, budget, max_seqs, kv_cap=float("inf")):
                 c = min(pre[i], left)
                 sched.append((i, c, True))
                 ptok += c
+                pairs += c * kv[i]
             else:
                 c = 1
                 sched.append((i, 1, False))
                 ctxs.append(kv[i] + 1)
             left -= c
-        t += f(ptok, sum(ctxs) / len(ctxs) if ctxs else 0.0, len(ctxs))
+        ctx = sum(ctxs) / len(ctxs) if ctxs else 0.0
+        t += f(ptok, ctx, len(ctxs), pairs / ptok) if pairs else f(ptok, ctx, len(ctxs))
         for i, c, is_prefill in sched:
             if is_prefill:
                 pre[i] -= c
@@ -193,9 +196,9 @@ def test_execution_predictor_with_a_profile_table_stays_close_to_the_naive_passe
 def test_execution_predictor_jumps_over_runs_and_is_fast():
     calls = []
 
-    def counted(p, c, d):
+    def counted(p, c, d, prefix=0.0):
         calls.append(1)
-        return linear(p, c, d)
+        return linear(p, c, d, prefix)
     ep = ExecutionPredictor(counted, 2048, 256)
     queue = ([MicroRequest(str(i), 0, 500 + i, 1000) for i in range(50)]
              + [MicroRequest(str(50 + i), 2000, 0, 1000) for i in range(50)])
@@ -350,3 +353,56 @@ def test_every_decision_replays_from_its_record():
     # a different planner answers differently on the same views: the replay checks something
     other = SplitParams(**{**BIG, "max_probes": 1})
     assert any(replay(rec, linear, other) != rec.decision for rec in records)
+
+
+def test_the_predictor_budget_comes_from_each_instances_recent_steps():
+    from tidal.cluster.split import BUDGET_WINDOW
+
+    planner = SplitPlanner(SplitParams(token_budget=2048, max_num_seqs=64), linear)
+    planner.load_ledger(0, [MicroRequest("a", 8000, 0, 4)])  # a long prefill on alpha
+    assert planner.budget(0) == 2048  # nothing reported yet: the configured budget
+    before = planner.load(0)
+    for _ in range(BUDGET_WINDOW):  # alpha's composer has been giving its steps ~500 tokens
+        planner.on_budget(0, 500)
+    assert planner.budget(0) == 496  # the mean, in steps of 16 tokens
+    assert planner.load(0) > before  # more, smaller passes: the ledger is predicted again, longer
+    assert planner.load(0) == pytest.approx(ExecutionPredictor(linear, 496, 64).total_time([MicroRequest("a", 8000, 0, 4)]))
+    planner.on_budget(0, 5000)  # capped at the configured budget; a window of BUDGET_WINDOW steps
+    assert planner.budget(0) == round((500 * (BUDGET_WINDOW - 1) + 2048) / BUDGET_WINDOW / 16) * 16
+    assert planner.budget(1) == 2048  # each instance its own
+    # a decision records the budgets it saw, and a replay with them decides the same
+    records = []
+    planner.recorder = records.append
+    dec = planner.plan("r", 3000, 200, (0, 1), predicted_output=180)
+    assert dict(records[0].budgets) == {0: planner.budget(0)}
+    again = replay(records[0], linear, planner.params)
+    assert (again.split, again.t_alpha, again.t_beta) == (dec.split, dec.t_alpha, dec.t_beta)
+
+
+def test_flip_roles_puts_alpha_on_the_less_loaded_instance():
+    busy = [MicroRequest(f"q{i}", 1500, 0, 200) for i in range(6)]
+    for flip, want in ((False, (0, 1)), (True, (1, 0))):
+        planner = SplitPlanner(SplitParams(token_budget=2048, max_num_seqs=64, flip_roles=flip), linear)
+        planner.load_ledger(0, busy)  # instance 0 holds a queue; 1 has a short one
+        planner.load_ledger(1, [MicroRequest("w", 100, 0, 10)])
+        dec = planner.plan("r", 2000, 300, None, predicted_output=250, candidates=[(0, 1)])
+        assert dec.pair == want
+        assert planner.orientations([(0, 1)]) == (((0, 1), (1, 0)) if flip else ((0, 1),))
+
+
+def test_a_ttft_target_keeps_the_prefill_unsplit_when_a_split_is_too_slow():
+    def case(target):
+        planner = SplitPlanner(SplitParams(token_budget=512, max_num_seqs=64, ttft_target_s=target), linear)
+        # alpha is busy decoding; beta holds a short prefill queue: the balance point splits the prompt
+        planner.load_ledger(0, [MicroRequest(f"a{i}", 0, 1000, 100) for i in range(40)])
+        planner.load_ledger(1, [MicroRequest(f"b{i}", 2000, 0, 1) for i in range(2)])
+        return planner.plan("r", 4000, 100, (0, 1), predicted_output=60)
+
+    free = case(None)
+    assert 0 < free.split < 4000  # Alg. 1 alone: inside the prompt (prefill on alpha, then on beta)
+    inside = next(p for p in free.trace if p.split == free.split)
+    bound = 0.5 * inside.ttft
+    held = case(bound)
+    chosen = next(p for p in held.trace if p.split == held.split)
+    assert held.split in (0, 4000, 4060) or chosen.ttft <= bound
+    assert chosen.ttft < inside.ttft  # the constraint bought a lower predicted TTFT

@@ -160,7 +160,7 @@ def test_kunserve_real_cell_reads_the_real_rows():
 
 
 def test_dynaserve_quick_reads_its_claims_off_the_bench_run(tmp_path):
-    from tidal.experiments.repro_dynaserve import REAL
+    from tidal.experiments.repro_dynaserve import REAL, REAL_PAPER_DEF
     from tidal.experiments.reproduce import fmt_rate
 
     r = _run("dynaserve", tmp_path)
@@ -172,7 +172,13 @@ def test_dynaserve_quick_reads_its_claims_off_the_bench_run(tmp_path):
     assert coloc["simulated"].startswith(f"{fmt_rate(cap['dynaserve'])} vs {fmt_rate(cap['coloc-512'])} rps")
     assert disagg["simulated"].startswith(f"{fmt_rate(cap['dynaserve'])} vs {fmt_rate(cap['disagg'])} rps")
     assert coloc["holds"] == beats(cap["dynaserve"], cap["coloc-512"])
-    assert all(c["real"] == REAL for c in r["claims"])
+    assert all(c["real"] == REAL for c in r["claims"][:3])
+    # the paper's capacity definition: two more claims, read off each row's ``paper`` fields
+    pcap = {k: v["paper"]["capacity_rps"] for k, v in rows.items()}
+    p_coloc, p_disagg = r["claims"][3], r["claims"][4]
+    assert "paper's definition" in p_coloc["claim"] and p_coloc["real"] == REAL_PAPER_DEF
+    assert p_coloc["simulated"].startswith(f"{fmt_rate(pcap['dynaserve'])} vs {fmt_rate(pcap['coloc-512'])} rps")
+    assert p_disagg["holds"] == beats(pcap["dynaserve"], pcap["disagg"])
     assert r["data"]["results"]["qwen-2.5-14b"]["mini-reasoning"]["systems"]["disagg"]["capacity_rps"] == cap["disagg"]
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tidal.cli import main as cli_main
 from tidal.experiments import sim_dynaserve as B
 from tidal.metrics import RequestRecord
@@ -24,6 +26,35 @@ def test_a_request_attains_when_its_own_p99_gap_meets_the_tbt_slo():
     assert not B.attains(_rec([0.01], success=False), 0.1)
 
 
+def test_the_papers_definition_has_no_stall_rule():
+    assert not B.attains(_rec([0.03] * 999 + [1.5]), 0.1)
+    assert B.attains(_rec([0.03] * 999 + [1.5]), 0.1, stall=False)  # its p99 is 30 ms: the paper counts it
+    assert not B.attains(_rec([0.03] * 20 + [0.5]), 0.1, stall=False)
+
+
+def test_sustained_means_a_queue_that_does_not_grow():
+    from tidal.workload import RequestSpec
+
+    specs = [RequestSpec(float(i), 10, 11) for i in range(101)]  # one a second for 100 s, 11 tokens each
+
+    def recs(delay, first=True):  # request i waits delay(i) for its first token, then 10 gaps of 0.1 s
+        out = []
+        for i, sp in enumerate(specs):
+            r = RequestRecord(i, sp.arrival_s, 10, 11)
+            r.send_s, r.itl_s, r.success = sp.arrival_s, [0.1] * 10, True
+            r.ttft_s = 0.1 + delay(i) if first or i < 50 else None
+            out.append(r)
+        return out
+
+    kept = recs(lambda i: 0.0)
+    assert B.sustained(kept) and B.queue_growth(kept) == (pytest.approx(0.1), pytest.approx(0.1))
+    assert abs(B.emission_ratio(kept, specs) - 1.0) < 0.03  # reported beside: 11 tokens a second, as offered
+    assert B.sustained(recs(lambda i: 2.0 + (i % 3)))  # a steady wait of a few seconds is no growth
+    growing = recs(lambda i: 0.5 * i)  # a queue growing by 0.5 s a request
+    assert not B.sustained(growing) and B.emission_ratio(growing, specs) < 0.9
+    assert not B.sustained(recs(lambda i: 0.0, first=False))  # the last ones never started
+
+
 def test_ratios_take_the_better_colocation_chunk():
     rows = {"coloc-512": {"capacity_rps": 4.0, "max_goodput": 900.0},
             "coloc-2048": {"capacity_rps": 1.0, "max_goodput": 1000.0},
@@ -32,22 +63,55 @@ def test_ratios_take_the_better_colocation_chunk():
     r = B.ratios(rows)
     assert r["capacity_rps"] == {"coloc": "coloc-512", "vs_coloc": 1.5, "vs_disagg": 1.2}
     assert r["max_goodput"] == {"coloc": "coloc-2048", "vs_coloc": 1.5, "vs_disagg": None}
+    # the paper's definition reads each row's ``paper`` fields
+    for n, cap in (("coloc-512", 2.0), ("coloc-2048", 4.0), ("disagg", 8.0), ("dynaserve", 6.0)):
+        rows[n]["paper"] = {"capacity_rps": cap, "max_goodput": None}
+    r = B.ratios(rows, definition="paper")
+    assert r["capacity_rps"] == {"coloc": "coloc-2048", "vs_coloc": 1.5, "vs_disagg": 0.75}
 
 
 def test_bench_runs_end_to_end(tmp_path, capsys):
     out = tmp_path / "d.json"
     rc = cli_main(["bench", "sim-dynaserve", "--workloads", "mini-reasoning", "--systems", "coloc-512,disagg,dynaserve",
                    "--num-requests", "40", "--window", "20", "--rate-low", "0.5", "--rate-high", "4",
-                   "--max-probes", "3", "--output", str(out)])
+                   "--max-probes", "3", "--step-jitter", "fitted", "--output", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())
     rows = r["results"]["qwen-2.5-14b"]["mini-reasoning"]["systems"]
     assert set(rows) == {"coloc-512", "disagg", "dynaserve"}
     for row in rows.values():
-        assert 1 <= len(row["probes"]) <= 3 and all(p["num_requests"] <= 40 for p in row["probes"])
+        assert 1 <= len(row["probes"]) <= 6 and all(p["num_requests"] <= 40 for p in row["probes"])
         assert row["capacity_rps"] is None or row["at_capacity"]["kept_up"]
+        paper = row["paper"]
+        assert paper["capacity_rps"] is None or (paper["at_capacity"]["paper_kept_up"]
+                                                 and paper["at_capacity"]["paper_attainment"] >= 0.99)
+        rates = [p["rate"] for p in row["probes"]]
+        assert len(rates) == len(set(rates))  # the two searches share their probes
     assert any("splits" in p for p in rows["dynaserve"]["probes"])
     assert r["plots"] and r["plots"][0].endswith(".png")
     text = capsys.readouterr().out
-    assert "dynaserve capacity:" in text and "rate" in text
+    assert "dynaserve capacity, TTFT-guarded:" in text and "dynaserve capacity, paper's" in text
+    assert r["setup"]["step_jitter"] == "fitted"
     assert cli_main(["bench", "sim-dynaserve", "--workloads", "nope", "--output", str(out)]) == 2
+
+
+def test_the_hybrid_has_the_papers_output_lengths():
+    from tidal import workload as W
+
+    base = W.make_requests(W.WorkloadOptions(num_requests=4000, rate=1.0, seed=0, **B.WORKLOADS["hybrid"]))
+    stats = W.length_stats(base)
+    # Table 2's goodput over capacity: 64-69 tokens a request
+    assert 60 <= stats["output_mean"] <= 72, stats
+
+
+def test_calibrate_jitter_measures_a_table1_setup_and_refuses_bad_params(tmp_path):
+    from tidal.experiments import jitter_fit as J
+    from tidal.sim.jitter import JitterParams
+
+    off = J.run_point("8192-32", "disagg", None, seed=0, scale=0.5)
+    again = J.run_point("8192-32", "disagg", None, seed=0, scale=0.5)
+    assert off == again  # deterministic given the seed
+    assert 15 < off["p50_ms"] < 40 and off["p99_ms"] >= off["p50_ms"] and 0.3 < off["rps"] < 1.2
+    tails = J.run_point("8192-32", "disagg", JitterParams(seq_s=2e-3, sigma=1.0), seed=0, scale=0.5)
+    assert tails["p99_ms"] > off["p99_ms"] + 5  # 2 ms a sequence, log-normal: a longer tail
+    assert cli_main(["bench", "calibrate-jitter", "--params", "1,2", "--output", str(tmp_path / "j.json")]) == 2

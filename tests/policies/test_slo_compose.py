@@ -10,18 +10,18 @@ import pytest
 
 from tidal.config import ConfigError, SchedulerConfig
 from tidal.core.kv_manager import KVCacheManager
-from tidal.core.plan import StepResult
+from tidal.core.plan import BatchComposition, ScheduledChunk, StepPlan, StepResult
 from tidal.core.policy import SchedulerView
 from tidal.core.request import Request
 from tidal.core.sampling import SamplingParams
 from tidal.core.scheduler import Scheduler
 from tidal.policies import build_policy
-from tidal.policies.profile_table import ProfileTable
+from tidal.policies.profile_table import ProfileTable, features, fill, prefill_shape
 from tidal.policies.slo_compose import SLOComposePolicy
 
 
 def hand_table() -> ProfileTable:
-    # prefill-only batches (d = 0, ctx = 0): 10 ms at p = 0, 30 ms at p = 100, 90 ms at p = 200
+    # prefill-only batches (d = 0, ctx = 0, prefix 0): 10 ms at p = 0, 30 ms at p = 100, 90 ms at p = 200
     return ProfileTable.load([
         {"prefill_tokens": 0, "mean_context": 0, "decode_count": 0, "time_s": 0.010},
         {"prefill_tokens": 100, "mean_context": 0, "decode_count": 0, "time_s": 0.030},
@@ -32,37 +32,82 @@ def hand_table() -> ProfileTable:
 def test_prediction_by_hand():
     t = hand_table()
     assert len(t) == 3  # cells p // 64 = 0, 1, 3
-    # least squares through (0, 10), (100, 30), (200, 90) ms: slope = 8 / 20000 * 1000 = 0.4 ms/token,
-    # intercept = 43.33 - 40 = 3.33 ms (the d and ctx columns are all zero and stay 0)
-    w, b0 = 0.0004, 0.010 / 3
+    # least squares on [1, p, d, d*ctx, p*ctx, p*prefix, p^2]: the d, ctx and prefix columns are all
+    # zero (they stay 0), and 1, p, p^2 fit the three points exactly: t = 10 ms + 0.002 ms * p^2
+    law = lambda p: 0.010 + 2e-6 * p * p  # noqa: E731
     # a seen cell: its mean, moved along the slope from its centroid
     assert t.predict(200, 0, 0) == pytest.approx(0.090, abs=1e-6)
-    assert t.predict(220, 0, 0) == pytest.approx(0.090 + 20 * w, abs=1e-6)
-    assert t.predict(50, 0, 0) == pytest.approx(0.010 + 50 * w, abs=1e-6)
+    assert t.predict(220, 0, 0) == pytest.approx(0.090 + law(220) - law(200), abs=1e-6)
+    assert t.predict(50, 0, 0) == pytest.approx(law(50), abs=1e-6)
     # an unseen cell (p // 64 == 2): the regression
-    assert t.predict(150, 0, 0) == pytest.approx(b0 + 150 * w, abs=1e-6)
+    assert t.predict(150, 0, 0) == pytest.approx(law(150), abs=1e-6)
+    # two chunks of 100 (sum of squares 20,000) cost less attention than one of 200 (40,000)
+    assert t.predict(200, 0, 0, sq=20000.0) == pytest.approx(0.090 - 2e-6 * 20000, abs=1e-5)
 
 
 def test_max_prefill_allowed_by_hand():
     t = hand_table()
-    # target 60 ms: cells 0 and 1 peak at 35.2 and 40.8 ms; cell 2 (regression) crosses 60 ms at
-    # p = (60 - 3.333) / 0.4 = 141.67 -> 141; cell 3 starts at 86.8 ms
-    assert t.max_prefill(0.060, 0, 0, limit=255) == 141
-    assert t.max_prefill(0.030, 0, 0, limit=255) == 50  # cell 0: 10 + 0.4 p <= 30
+    # t = 10 ms + 0.002 ms * p^2 everywhere (the fit is exact): target 60 ms -> p^2 <= 25,000 -> 158
+    assert t.max_prefill(0.060, 0, 0, limit=255) == 158
+    assert t.max_prefill(0.030, 0, 0, limit=255) == 100  # 10 + 0.002 p^2 <= 30
     assert t.max_prefill(0.005, 0, 0, limit=255) == 0  # even p = 0 misses it
     assert t.max_prefill(1.0, 0, 0, limit=255) == 255
     assert ProfileTable().max_prefill(0.05, 0, 0, limit=300) == 300  # an empty table allows everything
 
-    # the policy: all decodes first (none here), then M = 141, as the token budget
+    # the policy: all decodes first (none here), then M = 158, as the token budget
     cfg = SchedulerConfig(max_num_batched_tokens=255, tbt_slo_ms=60, batching="slo-compose")
     pol = SLOComposePolicy(cfg, table=t)
     v = SchedulerView(now=0.0, running=(), waiting=(), num_free_blocks=10, num_total_blocks=10, block_size=16,
                       max_num_seqs=64, max_num_batched_tokens=255)
-    assert pol.plan_step(v).token_budget == 141 and pol.M == 141
-    assert pol.state().budget_predicted_ms == pytest.approx(0.010 / 3 * 1e3 + 141 * 0.4, abs=1e-3)
+    assert pol.plan_step(v).token_budget == 158 and pol.M == 158
+    assert pol.state().budget_predicted_ms == pytest.approx(10 + 0.002 * 158 ** 2, abs=1e-3)
     # a target nothing meets: M falls to the floor of one block
     tight = SLOComposePolicy(SchedulerConfig(max_num_batched_tokens=255, tbt_slo_ms=5), table=t)
     assert tight.plan_step(v).token_budget == 16
+
+
+def test_max_prefill_costs_each_chunk_at_its_own_prefix():
+    # a law with a prefix term: 5 ms + 0.05 ms a token + 20 ns per (token x prefix) pair
+    t = ProfileTable()
+    rng = random.Random(3)
+    law = lambda p, x: 0.005 + 5e-5 * p + 2e-8 * p * x  # noqa: E731
+    for _ in range(400):
+        p, x = rng.randrange(1, 2048), rng.randrange(0, 8192)
+        t.record(p, 0, 0, law(p, x), prefix=x)
+    assert t.predict(500, 0, 0, prefix=6000) == pytest.approx(law(500, 6000), rel=1e-3)
+    # 100 ms: at prefix 0, M = (0.1 - 0.005) / 5e-5 = 1900; deep into a prompt (prefix 6000) far less
+    assert abs(t.max_prefill(0.1, 0, 0, 2048) - 1900) <= 2
+    deep = t.max_prefill(0.1, 0, 0, 2048, prefills=[(6000, 4000)])
+    assert abs(deep - 0.095 / (5e-5 + 2e-8 * 6000)) <= 2  # 558
+    # a queue: 300 tokens left of a prompt at prefix 6000, then a new one: the rest goes at prefix 0
+    q = [(6000, 300), (0, 5000)]
+    m = t.max_prefill(0.1, 0, 0, 2048, prefills=q)
+    assert law(m, 0) + 2e-8 * 300 * 6000 == pytest.approx(0.1, abs=2e-4)
+    assert t.predict_queue(m, 0, 0, q) <= 0.1 < t.predict_queue(m + 1, 0, 0, q)
+    assert fill(q, 500) == (300 * 6000, 300 ** 2 + 200 ** 2)
+    assert prefill_shape([(6000, 300), (0, 200)]) == (500, 300 * 6000 / 500, 300.0 ** 2 + 200 ** 2)
+
+
+def test_the_composer_sees_the_prefill_queue_and_records_prefixes():
+    cfg = SchedulerConfig(max_num_batched_tokens=2048, tbt_slo_ms=100, batching="slo-compose",
+                          long_prefill_token_threshold=1024)
+    pol = SLOComposePolicy(cfg)
+    deep = Request("a", [1] * 9000, SamplingParams(max_tokens=4), num_computed_tokens=6000)
+    alpha = Request("b", [1] * 3000, SamplingParams(max_tokens=4), num_computed_tokens=100, pause_at=400)
+    new = Request("c", [1] * 500, SamplingParams(max_tokens=4))
+    v = SchedulerView(now=0.0, running=(deep, alpha), waiting=(new,), num_free_blocks=10, num_total_blocks=10,
+                      block_size=16, max_num_seqs=64, max_num_batched_tokens=2048)
+    # the long-prefill cap, an alpha's split point, the waiting request's prompt
+    assert pol.prefill_queue(v, 2048) == [(6000, 1024), (100, 300), (0, 500)]
+    assert pol.prefill_queue(v, 1000) == [(6000, 1024)]
+    # observe records the chunks' own prefixes: a step of 500 tokens at 6000 and 200 at 0
+    sp = SamplingParams(max_tokens=4)
+    chunks = (ScheduledChunk("a", (1,) * 500, 6000, (), False, sp), ScheduledChunk("c", (1,) * 200, 0, (), False, sp))
+    plan = StepPlan(1, chunks, BatchComposition.of(chunks))
+    pol.observe(plan, StepResult(1, sampled={}, step_time_s=0.05, composition=plan.composition))
+    (key, cell), = pol.table.cells.items()
+    assert key == (700 // 64, 0, 0, (6000 * 500 // 700 // 512).bit_length())
+    assert cell.mean_x == pytest.approx(features(700, 0, 0, 500 * 6000 / 700, 500.0 ** 2 + 200 ** 2))
 
 
 def _max_prefill_by_predict(t: ProfileTable, target: float, ctx: float, d: int, limit: int) -> int:
@@ -89,7 +134,7 @@ def test_max_prefill_is_the_bisection_over_predict_and_the_fit_is_least_squares(
         target, ctx, d, limit = rng.uniform(0.0, 0.08), rng.uniform(0, 4000), rng.randrange(0, 64), rng.randrange(0, 2048)
         assert t.max_prefill(target, ctx, d, limit) == _max_prefill_by_predict(t, target, ctx, d, limit)
     np = pytest.importorskip("numpy")
-    a = np.array(t._xtx) + np.diag([0.0] + [t.ridge * t._weight] * 4)
+    a = np.array(t._xtx) + np.diag([0.0] + [t.ridge * t._weight] * 6)
     assert np.allclose(t.coefficients(), np.linalg.solve(a, np.array(t._xty)), rtol=1e-9, atol=1e-12)
 
 
@@ -202,11 +247,11 @@ def test_slo_compose_keeps_prefill_within_m_on_the_real_scheduler():
     assert pol.state().table_cells > 5
 
 
-@pytest.mark.parametrize("catch_up, waited, m", [(False, 0.03, 141), (True, 0.0, 141), (True, 0.03, 50),
+@pytest.mark.parametrize("catch_up, waited, m", [(False, 0.03, 158), (True, 0.0, 158), (True, 0.028, 104),
                                                  (True, 0.08, 16)])
 def test_catch_up_gives_a_decode_that_waited_less_step(catch_up, waited, m):
-    # target 60 ms; a decode whose KV landed 30 ms after its last token leaves 30 ms: M = 50 (cell 0:
-    # 10 + 0.4 p <= 30, as above); one that waited past the target gets the one-block floor
+    # target 60 ms; a decode whose KV landed 28 ms after its last token leaves 32 ms: M = 104
+    # (10 + 0.002 p^2 <= 32, as above); one that waited past the target gets the one-block floor
     cfg = SchedulerConfig(max_num_batched_tokens=255, tbt_slo_ms=60, batching="slo-compose")
     from tidal.policies.slo_compose import SLOComposeParams
 

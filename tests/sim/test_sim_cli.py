@@ -125,3 +125,17 @@ def test_sim_records_the_dtype_it_simulates(tmp_path):
                                 "samples": [], "overhead": {"per_step_s": 0.0, "per_seq_s": 0.0}}))
     assert sim_run.sim_dtype(_parse(*base, "--profile", str(prof))) == "float32"
     assert sim_run.sim_dtype(_parse(*base, "--profile", str(prof), "--dtype", "bfloat16")) == "bfloat16"
+
+
+def test_step_jitter_flag_gives_the_steps_tails(tmp_path):
+    rows = {}
+    for j in ("off", "fitted"):
+        out = tmp_path / f"{j}.json"
+        assert _run(["--model", "qwen-2.5-14b", "--hardware", "a100-80g", "--instances", "2", "--workload",
+                     "fixed:219:64", "--num-requests", "30", "--rate", "2", "--output",
+                     str(out), "--no-progress", "--no-plots", "--step-jitter", j]) == 0
+        rows[j] = json.loads(out.read_text())
+    assert rows["fitted"]["itl_ms"]["p99"] > rows["off"]["itl_ms"]["p99"]
+    with pytest.raises(SystemExit) as e:  # argparse's own one-line error
+        _run(["--step-jitter", "wild", "--output", str(tmp_path / "x.json")])
+    assert e.value.code == 2

@@ -35,7 +35,7 @@ class Constant:
         return DT
 
 
-def one_per_pass(p, ctx, d):
+def one_per_pass(p, ctx, d, prefix=0.0):
     return 1.0
 
 
@@ -232,3 +232,21 @@ def test_a_beta_that_can_never_hold_its_part_refuses_and_alpha_runs_the_request_
     assert res.instances[1]["steps"] == 0 and _free(sim)
     assert sim.monitor.instances[1].reserved == {} and not sim._moves
     assert summarize_splits(res.splits)["stayed_on_alpha"] == 1
+
+
+def test_flipped_roles_run_end_to_end_both_ways():
+    records = []
+    spec = ClusterSpec(model="qwen-2.5-14b", hardware="a100-80g", instances=2, mode="split",
+                       scheduler=SchedulerConfig(batching="slo-compose", tbt_slo_ms=100, max_num_batched_tokens=2048,
+                                                 max_num_seqs=128),
+                       split=SplitParams(flip_roles=True, ttft_target_s=1.0))
+    rng = random.Random(2)
+    specs = [RequestSpec(i * 0.03, rng.randint(100, 6000), rng.randint(10, 300)) for i in range(120)]
+    sim = build_simulator(spec, specs)
+    sim.planner.recorder = records.append
+    res = sim.run()
+    assert all(r.success for r in res.records) and len(records) == 120
+    assert {r.decision.pair for r in records} == {(0, 1), (1, 0)}  # either instance is some requests' alpha
+    landed = [t for t in res.splits if t.handoff and t.landed_s is not None]
+    assert {(t.alpha, t.beta) for t in landed} == {(0, 1), (1, 0)}
+    assert all(r.decision.trace and all(p.ttft >= 0 for p in r.decision.trace) for r in records)

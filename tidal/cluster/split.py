@@ -22,7 +22,19 @@ So alpha's and beta's sampled tokens always add up to ``D``, and the runtime pau
 ``Request.pause_at = s`` (the engine computes no KV past it).
 
 Pairs (Sec. 6.1: "1 GPU each for r^alpha and r^beta"): instance ``2k`` is the alpha and ``2k+1``
-the beta of pair ``k`` (:func:`pairs`). A ``recorder`` receives every decision with the ledgers it
+the beta of pair ``k`` (:func:`pairs`), unless ``SplitParams.flip_roles``: then each request's
+alpha is whichever instance of a pair gives the least predicted max(T_alpha, T_beta) (Sec. 3.1:
+the scheduler "routes the partitioned micro-requests to executors based on current system load
+and latency SLOs").
+
+**TTFT** (``SplitParams.ttft_target_s``; Alg. 1 balances load only, and a split inside the prompt
+runs the prefill on alpha and then on beta, one after the other): each probe also predicts the
+request's TTFT, the time until the pass that samples its first token ends on that instance
+(:meth:`~tidal.cluster.split_predict.ExecutionPredictor.times_with`); inside the prompt, alpha's
+prefill time plus beta's (in turn: an upper bound). With a target, Alg. 1's choice among its probes
+takes the TTFT as a constraint: a probe within it beats one past it, and when no probe of the
+search meets it, the unsplit prompt on either side (s = 0, P, L) is probed too; past the target
+the lower TTFT wins. The pair (or orientation) is chosen the same way. A ``recorder`` receives every decision with the ledgers it
 saw (:class:`SplitRecord`); :func:`replay` asks a fresh planner the same question, so the runtime's
 and the simulator's decisions can be shown to be the same function of the same inputs.
 """
@@ -31,6 +43,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -40,6 +53,8 @@ from tidal.config import ConfigError
 
 DEFAULT_OUTPUT_ESTIMATE = 256  # before any history: about the mean output of chat traces (BurstGPT 262, ShareGPT 373)
 DEFAULT_LENGTH_BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+BUDGET_WINDOW = 32  # the recent steps whose token budgets an instance's predictions use
+BUDGET_STEP = 16  # ... in steps of this many tokens (a predictor per budget, kept)
 
 
 # ============================================================================ split points
@@ -109,7 +124,12 @@ class SplitParams:
     """Alg. 1's knobs. ``max_probes`` is K (Sec. 4.1: "typically set to 6"); ``epsilon_s`` the
     tolerance on |T_alpha - T_beta| (line 7); ``margin`` the length predictor's (Sec. 5: 20);
     ``token_budget`` / ``max_num_seqs`` the instances' limits the predictor's passes obey;
-    ``kv_capacity_tokens`` (None: the paper's predictor) also makes them obey an instance's KV pool."""
+    ``kv_capacity_tokens`` (None: the paper's predictor) also makes them obey an instance's KV pool.
+
+    Placement (Sec. 3.1: micro-requests are routed "based on current system load and latency
+    SLOs"): with ``flip_roles`` either instance of a pair may be a request's alpha (both
+    orientations are searched; the one with the least predicted max(T_alpha, T_beta) wins);
+    with ``ttft_target_s`` the request's predicted TTFT is Alg. 1's constraint (module docstring)."""
 
     max_probes: int = 6
     epsilon_s: float = 0.02
@@ -117,6 +137,8 @@ class SplitParams:
     token_budget: int = 2048
     max_num_seqs: int = 256
     kv_capacity_tokens: int | None = None
+    flip_roles: bool = False
+    ttft_target_s: float | None = None
 
     def __post_init__(self) -> None:
         for name, lo, hi in (("max_probes", 1, 64), ("margin", 0, 1 << 20), ("token_budget", 1, 1 << 24),
@@ -128,6 +150,8 @@ class SplitParams:
             raise ConfigError(f"split.epsilon_s must be >= 0 and finite, got {self.epsilon_s}")
         if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < 1:
             raise ConfigError(f"split.kv_capacity_tokens must be >= 1 (or None), got {self.kv_capacity_tokens}")
+        if self.ttft_target_s is not None and not 0 < self.ttft_target_s < math.inf:
+            raise ConfigError(f"split.ttft_target_s must be > 0 and finite (or None), got {self.ttft_target_s}")
 
 
 # ============================================================================ decisions
@@ -137,6 +161,7 @@ class Probe:
     phi: float
     t_alpha: float
     t_beta: float
+    ttft: float = 0.0  # predicted seconds to the request's first token (module docstring)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +196,7 @@ class SplitRecord:
     max_tokens: int
     candidates: tuple[tuple[int, int], ...]
     ledgers: tuple[tuple[int, tuple[MicroRequest, ...]], ...]
+    budgets: tuple[tuple[int, int], ...] = ()  # each candidate instance's pass budget (recent steps)
 
 
 def pairs(num_instances: int) -> list[tuple[int, int]]:
@@ -215,8 +241,12 @@ class SplitPlanner:
                  recorder: Callable[[SplitRecord], None] | None = None,
                  lengths: LengthPredictor | None = None):
         self.params = params
+        self.step_time = step_time
         self.predictor = ExecutionPredictor(step_time, params.token_budget, params.max_num_seqs,
                                             kv_capacity=params.kv_capacity_tokens)
+        self._predictors: dict[int, ExecutionPredictor] = {params.token_budget: self.predictor}  # by budget
+        self._recent: dict[int, deque[int]] = {}  # instance -> its recent steps' token budgets
+        self._budget: dict[int, int] = {}  # instance -> the pass budget its predictions use
         self.lengths = lengths or LengthPredictor(margin=params.margin)
         self.recorder = recorder
         self._ledgers: dict[int, _Ledger] = {}
@@ -235,10 +265,39 @@ class SplitPlanner:
         """The remaining work on ``instance``, FCFS order."""
         return tuple(p.remaining() for p in self._ledger(instance).parts.values())
 
+    def budget(self, instance: int) -> int:
+        """The per-pass token budget ``instance``'s predictions use: the mean of its recent steps'
+        budgets (DynaServe Sec. 4.1: "a per-pass batch composition drawn from each instance's recent
+        batching history"), in steps of ``BUDGET_STEP`` tokens; ``token_budget`` until it reports any."""
+        return self._budget.get(instance, self.params.token_budget)
+
+    def on_budget(self, instance: int, tokens: int) -> None:
+        """``instance`` ran (or is about to run) a step with a token budget of ``tokens``."""
+        recent = self._recent.get(instance)
+        if recent is None:
+            recent = self._recent[instance] = deque(maxlen=BUDGET_WINDOW)
+        recent.append(min(max(int(tokens), 1), self.params.token_budget))
+        self.set_budget(instance, round(sum(recent) / len(recent) / BUDGET_STEP) * BUDGET_STEP)
+
+    def set_budget(self, instance: int, tokens: int) -> None:
+        """Predict ``instance``'s passes with a budget of ``tokens`` (a replay's recorded one)."""
+        b = min(max(int(tokens), BUDGET_STEP), self.params.token_budget)
+        if self._budget.get(instance, self.params.token_budget) != b:
+            self._budget[instance] = b
+            self._ledger(instance).timeline = None
+
+    def _pred(self, instance: int) -> ExecutionPredictor:
+        b = self.budget(instance)
+        pred = self._predictors.get(b)
+        if pred is None:
+            pred = self._predictors[b] = ExecutionPredictor(self.step_time, b, self.params.max_num_seqs,
+                                                            kv_capacity=self.params.kv_capacity_tokens)
+        return pred
+
     def _timeline(self, instance: int) -> Timeline:
         led = self._ledger(instance)
         if led.timeline is None:
-            led.timeline = self.predictor.timeline([p.remaining() for p in led.parts.values()])
+            led.timeline = self._pred(instance).timeline([p.remaining() for p in led.parts.values()])
         return led.timeline
 
     def load(self, instance: int) -> float:
@@ -260,13 +319,33 @@ class SplitPlanner:
         P, D = prompt_len, predicted_output
         L = P + D
         ta_tl, tb_tl = self._timeline(a), self._timeline(b)
-        pred = self.predictor
+        pa, pb = self._pred(a), self._pred(b)
 
         def probe(phi: Fraction) -> Probe:
             s = -((-phi.numerator * L) // phi.denominator)  # SPLIT at s = ceil(phi L) (Sec. 3.1), exactly
             alpha, beta = split_parts(P, D, s, request_id)
             # Alg. 1 line 6, PREDICT: each instance's total time with the new part behind its ledger
-            return Probe(s, float(phi), pred.total_time_with(ta_tl, alpha), pred.total_time_with(tb_tl, beta))
+            ta, fa = pa.times_with(ta_tl, alpha)
+            tb, fb = pb.times_with(tb_tl, beta)
+            # TTFT: where the first token is sampled; inside the prompt alpha's then beta's prefill, in turn
+            ttft = fb if alpha is None else fa if beta is None or s >= P else fa + fb
+            return Probe(s, float(phi), ta, tb, ttft)
+
+        target = self.params.ttft_target_s
+
+        def better(pr: Probe, best: Probe | None) -> bool:
+            """Alg. 1's order (the smaller gap, then the smaller max), with the TTFT constraint
+            first when there is one: a probe within it beats one past it; past it, the lower TTFT."""
+            if best is None:
+                return True
+            if target is not None:
+                ok, bok = pr.ttft <= target, best.ttft <= target
+                if ok != bok:
+                    return ok
+                if not ok:
+                    return pr.ttft < best.ttft
+            return (abs(pr.t_alpha - pr.t_beta), max(pr.t_alpha, pr.t_beta)) < (
+                abs(best.t_alpha - best.t_beta), max(best.t_alpha, best.t_beta))
 
         phi, lo, hi = Fraction(P, L), Fraction(0), Fraction(1)  # line 3: start from P/D disaggregation
         if not self._ledger(a).parts and not self._ledger(b).parts:
@@ -284,8 +363,7 @@ class SplitPlanner:
                 pr = seen[s] = probe(phi)
             trace.append(pr)
             gap = abs(pr.t_alpha - pr.t_beta)
-            if best is None or (gap, max(pr.t_alpha, pr.t_beta)) < (abs(best.t_alpha - best.t_beta),
-                                                                    max(best.t_alpha, best.t_beta)):
+            if better(pr, best):
                 best = pr
             if gap < self.params.epsilon_s:  # line 7: balanced
                 break
@@ -294,20 +372,40 @@ class SplitPlanner:
             else:
                 lo = phi
             phi = (lo + hi) / 2
+        if target is not None and best is not None and best.ttft > target:
+            # no probe of the search meets the TTFT target: the prompt unsplit, on either side
+            for phi in (Fraction(0), Fraction(P, L), Fraction(1)):
+                s = -((-phi.numerator * L) // phi.denominator)
+                pr = seen.get(s)
+                if pr is None:
+                    pr = seen[s] = probe(phi)
+                    trace.append(pr)
+                if better(pr, best):
+                    best = pr
         assert best is not None
         return best, len(trace), False, tuple(trace)
 
     def live_pairs(self, candidates: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
         return [p for p in candidates if p[0] not in self.failed and p[1] not in self.failed]
 
+    def orientations(self, candidates: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+        """The (alpha, beta) placements a request may take: each pair as given, and with
+        ``flip_roles`` also reversed."""
+        if not self.params.flip_roles:
+            return tuple(candidates)
+        return tuple(dict.fromkeys(o for a, b in candidates for o in ((a, b), (b, a))))
+
     def choose_pair(self, prompt_len: int, predicted_output: int, candidates: Sequence[tuple[int, int]],
                     request_id: str = "") -> tuple[int, int] | None:
         """The live pair whose best split has the least predicted max(T_alpha, T_beta); ties: the
         lowest index. None when no pair is alive."""
-        best, best_t = None, math.inf
-        for pr in self.live_pairs(candidates):
+        best, best_t = None, (math.inf, math.inf)
+        target = self.params.ttft_target_s
+        for pr in self.live_pairs(self.orientations(candidates)):
             p, _, _, _ = self.search(prompt_len, predicted_output, pr, request_id)
-            t = max(p.t_alpha, p.t_beta)
+            # with a TTFT target: a placement that meets it first, then (past it) the lower TTFT
+            late = max(p.ttft - target, 0.0) if target is not None else 0.0
+            t = (late, max(p.t_alpha, p.t_beta))
             if t < best_t:
                 best, best_t = pr, t
         return best
@@ -328,7 +426,9 @@ class SplitPlanner:
                 raise ValueError("split planner: no live pair to place the request on")
         elif not cands:
             cands = (pair,)
-        views = tuple((i, self.ledger(i)) for i in sorted({i for c in cands for i in c}))
+        insts = sorted({i for c in cands for i in c})
+        views = tuple((i, self.ledger(i)) for i in insts)
+        budgets = tuple((i, self._budget[i]) for i in insts if i in self._budget)
         best, n, cold, trace = self.search(prompt_len, D, pair, request_id)
         alpha, beta = split_parts(prompt_len, D, best.split, request_id)
         dec = SplitDecision(request_id, pair, prompt_len, D, best.split, best.phi, n, best.t_alpha, best.t_beta,
@@ -336,7 +436,7 @@ class SplitPlanner:
         self._commit(dec)
         self.num_decisions += 1
         if self.recorder is not None:
-            self.recorder(SplitRecord(dec, now, max_tokens, cands, views))
+            self.recorder(SplitRecord(dec, now, max_tokens, cands, views, budgets))
         return dec
 
     def _commit(self, dec: SplitDecision) -> None:
@@ -419,6 +519,8 @@ def replay(record: SplitRecord, step_time: StepTimeModel, params: SplitParams) -
     planner = SplitPlanner(params, step_time)
     for inst, parts in record.ledgers:
         planner.load_ledger(inst, parts)
+    for inst, b in record.budgets:
+        planner.set_budget(inst, b)
     d = record.decision
     chosen = d.pair if len(record.candidates) <= 1 else None
     return planner.plan(d.request_id, d.prompt_len, record.max_tokens, chosen, record.now,

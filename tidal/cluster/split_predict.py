@@ -20,8 +20,11 @@ describes it and returns the total time.
   nothing runs). An instance whose work is long contexts (a beta holding the tails of its
   requests) then takes longer, as it does on the engine, where it preempts;
 - a pass lasts ``step_time(prefill tokens, mean context of its decodes after the pass, decode
-  count)``, the signature of :meth:`tidal.policies.profile_table.ProfileTable.predict`, which is
-  what the runtime passes. When it returns ``None`` (an empty table) the pass costs a **token
+  count[, prefix])``, the signature of :meth:`tidal.policies.profile_table.ProfileTable.predict`,
+  which is what the runtime passes; ``prefix`` (given when not 0, to a model that takes a fourth
+  argument) is the token-weighted mean KV position its prefill chunks start at, so a chunk deep into a long prompt is priced with the
+  attention over its prefix (an 8,192-token prefill in 2,048-token chunks costs ~16 % more than
+  four chunks at prefix 0 on an A100, Qwen-2.5-14B). When it returns ``None`` (an empty table) the pass costs a **token
   proxy**: ``proxy_s_per_token * max(proxy_min_tokens, tokens)``, a roofline in token units (a pass
   below ~128 tokens is bound by reading the weights; the default 0.1 ms per token is a 7-14B model
   on one A100: 2 * 14e9 FLOPs per token at ~280 TFLOP/s).
@@ -45,6 +48,7 @@ overlaps. ``total_time_with(timeline(q), x) == total_time(q + [x])`` (tested).
 from __future__ import annotations
 
 import heapq
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -93,7 +97,8 @@ class MicroRequest:
 
 
 class StepTimeModel(Protocol):
-    def __call__(self, prefill_tokens: float, mean_context: float, decode_count: float) -> float | None: ...
+    def __call__(self, prefill_tokens: float, mean_context: float, decode_count: float,
+                 prefix: float = ...) -> float | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +118,8 @@ class Run:
     t0: float
     dt: float
     kv_free: float = float("inf")  # KV tokens a later request could reserve
+    x0: float = 0.0  # sum over the prefill chunks of tokens x prefix, at pass q0
+    xg: float = 0.0  # ... its growth per pass (sum of the chunks' squared lengths)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,12 +129,28 @@ class Timeline:
     passes: int
 
 
+def _takes_prefix(f: StepTimeModel) -> bool:
+    """Whether ``f`` takes a fourth positional argument (the prefill's prefix)."""
+    try:
+        params = list(inspect.signature(f).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return True
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) >= 4
+
+
 class _Pre:
     __slots__ = ("seq", "rem", "kv_end", "steps", "ahead", "held")
 
     def __init__(self, seq: int, rem: int, kv_end: int, steps: int, ahead: int, held: int):
         self.seq, self.rem, self.kv_end, self.steps, self.ahead = seq, rem, kv_end, steps, ahead
         self.held = held  # KV tokens reserved for it (its end)
+
+    @property
+    def pos(self) -> int:
+        """The KV position its next chunk starts at (the chunk's prefix)."""
+        return self.kv_end - self.rem
 
 
 class ExecutionPredictor:
@@ -142,26 +165,30 @@ class ExecutionPredictor:
             raise ValueError(f"execution predictor: kv_capacity must be >= 1 token, got {kv_capacity}")
         self.kv_cap: float = float("inf") if kv_capacity is None else kv_capacity
         self.step_time, self.budget, self.max_seqs = step_time, token_budget, max_num_seqs
+        self.prices_prefix = _takes_prefix(step_time)  # a 3-argument model is priced at prefix 0
         self.proxy_s, self.proxy_min, self.max_run = proxy_s_per_token, proxy_min_tokens, max_run
 
     # ------------------------------------------------------------------ one pass, one run
-    def pass_time(self, p: float, mean_ctx: float, d: float) -> float:
-        t = self.step_time(p, mean_ctx, d)
+    def pass_time(self, p: float, mean_ctx: float, d: float, prefix: float = 0.0) -> float:
+        t = (self.step_time(p, mean_ctx, d, prefix) if prefix > 0 and self.prices_prefix
+             else self.step_time(p, mean_ctx, d))
         if t is None:  # no profile yet: the token proxy (module docstring)
             n = p + d
             return self.proxy_s * (n if n > self.proxy_min else self.proxy_min)
         return t
 
-    def run_time(self, p: int, d: int, s: int, q: int, k: int) -> float:
+    def run_time(self, p: int, d: int, s: int, q: int, k: int, x: float = 0.0, xg: float = 0.0) -> float:
         """Time of passes q..q+k-1 with ``p`` prefill tokens and ``d`` decodes whose contexts after
-        pass q sum to ``s + d*q``: k times the middle pass, cut every ``max_run`` passes."""
-        if d == 0:
-            return k * self.pass_time(p, 0.0, 0)
-        base = s / d + q
+        pass q sum to ``s + d*q``, the prefill chunks' tokens x prefix summing to ``x`` at pass q and
+        growing by ``xg`` a pass: k times the middle pass, cut every ``max_run`` passes."""
+        if d == 0 and not xg:
+            return k * self.pass_time(p, 0.0, 0, x / p if p else 0.0)
+        base = s / d + q if d else 0.0
         total, a, r = 0.0, 0, self.max_run
         while a < k:
             b = min(k, a + r)
-            total += (b - a) * self.pass_time(p, base + (a + b - 1) * 0.5, d)
+            mid = (a + b - 1) * 0.5
+            total += (b - a) * self.pass_time(p, base + mid if d else 0.0, d, (x + xg * mid) / p if p else 0.0)
             a = b
         return total
 
@@ -184,11 +211,14 @@ class ExecutionPredictor:
             # compose pass q: running prefills (decodes ahead of each take one token each)
             chunks: list[int] = []
             taken = 0
+            x0 = xg = 0.0  # the chunks' tokens x prefix, and its growth per pass
             for x in pre:
                 bl = B - x.ahead - taken
                 c = min(x.rem, bl if bl > 1 else 1)
                 chunks.append(c)
                 taken += c
+                x0 += c * x.pos
+                xg += c * c
             left = B - d - taken
             admitted = False
             while wi < len(waiting) and d + len(pre) < S and left > 0 and (
@@ -204,6 +234,8 @@ class ExecutionPredictor:
                     chunks.append(c)
                     taken += c
                     left -= c
+                    x0 += c * m.context
+                    xg += c * c
                 else:  # decode only: one token this pass, context after = context + 1
                     off = m.context + 1 - q
                     heapq.heappush(dec, (q + m.decode_steps, off, seq, m.end))
@@ -220,8 +252,10 @@ class ExecutionPredictor:
                 if dec:
                     k = min(k, dec[0][0] - q)
                 k = max(k, 1)
-            dt = self.run_time(p, d, s_off, q, k)
-            runs.append(Run(q, k, p, d, s_off, left, S - d - len(pre), wi == len(waiting), t, dt, cap - held))
+            if k == 1:
+                xg = 0.0
+            dt = self.run_time(p, d, s_off, q, k, x0, xg)
+            runs.append(Run(q, k, p, d, s_off, left, S - d - len(pre), wi == len(waiting), t, dt, cap - held, x0, xg))
             t += dt
             q += k
             # apply: prefills advance; completed ones decode from the next pass or leave
@@ -256,8 +290,14 @@ class ExecutionPredictor:
     def total_time_with(self, tl: Timeline, part: MicroRequest | None) -> float:
         """``total_time(queue + [part])`` from ``timeline(queue)``: only the passes ``part`` joins
         are recomputed (it is last in FCFS order, so the queue before it progresses as without it)."""
+        return self.times_with(tl, part)[0]
+
+    def times_with(self, tl: Timeline, part: MicroRequest | None) -> tuple[float, float]:
+        """(:meth:`total_time_with`, seconds until ``part``'s last prefill pass ends): when it samples
+        its first token, if it samples (0 for a part without prefill: it feeds a token it has)."""
         if part is None or part.empty:
-            return tl.total
+            return tl.total, 0.0
+        done_at = 0.0
         B = self.budget
         rem, steps = part.prefill_tokens, part.decode_steps
         off = 0  # the part's context after pass q is off + q while it decodes
@@ -279,33 +319,36 @@ class ExecutionPredictor:
                     off = part.context + 1 - q
             end = r.q0 + r.k
             while q < end and (rem or steps):
+                rx = r.x0 + r.xg * (q - r.q0)  # the queue's chunks' tokens x prefix at pass q
                 if rem:  # prefilling behind the queue: the budget it leaves, at least one token
                     c = r.left if r.left > 1 else 1
                     j = (rem - 1) // c if rem > c else 0
                     j = min(j, end - q)
+                    pos = part.context + part.prefill_tokens - rem  # its chunk's prefix
                     if j:
-                        total += self.run_time(r.p + c, r.d, r.s, q, j)
+                        total += self.run_time(r.p + c, r.d, r.s, q, j, rx + c * pos, r.xg + c * c)
                         rem -= c * j
                         q += j
                         continue
-                    total += self.run_time(r.p + rem, r.d, r.s, q, 1)
+                    total += self.run_time(r.p + rem, r.d, r.s, q, 1, rx + rem * pos)
                     q += 1
                     rem = 0
+                    done_at = total
                     off = part.context + part.prefill_tokens - (q - 1)
                     if steps == 0:
                         break
                     continue
                 j = min(steps, end - q)
-                total += self.run_time(r.p, r.d + 1, r.s + off, q, j)
+                total += self.run_time(r.p, r.d + 1, r.s + off, q, j, rx, r.xg)
                 steps -= j
                 q += j
             if q < end:  # the part is done inside this run: the rest of the run as before
-                total += self.run_time(r.p, r.d, r.s, q, end - q)
+                total += self.run_time(r.p, r.d, r.s, q, end - q, r.x0 + r.xg * (q - r.q0), r.xg)
             q = end
             i += 1
             if not rem and not steps:
                 total += sum(x.dt for x in runs[i:])
-                return total
+                return total, done_at
         # past the queue's end: the part alone
         if not admitted:
             q = tl.passes
@@ -313,16 +356,19 @@ class ExecutionPredictor:
                 off = part.context + 1 - q
         if rem:
             j = (rem - 1) // B
+            pos = part.context + part.prefill_tokens - rem
             if j:
-                total += self.run_time(B, 0, 0, q, j)
+                total += self.run_time(B, 0, 0, q, j, B * pos, B * B)
                 rem -= B * j
                 q += j
-            total += self.run_time(rem, 0, 0, q, 1)
+                pos += B * j
+            total += self.run_time(rem, 0, 0, q, 1, rem * pos)
+            done_at = total
             q += 1
             off = part.context + part.prefill_tokens - (q - 1)
         if steps:
             total += self.run_time(0, 1, off, q, steps)
-        return total
+        return total, done_at
 
 
 __all__ = ["MicroRequest", "Run", "StepTimeModel", "ExecutionPredictor", "Timeline"]

@@ -3,11 +3,14 @@
 Each step, DynaServe's local scheduler does three things:
 
 1. (line 1) It records the previous batch's (prefill tokens, mean decode context, decode count,
-   time) in the profile table. This happens in ``observe``, from the plan and its StepResult.
+   time, and its prefill chunks' prefixes) in the profile table. This happens in ``observe``, from the plan and its StepResult.
 2. (line 2) The batch takes all decodes first. M <- MAXPREFILLALLOWED(T, S, ctx, dnum) is the
    largest prefill budget whose predicted step time is within the target S. It is found by a
    binary search on M over the table's prediction (:meth:`ProfileTable.max_prefill`). Here ctx
-   is the mean context of the decodes after the step and dnum is the number of decodes.
+   is the mean context of the decodes after the step and dnum is the number of decodes. The M
+   tokens are costed as the chunks they will buy (:meth:`SLOComposePolicy.prefill_queue`): the
+   running prefills, then the waiting requests, each chunk after its own cached prefix, so a
+   chunk deep into a long prompt gets the smaller budget its attention leaves.
 3. (lines 3-8) Waiting prefills take min(tokens, M) in FCFS order until M runs out.
 
 The scheduler schedules running requests first, in admission order. Running prefills come after
@@ -39,7 +42,7 @@ from tidal.config import SchedulerConfig
 from tidal.core.plan import StepPlan, StepResult
 from tidal.core.policy import PolicyState, SchedulerView, SchedulingPolicy, StepCaps
 from tidal.policies.params import PolicyParams
-from tidal.policies.profile_table import ProfileTable
+from tidal.policies.profile_table import ProfileTable, prefill_shape
 from tidal.policies.registry import register_policy
 from tidal.policies.sla import d_sla_seconds
 
@@ -82,6 +85,7 @@ class SLOComposePolicy(SchedulingPolicy):
         self.catch_up = params.catch_up
         self.target_now_s = self.target_s
         self.max_tokens = config.max_num_batched_tokens
+        self.long_prefill_cap = config.long_prefill_token_threshold
         self.table = table or ProfileTable(prefill_bucket=params.prefill_bucket,
                                            context_bucket=params.context_bucket,
                                            decode_bucket=params.decode_bucket)
@@ -95,6 +99,26 @@ class SLOComposePolicy(SchedulingPolicy):
     def seed(self, profile: dict | list) -> None:
         self.table = ProfileTable.load(profile)
 
+    def prefill_queue(self, view: SchedulerView, room: int) -> list[tuple[int, int]]:
+        """The prefills the step's M tokens go to, in the scheduler's order, as ``(prefix, tokens)``:
+        running prefills (admission order), then the waiting requests (FCFS), until they can take
+        ``room`` tokens. Each takes at most what its chunk may (the uncomputed tokens, an alpha's
+        split point, ``long_prefill_token_threshold``)."""
+        out: list[tuple[int, int]] = []
+        total = 0
+        for r in (*(r for r in view.running if r.in_prefill), *view.waiting):
+            if total >= room:
+                break
+            n = r.num_uncomputed_tokens
+            if r.pause_at is not None:
+                n = min(n, max(r.pause_at - r.num_computed_tokens, 1))
+            if self.long_prefill_cap and n > 1:
+                n = min(n, self.long_prefill_cap)
+            if n > 0:
+                out.append((r.num_computed_tokens, n))
+                total += n
+        return out
+
     def plan_step(self, view: SchedulerView) -> StepCaps:
         decodes = [r for r in view.running if not r.in_prefill]
         d = len(decodes)
@@ -106,11 +130,14 @@ class SLOComposePolicy(SchedulingPolicy):
             waited = max((view.now - r.last_token_time for r in decodes if r.last_token_time is not None), default=0.0)
             target = max(target - waited, 0.0)
         self.target_now_s = target
-        m = self.table.max_prefill(target, ctx, d, room)  # DynaServe Alg. 2 line 2: MAXPREFILLALLOWED
+        queue = self.prefill_queue(view, room)  # the chunks M will buy, each at its own prefix
+        m = self.table.max_prefill(target, ctx, d, room, queue)  # DynaServe Alg. 2 line 2: MAXPREFILLALLOWED
         self.M = max(m, floor)
         self.budget = min(d + self.M, self.max_tokens)
         self._query = (ctx, d)
-        self.last_budget_predicted_s = self.table.predict(self.M, ctx, d)
+        # the step as it will run: M tokens, or all the queue holds when that is less
+        self.last_budget_predicted_s = self.table.predict_queue(min(self.M, sum(n for _, n in queue)) if queue
+                                                                else self.M, ctx, d, queue)
         return StepCaps(token_budget=self.budget)
 
     def observe(self, plan: StepPlan, result: StepResult) -> None:
@@ -119,10 +146,13 @@ class SLOComposePolicy(SchedulingPolicy):
             return
         dec = [c.context_len for c in plan.chunks if c.is_decode]
         ctx = sum(dec) / len(dec) if dec else 0.0
-        p, d = comp.num_prefill_tokens, comp.num_decode_seqs
-        self.last_predicted_s = self.table.predict(p, ctx, d)
+        p, prefix, sq = prefill_shape((c.start, c.num_tokens) for c in plan.chunks if not c.is_decode)
+        if not plan.chunks:  # a composition without chunks (a test's): one chunk at prefix 0
+            p, prefix, sq = comp.num_prefill_tokens, 0.0, float(comp.num_prefill_tokens) ** 2
+        d = comp.num_decode_seqs
+        self.last_predicted_s = self.table.predict(p, ctx, d, prefix, sq)
         self.last_measured_s = result.step_time_s
-        self.table.record(p, ctx, d, result.step_time_s)  # DynaServe Alg. 2 line 1: RECORD
+        self.table.record(p, ctx, d, result.step_time_s, prefix=prefix, sq=sq)  # DynaServe Alg. 2 line 1: RECORD
 
     def state(self) -> SLOComposeState:
         def ms(x: float | None) -> float | None:

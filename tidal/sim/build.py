@@ -26,6 +26,8 @@ from tidal.sim.analytic import AnalyticCostModel, kv_pool_blocks_for
 from tidal.sim.cost_model import CostModel, ScaledCostModel
 from tidal.sim.hardware import HardwareSpec, get_hardware
 from tidal.sim.instance import SimInstance
+from tidal.sim.jitter import MODES as JITTER_MODES
+from tidal.sim.jitter import JitterParams, with_jitter
 from tidal.sim.links import LinkSpec, get_link
 from tidal.sim.models import MODELS, get_model
 from tidal.sim.pd import HandoffConfig
@@ -34,7 +36,7 @@ from tidal.sim.simulator import ClusterSimulator
 from tidal.workload import RequestSpec
 
 if TYPE_CHECKING:
-    from tidal.sim.split import ProfileGrid
+    from tidal.sim.step_grid import ProfileGrid
 
 COST_MODELS = ("analytic", "profiled")
 
@@ -73,6 +75,9 @@ class ClusterSpec:
     lookahead: bool = True  # drop: Fig. 11's cost-balanced microbatches (False: token counts)
     restore_threshold: float = 0.5  # drop: Sec. 4.4's restore rule
     split_kv_aware: bool = False  # mode split: the planner's predictor obeys each instance's KV pool
+    step_jitter: str = "off"  # off | fitted: step-time tails (tidal.sim.jitter); planners see the mean model
+    jitter_params: JitterParams | None = None  # with step_jitter fitted: these instead of jitter.FITTED
+    jitter_seed: int = 0  # the tails' own random stream
 
     def __post_init__(self) -> None:
         if self.instances < 1:
@@ -86,6 +91,8 @@ class ClusterSpec:
             raise ConfigError(f"cost model must be one of {', '.join(COST_MODELS)}; got {self.cost_model!r}")
         if self.mode != "split" and (self.split is not None or self.split_length != "max-tokens" or self.split_kv_aware):
             raise ConfigError("the split planner's settings need --mode split")
+        if self.step_jitter not in JITTER_MODES:
+            raise ValueError(f"step_jitter must be one of {', '.join(JITTER_MODES)}; got {self.step_jitter!r}")
         if self.kv_stream_tokens < 1:
             raise ConfigError(f"kv_stream_tokens must be >= 1, got {self.kv_stream_tokens}")
         if self.kv_stream_lead is not None and self.kv_stream_lead < 0:
@@ -165,17 +172,19 @@ def check_policy_args(spec: ClusterSpec) -> None:
     check_role_policies(spec.scheduler, spec.layout, spec.prefill_batching, check_policy)
 
 
-def seed_profile_tables(instances: Sequence[SimInstance], records: Sequence[tuple[int, int, int, float]]) -> int:
+def seed_profile_tables(instances: Sequence[SimInstance], records: Sequence[tuple[int, int, int, int, float]]) -> int:
     """Record an offline profile in the profile table of every policy (or policy part) that has
     one (``slo-compose``: DynaServe's table is "derived from offline profiling", then refined
-    with every step). Returns how many tables were seeded."""
+    with every step). ``records``: (prefill tokens, mean context, decode count, the prefill's
+    prefix, seconds), as :meth:`tidal.sim.step_grid.ProfileGrid.records`. Returns how many tables
+    were seeded."""
     n = 0
     for inst in instances:
         for pol in getattr(inst.policy, "parts", [inst.policy]):
             table = getattr(pol, "table", None)
             if isinstance(table, ProfileTable):
-                for p, c, d, t in records:
-                    table.record(p, c, d, t)
+                for p, c, d, x, t in records:
+                    table.record(p, c, d, t, prefix=x)
                 n += 1
     return n
 
@@ -207,14 +216,16 @@ def build_simulator(spec: ClusterSpec, requests: Sequence[RequestSpec],
     block_bytes = spec.block_size * arch.kv_bytes_per_token(spec.dtype_bytes)  # all tp shards
     host_blocks = spec.swap_space // block_bytes if spec.scheduler.preemption_mode == "swap" else 0
     cost_model = make_cost_model(spec, arch, hw)  # stateless: the instances share it
+    # the steps' times, with their tails; the planners' offline profiles (the grid) see the mean model
+    step_model = with_jitter(cost_model, spec.step_jitter, spec.jitter_seed, spec.jitter_params)
     instances = [
-        SimInstance(i, spec.role_scheduler(role), blocks, spec.block_size, cost_model, max_len,
+        SimInstance(i, spec.role_scheduler(role), blocks, spec.block_size, step_model, max_len,
                     num_host_blocks=host_blocks, timeline_interval=spec.timeline_interval_s, role=role)
         for i, role in enumerate(layout.roles())
     ]
     grid = None
     if layout.split or spec.seed_profile:
-        from tidal.sim.split import ProfileGrid
+        from tidal.sim.step_grid import ProfileGrid
 
         grid = ProfileGrid(cost_model, spec.scheduler.max_num_batched_tokens, spec.scheduler.max_num_seqs, max_len)
     if spec.seed_profile:

@@ -90,6 +90,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "from its first chunk, Sec. 4.3); beta then holds the KV for less time")
     g.add_argument("--seed-profile", action="store_true",
                    help="slo-compose's profile table starts from the cost model on a grid (an offline profile)")
+    g.add_argument("--step-jitter", choices=("off", "fitted"), default="off",
+                   help="step-time tails (tidal.sim.jitter): off, the cost model's means; fitted, host time per "
+                        "sequence and mixed-step interference fitted to DynaServe's Table 1 baselines "
+                        "(`tidal bench calibrate-jitter`)")
+    g.add_argument("--jitter-seed", type=int, default=0, help="the tails' own random stream")
     s.add_argument("--kv-stream-tokens", type=F.positive_int, default=16,
                    help="alpha pushes a request's KV to beta each time this many tokens are computed (Sec. 4.3)")
     F.add_cluster_flags(p, only=("instances", "mode", "prefill_instances", "prefill_batching", "router"),
@@ -166,7 +171,8 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         link=args.link, layers_per_chunk=args.kv_layers_per_chunk, tokens_per_chunk=args.kv_tokens_per_chunk,
         split=SplitParams(**split_flags) if layout.split else None, split_length=args.split_length or "max-tokens",
         kv_stream_tokens=args.kv_stream_tokens, kv_stream_lead=args.kv_stream_lead, seed_profile=args.seed_profile,
-        kv_pressure=args.kv_pressure, lookahead=not args.no_lookahead, split_kv_aware=args.split_kv_aware)
+        kv_pressure=args.kv_pressure, lookahead=not args.no_lookahead, split_kv_aware=args.split_kv_aware,
+        step_jitter=args.step_jitter, jitter_seed=args.jitter_seed)
 
 
 def check_roles(spec: ClusterSpec) -> None:

@@ -22,13 +22,13 @@ picks a pair and a split point ``s`` (Alg. 1). The request goes to the pair's al
 
 The planner's ledgers follow progress the way a front end can: before each decision, every part
 on the candidate instances reports what it has computed and sampled (``on_progress``, totals).
-The planner's step-time model is :class:`ProfileGrid`, an offline profile of the simulator's own
-cost model on a grid, interpolated (DynaServe's "offline profiling ... table lookups", Sec. 4.1).
+The planner's step-time model is :class:`~tidal.sim.step_grid.ProfileGrid`, an offline profile of
+the simulator's own cost model on a grid, interpolated (DynaServe's "offline profiling ... table
+lookups", Sec. 4.1).
 """
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -48,90 +48,18 @@ from tidal.cluster.moves import (
 )
 from tidal.cluster.split import SplitDecision, SplitPlanner, SplitRecord
 from tidal.cluster.split_predict import MicroRequest
-from tidal.core.plan import BatchComposition, ScheduledChunk, StepPlan
 from tidal.core.request import Request
 from tidal.core.sampling import SamplingParams
 from tidal.core.validation import RequestRejected, check_context
 from tidal.metrics import distribution
-from tidal.sim.cost_model import CostModel
 from tidal.sim.instance import SimInstance
 from tidal.sim.loop import Event
 from tidal.sim.pd import HandoffConfig
 from tidal.sim.simulator import ClusterSimulator, SimResult, _Landed
+from tidal.sim.step_grid import ProfileGrid
 from tidal.workload import RequestSpec
 
 LENGTH_MODES = ("max-tokens", "predict", "oracle")
-GRID_PREFILL = (0, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 16384)
-GRID_CONTEXT = (1, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
-GRID_DECODES = (0, 1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
-
-
-class ProfileGrid:
-    """The planner's step-time model in the simulator: an offline profile of the simulator's own
-    cost model on a grid, interpolated (DynaServe Sec. 4.1: the predictor's times are "derived
-    from offline profiling and performed via efficient table lookups").
-
-    Each grid point is one step: a ``p``-token prefill chunk (no prefix; it samples) and ``d``
-    decodes whose context after the step is ``ctx``, timed by ``cost_model``. A query is
-    interpolated linearly along each of the three axes (trilinear) and clamped to the grid; the
-    analytic model is piecewise linear in each, so on its grid points it is exact and between them
-    close. (A :class:`~tidal.policies.profile_table.ProfileTable` fitted on the same points answers
-    most of the predictor's queries from its linear regression, 15 % off at p90 and up to 68 % on
-    small decode batches, which are bound by reading the weights.)
-    """
-
-    def __init__(self, cost_model: CostModel, max_tokens: int = 16384, max_seqs: int = 1024,
-                 max_context: int = 131072):
-        self.ps = [p for p in GRID_PREFILL if p <= max(max_tokens, 16)]
-        self.cs = [c for c in GRID_CONTEXT if c <= max(max_context, 128)]
-        self.ds = [d for d in GRID_DECODES if d <= max(max_seqs, 1)]
-        sp = SamplingParams(max_tokens=1)
-        empty = BatchComposition()
-        self.t: list[list[list[float]]] = []  # [p][c][d]
-        for p in self.ps:
-            pre = [ScheduledChunk("p", (0,) * p, 0, (), True, sp)] if p else []
-            plane = []
-            for c in self.cs:
-                row = []
-                for d in self.ds:
-                    chunks = tuple(pre + [ScheduledChunk(f"d{i}", (0,), c - 1, (), True, sp) for i in range(d)])
-                    if not chunks:  # no work: the time of the smallest step (never asked for alone)
-                        chunks = (ScheduledChunk("d", (0,), c - 1, (), True, sp),)
-                    row.append(cost_model.step_time(StepPlan(0, chunks, empty)))
-                plane.append(row)
-            self.t.append(plane)
-
-    def records(self) -> list[tuple[int, int, int, float]]:
-        """Every grid point as (prefill tokens, mean context, decode count, seconds): an offline
-        profile to seed a :class:`~tidal.policies.profile_table.ProfileTable` with."""
-        return [(p, c, d, self.t[i][j][k]) for i, p in enumerate(self.ps) for j, c in enumerate(self.cs)
-                for k, d in enumerate(self.ds) if p or d]
-
-    @staticmethod
-    def _at(axis: list[int], x: float) -> tuple[int, float]:
-        """(index i, weight w): x = (1 - w) axis[i] + w axis[i + 1], clamped to the axis."""
-        if x <= axis[0]:
-            return 0, 0.0
-        if x >= axis[-1]:
-            return len(axis) - 2, 1.0
-        i = bisect.bisect_right(axis, x) - 1
-        return i, (x - axis[i]) / (axis[i + 1] - axis[i])
-
-    def __call__(self, prefill_tokens: float, mean_context: float, decode_count: float) -> float:
-        (i, wi), (j, wj), (k, wk) = (self._at(self.ps, prefill_tokens), self._at(self.cs, mean_context),
-                                     self._at(self.ds, decode_count))
-        t = self.t
-        out = 0.0
-        for di, fi in ((0, 1.0 - wi), (1, wi)):
-            if fi:
-                plane = t[i + di]
-                for dj, fj in ((0, 1.0 - wj), (1, wj)):
-                    if fj:
-                        row = plane[j + dj]
-                        out += fi * fj * ((1.0 - wk) * row[k] + wk * row[k + 1])
-        return out
-
-
 @dataclass
 class SplitTransfer:
     """One request's split and, when both parts exist, its KV's way from alpha to beta."""
@@ -284,6 +212,7 @@ class SplitSimulator(ClusterSimulator):
     def _sync(self, inst: int) -> None:
         """Every part on ``inst`` reports its progress to the planner (totals)."""
         sched = self.instances[inst].scheduler
+        self.planner.on_budget(inst, sched.last_caps.token_budget)  # the predictor's budget: recent steps'
         for rid in self.planner.request_ids(inst):
             req = sched.requests.get(rid)
             parts = self._parts.get(rid)

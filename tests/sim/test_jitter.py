@@ -1,0 +1,103 @@
+"""Step-time tails (``--step-jitter``): deterministic given a seed, the host term's mean as given,
+the interference only on mixed steps, the planners' profile on the mean model."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from tidal.config import SchedulerConfig
+from tidal.core.plan import BatchComposition, ScheduledChunk, StepPlan
+from tidal.core.sampling import SamplingParams
+from tidal.sim.build import ClusterSpec, build_simulator
+from tidal.sim.jitter import FITTED, JitteredCostModel, JitterParams, with_jitter
+from tidal.workload import RequestSpec
+
+SP = SamplingParams(max_tokens=8)
+
+
+class Flat:
+    name = "flat"
+
+    def step_time(self, plan):
+        return 0.010
+
+
+def _plan(prefill: int, decodes: int) -> StepPlan:
+    chunks = ([ScheduledChunk("p", (0,) * prefill, 0, (), True, SP)] if prefill else []) + \
+             [ScheduledChunk(f"d{i}", (0,), 100, (), True, SP) for i in range(decodes)]
+    return StepPlan(0, tuple(chunks), BatchComposition.of(chunks))
+
+
+def test_off_is_the_base_model_and_bad_params_are_refused():
+    base = Flat()
+    assert with_jitter(base, "off") is base
+    assert isinstance(with_jitter(base, "fitted"), JitteredCostModel) or FITTED.is_off
+    with pytest.raises(ValueError, match="step jitter"):
+        with_jitter(base, "sometimes")
+    with pytest.raises(ValueError, match="jitter"):
+        JitterParams(seq_s=-1.0)
+
+
+def test_interference_only_on_mixed_steps():
+    m = JitteredCostModel(Flat(), JitterParams(mixed_s=0.002))  # no host term: exact
+    assert m.step_time(_plan(0, 5)) == pytest.approx(0.010)  # decodes only
+    assert m.step_time(_plan(512, 0)) == pytest.approx(0.010)  # a prefill alone
+    assert m.step_time(_plan(512, 5)) == pytest.approx(0.010 + 5 * 0.002)  # each decode of a mixed step
+    assert m.step_time(StepPlan(0, (), BatchComposition())) == 0.010  # no step: the base's answer
+
+
+def test_host_jitter_has_the_given_mean_and_a_tail_and_repeats_with_its_seed():
+    p = JitterParams(seq_s=50e-6, sigma=1.0)
+    m = JitteredCostModel(Flat(), p, seed=3)
+    host = [m.step_time(_plan(0, 100)) - 0.010 for _ in range(20000)]
+    assert statistics.fmean(host) == pytest.approx(100 * 50e-6, rel=0.05)  # mean seq_s per sequence
+    q = statistics.quantiles(host, n=100)
+    assert q[98] > 4 * q[49]  # a log-normal tail: p99 far above the median
+    again = JitteredCostModel(Flat(), p, seed=3)
+    assert [again.step_time(_plan(0, 100)) - 0.010 for _ in range(100)] == host[:100]
+    other = JitteredCostModel(Flat(), p, seed=4)
+    assert [other.step_time(_plan(0, 100)) - 0.010 for _ in range(100)] != host[:100]
+
+
+def _run(jitter: str, seed: int):
+    spec = ClusterSpec(model="qwen-2.5-14b", hardware="a100-80g", instances=2, router="round-robin",
+                       scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=64),
+                       step_jitter=jitter, jitter_params=JitterParams(seq_s=40e-6, sigma=1.0, mixed_s=0.3e-3),
+                       jitter_seed=seed)
+    specs = [RequestSpec(0.05 * i, 300 + 37 * (i % 9), 40 + 11 * (i % 5)) for i in range(60)]
+    sim = build_simulator(spec, specs)
+    return sim, sim.run()
+
+
+def test_a_simulation_with_tails_is_deterministic_given_its_seed_and_slower_than_the_mean():
+    sim, a = _run("fitted", 1)
+    assert isinstance(sim.instances[0].cost_model, JitteredCostModel)
+    _, b = _run("fitted", 1)
+    _, c = _run("fitted", 2)
+    _, off = _run("off", 1)
+    gaps = lambda r: [g for rec in r.records for g in rec.itl_s]  # noqa: E731
+    assert gaps(a) == gaps(b) and gaps(a) != gaps(c)
+    assert all(r.success for r in a.records)
+    assert statistics.fmean(gaps(a)) > statistics.fmean(gaps(off))  # host time and interference add
+    q_a, q_off = statistics.quantiles(gaps(a), n=100), statistics.quantiles(gaps(off), n=100)
+    assert q_a[98] / q_a[49] > q_off[98] / q_off[49]  # and a longer tail
+
+
+def test_the_split_planner_profiles_the_mean_model():
+    spec = ClusterSpec(model="qwen-2.5-14b", hardware="a100-80g", instances=2, mode="split",
+                       scheduler=SchedulerConfig(batching="slo-compose", tbt_slo_ms=100, max_num_batched_tokens=2048,
+                                                 max_num_seqs=64), step_jitter="fitted",
+                       jitter_params=JitterParams(seq_s=40e-6, sigma=1.0, mixed_s=0.3e-3))
+    sim = build_simulator(spec, [RequestSpec(0.0, 500, 20)])
+    base = sim.instances[0].cost_model.base
+    grid = sim.planner.predictor.step_time
+    assert grid(512, 1024, 32) == pytest.approx(base.step_time(_plan_at(512, 1024, 32)), rel=1e-12)
+
+
+def _plan_at(p: int, ctx: int, d: int) -> StepPlan:
+    sp = SamplingParams(max_tokens=1)
+    chunks = [ScheduledChunk("p", (0,) * p, 0, (), True, sp)] + \
+             [ScheduledChunk(f"d{i}", (0,), ctx - 1, (), True, sp) for i in range(d)]
+    return StepPlan(0, tuple(chunks), BatchComposition.of(chunks))

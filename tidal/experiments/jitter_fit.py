@@ -1,0 +1,166 @@
+"""``tidal bench calibrate-jitter``: the simulator's step-time tails fitted to DynaServe's baselines.
+
+DynaServe's Table 1 measures the two baselines, PD colocation (two vLLM instances, chunked
+prefill of 2,048 tokens, requests alternating) and PD disaggregation (1P1D), serving
+Qwen-2.5-14B on two A100-80G at rates "tuned to saturate the GPUs", on three fixed shapes (8192 /
+32, 2048 / 512, 219 / 1467): p50 and p99 TBT and throughput. This command runs the same six
+setups in the simulator and compares.
+
+**Saturation** here: Poisson arrivals at twice the paper's throughput for ``--window`` seconds,
+measured after ``warm`` seconds (the instances are full by then: the KV pool, or the prefill
+instance's queue), until the window ends; throughput is the requests that finished in the
+measured span per second, TBT every gap between two tokens that ended in it. A saturated
+instance's steps are what its admissions allow (KV frees as requests finish, or the prefill
+queue), so the measurement does not depend on how far past saturation the arrivals are.
+
+**The fit** (:mod:`tidal.sim.jitter`): ``seq_s`` (host seconds per sequence per step), ``sigma``
+(their log-normal spread per step) and ``mixed_s`` (seconds each decode of a mixed step adds),
+chosen on a small grid (:data:`GRID`) to minimize the mean relative error over the 18 figures
+(6 setups x p50, p99, throughput; the largest is reported beside it), on these baselines only (never on DynaServe's own
+results). ``--params`` evaluates one set instead of searching; ``--step-jitter off`` the mean
+model. Every run is deterministic given ``--seed``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+
+from tidal.common import flags as F
+from tidal.common.results import command_line, write_json
+from tidal.sim.jitter import FITTED, JitterParams
+
+PROG = "tidal bench calibrate-jitter"
+MODEL, HARDWARE = "qwen-2.5-14b", "a100-80g"
+# DynaServe Table 1: (p50 TBT ms, p99 TBT ms, throughput rps)
+TABLE1: dict[tuple[str, str], tuple[float, float, float]] = {
+    ("8192-32", "disagg"): (22.70, 58.09, 0.83), ("8192-32", "coloc"): (309.68, 352.93, 1.49),
+    ("2048-512", "disagg"): (47.00, 65.11, 2.56), ("2048-512", "coloc"): (46.86, 336.81, 2.83),
+    ("219-1467", "disagg"): (50.63, 74.47, 1.68), ("219-1467", "coloc"): (47.99, 162.67, 2.86),
+}
+# seconds of arrivals and the warm-up not measured, per shape (a 219 / 1467 request lives ~70 s)
+WINDOWS = {"8192-32": (180.0, 40.0), "2048-512": (240.0, 80.0), "219-1467": (360.0, 150.0)}
+METRICS = ("p50_ms", "p99_ms", "rps")
+# the grid the fit searches
+GRID = {"seq_s": (30e-6, 38e-6), "sigma": (1.0, 1.2), "mixed_s": (0.15e-3, 0.3e-3)}
+
+
+def run_point(shape: str, layout: str, jitter: JitterParams | None, seed: int = 0,
+              scale: float = 1.0, load: float = 1.0) -> dict[str, float]:
+    """One Table 1 setup in the simulator at ``load`` x the paper's rate: p50 / p99 TBT (ms) and
+    throughput (rps)."""
+    from tidal import workload as W
+    from tidal.config import SchedulerConfig
+    from tidal.sim.build import ClusterSpec, build_simulator
+
+    window, warm = WINDOWS[shape]
+    window, warm = window * scale, warm * scale
+    rate = load * TABLE1[(shape, layout)][2]
+    sched = SchedulerConfig(batching="continuous", max_num_batched_tokens=2048, max_num_seqs=256)
+    spec = ClusterSpec(model=MODEL, hardware=HARDWARE, instances=2, mode="colocate" if layout == "coloc" else "disaggregate",
+                       prefill_instances=1 if layout == "disagg" else 0, router="round-robin", scheduler=sched,
+                       step_jitter="off" if jitter is None else "fitted", jitter_params=jitter, jitter_seed=seed)
+    opts = W.WorkloadOptions(workload=f"dynaserve-{shape}", num_requests=int(rate * window) + 1, rate=1.0, seed=seed)
+    specs = W.specs_at_rate(W.make_requests(opts), rate, window)  # Poisson, exactly ``rate`` on average
+    res = build_simulator(spec, specs).run(until=window)
+    gaps: list[float] = []
+    done = 0
+    for rec in res.records:
+        if rec.end_s is not None and rec.success and warm <= rec.end_s <= window:
+            done += 1
+        if rec.ttft_s is None or rec.send_s is None:
+            continue
+        t = rec.send_s + rec.ttft_s
+        for g in rec.itl_s:
+            t += g
+            if t >= warm and g > 0:
+                gaps.append(g)
+    a = np.array(gaps) if gaps else np.array([float("nan")])
+    return {"p50_ms": float(np.percentile(a, 50) * 1e3), "p99_ms": float(np.percentile(a, 99) * 1e3),
+            "rps": done / (window - warm)}
+
+
+def evaluate(jitter: JitterParams | None, seed: int = 0, scale: float = 1.0, log: bool = True) -> dict[str, Any]:
+    """All six setups: each figure, the paper's, and the relative error; the largest and the mean."""
+    rows = []
+    for (shape, layout), paper in TABLE1.items():
+        t0 = time.perf_counter()
+        got = run_point(shape, layout, jitter, seed, scale)
+        errs = {m: got[m] / p - 1.0 for m, p in zip(METRICS, paper, strict=True)}
+        rows.append({"shape": shape, "layout": layout, "sim": got, "paper": dict(zip(METRICS, paper, strict=True)),
+                     "rel_err": errs})
+        if log:
+            print(f"  {shape:>9} {layout:<6} " + "  ".join(
+                f"{m} {got[m]:7.2f} (paper {p:7.2f}, {100 * errs[m]:+5.1f}%)" for m, p in zip(METRICS, paper, strict=True))
+                + f"  [{time.perf_counter() - t0:.0f} s]", flush=True)
+    errs = [abs(e) for r in rows for e in r["rel_err"].values()]
+    return {"params": None if jitter is None else asdict(jitter), "rows": rows, "max_abs_rel_err": max(errs),
+            "mean_abs_rel_err": float(np.mean(errs))}
+
+
+def _grid() -> list[JitterParams]:
+    return [JitterParams(seq_s=q, sigma=s, mixed_s=m)
+            for q, s, m in itertools.product(GRID["seq_s"], GRID["sigma"], GRID["mixed_s"])]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("calibrate-jitter", help="fit the simulator's step-time tails to DynaServe's Table 1 baselines",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--step-jitter", choices=("off", "fitted"), default="fitted",
+                   help="off: the mean model's errors; fitted: the fitted tails' (tidal.sim.jitter.FITTED)")
+    p.add_argument("--params", default=None,
+                   help="evaluate these instead: seq_s,sigma,mixed_s (e.g. 30e-6,1.0,0.25e-3)")
+    p.add_argument("--search", action="store_true", help="search the grid for the best fit (slow: ~100 x 6 runs)")
+    p.add_argument("--scale", type=float, default=1.0, help="windows x this (shorter runs for a search)")
+    p.add_argument("--seed", type=int, default=0)
+    F.add_output_flags(p, "results/jitter_fit.json")
+    p.set_defaults(func=run)
+
+
+def _parse(text: str) -> JitterParams:
+    try:
+        seq_s, sigma, mixed_s = (float(x) for x in text.split(","))
+        return JitterParams(seq_s, sigma, mixed_s)
+    except ValueError as e:
+        raise ValueError(f"--params: expected seq_s,sigma,mixed_s ({e})") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        chosen = _parse(args.params) if args.params else (None if args.step_jitter == "off" else FITTED)
+    except ValueError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    command = command_line(PROG)
+    print(f"command: {command}", flush=True)
+    report: dict[str, Any] = {"command": command, "paper": {f"{s} {lay}": v for (s, lay), v in TABLE1.items()},
+                              "windows": WINDOWS, "seed": args.seed}
+    if args.search:
+        tried = []
+        for params in _grid():
+            ev = evaluate(params, args.seed, args.scale, log=False)
+            tried.append(ev)
+            print(f"  {params}: max {100 * ev['max_abs_rel_err']:.1f}%, mean {100 * ev['mean_abs_rel_err']:.1f}%",
+                  flush=True)
+        best = min(tried, key=lambda e: (e["mean_abs_rel_err"], e["max_abs_rel_err"]))
+        report["search"] = [{"params": e["params"], "max": e["max_abs_rel_err"], "mean": e["mean_abs_rel_err"]}
+                            for e in tried]
+        chosen = JitterParams(**best["params"])
+        print(f"best: {chosen}", flush=True)
+    print(f"step jitter: {'off (the mean model)' if chosen is None else chosen}", flush=True)
+    ev = evaluate(chosen, args.seed)
+    report["fit"] = ev
+    print(f"largest error {100 * ev['max_abs_rel_err']:.1f}%, mean {100 * ev['mean_abs_rel_err']:.1f}% over "
+          f"{3 * len(TABLE1)} figures (DynaServe Table 1)", flush=True)
+    write_json(report, args.output)
+    print(f"wrote {args.output}")
+    return 0
+
+
+__all__ = ["TABLE1", "add_parser", "evaluate", "run", "run_point"]

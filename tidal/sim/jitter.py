@@ -1,0 +1,115 @@
+"""Step-time tails: a cost model's steps with per-step jitter and mixed-step interference.
+
+A roofline gives a step's mean time on the device. A real engine adds tails: host-side work
+per sequence (scheduling, input preparation, sampling and output processing: Python, in vLLM
+0.7's V0 engine) that stalls now and then, and a step that mixes a prefill chunk with decodes
+pays more than the sum of its parts' roofline (separate prefill and decode attention kernels in
+one forward, the decodes' metadata rebuilt around the chunk). DynaServe's own Table 1 shows
+both: colocated decode-heavy serving (219 / 1467) at a p50 TBT of 48 ms has a p99 of 163 ms,
+where the mean model gives 41 and 65.
+
+:class:`JitteredCostModel` wraps any cost model. A step of ``n`` sequences, ``n_d`` of them
+decodes, takes
+
+    t = base + mixed_s * n_d [mixed steps only] + seq_s * n * exp(sigma * z - sigma^2 / 2)
+
+- ``mixed_s``: seconds each decode of a *mixed* step (at least one prefill chunk and one decode)
+  adds: the interference of a prefill beside the decodes (a step of 2,048 prefill tokens and a
+  few decodes pays little, one of 219 tokens beside 100 decodes a lot);
+- ``seq_s``: the mean host time per sequence per step, with a log-normal spread ``sigma``
+  (z standard normal, one draw per step): the per-step jitter, absolute like the host work it
+  stands for, so a 300 ms prefill step is not stretched by it as a 40 ms decode step is.
+
+The parameters are fitted, by :mod:`tidal.experiments.jitter_fit` (``tidal bench
+calibrate-jitter``), to the paper's baseline measurements only (Table 1's colocation and 1P1D
+runs): never to the technique's own results. The draws come from the model's own
+``random.Random(seed)``: a run is deterministic given the seed (the simulator calls the model in a
+deterministic order). :data:`FITTED` holds the fitted values; ``--step-jitter off`` leaves the
+base model alone.
+
+Pure: no torch, no clock.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tidal.core.plan import StepPlan
+from tidal.sim.cost_model import CostModel
+
+MODES = ("off", "fitted")
+
+
+@dataclass(frozen=True)
+class JitterParams:
+    seq_s: float = 0.0  # mean host seconds per sequence per step
+    sigma: float = 0.0  # log-normal spread of that host time (one draw per step)
+    mixed_s: float = 0.0  # seconds each decode of a mixed step adds
+
+    def __post_init__(self) -> None:
+        if self.seq_s < 0 or self.sigma < 0 or self.mixed_s < 0:
+            raise ValueError(f"jitter: need seq_s, sigma, mixed_s >= 0; got {self}")
+
+    @property
+    def is_off(self) -> bool:
+        return self.seq_s == 0 and self.mixed_s == 0
+
+
+# fitted by `tidal bench calibrate-jitter` to DynaServe's Table 1 (colocation and 1P1D, Qwen-2.5-14B
+# on 2 x A100-80G); see that module for the fit and its errors
+FITTED = JitterParams(seq_s=30e-6, sigma=1.2, mixed_s=0.3e-3)
+
+
+class JitteredCostModel:
+    """``base``'s step times with interference and host jitter (module docstring)."""
+
+    def __init__(self, base: CostModel, params: JitterParams, seed: int = 0):
+        self.base, self.params = base, params
+        self.name = f"{base.name}+jitter"
+        self.rng = random.Random(seed)
+        self._half_var = 0.5 * params.sigma * params.sigma
+        if hasattr(base, "decode_step_time") and hasattr(base, "decode_step_time_at"):
+            self.decode_step_time = self._decode_step_time  # the simulator's fast path, jittered alike
+            self.decode_step_time_at = self._decode_step_time_at
+
+    def host(self, n: int) -> float:
+        """One step's host time for ``n`` sequences (one draw)."""
+        p = self.params
+        if not p.seq_s or not n:
+            return 0.0
+        if not p.sigma:
+            return p.seq_s * n
+        return p.seq_s * n * math.exp(p.sigma * self.rng.gauss(0.0, 1.0) - self._half_var)
+
+    def step_time(self, plan: StepPlan) -> float:
+        t = self.base.step_time(plan)
+        chunks = plan.chunks
+        if not chunks:
+            return t
+        if self.params.mixed_s:
+            n_d = sum(1 for c in chunks if c.is_decode)
+            if 0 < n_d < len(chunks):
+                t += self.params.mixed_s * n_d
+        return t + self.host(len(chunks))
+
+    def _decode_step_time(self, positions: Sequence[tuple[str, int]]) -> float:
+        return self.base.decode_step_time(positions) + self.host(len(positions))  # type: ignore[attr-defined]
+
+    def _decode_step_time_at(self, positions: Sequence[int], ahead: int) -> float:
+        return self.base.decode_step_time_at(positions, ahead) + self.host(len(positions))  # type: ignore[attr-defined]
+
+
+def with_jitter(base: CostModel, mode: str, seed: int = 0, params: JitterParams | None = None) -> CostModel:
+    """``base`` for ``mode`` "off"; wrapped with ``params`` (default :data:`FITTED`) for "fitted"."""
+    if mode not in MODES:
+        raise ValueError(f"step jitter must be one of {', '.join(MODES)}; got {mode!r}")
+    if mode == "off":
+        return base
+    p = params or FITTED
+    return base if p.is_off else JitteredCostModel(base, p, seed)
+
+
+__all__ = ["FITTED", "MODES", "JitterParams", "JitteredCostModel", "with_jitter"]
