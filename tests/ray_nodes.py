@@ -112,9 +112,11 @@ class RayNodes:
 
     def alive_nodes(self) -> int:
         out = subprocess.run([sys.executable, "-c", "import ray, sys; ray.init(address=sys.argv[1], "
-                              "log_to_driver=False); print(sum(n['Alive'] for n in ray.nodes()))", self.address],
-                             env=self.env, capture_output=True, text=True, timeout=120)
-        return int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else -1
+                              "log_to_driver=False); print('ALIVE', sum(n['Alive'] for n in ray.nodes()))",
+                              self.address], env=self.env, capture_output=True, text=True, timeout=120)
+        # Ray may print its own lines (e.g. "raylet has lagging heartbeats" on a busy machine): read ours
+        counts = [int(line.split()[1]) for line in out.stdout.splitlines() if line.startswith("ALIVE ")]
+        return counts[-1] if out.returncode == 0 and counts else -1
 
     def wait_nodes(self, n: int) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
