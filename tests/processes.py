@@ -3,7 +3,9 @@ a CI timeout): Linux's parent-death signal, set in the child before it runs anyt
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import os
 import signal
 import sys
 
@@ -15,3 +17,16 @@ def die_with_parent() -> None:
 
 
 POPEN_KW = {"preexec_fn": die_with_parent} if sys.platform.startswith("linux") else {}
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every live process under it."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{p}/task"):
+                with contextlib.suppress(OSError), open(f"/proc/{p}/task/{tid}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+    return out

@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-from tests.processes import die_with_parent
+from tests.processes import die_with_parent, process_tree
 
 START_TIMEOUT_S = 180.0  # a node's start (seconds on an idle machine, more on a loaded 2-core one)
 
@@ -30,19 +30,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and every live process under it."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        with contextlib.suppress(OSError):
-            for tid in os.listdir(f"/proc/{p}/task"):
-                with contextlib.suppress(OSError), open(f"/proc/{p}/task/{tid}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
-    return out
 
 
 def _running(pid: int) -> bool:

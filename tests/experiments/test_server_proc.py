@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import _process_tree
+from tests.processes import process_tree
 from tidal.experiments.server_proc import serve, stop
 
 
@@ -26,7 +26,7 @@ def test_serve_waits_for_health_and_stop_leaves_no_process():
                            ["--kv-cache-memory", "32MiB", "--max-num-seqs", "2"])
     try:
         assert httpx.get(f"{url}/health", timeout=10, trust_env=False).status_code == 200
-        children = _process_tree(proc.pid)[1:]
+        children = process_tree(proc.pid)[1:]
         assert len(children) >= 2  # the two instances' workers
     finally:
         stop(proc)
@@ -64,7 +64,7 @@ def test_a_server_dies_with_the_experiment_that_started_it(tmp_path):
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         server_pid, log = parent.stdout.readline().split()
-        tree = _process_tree(int(server_pid))
+        tree = process_tree(int(server_pid))
         assert _alive(int(server_pid))
     finally:
         parent.kill()

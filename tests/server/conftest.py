@@ -35,7 +35,7 @@ import time
 import httpx
 import pytest
 
-from tests.processes import die_with_parent
+from tests.processes import die_with_parent, process_tree
 
 READY_RE = re.compile(r"serving (\S+) on http://([\d.]+):(\d+)")
 STARTUP_TIMEOUT = 240.0
@@ -49,19 +49,6 @@ def _idle_and_die_with_parent() -> None:
     die_with_parent()
     with contextlib.suppress(OSError):  # not allowed here: then it loads at the normal policy
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-
-
-def _process_tree(pid: int) -> list[int]:
-    """``pid`` and every live process under it."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        with contextlib.suppress(OSError):
-            for tid in os.listdir(f"/proc/{p}/task"):
-                with contextlib.suppress(OSError), open(f"/proc/{p}/task/{tid}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
-    return out
 
 
 class ServerProcess:
@@ -111,7 +98,7 @@ class ServerProcess:
         or thread): repeated until no thread is left behind."""
         for _ in range(10):
             changed = 0
-            for pid in _process_tree(self.proc.pid):
+            for pid in process_tree(self.proc.pid):
                 try:
                     tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
                 except OSError:  # it has exited: wait_ready reports that of the server
