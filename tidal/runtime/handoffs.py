@@ -141,11 +141,7 @@ class HandoffFront:
 
     def _ended(self, t: Tracked, h: Handoff) -> None:
         move = h.move
-        h.ended = True
-        self.move_records.append(MoveRecord.of(move, t.rid))
-        self.moves_ended[move.phase.value] = self.moves_ended.get(move.phase.value, 0) + 1
-        if self.pressure is not None and move.kind is MoveKind.MIGRATE:
-            self.pressure.on_move_end(t, move)
+        self._record_end(t, h)
         if move.phase is Phase.DONE:
             assert move.dst is not None
             if move.kind is MoveKind.MIGRATE:
@@ -172,6 +168,15 @@ class HandoffFront:
             if t.handoff is h and h.move.phase is Phase.RESERVING and h.move.kind is MoveKind.HANDOFF:
                 self.carry_out(t, [Reserve(h.move.blocks)])
 
+    def _record_end(self, t: Tracked, h: Handoff) -> None:
+        """The move ended (or was dropped unfinished): recorded, counted, and its coordinator told."""
+        h.ended = True
+        rec = MoveRecord.of(h.move, t.rid)
+        self.move_records.append(rec)
+        self.moves_ended[rec.outcome] = self.moves_ended.get(rec.outcome, 0) + 1
+        if self.pressure is not None and h.move.kind is MoveKind.MIGRATE:
+            self.pressure.on_move_end(t, h.move)
+
     def drop_handoff(self, t: Tracked) -> None:
         """End ``t``'s move from outside the machine (the request finished, was aborted or is
         re-run): its reservation on the destination goes, and the chunks in flight."""
@@ -181,11 +186,7 @@ class HandoffFront:
         if not h.move.over:
             if h.move.dst is not None:
                 self.monitor.on_reservation_end(t.rid, h.move.dst)
-            if self.pressure is not None and h.move.kind is MoveKind.MIGRATE:
-                self.pressure.on_move_end(t, h.move)
-            h.ended = True
-            self.moves_ended["dropped"] = self.moves_ended.get("dropped", 0) + 1
-            self.move_records.append(MoveRecord.of(h.move, t.rid))
+            self._record_end(t, h)
         self._release_handoff(t)
         t.handoff = None
 
