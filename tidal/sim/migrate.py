@@ -1,7 +1,9 @@
 """``tidal sim --kv-pressure migrate``: the Llumnix-like baseline (KunServe Sec. 2.3, Fig. 3c).
 
 At a throttled instance's step end, :class:`tidal.cluster.pressure.MigrationController` picks
-running requests to move with their KV to the instances with the most room. Each moves as a
+decoding requests (what the runtime's workers can move: past their prefill, a token sampled; their
+blocks counted as the runtime's coordinator counts them) to move with their KV to the instances
+with the most room. Each moves as a
 prefill-to-decode hand-off does in :mod:`tidal.sim.simulator`: the destination allocates its
 blocks at once and holds it paused, the source pauses it (it stalls), its KV goes in chunks
 (``latency + bytes / bandwidth`` each) one after the other on the source's link; on landing the
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from tidal.cluster.handoff import handoff_blocks
 from tidal.cluster.moves import (
     NO_DEADLINES,
     Command,
@@ -57,8 +60,11 @@ class MigrateHandler(PressureHandler):
         assert self.sim is not None
         if inst.index not in self._hot:
             return []
-        running = {inst.index: [(r.request_id, inst.kv.num_blocks_of(r.request_id)) for r in inst.scheduler.running
-                                if r.num_computed_tokens > 0]}
+        # what the runtime may move (its worker's ``is_movable``: decoding, a token sampled), each
+        # needing what the runtime's coordinator counts: its tokens and the next one's slot
+        bs = inst.kv.block_size
+        running = {inst.index: [(r.request_id, handoff_blocks(r.num_tokens, bs)) for r in inst.scheduler.running
+                                if r.output_token_ids and not r.in_prefill]}
         out: list[Event] = []
         for m in self.ctl.decide(now, running, dict(enumerate(self.leaving)), dict(enumerate(self.incoming))):
             ev = self._start(m, now)
