@@ -171,11 +171,15 @@ class HandoffFront:
     def _record_end(self, t: Tracked, h: Handoff) -> None:
         """The move ended (or was dropped unfinished): recorded, counted, and its coordinator told."""
         h.ended = True
-        rec = MoveRecord.of(h.move, t.rid)
-        self.move_records.append(rec)
-        self.moves_ended[rec.outcome] = self.moves_ended.get(rec.outcome, 0) + 1
+        self.record_moves([MoveRecord.of(h.move, t.rid)])
         if self.pressure is not None and h.move.kind is MoveKind.MIGRATE:
             self.pressure.on_move_end(t, h.move)
+
+    def record_moves(self, records: Any) -> None:
+        """Moves that ended, here or on a worker (a KunServe group's head runs its exchange's moves)."""
+        for rec in records:
+            self.move_records.append(rec)
+            self.moves_ended[rec.outcome] = self.moves_ended.get(rec.outcome, 0) + 1
 
     def drop_handoff(self, t: Tracked) -> None:
         """End ``t``'s move from outside the machine (the request finished, was aborted or is
