@@ -71,19 +71,25 @@ def _run_real(work):
         assert not leaked_segments(before)
 
 
-def _run_sim(work, pools, scheduler):
-    from tidal.cluster.router import build_router
+def _sim_pressure(arch, hw):
+    """The simulator's ``--kv-pressure migrate`` with the runtime's chunks (8 layers) over shared memory."""
     from tidal.runtime.pressure import model_memory
     from tidal.sim.analytic import AnalyticCostModel
     from tidal.sim.links import get_link
     from tidal.sim.pipeline import chunk_cost_for
     from tidal.sim.pressure import PressureConfig, build_pressure
+
+    cost = AnalyticCostModel(arch, hw, dtype_bytes=4)
+    return build_pressure(PressureConfig("migrate", get_link("shm", hw), model_memory(arch, 4), arch.hidden_size * 4,
+                                         chunk_cost_for(cost, 64), layers_per_chunk=8))
+
+
+def _run_sim(work, pools, scheduler):
+    from tidal.cluster.router import build_router
     from tidal.sim.simulator import ClusterSimulator
 
     instances, arch, hw = sim_instances(pools, scheduler)
-    cost = AnalyticCostModel(arch, hw, dtype_bytes=4)
-    handler = build_pressure(PressureConfig("migrate", get_link("shm", hw), model_memory(arch, 4),
-                                            arch.hidden_size * 4, chunk_cost_for(cost, 64), layers_per_chunk=8))
+    handler = _sim_pressure(arch, hw)
     specs, ids = request_specs(work)
     res = ClusterSimulator(instances, build_router("round-robin"), specs, request_ids=ids,
                            layout=ClusterLayout(2, "colocate", 0), pressure=handler).run()
