@@ -165,6 +165,21 @@ def test_a_destination_dying_mid_move_leaves_the_request_on_its_source_and_a_sou
     assert not front2.on_instance_failed(t2, 0, 3.0)  # no move any more
 
 
+def test_a_source_that_starts_after_its_destination_died_is_told_to_stay_and_is_no_new_move():
+    """The destination died before the source read ``migrate``: the move stays and the source, which
+    will start anyway, is told to ``stay`` (it was not: it moved the request out and let it go, to be
+    re-run). Its late ``handoff`` is no P/D hand-off of a colocated instance (one was started: it
+    waited for a decode instance for the move's deadline, then re-ran the request), its chunks are
+    released; only one whose last chunk came first (it let the request go) is re-run."""
+    for last in (False, True):
+        front, t = _migrating()
+        assert front.on_instance_failed(t, 1, 2.0) and front.sent[-1] == (0, P.Stay("a"))
+        hs = _started(front, 2, last=last)
+        assert t.handoff is None and front.transport.released == hs[: 2 if last else 1]
+        assert front.failed_over == (["a"] if last else []) and t.instance == (-1 if last else 0)
+        assert [(m.kind, m.outcome) for m in front.move_records] == [("migrate", "stayed")] and front.reserved() == {}
+
+
 def test_a_move_past_its_deadline_falls_back_and_never_waits_forever():
     front, t = _migrating()
     _started(front, 2, last=False)

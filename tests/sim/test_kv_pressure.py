@@ -171,3 +171,42 @@ def test_bad_kv_pressure_arguments_give_one_line(tmp_path, capsys, argv, needle)
                        "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 2 and needle in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("dies, outcome", [("src", "failed_over"), ("dst", "stayed")])
+def test_an_instance_failing_under_a_migration_ends_the_move_as_the_machine_says(dies, outcome):
+    """The first migration's source (or destination) fails as it starts: the move ends as
+    :class:`tidal.cluster.moves.Move` says (recomputed elsewhere / left on its source), the dead
+    instance's other requests are re-run on the survivor, and every request gets all its tokens."""
+    specs = [RequestSpec(0.0, 100, 60) if i % 2 == 0 else RequestSpec(0.0, 8, 2) for i in range(12)]
+    handler = build_pressure(_cfg("migrate"))
+    sim = ClusterSimulator(_instances(2, 32), build_router("round-robin"), specs, pressure=handler)
+    start, failed, held = handler._start, [], set()
+
+    def starting(m, now):
+        landing = start(m, now)
+        if not failed:
+            failed.append(getattr(m, dies))
+            held.update(sim.instances[failed[0]].scheduler.requests)
+            for e in sim.fail(failed[0], now):
+                sim.loop.push(e)
+        return landing
+
+    handler._start = starting
+    res = sim.run()
+    first = res.moves[0]
+    assert failed == [getattr(first, dies)] and (first.src, first.dst) == (0, 1)
+    assert first.outcome == outcome and f"failed {failed[0]}" in first.events
+    assert len(res.moves) == 1  # no migration after: its peer is dead
+    # every request the dead one held is re-run elsewhere, but for a destination's copy of the moving one
+    assert first.request_id in held and sim.num_failovers == len(held) - (dies == "dst") > 0
+    assert _tokens_ok(res, specs)
+    assert not sim.monitor.instances[failed[0]].alive and not handler.moves
+
+
+def test_a_failure_needs_colocated_instances_on_the_event_loop():
+    sim = ClusterSimulator(_instances(2), build_router("round-robin"), _burst(2))
+    sim.run()
+    sim._fast = True
+    with pytest.raises(ValueError, match="colocated instances without pipeline groups"):
+        sim.fail(0, 0.0)

@@ -498,6 +498,7 @@ class ClusterLLM(HandoffFront):
         if isinstance(r, P.Grouped):
             self.pressure.on_grouped(i, r.role, r.members, r.request_ids, r.num_blocks, r.layer_ids, now)
         elif isinstance(r, P.ExchangeDone):
+            self.record_moves(r.moves)  # the exchange's moves, run on the group's head
             self.pressure.on_exchange_done(i, r.members, r.exchanged, r.moved, now)
         elif isinstance(r, P.Ungrouped):
             self.pressure.on_ungrouped(i, r.lost, r.num_blocks, now)

@@ -26,7 +26,10 @@ merge (Fig. 6 merges groups, not only instances), or both:
    is told where to write it (``place``). From then on the head runs its steps through a
    :class:`~tidal.runtime.peer.HubStageLink` and writes one queued chunk per loop turn, between
    steps, so an activation never waits behind the exchange. A request resumes when every member
-   that had its KV to write answered ``ok``; others run meanwhile; nothing recomputes.
+   that had its KV to write answered ``ok``; others run meanwhile; nothing recomputes. Each running
+   request's part is a move of the one machine (:mod:`tidal.cluster.moves`, kind ``exchange``, as
+   in the simulator): the head's own from the head to the group, a member's from it to the head (a
+   queued one comes with no KV: no move); ``exchange_done`` brings their records to the front end.
 
 Restore (Sec. 4.4) gathers the group on its head while it keeps serving: every stage sends back
 its layers' KV, the head stages its dropped layers one per loop turn, then reloads them and runs
@@ -48,7 +51,17 @@ from typing import Any
 
 import torch
 
-from tidal.cluster.moves import NO_DEADLINES, FailOver, Move, MoveKind, Release, Reserve, Resume, SendChunk
+from tidal.cluster.moves import (
+    NO_DEADLINES,
+    FailOver,
+    Move,
+    MoveKind,
+    MoveRecord,
+    Release,
+    Reserve,
+    Resume,
+    SendChunk,
+)
 from tidal.engine.stage import TailStage, microbatch_cost
 from tidal.runtime.kv_transfer import iter_chunks
 from tidal.runtime.peer import PEER_TIMEOUT_S, WATCH_S, HubStageLink, PeerLink, PeerLost
@@ -139,7 +152,9 @@ class GroupHead:
     def _form(self, pieces: dict[str, KV]) -> None:
         worker, e, spec = self.worker, self.engine, self.spec
         self.queue: deque[tuple[int, str, Any, bool]] = deque()  # (member, request, handle, last), one per turn
-        self.expect: dict[str, int] = {}  # paused request -> "ok"s still to come before it resumes
+        self.moves: dict[str, Move] = {}  # the paused requests still waiting for a member's ``ok``
+        self.records: list[MoveRecord] = []  # the moves that ended, for the front end (``ExchangeDone``)
+        self.moved: list[str] = []
         keep = spec.keeps(spec.head)
         # Sec. 4.2: every running request pauses; its KV of the other members' layers leaves before the drop
         own = {}
@@ -164,10 +179,8 @@ class GroupHead:
                 e.import_kv(rid, parts.pop(spec.head), 0)
             for m, part in parts.items():
                 self._queue(rid, m, _put(worker, part, n))
-            self._settle(rid)
+            self._keep(rid, len(parts))
         self.num_exchanged = len(own)  # own requests whose KV of other layers went to their members
-        self.moved: list[str] = []
-        self.moves: dict[str, Move] = {}  # the moved requests still waiting for a member's ``ok``
         for m, hello in hellos.items():
             for snap, handles in hello[2]:
                 self._land(m, snap, handles)
@@ -175,18 +188,22 @@ class GroupHead:
         self.restoring: _Restore | None = None
         self.restore_stats: dict[str, Any] = {}
 
-    def _queue(self, rid: str, member: int, handles: list, count: bool = True) -> None:
+    def _queue(self, rid: str, member: int, handles: list) -> None:
         for k, h in enumerate(handles):
             self.queue.append((member, rid, h, k == len(handles) - 1))
-        if handles and count:
-            self.expect[rid] = self.expect.get(rid, 0) + 1
 
-    def _settle(self, rid: str) -> None:
-        """Resume ``rid`` when no member has its KV to write any more."""
-        if not self.expect.get(rid):
-            self.expect.pop(rid, None)
-            if self.engine.transfer.is_paused(rid):
-                self.engine.resume_request(rid)
+    def _keep(self, rid: str, members: int) -> None:
+        """One of our own running requests stays here while its KV of the layers we dropped goes to
+        the ``members`` that keep them: a move of the one machine from the head to the group it
+        heads (kind ``exchange``, as the simulator's exchange of its first stage's requests). It is
+        reserved already (its blocks are here); each member's ``ok`` lands one chunk, and the last
+        resumes it."""
+        head, now = self.spec.head, time.monotonic()
+        move = Move(rid, MoveKind.EXCHANGE, head, 0, members, dst=head, deadlines=NO_DEADLINES)
+        assert all(isinstance(c, Reserve) for c in move.start(now))
+        move.reserved(head, now)  # the chunks are queued already
+        self.moves[rid] = move
+        self._landed_one(rid, 0)
 
     def _land(self, sender: int, snap: Any, handles: dict[int, list]) -> None:
         """A request that lived on ``sender`` moves here: a move of the one machine
@@ -199,16 +216,19 @@ class GroupHead:
 
         e, tr, head = self.engine, self.worker.transport, self.spec.head
         rid = snap.request_id
-        others = [m for m, hs in handles.items() if m != head and hs]
-        move = Move(rid, MoveKind.EXCHANGE, sender, 0, len(others) + bool(snap.num_computed_tokens), dst=head,
-                    deadlines=NO_DEADLINES)  # the peer links' watch is its deadline: a lost member ungroups
         self.moved.append(rid)
+        if not snap.num_computed_tokens:  # it queued there: it queues here, with no KV to move (no move)
+            e.import_request(snap)
+            return
+        others = [m for m, hs in handles.items() if m != head and hs]
+        move = Move(rid, MoveKind.EXCHANGE, sender, 0, len(others) + 1, dst=head,
+                    deadlines=NO_DEADLINES)  # the peer links' watch is its deadline: a lost member ungroups
         todo = move.start(time.monotonic())
         while todo:
             c = todo.pop(0)
             if isinstance(c, Reserve):
                 try:
-                    e.import_request(snap, paused=bool(snap.num_computed_tokens))
+                    e.import_request(snap, paused=True)
                     todo += move.reserved(head, time.monotonic())
                 except RequestRejected:
                     todo += move.refused(head, time.monotonic())
@@ -216,6 +236,7 @@ class GroupHead:
                 _release_all(tr, handles)
                 self.links[sender].send(("forget", rid))
                 e.import_request(dataclasses.replace(snap, num_computed_tokens=0, kv={}))
+                self.records.append(MoveRecord.of(move))
                 return
             elif not isinstance(c, (Release, SendChunk)):  # the chunks go below, the refused copy is none
                 raise AssertionError(f"unexpected move command {c!r}")
@@ -223,14 +244,13 @@ class GroupHead:
             e.import_kv(rid, tr.get(h), h.spec.start)
             tr.release(h)
         for m in others:
-            self._queue(rid, m, handles[m], count=False)
-        if snap.num_computed_tokens:
-            self.links[sender].send(("place", rid, e.transfer.block_table(rid)))
+            self._queue(rid, m, handles[m])
+        self.links[sender].send(("place", rid, e.transfer.block_table(rid)))
         self.moves[rid] = move
         self._landed_one(rid, 0)
 
     def _landed_one(self, rid: str, n: int = 1) -> None:
-        """A member wrote its part of moved ``rid`` (``ok``): the last one resumes it here."""
+        """A member wrote its part of ``rid`` (``ok``): the last one resumes it here."""
         move, now = self.moves[rid], time.monotonic()
         cmds = [c for _ in range(n) for c in move.chunk_landed(len(move.landed), now)]
         if not move.num_chunks:  # none of its KV had to move
@@ -240,10 +260,10 @@ class GroupHead:
                 self.engine.resume_request(rid)
         if move.over:
             del self.moves[rid]
+            self.records.append(MoveRecord.of(move))
 
     def forget(self, rid: str) -> None:
         """``rid`` was aborted here: its queued chunks never go (its blocks may be reused)."""
-        self.expect.pop(rid, None)
         self.moves.pop(rid, None)
         for item in [q for q in self.queue if q[1] == rid]:
             self.queue.remove(item)
@@ -260,17 +280,14 @@ class GroupHead:
                 elif msg[0] == "ok":
                     if msg[1] in self.moves:
                         self._landed_one(msg[1])
-                    elif msg[1] in self.expect:
-                        self.expect[msg[1]] -= 1
-                        self._settle(msg[1])
                 else:
                     log.warning("head: unexpected message from stage %d: %s", m, msg[0])
         if self.queue:
             m, rid, handle, last = self.queue.popleft()
             self.links[m].send(("kv", rid, self.engine.transfer.block_table(rid), handle, last))
-        if not self.reported and not self.expect and not self.moves and not self.queue:
+        if not self.reported and not self.moves and not self.queue:
             self.reported = True
-            self.worker.send(ExchangeDone(self.spec.members, self.num_exchanged, len(self.moved)))
+            self.worker.send(ExchangeDone(self.spec.members, self.num_exchanged, len(self.moved), tuple(self.records)))
 
     @property
     def busy(self) -> bool:
@@ -303,7 +320,7 @@ class GroupHead:
         layers' KV of the running requests (all their tokens) and is released to join the new
         group; this worker runs no pipeline meanwhile. Returns request -> that KV."""
         e, tr = self.engine, self.worker.transport
-        if self.queue or self.expect or self.restoring is not None:
+        if self.queue or self.moves or self.restoring is not None:
             raise RuntimeError("a group merges only once its exchange is done and no restore runs")
         asks = [(rid, e.transfer.block_table(rid), 0, n) for rid, n in _running_with_kv(e)]
         for link in self.links.values():
@@ -327,7 +344,7 @@ class GroupHead:
         one per loop turn, while the group keeps serving as a pipeline (:meth:`advance_restore`).
         False when an exchange is still in flight or a restore already runs."""
         e = self.engine
-        if self.queue or self.expect or self.restoring is not None:
+        if self.queue or self.moves or self.restoring is not None:
             return False
         live = {rid: (n, tuple(e.transfer.block_table(rid))) for rid, n in _running_with_kv(e)}
         self.restoring = _Restore(live, sorted(e.dropped_weight_bytes), time.perf_counter(), e.num_steps)

@@ -90,6 +90,7 @@ class HandoffFront:
         if isinstance(c, Pause):
             if move.kind is MoveKind.MIGRATE:
                 self.send(c.instance, P.Migrate(t.wid))
+                h.told = True
             return []  # a prefill worker and an alpha part pause themselves
         if isinstance(c, Reserve):
             if c.dst is None:  # a hand-off: the dispatcher's decode instance (it records the reservation)
@@ -107,8 +108,8 @@ class HandoffFront:
             self._forward(t, h)
             return []
         if isinstance(c, Resume):
-            if c.instance == move.src and h.started:  # fell back: the source keeps it
-                self.send(c.instance, P.Stay(t.wid))
+            if c.instance == move.src and (h.started or h.told):  # fell back: the source keeps it (even one
+                self.send(c.instance, P.Stay(t.wid))  # that has not started yet, but will: its destination died)
             return []  # a destination resumes the request itself after its last chunk
         if isinstance(c, Release):
             if h.imported or h.split is not None:  # it holds a copy (or a split's reservation)
@@ -171,11 +172,15 @@ class HandoffFront:
     def _record_end(self, t: Tracked, h: Handoff) -> None:
         """The move ended (or was dropped unfinished): recorded, counted, and its coordinator told."""
         h.ended = True
-        rec = MoveRecord.of(h.move, t.rid)
-        self.move_records.append(rec)
-        self.moves_ended[rec.outcome] = self.moves_ended.get(rec.outcome, 0) + 1
+        self.record_moves([MoveRecord.of(h.move, t.rid)])
         if self.pressure is not None and h.move.kind is MoveKind.MIGRATE:
             self.pressure.on_move_end(t, h.move)
+
+    def record_moves(self, records: Any) -> None:
+        """Moves that ended, here or on a worker (a KunServe group's head runs its exchange's moves)."""
+        for rec in records:
+            self.move_records.append(rec)
+            self.moves_ended[rec.outcome] = self.moves_ended.get(rec.outcome, 0) + 1
 
     def drop_handoff(self, t: Tracked) -> None:
         """End ``t``'s move from outside the machine (the request finished, was aborted or is
@@ -204,8 +209,11 @@ class HandoffFront:
         if t is None:
             return
         h = t.handoff
-        if h is None:  # a prefill's hand-off: the dispatcher picks the decode instance
-            self.begin_move(t, MoveKind.HANDOFF, i, r.blocks, r.num_chunks, meta=r.snapshot, started=True)
+        if h is None:
+            if self.monitor.instances[i].role == "prefill":  # a prefill's hand-off: the dispatcher picks the decode instance
+                self.begin_move(t, MoveKind.HANDOFF, i, r.blocks, r.num_chunks, meta=r.snapshot, started=True)
+            # else a migration that fell back before its source started (its destination died): the
+            # ``Stay`` after it resumes the request there (its chunks are released as they come)
             return
         h.meta, h.move.num_chunks, h.started = r.snapshot, r.num_chunks, True  # a migration's source began
         self._forward(t, h)
@@ -255,6 +263,7 @@ class HandoffFront:
         """A migration's source could not start (the request finished, or waits preempted): it stays."""
         t = self.by_wid.get(r.request_id)
         if t is not None and t.handoff is not None:
+            t.handoff.told = False  # it did not start, and will not
             self.carry_out(t, t.handoff.move.refused(None, now))
 
     def on_instance_failed(self, t: Tracked, i: int, now: float) -> bool:

@@ -15,7 +15,7 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 class ProtocolError(RuntimeError):
@@ -211,11 +211,13 @@ class Grouped:
 
 @dataclass(frozen=True)
 class ExchangeDone:
-    """Every request's KV is where the group needs it."""
+    """Every request's KV is where the group needs it; ``moves``: how each request's move into the
+    group went (:class:`tidal.cluster.moves.MoveRecord`, kind ``exchange``)."""
 
     members: tuple[int, ...]
     exchanged: int
     moved: int
+    moves: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ class Handoff:
     handles: list[KVHandle] = field(default_factory=list)  # the chunks the source put, in order
     split: int | None = None  # DynaServe: alpha computes KV [0, split) for beta, reserved from the start
     started: bool = False  # the source began (a hand-off's snapshot came, an alpha part was added)
+    told: bool = False  # a migration's source was told to start: it will, unless told to stay (or it answers it cannot)
     forwarded: int = 0  # chunks sent on to the current destination
     imported: bool = False  # the current destination got the snapshot
     last_put: bool = False  # the source put its last chunk (and freed the request)

@@ -1,7 +1,9 @@
 """``tidal sim --kv-pressure migrate``: the Llumnix-like baseline (KunServe Sec. 2.3, Fig. 3c).
 
 At a throttled instance's step end, :class:`tidal.cluster.pressure.MigrationController` picks
-running requests to move with their KV to the instances with the most room. Each moves as a
+decoding requests (what the runtime's workers can move: past their prefill, a token sampled; their
+blocks counted as the runtime's coordinator counts them) to move with their KV to the instances
+with the most room. Each moves as a
 prefill-to-decode hand-off does in :mod:`tidal.sim.simulator`: the destination allocates its
 blocks at once and holds it paused, the source pauses it (it stalls), its KV goes in chunks
 (``latency + bytes / bandwidth`` each) one after the other on the source's link; on landing the
@@ -13,15 +15,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from tidal.cluster.handoff import handoff_blocks
 from tidal.cluster.moves import (
     NO_DEADLINES,
     Command,
+    FailOver,
     FreeSource,
     Move,
     MoveKind,
     MoveRecord,
     Pause,
     Phase,
+    Release,
     Reserve,
     Resume,
     SendChunk,
@@ -57,8 +62,11 @@ class MigrateHandler(PressureHandler):
         assert self.sim is not None
         if inst.index not in self._hot:
             return []
-        running = {inst.index: [(r.request_id, inst.kv.num_blocks_of(r.request_id)) for r in inst.scheduler.running
-                                if r.num_computed_tokens > 0]}
+        # what the runtime may move (its worker's ``is_movable``: decoding, a token sampled), each
+        # needing what the runtime's coordinator counts: its tokens and the next one's slot
+        bs = inst.kv.block_size
+        running = {inst.index: [(r.request_id, handoff_blocks(r.num_tokens, bs)) for r in inst.scheduler.running
+                                if r.output_token_ids and not r.in_prefill]}
         out: list[Event] = []
         for m in self.ctl.decide(now, running, dict(enumerate(self.leaving)), dict(enumerate(self.incoming))):
             ev = self._start(m, now)
@@ -106,7 +114,11 @@ class MigrateHandler(PressureHandler):
                 cmds += move.source_freed(now)
             elif isinstance(c, Resume):
                 sim.instances[c.instance].scheduler.resume(rid)
-            else:  # the simulator has no deadlines to miss and no failures: nothing else is asked
+            elif isinstance(c, Release):  # the destination's paused copy goes
+                sim.instances[c.instance].scheduler.abort_requests([rid], now)
+            elif isinstance(c, FailOver):  # its source died: recompute it elsewhere from its tokens so far
+                event = sim.failover(sim.instances[move.src].scheduler.requests[rid], now)
+            else:  # the simulator has no deadlines to miss: nothing else is asked
                 raise AssertionError(f"unexpected move command {c!r}")
         if sent:
             assert chunks is not None
@@ -117,11 +129,16 @@ class MigrateHandler(PressureHandler):
         if move.over:
             self.moves.pop(rid, None)
             sim.move_records.append(MoveRecord.of(move))
+            if move.paused:  # its blocks no longer leave nor come
+                self.leaving[move.src] -= move.blocks
+                self.incoming[move.dst] -= move.blocks
         return event
 
     def _land(self, move: Move, sent: tuple[int, ...], now: float) -> list[Event]:
         assert self.sim is not None
         sim = self.sim
+        if move.over:  # it ended meanwhile (an instance failed): nothing lands
+            return []
         cmds: list[Command] = []
         for k in sent:
             cmds += move.chunk_landed(k, now)
@@ -129,11 +146,21 @@ class MigrateHandler(PressureHandler):
         self._run(move, cmds, now)
         assert landed and move.phase is Phase.DONE and move.dst is not None
         sim.monitor.on_move(move.request_id, move.src, move.dst)
-        self.leaving[move.src] -= move.blocks
-        self.incoming[move.dst] -= move.blocks
         self.moved += 1
         src, dst = sim.instances[move.src], sim.instances[move.dst]
         return [e for e in (sim._wake(dst, now), sim._wake(src, now)) if e is not None]
+
+    def on_failure(self, index: int, request_id: str, now: float) -> list[Event] | None:
+        """A move of ``request_id`` touching dead ``index`` ends as the machine says: it stays on its
+        source (the destination died) or is recomputed elsewhere (the source died)."""
+        move = self.moves.get(request_id)
+        if move is None or index not in (move.src, move.dst):
+            return None
+        assert self.sim is not None
+        sim, ends = self.sim, [self._run(move, move.failed(index, now), now)]
+        assert move.over
+        ends += [sim._wake(sim.instances[i], now) for i in (move.src, move.dst) if i != index and i is not None]
+        return [e for e in ends if e is not None]
 
     def summary(self) -> dict[str, Any]:
         out = super().summary()

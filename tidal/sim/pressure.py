@@ -131,6 +131,11 @@ class PressureHandler:
     def can_step(self, inst: SimInstance) -> bool:
         return True
 
+    def on_failure(self, index: int, request_id: str, now: float) -> list[Event] | None:
+        """Instance ``index`` died holding ``request_id``: the events of ending its move, or None
+        when no move of this handler's touches it (the simulator re-runs it elsewhere)."""
+        return None
+
     def finish(self, now: float) -> None:
         """The run ended: put the simulator's instance list back as it began."""
 

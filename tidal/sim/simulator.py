@@ -183,6 +183,8 @@ class ClusterSimulator:
         # arrivals fire in time order: the next one's time bounds the fast path (see _begin)
         self._arrival_times = sorted(s.arrival_s for s in self.specs)
         self._arrived = 0
+        self._dead: set[int] = set()  # instances that failed (``fail``): they never step again
+        self.num_failovers = 0
         self.fast_forward = fast_forward and self.layout.mode == "colocate" and pressure is None
         self._fast = False  # set by run()
         self.pressure = pressure  # what a throttled instance does beyond preempting (tidal.sim.pressure)
@@ -226,6 +228,8 @@ class ClusterSimulator:
         return None
 
     def _begin(self, inst: SimInstance, now: float) -> Event | None:
+        if self._dead and inst.index in self._dead:
+            return None
         if self.pressure is not None and not self.pressure.can_step(inst):
             return None  # draining before its layers change, or parked in a pipeline group
         ran_ahead = False
@@ -255,6 +259,8 @@ class ClusterSimulator:
         return ev
 
     def _step_end(self, inst: SimInstance, now: float) -> Event | list[Event] | None:
+        if self._dead and inst.index in self._dead:
+            return None  # the step in flight died with its instance: its tokens never came
         updates = inst.end_step(now)
         self._apply(inst, updates, now)
         if inst.role == "colocated":
@@ -271,6 +277,46 @@ class ClusterSimulator:
             out.extend(self._retry(now))
         out.append(self._begin(inst, now))
         return [e for e in out if e is not None]
+
+    # ---------------------------------------------------------------- failures
+    def fail(self, index: int, now: float) -> list[Event]:
+        """Instance ``index`` dies, as a worker process does in the runtime (``tidal.runtime.cluster``,
+        not restarted): its step in flight is lost, it never steps again and the monitor skips it;
+        each request it held, in arrival order, ends its move as the move machine says (a migration
+        touching it: the pressure handler's) or is re-run elsewhere (``failover``). Colocated
+        instances without pipeline groups, on the event-by-event loop (the fast path runs ahead)."""
+        if self._fast or self.layout.mode != "colocate" or (self.pressure is not None and self.pressure.mode == "drop"):
+            raise ValueError("a failure is simulated on colocated instances without pipeline groups, "
+                             "with fast_forward off")
+        if index in self._dead:
+            return []
+        self._dead.add(index)
+        self.monitor.on_failure(index)
+        inst, out = self.instances[index], []
+        for rid in sorted(inst.scheduler.requests, key=self._index.__getitem__):
+            req = inst.scheduler.requests.get(rid)
+            moved = self.pressure.on_failure(index, rid, now) if self.pressure is not None else None
+            if moved is not None:
+                out.extend(moved)
+            elif req is not None:
+                out.append(self.failover(req, now))
+        inst.scheduler.abort_requests(list(inst.scheduler.requests), now)
+        return [e for e in out if e is not None]
+
+    def failover(self, req: Request, now: float) -> Event | None:
+        """Re-run ``req`` from its prompt and the tokens it had (recompute), on the instance the
+        dispatcher picks, as the runtime's fail-over does."""
+        i = self._index[req.request_id]
+        k = self.dispatcher.dispatch(RouteRequest(req.request_id, req.num_tokens, self.specs[i].output_len), now)
+        if k is None:
+            return self._refuse(self.records[i], now, "unavailable: no instance is alive")
+        try:
+            self.instances[k].add_request(moved_request(req, with_kv=False))
+        except RequestRejected as e:
+            self.monitor.on_finish(k, req.request_id)
+            return self._refuse(self.records[i], now, f"rejected: {e}")
+        self.num_failovers += 1
+        return self._wake(self.instances[k], now)
 
     # ---------------------------------------------------------------- P/D hand-offs
     def _start_handoff(self, src: SimInstance, rid: str, now: float) -> list[Event | None]:
