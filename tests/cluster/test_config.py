@@ -54,3 +54,12 @@ def test_each_worker_gets_its_roles_engine_config_as_an_object():
     assert pre.model.dtype == dec.model.dtype == "float32" and pre.model.num_threads == 2
     assert engine.model.dtype == "auto"  # the tree itself is unchanged
     assert pickle.loads(pickle.dumps(pre)) == pre  # what crosses to the worker
+
+
+def test_kv_blocks_size_each_instance_pool_and_are_checked():
+    cfg = ServingConfig(EngineConfig(), ClusterConfig(layout=ClusterLayout(2, "split"), kv_blocks=(64, 8)))
+    assert [cfg.engine_for("colocate", i).cache.num_blocks_override for i in (0, 1)] == [64, 8]
+    assert cfg.engine_for("colocate").cache.num_blocks_override is None  # no index: the engine's own sizing
+    for bad in ((64,), (64, 0)):
+        with pytest.raises(ConfigError, match="one positive block count per instance"):
+            ClusterConfig(layout=ClusterLayout(2, "split"), kv_blocks=bad)

@@ -12,6 +12,8 @@ progress from its workers' outputs at real times, the simulator on its modelled 
 
 from __future__ import annotations
 
+import numpy as np
+
 from tests.runtime.shells import pools_of, random_work, request_specs, serve_burst, sim_instances
 from tests.runtime.test_cluster import ENGINE, settle, stop
 from tidal.cluster.dispatch import ClusterLayout
@@ -89,3 +91,40 @@ def test_runtime_and_simulator_make_the_same_split_decisions():
     assert [(m[0], (m[2], m[3])) for m in moves(stats["moves"])] == planned
     assert moves(stats["moves"]) == moves(res.moves)
     assert {m.outcome for m in res.moves} == {"done"}
+
+
+def test_a_refused_split_stays_on_alpha_the_same_way_in_both_shells():
+    """A refusal replayed through both shells: beta's pool (``ClusterConfig.kv_blocks``: 8 blocks
+    of 16 tokens) can never hold a 200-token prompt, so the runtime's beta answers ``Refused`` to
+    the reservation and the simulated beta refuses it as well; in both the move machine falls back
+    (the request stays on alpha, which runs it whole) and records the same move, event for event."""
+    from tidal.runtime.cluster import ClusterConfig, ClusterLLM, ServingConfig
+
+    rng = np.random.default_rng(5)
+    work = [(rng.integers(100, 40000, size=200).tolist(), 6)]
+    log: list = []
+    llm = ClusterLLM(ServingConfig(
+        EngineConfig.from_kwargs(**ENGINE),
+        ClusterConfig(layout=ClusterLayout(2, "split"), threads_per_instance=1, layers_per_chunk=10,
+                      tokens_per_chunk=16, kv_blocks=(256, 8))),
+        splitter=SplitPlanner(PARAMS, step_time, recorder=log.append))
+    llm.start()
+    try:
+        assert serve_burst(llm, work) == [6]  # alpha ran it whole
+        settle(llm)
+        pools, scheduler, real_moves = pools_of(llm), llm.config.scheduler, list(llm.move_records)
+    finally:
+        stop(llm)
+    assert pools[1][0] == 8 and pools[0][0] == 256  # each worker sized its own pool
+    (d,) = log
+    assert d.decision.handoff and d.decision.pair == (0, 1)  # the planner split it onto the small beta
+    sim_log, res = _run_sim(work, pools, scheduler)
+    assert [(r.decision.pair, r.decision.split) for r in sim_log] == [(d.decision.pair, d.decision.split)]
+    assert res.records[0].success and res.records[0].output_tokens == 6
+
+    def moves(records):
+        return [(m.request_id, m.kind, m.src, m.dst, m.outcome, m.events) for m in records]
+
+    assert moves(real_moves) == moves(res.moves)
+    (m,) = real_moves
+    assert m.kind == "split" and m.outcome != "done" and "refused" in " ".join(map(str, m.events))

@@ -46,8 +46,14 @@ class ClusterConfig:
     # Ray: the workers' placement group (one bundle per instance) and what each bundle holds
     ray_placement: str = "spread"  # spread | strict-spread | pack | strict-pack (Ray's strategies)
     num_gpus_per_instance: float = 0.0
+    # each instance's KV pool in blocks, for instances of unequal memory (default: the engine's own sizing)
+    kv_blocks: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_blocks is not None and (len(self.kv_blocks) != self.layout.instances
+                                           or any(n <= 0 for n in self.kv_blocks)):
+            raise ConfigError(f"kv_blocks needs one positive block count per instance ({self.layout.instances}), "
+                              f"got {self.kv_blocks}")
         if self.ray_placement not in RAY_PLACEMENTS:
             raise ConfigError(f"--ray-placement must be one of {', '.join(RAY_PLACEMENTS)}; got {self.ray_placement!r}")
         if self.num_gpus_per_instance < 0:
@@ -97,11 +103,13 @@ class ServingConfig:
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
-    def engine_for(self, role: str, **model: object) -> EngineConfig:
-        """The engine config of an instance of ``role`` (its own policy and policy arguments), with
-        ``model`` fields set (the dtype resolved once for all, the instance's threads)."""
-        e = self.engine
-        return dataclasses.replace(e, model=dataclasses.replace(e.model, **model),
+    def engine_for(self, role: str, index: int | None = None, **model: object) -> EngineConfig:
+        """The engine config of instance ``index``, of ``role`` (its own policy and policy arguments,
+        its own pool where ``cluster.kv_blocks`` sizes it), with ``model`` fields set (the dtype
+        resolved once for all, the instance's threads)."""
+        e, blocks = self.engine, self.cluster.kv_blocks
+        cache = e.cache if blocks is None or index is None else dataclasses.replace(e.cache, num_blocks_override=blocks[index])
+        return dataclasses.replace(e, model=dataclasses.replace(e.model, **model), cache=cache,
                                    scheduler=role_scheduler(e.scheduler, role, self.cluster.prefill_batching))
 
 

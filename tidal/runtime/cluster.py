@@ -183,7 +183,7 @@ class ClusterLLM(HandoffFront):
     def _worker_config(self, i: int) -> WorkerConfig:
         role = self.layout.roles()[i]
         dtype = self.dtype if self.config.model.dtype == "auto" else self.config.model.dtype
-        engine = self.serving.engine_for(role, dtype=dtype, num_threads=self.threads)
+        engine = self.serving.engine_for(role, i, dtype=dtype, num_threads=self.threads)
         return WorkerConfig(i, role, engine, self.cmd_addresses[i],
                             self.out_address, self.cluster.transport, self.cluster.layers_per_chunk,
                             self.cluster.tokens_per_chunk, self.generation[i], transport_tag=self.transport_tag)
