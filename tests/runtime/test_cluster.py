@@ -354,3 +354,25 @@ def test_a_worker_that_cannot_start_fails_the_start_with_its_reason_not_a_restar
     assert len(seen) <= 2 * START_ATTEMPTS
     assert max(llm.unready_deaths) == START_ATTEMPTS
     wait_gone(set(seen))
+
+
+def test_stop_unlinks_the_chunks_no_receiver_read():
+    """A chunk whose receiver died before reading it (a group's exchange, a worker that failed
+    mid-move) is known to no live process: the cluster's stop unlinks every segment left in its
+    own name space, and only those (another cluster's, here a transport of this test's, stay)."""
+    import torch
+
+    from tidal.cluster.handoff import ChunkSpec
+    from tidal.runtime.kv_transfer import SharedMemoryTransport
+
+    llm = start("colocate")
+    other = SharedMemoryTransport(f"tidal-kv-{os.getpid()}-other")
+    kv = {0: (torch.ones(4, 2, 8), torch.ones(4, 2, 8))}
+    try:
+        orphan = llm.transport.put(kv, ChunkSpec((0,), 0, 4))
+        theirs = other.put(kv, ChunkSpec((0,), 0, 4))
+        assert {orphan.ref, theirs.ref} <= shm_segments()
+    finally:
+        stop(llm)
+    assert orphan.ref not in shm_segments() and theirs.ref in shm_segments()
+    other.release(theirs)

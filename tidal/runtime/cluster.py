@@ -83,7 +83,8 @@ class ClusterLLM(HandoffFront):
         self.pressure = self._pressure()  # --kv-pressure migrate / drop: its coordinator (else None)
         n = self.layout.instances
         self.threads = cluster.threads_per_instance or max(1, default_cpu_threads() // n)
-        self.transport_tag = str(os.getpid())  # this cluster's shared-memory segments are tidal-kv-<pid>-*
+        # this cluster's shared-memory segments are tidal-kv-<pid>-<tag>-* (one name space per cluster)
+        self.transport_tag = f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.transport = build_transport(cluster.transport, self.transport_tag)
         self.backend = self._make_backend()
         if cluster.transport == "shm" and not self.backend.single_machine:
@@ -231,6 +232,7 @@ class ClusterLLM(HandoffFront):
         with self._lock:
             for t in self.requests.values():
                 self._release_handoff(t)
+        self._sweep_segments()
         for s in (*self.cmd_socks, self.out):
             s.close(0)
         self.ctx.term()
@@ -240,6 +242,17 @@ class ClusterLLM(HandoffFront):
             for name in os.listdir(self._ipc_dir):
                 os.unlink(os.path.join(self._ipc_dir, name))
             os.rmdir(self._ipc_dir)
+
+    def _sweep_segments(self) -> None:
+        """Unlink this cluster's KV segments still in /dev/shm once its workers are gone: chunks
+        whose receiver died before reading them (a group's exchange, a worker that failed mid-move)
+        belong to no one else, and a segment outlives every process that made it."""
+        prefix = f"tidal-kv-{self.transport_tag}-"
+        with contextlib.suppress(OSError):
+            for name in os.listdir("/dev/shm"):
+                if name.startswith(prefix):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join("/dev/shm", name))
 
     @property
     def is_running(self) -> bool:
