@@ -143,6 +143,8 @@ def test_kunserve_quick_reads_its_claims_off_the_bench_run(tmp_path):
         assert f"{drop_p99:,.0f} ms vs {p99:,.0f} ms" in c["simulated"]  # the numbers the run wrote
         assert c["holds"] == beats(p99, drop_p99)
     assert "kunserve_sim.png" in r["figures"]
+    # the bench run records its own command (one a reader can paste), not the reproduce command around it
+    assert bench["command"].startswith("tidal bench sim-kunserve ") and "reproduce" not in bench["command"]
 
 
 def test_kunserve_real_cell_reads_the_real_rows():

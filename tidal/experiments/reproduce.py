@@ -162,8 +162,12 @@ def run_bench(add_parser: Callable[[argparse._SubParsersAction], None], argv: li
     return that JSON: a paper's run is the bench command's, with its flags and defaults."""
     bench = bench_parser(add_parser).parse_args([*argv, "--output", out])
     log(f"tidal {' '.join(argv[:2])} -> {out}")
-    if bench.func(bench) != 0:
-        raise RuntimeError(f"tidal {' '.join(argv[:2])} failed")
+    saved, sys.argv = sys.argv, ["tidal", *argv, "--output", out]  # the command it records is its own
+    try:
+        if bench.func(bench) != 0:
+            raise RuntimeError(f"tidal {' '.join(argv[:2])} failed")
+    finally:
+        sys.argv = saved
     with open(out) as f:
         return json.load(f)
 
