@@ -75,21 +75,26 @@ class _Export:
 
 def instance_status(engine: Any, index: int, step_time_s: float | None = None) -> Any:
     from tidal.cluster.monitor import InstanceStatus
+    from tidal.policies.profile_table import prefill_shape
 
     sched, kv = engine.scheduler, engine.kv_manager
     bs = kv.block_size
     queued = sched.queued_block_demand()
     p = d = 0
-    ctx = 0.0
+    ctx = prefix = 0.0
+    sq: float | None = None
     plan = getattr(engine, "last_plan", None)
     if step_time_s is not None and plan is not None:
         dec = [c.context_len for c in plan.chunks if c.is_decode]
         p, d = plan.composition.num_prefill_tokens, len(dec)
         ctx = sum(dec) / d if d else 0.0
+        if p:  # the profile table's prefix features: each chunk's own cached prefix (issue 39)
+            _, prefix, sq = prefill_shape((c.start, c.num_tokens) for c in plan.chunks if not c.is_decode)
     hol = sched.hol_block_demand()  # the simulator's definition too (a swapped head: its host blocks)
     return InstanceStatus(index, kv.num_blocks, kv.num_free_blocks, bs, sched.num_running, sched.num_waiting,
                           queued, step_time_s, sched.num_preemptions, hol, step_prefill_tokens=p,
-                          step_decode_count=d, step_decode_context=ctx, batching=engine.config.scheduler.batching,
+                          step_decode_count=d, step_decode_context=ctx, step_prefill_prefix=prefix,
+                          step_prefill_sq=sq, batching=engine.config.scheduler.batching,
                           batch_size_cap=sched.last_caps.max_num_seqs, token_budget=sched.last_caps.token_budget,
                           policy=engine.policy.state().to_dict())
 
