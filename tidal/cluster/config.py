@@ -46,6 +46,7 @@ class ClusterConfig:
     # Ray: the workers' placement group (one bundle per instance) and what each bundle holds
     ray_placement: str = "spread"  # spread | strict-spread | pack | strict-pack (Ray's strategies)
     num_gpus_per_instance: float = 0.0
+    step_log: str | None = None  # a file: one JSON line per worker step report (profiling a layout)
 
     def __post_init__(self) -> None:
         if self.ray_placement not in RAY_PLACEMENTS:
