@@ -34,4 +34,19 @@ def test_a_step_report_is_one_json_line():
     row = json.loads(lines[0])
     assert row == {"t": 12.5, "instance": 1, "step_s": 0.125, "prefill_tokens": 20, "prefill_prefix": 35.0,
                    "decodes": 3, "decode_context": 210.0, "running": 4, "waiting": 1, "free_blocks": 300,
-                   "blocks": 364, "token_budget": 64, "handoffs_in": 3, "reserved": 1}
+                   "blocks": 364, "token_budget": 64, "handoffs_in": 3, "reserved": 1, "import_s": 0.0,
+                   "export_s": 0.0, "chunks_in": 0, "chunks_out": 0}
+
+
+def test_a_step_report_carries_the_kv_moved_since_the_last_and_resets_it():
+    from tests.runtime.test_split_front_records import _engine, _plan
+    from tidal.runtime.worker import Worker
+
+    w = SimpleNamespace(engine=_engine(_plan([], [300])), cfg=SimpleNamespace(index=0), _io=[0.25, 0.5, 40, 12])
+    idle = Worker.status(w)  # type: ignore[arg-type]  (not a step report: the counters wait)
+    assert idle.chunks_in == 0 and w._io == [0.25, 0.5, 40, 12]
+    st = Worker.status(w, 0.05)  # type: ignore[arg-type]
+    assert (st.import_s, st.export_s, st.chunks_in, st.chunks_out) == (0.25, 0.5, 40, 12)
+    assert w._io == [0.0, 0.0, 0, 0]
+    again = Worker.status(w, 0.05)  # type: ignore[arg-type]
+    assert (again.import_s, again.chunks_in) == (0.0, 0)

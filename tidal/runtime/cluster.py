@@ -505,7 +505,8 @@ class ClusterLLM(HandoffFront):
             "prefill_prefix": st.step_prefill_prefix, "decodes": st.step_decode_count,
             "decode_context": st.step_decode_context, "running": st.num_running, "waiting": st.num_waiting,
             "free_blocks": st.num_free_blocks, "blocks": st.num_blocks, "token_budget": st.token_budget,
-            "handoffs_in": rec.handoffs_in, "reserved": len(rec.reserved)}) + "\n")
+            "handoffs_in": rec.handoffs_in, "reserved": len(rec.reserved), "import_s": st.import_s,
+            "export_s": st.export_s, "chunks_in": st.chunks_in, "chunks_out": st.chunks_out}) + "\n")
 
     def _on_pressure(self, i: int, r: Any, now: float) -> None:
         """KunServe's replies (a drop took effect, an exchange or a restore ended, a group left)."""

@@ -20,6 +20,7 @@ pauses, its last chunks go, then ``split_done``, and its blocks are freed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import faulthandler
 import logging
 import os
@@ -150,6 +151,7 @@ class Worker:
         self.tail: Any = None  # or is the tail stage of one
         self.running = True
         self._handlers = self._handler_table()  # command type -> its handler
+        self._io = [0.0, 0.0, 0, 0]  # since the last step report: import s, export s, chunks in, chunks out
 
     # ---------------------------------------------------------------- messages
     def send(self, reply: Any) -> None:
@@ -158,7 +160,11 @@ class Worker:
         self.out.send(encode_reply(self.cfg.index, self.cfg.generation, reply))
 
     def status(self, step_time_s: float | None = None) -> Any:
-        return instance_status(self.engine, self.cfg.index, step_time_s)
+        st = instance_status(self.engine, self.cfg.index, step_time_s)
+        if step_time_s is None or not any(self._io):
+            return st
+        io, self._io = self._io, [0.0, 0.0, 0, 0]  # a step report carries the KV moved since the last one
+        return dataclasses.replace(st, import_s=io[0], export_s=io[1], chunks_in=io[2], chunks_out=io[3])
 
     def handle(self, cmd: Any) -> None:
         """Run one command (:mod:`tidal.runtime.protocol`). Only a client's
@@ -323,6 +329,7 @@ class Worker:
         from tidal.runtime.kv_transfer import KVChunkGone
 
         e = self.engine
+        t0 = time.perf_counter()
         for rid, q in list(self.waiting_kv.items()):
             while q:
                 msg = q[0]
@@ -337,6 +344,7 @@ class Worker:
                         break
                     e.import_kv(rid, kv, handle.spec.start)
                     self.transport.release(handle)
+                    self._io[2] += 1
                     q.popleft()
                     if not last:
                         continue
@@ -348,6 +356,7 @@ class Worker:
                 self.send(P.Landed(rid))
             if not q:
                 self.waiting_kv.pop(rid, None)
+        self._io[0] += time.perf_counter() - t0
 
     def refuse_stuck_import(self) -> None:
         """Nothing here can free blocks (no request runs or waits, no export drains) and arrived
@@ -424,6 +433,8 @@ class Worker:
             n += 1
             if time.perf_counter() - t0 >= budget_s:
                 break
+        self._io[1] += time.perf_counter() - t0
+        self._io[3] += n
         return n
 
     def write_one_chunk(self) -> bool:
