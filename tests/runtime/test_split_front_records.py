@@ -63,3 +63,32 @@ def test_the_front_learns_the_prefix_and_the_recent_budgets():
     for p, prefix in ((200, 4000.0), (100, 3500.0), (250, 500.0)):
         got = co.step_table.predict(p, 300.0, 2, prefix)
         assert got == pytest.approx(_cost(p, prefix, 2, 300.0), rel=0.05)
+
+
+def test_an_alpha_part_streams_its_kv_every_16_tokens_and_at_its_split_point():
+    """One chunk set per STREAM_TOKENS new tokens (as the simulator's split streams), not one per
+    decode step: a step-by-step stream made thousands of tiny shared-memory chunks a request."""
+    from collections import deque
+
+    from tidal.runtime.worker import STREAM_TOKENS, Worker, _Export
+
+    state = {"upto": 55, "reached": []}
+    transfer = SimpleNamespace(layer_ids=list(range(30)), computed_tokens=lambda rid: state["upto"],
+                               drain_reached_pause=lambda: state.pop("reached", []) or [])
+    w = SimpleNamespace(engine=SimpleNamespace(transfer=transfer), exports=deque([_Export("r", stream=True)]),
+                        cfg=SimpleNamespace(layers_per_chunk=8, tokens_per_chunk=0))
+    ex = w.exports[0]
+    Worker.stream_splits(w)  # the prompt's 55 tokens: 4 layer groups of 8, 8, 8, 6
+    assert [(c.start, c.end) for c in ex.chunks] == [(0, 55)] * 4 and ex.sent == 55 and not ex.done
+    ex.chunks.clear()
+    for k in range(1, STREAM_TOKENS):  # decode steps: too few new tokens for a chunk yet
+        state["upto"] = 55 + k
+        Worker.stream_splits(w)
+        assert not ex.chunks and ex.sent == 55
+    state["upto"] = 55 + STREAM_TOKENS
+    Worker.stream_splits(w)
+    assert {(c.start, c.end) for c in ex.chunks} == {(55, 71)} and len(ex.chunks) == 4
+    ex.chunks.clear()
+    state["upto"], state["reached"] = 74, ["r"]  # the split point: the rest goes at once
+    Worker.stream_splits(w)
+    assert {(c.start, c.end) for c in ex.chunks} == {(71, 74)} and ex.done

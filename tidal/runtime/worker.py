@@ -39,6 +39,10 @@ from tidal.runtime import protocol as P
 
 log = logging.getLogger("tidal.worker")
 CHUNK_BUDGET_S = 0.01  # time a worker spends putting hand-off chunks between two steps
+# an alpha part streams its KV once this many new tokens are computed (and at its split point), as
+# the simulator's split does (tidal.sim.split: stream_tokens, one KV block): a chunk per decode step
+# made thousands of tiny chunks a request, each paying a shared-memory segment's fixed cost
+STREAM_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -418,10 +422,13 @@ class Worker:
             if upto is None:  # finished (or aborted) before its split point: nothing to hand over
                 ex.done, ex.chunks = True, deque()
                 continue
+            at_split = ex.request_id in reached
+            if upto - ex.sent < STREAM_TOKENS and not at_split:
+                continue  # too few new tokens for a chunk of their own yet
             ex.chunks.extend(plan_chunks(e.transfer.layer_ids, ex.sent, upto, self.cfg.layers_per_chunk,
                                          self.cfg.tokens_per_chunk or None))
             ex.sent = upto
-            ex.done = ex.request_id in reached
+            ex.done = at_split
 
     def write_chunks(self, budget_s: float = CHUNK_BUDGET_S) -> int:
         """Put chunks between two steps for at most ``budget_s`` (at least one): the sender keeps
