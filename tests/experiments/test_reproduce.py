@@ -251,9 +251,13 @@ def test_dynaserve_real_row_says_why_each_probe_failed(tmp_path, monkeypatch):
     log = tmp_path / "server.log"
     log.write_text("")
     monkeypatch.setattr(R, "serve", lambda flags, engine: (None, "http://127.0.0.1:1", str(log)))
-    monkeypatch.setattr(R, "run_client", lambda cmd: None)
+    cmds = []
+    monkeypatch.setattr(R, "run_client", cmds.append)
     monkeypatch.setattr(R, "stop", lambda proc: None)
     row = R.run_layout("dynaserve-219-1467", "split", R.RealSetup(), str(out), log=lambda m: None)
+    # no warm-up request: its 4-token output would teach the split front's length predictor
+    (cmd,) = cmds
+    assert cmd[cmd.index("--warmup-requests") + 1] == "0"
     assert row["capacity_rps"] == 1.5 and row["system"] == "DynaServe (split)" and row["lengths"] == [55, 367]
     assert row["probe_failures"][1] == {"rate": 3.0, "unfinished": 45, "finished": 45, "by_metric": {"tbt": 0.5}}
     assert row["split_fraction"] == 0.5 and row["kv_mb_per_request"] == 1.0

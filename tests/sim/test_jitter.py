@@ -101,3 +101,35 @@ def _plan_at(p: int, ctx: int, d: int) -> StepPlan:
     chunks = [ScheduledChunk("p", (0,) * p, 0, (), True, sp)] + \
              [ScheduledChunk(f"d{i}", (0,), ctx - 1, (), True, sp) for i in range(d)]
     return StepPlan(0, tuple(chunks), BatchComposition.of(chunks))
+
+
+def test_a_receive_costs_its_bytes_over_the_bandwidth_plus_its_fixed_time():
+    m = JitteredCostModel(Flat(), JitterParams(recv_bw=50e9, recv_s=0.002))
+    assert m.receive_time(10**9) == pytest.approx(0.002 + 0.020)
+    assert JitteredCostModel(Flat(), JitterParams(mixed_s=1e-3)).receive_time(10**9) == 0.0
+    assert not JitterParams(recv_bw=1e9).is_off
+    with pytest.raises(ValueError, match="recv_bw"):
+        JitterParams(recv_bw=-1.0)
+
+
+def _pd(params: JitterParams | None):
+    spec = ClusterSpec(model="qwen-2.5-14b", hardware="a100-80g", instances=2, mode="disaggregate",
+                       prefill_instances=1, scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=64),
+                       step_jitter="off" if params is None else "fitted", jitter_params=params)
+    # a short request decodes on the decode instance while a 4K prompt prefills, then lands beside it
+    sim = build_simulator(spec, [RequestSpec(0.0, 100, 120), RequestSpec(0.2, 4096, 4)])
+    return sim, sim.run()
+
+
+def test_a_1p1d_landing_stops_the_decode_instances_decodes_for_its_receive():
+    """vLLM 0.7's disaggregated prefill pulls the KV inside the decode worker's step: the request
+    decoding there waits bytes / recv_bw once, when the 4K prompt lands (tidal.sim.jitter)."""
+    _, off = _pd(None)
+    sim, on = _pd(JitterParams(recv_bw=10e9))
+    (h,) = [h for h in sim.handoffs if h.num_tokens == 4096]
+    assert h.nbytes == 4096 * 48 * 8 * 128 * 2 * 2  # Qwen-2.5-14B's KV: 192 KiB a token
+    short_off, short_on = off.records[0].itl_s, on.records[0].itl_s
+    assert len(short_off) == len(short_on) == 119
+    extra = sorted((b - a for a, b in zip(short_off, short_on, strict=True)), reverse=True)
+    assert extra[0] == pytest.approx(h.nbytes / 10e9, rel=0.02)  # the gap the landing fell in: 80 ms more
+    assert abs(extra[1]) < 0.002  # every other gap as before (within the 4K request's own decode)

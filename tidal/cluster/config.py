@@ -48,6 +48,7 @@ class ClusterConfig:
     num_gpus_per_instance: float = 0.0
     # each instance's KV pool in blocks, for instances of unequal memory (default: the engine's own sizing)
     kv_blocks: tuple[int, ...] | None = None
+    step_log: str | None = None  # a file: one JSON line per worker step report (profiling a layout)
 
     def __post_init__(self) -> None:
         if self.kv_blocks is not None and (len(self.kv_blocks) != self.layout.instances

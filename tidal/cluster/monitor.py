@@ -42,6 +42,13 @@ class InstanceStatus:
     step_prefill_tokens: int = 0
     step_decode_count: int = 0
     step_decode_context: float = 0.0
+    step_prefill_prefix: float = 0.0  # the prefill chunks' token-weighted mean cached prefix
+    step_prefill_sq: float | None = None  # the sum of their squared lengths (None: one chunk, p^2)
+    # KV moved since its previous step report: seconds and chunks imported (landed here) and exported
+    import_s: float = 0.0
+    export_s: float = 0.0
+    chunks_in: int = 0
+    chunks_out: int = 0
     batching: str = ""  # the batching policy it runs (with --prefill-batching the roles differ)
     # the caps its policy set for that step, and the policy's state (PolicyState.to_dict()), for /admin/state
     batch_size_cap: int | None = None

@@ -204,6 +204,9 @@ CLUSTER_FLAGS: tuple[Flag, ...] = (
           help="CPU threads of each instance (default: the cores split evenly)"),
     _flag("--kv-transport", default=None, choices=["shm", "ray"],
           help="how KV moves between instances (default: shm for processes, ray for Ray actors)"),
+    _flag("--step-log", default=None, metavar="FILE",
+          help="write one JSON line per worker step report to FILE (the front end's clock, the instance, the "
+               "step's time and shape, its pool and queue, hand-offs landed there): where a layout's time goes"),
 )
 
 # a KunServe pipeline group's (tidal serve --kv-pressure drop); read by engine_kwargs
@@ -321,7 +324,8 @@ def serving_config(args: argparse.Namespace) -> Any:
                             backend=args.backend, ray_address=args.ray_address,
                             threads_per_instance=args.threads_per_instance, transport=transport,
                             kv_pressure=args.kv_pressure, ray_placement=args.ray_placement,
-                            num_gpus_per_instance=args.num_gpus_per_instance)
+                            num_gpus_per_instance=args.num_gpus_per_instance,
+                            step_log=getattr(args, "step_log", None))
     return ServingConfig(EngineConfig.from_kwargs(**engine_kwargs(args)), cluster)
 
 

@@ -70,7 +70,11 @@ def run_layout(workload: str, layout: str, setup: RealSetup, out_json: str,
                "--capacity-search", "--slo", setup.slo,
                "--target-attainment", str(setup.target), "--search-low", str(setup.search_low),
                "--search-high", str(setup.search_high), "--max-probes", str(setup.max_probes),
-               "--seed", str(setup.seed), "--no-progress", "--no-plots", "--output", out_json]
+               "--seed", str(setup.seed), "--no-progress", "--no-plots", "--output", out_json,
+               # no warm-up request: its 4-token output would be the first length the split front's online
+               # predictor learns (it then predicted 24 tokens for 367 until real requests finished, and
+               # split each early request at its prompt's end, as 1P1D); every layout alike
+               "--warmup-requests", "0"]
         log(f"{workload} ({max_in}/{max_out} tokens), {name}: tidal {' '.join(cmd[3:])}")
         run_client(cmd)  # its probe lines (stderr) show progress
         with open(out_json) as f:

@@ -39,14 +39,20 @@ REAL = ("not run here: Qwen-2.5-14B does not fit this 2-core CPU; the same three
 # the simulated workloads whose shape the real run can serve (lengths scaled down): Mini Reasoning's
 REAL_SHAPES = {"mini-reasoning": "dynaserve-219-1467"}
 REAL_NO_SHAPE = "not run on the real engine: only Mini Reasoning's shape is (a 2-core CPU's time)"
-WHY_REAL = ("real: a 135M model on 1 CPU thread per instance, not vLLM on A100s; PD Coloc. there is one chunk size "
-            "(256 tokens) with the same slo-compose local policy as the other two; split's failing probes end with "
-            "requests still unfinished after the drain rather than TBT misses among finished ones: beta holds a "
-            "streamed copy of alpha's KV (Sec. 4.3), so the two pools fill sooner than colocation's, likely its "
-            "limit here (not profiled)")
-WHY = ("the calibrated A100 analytic cost model stands in for vLLM on A100s: where a 256-512-token chunk keeps "
-       "each colocated step under the SLO at little cost, tuned colocation is hard to beat; splits run a "
-       "prompt's prefill on alpha then beta (TTFT), and beta holds a streamed KV copy")
+WHY_REAL = ("real: a 135M model on 1 CPU thread per instance (2 cores shared with other work), not vLLM on A100s; "
+            "PD Coloc. there is one chunk size (256 tokens) with the same slo-compose local policy as the other two. "
+            "Profiled from the workers' step reports (`tidal serve --step-log`): the length predictor starts cold "
+            "(before any request finishes it predicts ~24 output tokens for 367), so the early splits fall at the "
+            "prompt's end and beta carries nearly every decode; beta's gaps add its KV landings to its steps; a step "
+            "with any prefill costs several decode steps here, which alpha's composer pays once per small chunk; and a "
+            "1P1D prefill instance, idle most of the time, leaves its core to the decode instance")
+WHY = ("the calibrated A100 analytic cost model stands in for vLLM on A100s. On the hybrid (prefill-bound: ~1,350 "
+       "tokens in, ~68 out) tuned colocation with 256-token chunks keeps nearly every request within the TBT SLO in "
+       "the model, so its capacity is its queue growing, close to what two GPUs can prefill: a split moves work, it "
+       "removes none. Split's own losses: a request split inside its prompt runs its prefill on alpha, then on beta "
+       "(TTFT), and beta's steps lengthen where hand-offs land. The paper's colocation was limited by TBT tails "
+       "(Table 1); `tidal bench sim-dynaserve --step-jitter fitted` adds the tails fitted to its baselines "
+       "(`tidal bench calibrate-jitter`)")
 # the bench's own windows (240 s, at most 2000 requests) and search (10 probes, 4 % bracket)
 FULL = ["--workloads", "hybrid,mini-reasoning", "--systems", "coloc-256,coloc-512,coloc-2048,disagg,dynaserve"]
 QUICK = ["--workloads", "mini-reasoning", "--systems", "coloc-512,disagg,dynaserve", "--num-requests", "200",

@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import json
 import logging
 import os
 import tempfile
@@ -95,6 +96,7 @@ class ClusterLLM(HandoffFront):
             self.backend.shutdown()  # (KunServe's members stream activations and KV over local sockets)
             raise ConfigError("--kv-pressure drop links a pipeline group's members over sockets of one machine, "
                               "and the Ray cluster has several: use --kv-pressure migrate or preempt")
+        self._step_log = open(cluster.step_log, "w") if cluster.step_log else None  # noqa: SIM115 (closed by shutdown)
         self.ctx = zmq.Context()
         tag = uuid.uuid4().hex[:10]
         self._ipc_dir = tempfile.mkdtemp(prefix=f"tidal-{tag}-")
@@ -238,6 +240,8 @@ class ClusterLLM(HandoffFront):
         self.ctx.term()
         self.backend.shutdown()
         self.outbox.close()
+        if self._step_log is not None:
+            self._step_log.close()
         with contextlib.suppress(OSError):
             for name in os.listdir(self._ipc_dir):
                 os.unlink(os.path.join(self._ipc_dir, name))
@@ -498,11 +502,24 @@ class ClusterLLM(HandoffFront):
             for out in r.outputs:
                 self._on_output(i, out)
         self.monitor.on_status(r.status, now)
+        if self._step_log is not None and r.status.step_time_s:
+            self._log_step(i, r.status, now)
         if self.split is not None:
             self.split.record_step(r.status)
         self.tick_moves(now)  # waiting hand-offs ask again; a move past its deadline falls back
         if self.pressure is not None:
             self.pressure.tick(now)
+
+    def _log_step(self, i: int, st: InstanceStatus, now: float) -> None:
+        """``--step-log``: one worker step report as a JSON line."""
+        rec = self.monitor.instances[i]
+        self._step_log.write(json.dumps({  # type: ignore[union-attr]
+            "t": round(now, 6), "instance": i, "step_s": st.step_time_s, "prefill_tokens": st.step_prefill_tokens,
+            "prefill_prefix": st.step_prefill_prefix, "decodes": st.step_decode_count,
+            "decode_context": st.step_decode_context, "running": st.num_running, "waiting": st.num_waiting,
+            "free_blocks": st.num_free_blocks, "blocks": st.num_blocks, "token_budget": st.token_budget,
+            "handoffs_in": rec.handoffs_in, "reserved": len(rec.reserved), "import_s": st.import_s,
+            "export_s": st.export_s, "chunks_in": st.chunks_in, "chunks_out": st.chunks_out}) + "\n")
 
     def _on_pressure(self, i: int, r: Any, now: float) -> None:
         """KunServe's replies (a drop took effect, an exchange or a restore ended, a group left)."""

@@ -42,10 +42,17 @@ class SplitCoordinator:
                             self.step_table.predict)
 
     def record_step(self, status: Any) -> None:
-        """A worker's step report (DynaServe Alg. 2 line 1 RECORD), for Alg. 1's predictor."""
-        if self.step_table is not None and status.step_time_s:
+        """A worker's step report (DynaServe Alg. 2 line 1 RECORD, with the prefill chunks' own
+        prefix), for Alg. 1's predictor; its token budget joins the instance's recent budgets the
+        predictions use (Sec. 4.1), as in the simulator."""
+        if not status.step_time_s:
+            return
+        on_budget = getattr(self.planner, "on_budget", None)  # a planner given by a test may not keep budgets
+        if status.token_budget and on_budget is not None:
+            on_budget(status.index, status.token_budget)
+        if self.step_table is not None:
             self.step_table.record(status.step_prefill_tokens, status.step_decode_context, status.step_decode_count,
-                                   status.step_time_s)
+                                   status.step_time_s, prefix=status.step_prefill_prefix, sq=status.step_prefill_sq)
 
     def live_pairs(self) -> list[tuple[int, int]]:
         alive = {r.index for r in self.c.monitor.instances if r.alive}

@@ -20,6 +20,7 @@ pauses, its last chunks go, then ``split_done``, and its blocks are freed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import faulthandler
 import logging
 import os
@@ -38,6 +39,10 @@ from tidal.runtime import protocol as P
 
 log = logging.getLogger("tidal.worker")
 CHUNK_BUDGET_S = 0.01  # time a worker spends putting hand-off chunks between two steps
+# an alpha part streams its KV once this many new tokens are computed (and at its split point), as
+# the simulator's split does (tidal.sim.split: stream_tokens, one KV block): a chunk per decode step
+# made thousands of tiny chunks a request, each paying a shared-memory segment's fixed cost
+STREAM_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -75,21 +80,26 @@ class _Export:
 
 def instance_status(engine: Any, index: int, step_time_s: float | None = None) -> Any:
     from tidal.cluster.monitor import InstanceStatus
+    from tidal.policies.profile_table import prefill_shape
 
     sched, kv = engine.scheduler, engine.kv_manager
     bs = kv.block_size
     queued = sched.queued_block_demand()
     p = d = 0
-    ctx = 0.0
+    ctx = prefix = 0.0
+    sq: float | None = None
     plan = getattr(engine, "last_plan", None)
     if step_time_s is not None and plan is not None:
         dec = [c.context_len for c in plan.chunks if c.is_decode]
         p, d = plan.composition.num_prefill_tokens, len(dec)
         ctx = sum(dec) / d if d else 0.0
+        if p:  # the profile table's prefix features: each chunk's own cached prefix (issue 39)
+            _, prefix, sq = prefill_shape((c.start, c.num_tokens) for c in plan.chunks if not c.is_decode)
     hol = sched.hol_block_demand()  # the simulator's definition too (a swapped head: its host blocks)
     return InstanceStatus(index, kv.num_blocks, kv.num_free_blocks, bs, sched.num_running, sched.num_waiting,
                           queued, step_time_s, sched.num_preemptions, hol, step_prefill_tokens=p,
-                          step_decode_count=d, step_decode_context=ctx, batching=engine.config.scheduler.batching,
+                          step_decode_count=d, step_decode_context=ctx, step_prefill_prefix=prefix,
+                          step_prefill_sq=sq, batching=engine.config.scheduler.batching,
                           batch_size_cap=sched.last_caps.max_num_seqs, token_budget=sched.last_caps.token_budget,
                           policy=engine.policy.state().to_dict())
 
@@ -145,6 +155,7 @@ class Worker:
         self.tail: Any = None  # or is the tail stage of one
         self.running = True
         self._handlers = self._handler_table()  # command type -> its handler
+        self._io = [0.0, 0.0, 0, 0]  # since the last step report: import s, export s, chunks in, chunks out
 
     # ---------------------------------------------------------------- messages
     def send(self, reply: Any) -> None:
@@ -153,7 +164,11 @@ class Worker:
         self.out.send(encode_reply(self.cfg.index, self.cfg.generation, reply))
 
     def status(self, step_time_s: float | None = None) -> Any:
-        return instance_status(self.engine, self.cfg.index, step_time_s)
+        st = instance_status(self.engine, self.cfg.index, step_time_s)
+        if step_time_s is None or not any(self._io):
+            return st
+        io, self._io = self._io, [0.0, 0.0, 0, 0]  # a step report carries the KV moved since the last one
+        return dataclasses.replace(st, import_s=io[0], export_s=io[1], chunks_in=io[2], chunks_out=io[3])
 
     def handle(self, cmd: Any) -> None:
         """Run one command (:mod:`tidal.runtime.protocol`). Only a client's
@@ -318,6 +333,7 @@ class Worker:
         from tidal.runtime.kv_transfer import KVChunkGone
 
         e = self.engine
+        t0 = time.perf_counter()
         for rid, q in list(self.waiting_kv.items()):
             while q:
                 msg = q[0]
@@ -332,6 +348,7 @@ class Worker:
                         break
                     e.import_kv(rid, kv, handle.spec.start)
                     self.transport.release(handle)
+                    self._io[2] += 1
                     q.popleft()
                     if not last:
                         continue
@@ -343,6 +360,7 @@ class Worker:
                 self.send(P.Landed(rid))
             if not q:
                 self.waiting_kv.pop(rid, None)
+        self._io[0] += time.perf_counter() - t0
 
     def refuse_stuck_import(self) -> None:
         """Nothing here can free blocks (no request runs or waits, no export drains) and arrived
@@ -404,10 +422,13 @@ class Worker:
             if upto is None:  # finished (or aborted) before its split point: nothing to hand over
                 ex.done, ex.chunks = True, deque()
                 continue
+            at_split = ex.request_id in reached
+            if upto - ex.sent < STREAM_TOKENS and not at_split:
+                continue  # too few new tokens for a chunk of their own yet
             ex.chunks.extend(plan_chunks(e.transfer.layer_ids, ex.sent, upto, self.cfg.layers_per_chunk,
                                          self.cfg.tokens_per_chunk or None))
             ex.sent = upto
-            ex.done = ex.request_id in reached
+            ex.done = at_split
 
     def write_chunks(self, budget_s: float = CHUNK_BUDGET_S) -> int:
         """Put chunks between two steps for at most ``budget_s`` (at least one): the sender keeps
@@ -419,6 +440,8 @@ class Worker:
             n += 1
             if time.perf_counter() - t0 >= budget_s:
                 break
+        self._io[1] += time.perf_counter() - t0
+        self._io[3] += n
         return n
 
     def write_one_chunk(self) -> bool:

@@ -74,6 +74,7 @@ class SimInstance:
         self._crossing: tuple[list[tuple[str, int]], float] | None = None  # see run_decodes
         self._batch: tuple[Request, ...] | None = None  # a decode-only step in flight without a plan
         self._step_time = 0.0
+        self.stall_s = 0.0  # seconds the next planned step waits (a blocking KV receive, tidal.sim.jitter)
         self.num_steps = 0
         self.busy_time = 0.0
         self.timeline = Timeline(timeline_interval)
@@ -133,6 +134,8 @@ class SimInstance:
         if not plan.chunks:
             return None, self.scheduler.update(plan, StepResult(plan.step_id), now)
         dt = self.cost_model.step_time(plan)
+        if self.stall_s:
+            dt, self.stall_s = dt + self.stall_s, 0.0
         self.plan, self._step_time, self.busy = plan, dt, True
         return dt, []
 

@@ -12,6 +12,7 @@ where the mean model gives 41 and 65.
 decodes, takes
 
     t = base + mixed_s * n_d [mixed steps only] + seq_s * n * exp(sigma * z - sigma^2 / 2)
+        [+ the blocking receive of a hand-off that landed since the last step: see below]
 
 - ``mixed_s``: seconds each decode of a *mixed* step (at least one prefill chunk and one decode)
   adds: the interference of a prefill beside the decodes (a step of 2,048 prefill tokens and a
@@ -19,6 +20,16 @@ decodes, takes
 - ``seq_s``: the mean host time per sequence per step, with a log-normal spread ``sigma``
   (z standard normal, one draw per step): the per-step jitter, absolute like the host work it
   stands for, so a 300 ms prefill step is not stretched by it as a 40 ms decode step is.
+
+**The blocking receive** (``recv_bw``, ``recv_s``): the paper's 1P1D baseline is vLLM 0.7's
+disaggregated prefill, whose decode worker pulls a request's KV from the prefill instance's lookup
+buffer inside a step of its own, before its forward (the connector's ``recv_kv_caches_and_hidden_states``):
+its running decodes wait ``recv_s + bytes / recv_bw``. The simulator charges that to the decode
+instance's next step when a hand-off lands (:meth:`JitteredCostModel.receive_time`). Table 1 shows
+it: 8192 / 32 under 1P1D has a p50 TBT of 23 ms but a p99 of 58 ms with 1-2 decodes a step, where
+no per-sequence term reaches; an 8K prompt's KV is 1.6 GB (Qwen-2.5-14B: 48 layers x 8 KV heads x
+128 x 2 x 2 bytes = 192 KiB a token). DynaServe's own chunked transfer (Sec. 4.3) overlaps with
+computation, so a split's landings (:mod:`tidal.sim.split`) are not charged this.
 
 The parameters are fitted, by :mod:`tidal.experiments.jitter_fit` (``tidal bench
 calibrate-jitter``), to the paper's baseline measurements only (Table 1's colocation and 1P1D
@@ -48,19 +59,23 @@ class JitterParams:
     seq_s: float = 0.0  # mean host seconds per sequence per step
     sigma: float = 0.0  # log-normal spread of that host time (one draw per step)
     mixed_s: float = 0.0  # seconds each decode of a mixed step adds
+    recv_bw: float = 0.0  # bytes/s of a decode instance's blocking KV receive (0: the receive costs it nothing)
+    recv_s: float = 0.0  # fixed seconds of one blocking receive
 
     def __post_init__(self) -> None:
-        if self.seq_s < 0 or self.sigma < 0 or self.mixed_s < 0:
-            raise ValueError(f"jitter: need seq_s, sigma, mixed_s >= 0; got {self}")
+        if min(self.seq_s, self.sigma, self.mixed_s, self.recv_bw, self.recv_s) < 0:
+            raise ValueError(f"jitter: need seq_s, sigma, mixed_s, recv_bw, recv_s >= 0; got {self}")
 
     @property
     def is_off(self) -> bool:
-        return self.seq_s == 0 and self.mixed_s == 0
+        return self.seq_s == 0 and self.mixed_s == 0 and self.recv_bw == 0 and self.recv_s == 0
 
 
 # fitted by `tidal bench calibrate-jitter` to DynaServe's Table 1 (colocation and 1P1D, Qwen-2.5-14B
 # on 2 x A100-80G); see that module for the fit and its errors
-FITTED = JitterParams(seq_s=30e-6, sigma=1.2, mixed_s=0.3e-3)
+# (recv_bw: the best of 40 / 46 / 55 / 70 GB/s over the 1P1D rows, the other terms as fitted: an
+# 8K prompt's receive stops the decodes 29 ms; between PCIe 4.0's ~25 and NVLink 3's ~240 GB/s achieved)
+FITTED = JitterParams(seq_s=30e-6, sigma=1.2, mixed_s=0.3e-3, recv_bw=55e9)
 
 
 class JitteredCostModel:
@@ -83,6 +98,12 @@ class JitteredCostModel:
         if not p.sigma:
             return p.seq_s * n
         return p.seq_s * n * math.exp(p.sigma * self.rng.gauss(0.0, 1.0) - self._half_var)
+
+    def receive_time(self, nbytes: int) -> float:
+        """Seconds a decode instance's steps stop while a hand-off of ``nbytes`` of KV lands
+        (module docstring: the blocking receive)."""
+        p = self.params
+        return p.recv_s + (nbytes / p.recv_bw if p.recv_bw else 0.0)
 
     def step_time(self, plan: StepPlan) -> float:
         t = self.base.step_time(plan)

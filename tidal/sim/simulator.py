@@ -391,6 +391,9 @@ class ClusterSimulator:
         assert cmds == [Resume(h.dst), FreeSource(h.src)]
         src, dst = self.instances[h.src], self.instances[h.dst]
         dst.scheduler.resume(h.request_id)
+        receive = getattr(dst.cost_model, "receive_time", None)
+        if receive is not None:  # a blocking receive (tidal.sim.jitter): dst's next step waits for it
+            dst.stall_s += receive(h.nbytes)
         src.scheduler.abort_requests([h.request_id], now)  # after its last chunk the prefill frees it
         move.source_freed(now)
         self.move_records.append(MoveRecord.of(move))
