@@ -135,8 +135,14 @@ def test_kunserve_quick_reads_its_claims_off_the_bench_run(tmp_path):
     d = bench["datasets"]["longbench"]
     assert r["data"]["datasets"]["longbench"]["p99_ttft_gain_over"] == d["p99_ttft_gain_over"]
     claims = r["claims"]
-    assert len(claims) == len(BASELINES) + 1 and "real" not in r["data"]  # --quick: no real run
-    assert [c["real"] for c in claims] == [REAL] * len(BASELINES) + [REAL_BUBBLES]
+    assert len(claims) == len(BASELINES) + 2 and "real" not in r["data"]  # --quick: no real run
+    assert [c["real"] for c in claims] == [REAL] * (len(BASELINES) + 1) + [REAL_BUBBLES]
+    g = d["regime"]  # --quick probes the capacity too: its busiest window is at most 85 % of it
+    assert g["max_window_rate"] <= 0.85 * g["capacity"]["capacity"] + 1e-9 and g["num_blocks"] > 0
+    part, drop = claims[len(BASELINES)], d["systems"][DROP]
+    p = drop["participation"]
+    assert f"{p['onsets_answered']} of {p['throttle_onsets']} throttle onsets" in part["simulated"]
+    assert part["holds"] == (bool(p["throttled"]) and not p["throttled_never_in_a_drop"] and drop["lost"] == 0)
     drop_p99 = d["systems"][DROP]["ttft_ms"]["p99"]
     for c, base in zip(claims, BASELINES, strict=False):
         p99 = d["systems"][base]["ttft_ms"]["p99"]

@@ -3,7 +3,9 @@ the per-instance KV, queue and drop timelines (their own JSON and a plot per sys
 
 Done-when of issue 40 asks for "every throttled instance taking part in a drop (counted)": a
 throttle *onset* of instance ``i`` (the detector's Sec. 4.1 event, logged once per episode) is
-*answered* when a drop including ``i`` follows it before ``i``'s next onset (or the run's end).
+*answered* when a drop including ``i`` follows it within ``ANSWER_S`` (the controller plans at the
+onset, or right after a plan under way ends: an exchange takes 1-2 s, Sec. 4.2) and before ``i``'s
+next onset.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+ANSWER_S = 10.0  # a drop this soon after an onset answers it
 TIMELINE_POINTS = 400  # samples kept per instance in the timelines JSON
 KEYS = ("kv_usage", "kv_demand", "waiting", "running", "batch_size")
 
@@ -22,7 +25,8 @@ KEYS = ("kv_usage", "kv_demand", "waiting", "running", "batch_size")
 def participation(events: list[dict[str, Any]], num_instances: int) -> dict[str, Any]:
     """Throttle onsets and drops per instance from a run's pressure events (``kind``, ``time``,
     ``instances``): how many onsets each instance had, how many drops it took part in, how many of
-    its onsets a drop answered; the instances throttled but never in a drop; each drop's members."""
+    its onsets a drop answered (within ``ANSWER_S``, before its next onset); the instances
+    throttled but never in a drop; each drop's members."""
     onsets: dict[int, list[float]] = {i: [] for i in range(num_instances)}
     drops: list[dict[str, Any]] = []
     for e in sorted(events, key=lambda e: e["time"]):
@@ -36,7 +40,8 @@ def participation(events: list[dict[str, Any]], num_instances: int) -> dict[str,
         mine = [d["time"] for d in drops if i in d["instances"]]
         ts = onsets[i]
         answered = sum(1 for k, t in enumerate(ts)
-                       if any(t <= d < (ts[k + 1] if k + 1 < len(ts) else float("inf")) for d in mine))
+                       if any(t <= d < min(t + ANSWER_S, ts[k + 1] if k + 1 < len(ts) else float("inf"))
+                              for d in mine))
         per[str(i)] = {"throttle_onsets": len(ts), "drops": len(mine), "onsets_answered": answered}
     throttled = sorted(i for i in range(num_instances) if onsets[i])
     dropped = sorted({i for d in drops for i in d["instances"]})
@@ -89,4 +94,4 @@ def plot_all_instances(report: dict[str, Any], stem: str) -> list[str]:
     return out
 
 
-__all__ = ["downsample", "participation", "plot_all_instances", "write_timelines"]
+__all__ = ["ANSWER_S", "downsample", "participation", "plot_all_instances", "write_timelines"]
