@@ -58,10 +58,11 @@ def reproduce(args: argparse.Namespace, log: Progress) -> Report:
     if runs_real(args):
         from tidal.experiments import kunserve_real
 
-        setup = kunserve_real.RealSetup()
         with tempfile.TemporaryDirectory(prefix="tidal-kunserve-real-") as tmp:  # each run's records: not kept
+            # the memory-bound regime first: the capacity probe, the rate under it, the pool from the mean in use
+            setup, regime = kunserve_real.resolve(kunserve_real.RealSetup(), os.path.join(tmp, "run"), log)
             rows = kunserve_real.run(list(kunserve_real.SYSTEMS), setup, os.path.join(tmp, "run"), log)
-        report.data["real"] = {"setup": setup.__dict__, "engine_flags": setup.engine_flags(),
+        report.data["real"] = {"setup": setup.__dict__, "regime": regime, "engine_flags": setup.engine_flags(),
                                "rows": {r["system"]: {k: v for k, v in r.items() if k not in ("timeline", "events")}
                                         | {"num_events": len(r["events"])} for r in rows}}
     for ds, d in data["datasets"].items():
@@ -76,11 +77,22 @@ def _real_cell(real: dict[str, Any] | None, base: str) -> str:
     rows, st = real["rows"], real["setup"]
     drop, b = rows[DROP], rows[base]
     gain = b["ttft_p99_ms"] / drop["ttft_p99_ms"] if drop["ttft_p99_ms"] else None
+    g = real.get("regime") or {}
+    cap = (f"; busiest {st['window_s']:g} s window {g['max_window_rate']:.2f} req/s = {g['max_window_share']:.0%} of "
+           f"the measured {g['capacity']:.2f} req/s capacity" if g.get("capacity") else "")
+    pool = (f" = 2x vLLM's mean in use, which peaks at {g['unlimited_peak_blocks'] / g['num_blocks']:.0%} of it"
+            if g.get("num_blocks") else "")
     return (f"{_ms(drop['ttft_p99_ms'])} vs {_ms(b['ttft_p99_ms'])}: {fmt_ratio(gain)} lower; goodput "
             f"{drop['goodput_tok_s']:.0f} vs {b['goodput_tok_s']:.0f} tok/s (2 CPU instances of the default model, "
             f"{st['num_requests']} {st['workload']}-shaped requests at {st['rate']:g} req/s, burstiness "
-            f"{st['burstiness']:g}, KV {st['kv_cache_memory']} each) "
-            f"(direction holds: {'yes' if beats(b['ttft_p99_ms'], drop['ttft_p99_ms']) else '**no**'})")
+            f"{st['burstiness']:g}{cap}; KV {_mib(st['kv_cache_memory'])} each{pool}; one run on a shared 2-core "
+            f"machine: noisy) (direction holds: {'yes' if beats(b['ttft_p99_ms'], drop['ttft_p99_ms']) else '**no**'})")
+
+
+def _mib(size: str) -> str:
+    from tidal.config import parse_size
+
+    return f"{parse_size(size) / 1024**2:.1f} MiB"
 
 
 def _ms(x: float | None) -> str:

@@ -156,8 +156,8 @@ def regime(dataset: str, duration_s: float, seed: int, arrivals: str = "gamma", 
         probe = R.probe_capacity(lambda r, d: probe_timelines(dataset, seed, router, r, d), INITIAL_RATE[dataset],
                                  probe_duration_s, probes, log)
         cap = probe["capacity"]
-        rate, peak = R.rate_under_capacity(cap, lambda r: np.asarray([s.arrival_s for s in workload(
-            dataset, duration_s, r, seed, arrivals, trace)]), duration_s)
+        rate, peak = R.rate_under_capacity(  # the arrivals workload() draws first from the same seed
+            cap, lambda r: R.arrivals(arrivals, np.random.default_rng(seed), duration_s, r, trace), duration_s)
         out.update(capacity=probe, rate_source=f"every {WINDOW_S:g} s window at most {R.CAPACITY_SHARE:.0%} of "
                    "the capacity", max_window_rate=peak, max_window_share=peak / cap)
         log(f"compute capacity {cap:.2f} req/s ({probe['definition']}); mean rate {rate:.2f} req/s, its busiest "
