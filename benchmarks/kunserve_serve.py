@@ -7,12 +7,12 @@ running requests move with their KV to the instance with room) and ``drop`` (Kun
 the throttled pair drops half of its layers each, runs as one pipeline and exchanges KV, Sec. 4).
 Every run sees the same BurstGPT-shaped requests (Gamma arrivals, ``--burstiness`` < 1) through
 ``tidal bench serve``, in the memory-bound regime (``tidal.experiments.kunserve_real.resolve``):
-the rate keeps every 10 s window within 85 % of the 2 instances' measured capacity, the pool is
+the rate keeps every 20 s window within 85 % of the 2 instances' measured capacity, the pool is
 2x vLLM's mean KV in use (unless ``--rate`` / ``--kv-cache-memory`` are given). While it runs, ``/admin/state`` is sampled to draw each instance's KV
 capacity (blocks) and use over time, with the drop and restore events. Prints a table (TTFT and
 TPOT percentiles, goodput, events), writes one JSON and a PNG. Usage::
 
-    python benchmarks/kunserve_serve.py [--rate R] [--burstiness 0.25] [--num-requests 32]
+    python benchmarks/kunserve_serve.py [--rate R] [--burstiness 0.5] [--num-requests 24]
         [--kv-cache-memory SIZE] [--systems preempt,swap,migrate,drop]
 """
 

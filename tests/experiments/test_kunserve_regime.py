@@ -129,3 +129,35 @@ def test_downsample_keeps_the_ends_and_at_most_the_points():
     d = TL.downsample(tl, 50)
     assert len(d["t"]) == 50 and d["t"][0] == 0 and d["t"][-1] == 999 and d["waiting"][-1] == 999
     assert d["kv_usage"][-1] == 1.0 and "running" not in d
+
+
+def test_the_real_runs_arrivals_are_the_ones_bench_serve_sends():
+    """The real run picks its rate on the arrivals ``tidal bench serve`` will send: the same options."""
+    from dataclasses import replace
+
+    from tidal import workload as W
+    from tidal.bench.serve import _workload_options
+    from tidal.cli import build_parser
+    from tidal.experiments.kunserve_real import RealSetup
+
+    s = replace(RealSetup(), rate=0.4)
+    args = build_parser().parse_args(["bench", "serve", "--base-url", "http://x", "--workload", s.workload,
+                                      "--max-input-len", str(s.max_input_len), "--max-output-len",
+                                      str(s.max_output_len), "--num-requests", str(s.num_requests), "--rate", "0.4",
+                                      "--burstiness", str(s.burstiness), "--seed", str(s.seed)])
+    sent = [r.arrival_s for r in W.make_requests(_workload_options(args, args.rate, args.num_requests))]
+    assert list(s.arrivals(0.4)) == pytest.approx(sent) and len(sent) == s.num_requests
+
+
+def test_the_real_pool_is_read_from_the_sampled_state():
+    from tidal.experiments.kunserve_real import kv_in_use
+
+    samples = [{"t": t, "instances": [{"index": 0, "num_blocks": 100, "num_free_blocks": 100 - u0},
+                                      {"index": 1, "num_blocks": 100, "num_free_blocks": 100 - u1}]}
+               for t, u0, u1 in ((0.0, 10, 0), (1.0, 30, 20), (2.0, 50, 40))]
+    kv = kv_in_use(samples)
+    # instance 0 holds 10 then 30 for a second each (mean 20), instance 1 0 then 20 (mean 10)
+    assert kv["mean_blocks"] == pytest.approx(15) and kv["peak_blocks"] == pytest.approx(50)
+    assert kv["num_blocks"] == 100
+    with pytest.raises(RuntimeError, match="no instance state"):
+        kv_in_use([{"t": 0.0, "instances": []}])

@@ -165,8 +165,8 @@ def test_kunserve_real_cell_reads_the_real_rows():
     cell = _real_cell(real, "vLLM (preempt: recompute)")
     assert "1,000 ms vs 9,000 ms: 9.00x lower" in cell and cell.endswith("(direction holds: yes)")
     assert _real_cell(real, "InferCept-like (preempt: swap)").endswith("(direction holds: **no**)")
-    assert "32 burstgpt-shaped requests at 0.5 req/s" in cell and "KV 3.0 MiB each" in cell
-    assert "busiest 10 s window 1.00 req/s = 80% of the measured 1.25 req/s capacity" in cell
+    assert "24 burstgpt-shaped requests at 0.5 req/s" in cell and "KV 3.0 MiB each" in cell
+    assert "busiest 20 s window 1.00 req/s = 80% of the measured 1.25 req/s capacity" in cell
     assert "peaks at 150% of it" in cell
 
 

@@ -50,15 +50,15 @@ SYSTEMS = {
 class RealSetup:
     workload: str = "burstgpt"
     rate: float | None = None  # None: the highest whose busiest window is at most 85 % of the measured capacity
-    burstiness: float = 0.25
-    num_requests: int = 32
+    burstiness: float = 0.5
+    num_requests: int = 24
     max_input_len: int = 384
     max_output_len: int = 96
     slo: str = "ttft=5000,tpot=500"
     kv_cache_memory: str | None = None  # per instance; None: 2x vLLM's mean KV in use with a large pool
     probe_requests: int = 24  # the capacity probe: this many at once
     probe_kv_cache_memory: str = "256MiB"  # the probe's and the sizing run's pool: never throttles
-    window_s: float = 10.0  # the burst windows kept under 85 % of the capacity
+    window_s: float = 20.0  # the burst windows kept under 85 % of the capacity
     seed: int = 0
 
     def engine_flags(self, kv_cache_memory: str | None = None) -> list[str]:
