@@ -161,13 +161,16 @@ def test_kunserve_real_cell_reads_the_real_rows():
     rows = {name: {"ttft_p99_ms": p99.get(name, 2000.0), "goodput_tok_s": 50.0} for name, _ in SYSTEMS.values()}
     real = {"setup": replace(RealSetup(), rate=0.5, kv_cache_memory=str(3 * 1024**2)).__dict__, "rows": rows,
             "regime": {"capacity": 1.25, "max_window_rate": 1.0, "max_window_share": 0.8, "num_blocks": 100,
-                       "unlimited_peak_blocks": 150}}
+                       "floor_blocks": 31, "unlimited_mean_blocks": 50.0, "unlimited_peak_blocks": 150}}
     cell = _real_cell(real, "vLLM (preempt: recompute)")
     assert "1,000 ms vs 9,000 ms: 9.00x lower" in cell and cell.endswith("(direction holds: yes)")
     assert _real_cell(real, "InferCept-like (preempt: swap)").endswith("(direction holds: **no**)")
     assert "24 burstgpt-shaped requests at 0.5 req/s" in cell and "KV 3.0 MiB each" in cell
     assert "busiest 20 s window 1.00 req/s = 80% of the measured 1.25 req/s capacity" in cell
-    assert "peaks at 150% of it" in cell
+    assert "= 100 blocks, 2x vLLM's mean in use; vLLM's peak with a large pool is 150% of it" in cell
+    floor = {**real, "regime": {**real["regime"], "num_blocks": 31, "floor_blocks": 31, "unlimited_mean_blocks": 5.1}}
+    assert "the floor of one longest request (2x vLLM's mean in use, 5 blocks, is less)" in _real_cell(
+        floor, "vLLM (preempt: recompute)")
 
 
 def test_dynaserve_quick_reads_its_claims_off_the_bench_run(tmp_path):

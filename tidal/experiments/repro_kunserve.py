@@ -64,7 +64,9 @@ def reproduce(args: argparse.Namespace, log: Progress) -> Report:
             rows = kunserve_real.run(list(kunserve_real.SYSTEMS), setup, os.path.join(tmp, "run"), log)
         report.data["real"] = {"setup": setup.__dict__, "regime": regime, "engine_flags": setup.engine_flags(),
                                "rows": {r["system"]: {k: v for k, v in r.items() if k not in ("timeline", "events")}
-                                        | {"num_events": len(r["events"])} for r in rows}}
+                                        | {"num_events": len(r["events"]),
+                                           "event_kinds": sorted({e.get("kind", "") for e in r["events"]})}
+                                        for r in rows}}
     for ds, d in data["datasets"].items():
         report.claims += _claims(ds, d, report.data.get("real"))
     return report
@@ -80,13 +82,24 @@ def _real_cell(real: dict[str, Any] | None, base: str) -> str:
     g = real.get("regime") or {}
     cap = (f"; busiest {st['window_s']:g} s window {g['max_window_rate']:.2f} req/s = {g['max_window_share']:.0%} of "
            f"the measured {g['capacity']:.2f} req/s capacity" if g.get("capacity") else "")
-    pool = (f" = 2x vLLM's mean in use, which peaks at {g['unlimited_peak_blocks'] / g['num_blocks']:.0%} of it"
-            if g.get("num_blocks") else "")
+    pool = ""
+    if g.get("num_blocks"):
+        floor = g["num_blocks"] == g.get("floor_blocks") and g["num_blocks"] > round(2 * g["unlimited_mean_blocks"])
+        pool = (f" = {g['num_blocks']} blocks, " + (f"the floor of one longest request (2x vLLM's mean in use, "
+                f"{g['unlimited_mean_blocks']:.0f} blocks, is less)" if floor else "2x vLLM's mean in use")
+                + f"; vLLM's peak with a large pool is {g['unlimited_peak_blocks'] / g['num_blocks']:.0%} of it")
     return (f"{_ms(drop['ttft_p99_ms'])} vs {_ms(b['ttft_p99_ms'])}: {fmt_ratio(gain)} lower; goodput "
             f"{drop['goodput_tok_s']:.0f} vs {b['goodput_tok_s']:.0f} tok/s (2 CPU instances of the default model, "
             f"{st['num_requests']} {st['workload']}-shaped requests at {st['rate']:g} req/s, burstiness "
             f"{st['burstiness']:g}{cap}; KV {_mib(st['kv_cache_memory'])} each{pool}; one run on a shared 2-core "
             f"machine: noisy) (direction holds: {'yes' if beats(b['ttft_p99_ms'], drop['ttft_p99_ms']) else '**no**'})")
+
+
+def _real_events(real: dict[str, Any]) -> str:
+    """The real drop run's pressure events and losses, for the participation claim."""
+    d = real["rows"][DROP]
+    return (f"{d['num_events']} pressure events (throttle, drop, exchange, restore) on 2 CPU instances; "
+            f"{d['num_requests'] - d['completed']} of {d['num_requests']} requests lost")
 
 
 def _mib(size: str) -> str:
@@ -124,8 +137,10 @@ def _claims(ds: str, d: dict[str, Any], real: dict[str, Any] | None = None) -> l
         f"{p['throttled_never_in_a_drop'] or 'none'}; {p['onsets_answered']} of {p['throttle_onsets']} throttle onsets "
         f"answered by a drop ({len(p['drops'])} drops); {drop['lost']} of {d['num_requests']} requests lost",
         bool(p["throttled"]) and not p["throttled_never_in_a_drop"] and drop["lost"] == 0,
-        "an onset of an instance already in a group that cannot grow further (every layer held once) has no "
-        "drop to answer it: the autoscale signal is logged instead (Sec. 4.4)", REAL))
+        "the controller makes one plan at a time: an onset while another drop's exchange runs is answered only if "
+        "the instance is still (or again) throttled when it ends (within 10 s here); one in a group that cannot "
+        "grow (every layer held once) gets the autoscale signal instead (Sec. 4.4)",
+        REAL if real is None else _real_events(real)))
     if LOOKAHEAD_OFF in rows:
         on, off = drop.get("bubble_ratio"), rows[LOOKAHEAD_OFF].get("bubble_ratio")
         sim = ("no pipeline ran (no drop)" if on is None or off is None
