@@ -6,12 +6,14 @@ own (started, measured and stopped by its pid, one at a time, so the runs never 
 running requests move with their KV to the instance with room) and ``drop`` (KunServe:
 the throttled pair drops half of its layers each, runs as one pipeline and exchanges KV, Sec. 4).
 Every run sees the same BurstGPT-shaped requests (Gamma arrivals, ``--burstiness`` < 1) through
-``tidal bench serve``. While it runs, ``/admin/state`` is sampled to draw each instance's KV
+``tidal bench serve``, in the memory-bound regime (``tidal.experiments.kunserve_real.resolve``):
+the rate keeps every 20 s window within 85 % of the 2 instances' measured capacity, the pool is
+2x vLLM's mean KV in use (unless ``--rate`` / ``--kv-cache-memory`` are given). While it runs, ``/admin/state`` is sampled to draw each instance's KV
 capacity (blocks) and use over time, with the drop and restore events. Prints a table (TTFT and
 TPOT percentiles, goodput, events), writes one JSON and a PNG. Usage::
 
-    python benchmarks/kunserve_serve.py [--rate 1.5] [--burstiness 0.25] [--num-requests 48]
-        [--kv-cache-memory 24MiB] [--systems preempt,swap,migrate,drop]
+    python benchmarks/kunserve_serve.py [--rate R] [--burstiness 0.5] [--num-requests 24]
+        [--kv-cache-memory SIZE] [--systems preempt,swap,migrate,drop]
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import sys
 from tidal.common.machine import describe, machine_info
 from tidal.common.plots import pyplot, save_figure
 from tidal.common.results import write_json
-from tidal.experiments.kunserve_real import SYSTEMS, RealSetup, run
+from tidal.experiments.kunserve_real import SYSTEMS, RealSetup, resolve, run
 
 
 def main() -> int:
@@ -31,31 +33,35 @@ def main() -> int:
     d = RealSetup()
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--workload", default=d.workload)
-    p.add_argument("--rate", type=float, default=d.rate)
+    p.add_argument("--rate", type=float, default=d.rate, help="default: from the capacity probe")
     p.add_argument("--burstiness", type=float, default=d.burstiness)
     p.add_argument("--num-requests", type=int, default=d.num_requests)
     p.add_argument("--max-input-len", type=int, default=d.max_input_len)
     p.add_argument("--max-output-len", type=int, default=d.max_output_len)
     p.add_argument("--slo", default=d.slo)
-    p.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="per instance: small enough to throttle")
+    p.add_argument("--kv-cache-memory", default=d.kv_cache_memory,
+                   help="per instance (default: 2x vLLM's mean KV in use with a large pool)")
+    p.add_argument("--probe-requests", type=int, default=d.probe_requests)
+    p.add_argument("--window-s", type=float, default=d.window_s)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--output", default="results/kunserve_serve.json")
     args = p.parse_args()
     setup = RealSetup(**{k: v for k, v in vars(args).items() if k not in ("systems", "output")})
     stem = os.path.splitext(args.output)[0]
+    setup, regime = resolve(setup, stem, log=lambda msg: print(msg, flush=True))
     rows = run(args.systems.split(","), setup, stem, log=lambda msg: print(msg, flush=True))
 
     print(f"\nmachine: {describe(machine_info())}; {args.num_requests} {args.workload} requests "
-          f"(<= {args.max_input_len}/{args.max_output_len} tokens) at {args.rate} req/s, Gamma burstiness "
-          f"{args.burstiness}; KV {args.kv_cache_memory} per instance; SLO {args.slo}")
+          f"(<= {args.max_input_len}/{args.max_output_len} tokens) at {setup.rate} req/s, Gamma burstiness "
+          f"{args.burstiness}; KV {setup.kv_cache_memory} bytes per instance; SLO {args.slo}; regime {regime}")
     print(f"{'system':<34}{'TTFT p50':>9}{'TTFT p99':>9}{'TPOT p50':>9}{'TPOT p99':>9}{'goodput':>9}{'SLO':>6}"
           f"{'preempt':>8}{'events':>7}")
     for r in rows:
         print(f"{r['system']:<34}{r['ttft_p50_ms']:>9.0f}{r['ttft_p99_ms']:>9.0f}{r['tpot_p50_ms']:>9.0f}"
               f"{r['tpot_p99_ms']:>9.0f}{r['goodput_tok_s']:>9.1f}{r['attainment']:>6.0%}{r['preemptions']:>8}"
               f"{len(r['events']):>7}")
-    write_json({"command": " ".join(sys.argv), "machine": machine_info(), "args": vars(args), "rows": rows},
-               args.output)
+    write_json({"command": " ".join(sys.argv), "machine": machine_info(), "args": vars(args),
+                "setup": setup.__dict__, "regime": regime, "rows": rows}, args.output)
     _plot(rows, stem + ".png")
     print(f"wrote {args.output} and {stem}.png")
     return 0

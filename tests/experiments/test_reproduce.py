@@ -4,6 +4,7 @@ direction of each claim (who beats whom) read from the numbers the run wrote."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -135,8 +136,14 @@ def test_kunserve_quick_reads_its_claims_off_the_bench_run(tmp_path):
     d = bench["datasets"]["longbench"]
     assert r["data"]["datasets"]["longbench"]["p99_ttft_gain_over"] == d["p99_ttft_gain_over"]
     claims = r["claims"]
-    assert len(claims) == len(BASELINES) + 1 and "real" not in r["data"]  # --quick: no real run
-    assert [c["real"] for c in claims] == [REAL] * len(BASELINES) + [REAL_BUBBLES]
+    assert len(claims) == len(BASELINES) + 2 and "real" not in r["data"]  # --quick: no real run
+    assert [c["real"] for c in claims] == [REAL] * (len(BASELINES) + 1) + [REAL_BUBBLES]
+    g = d["regime"]  # --quick probes the capacity too: its busiest window is at most 85 % of it
+    assert g["max_window_rate"] <= 0.85 * g["capacity"]["capacity"] + 1e-9 and g["num_blocks"] > 0
+    part, drop = claims[len(BASELINES)], d["systems"][DROP]
+    p = drop["participation"]
+    assert f"{p['onsets_answered']} of {p['throttle_onsets']} throttle onsets" in part["simulated"]
+    assert part["holds"] == (bool(p["throttled"]) and not p["throttled_never_in_a_drop"] and drop["lost"] == 0)
     drop_p99 = d["systems"][DROP]["ttft_ms"]["p99"]
     for c, base in zip(claims, BASELINES, strict=False):
         p99 = d["systems"][base]["ttft_ms"]["p99"]
@@ -154,11 +161,18 @@ def test_kunserve_real_cell_reads_the_real_rows():
 
     p99 = {"vLLM (preempt: recompute)": 9000.0, "InferCept-like (preempt: swap)": 800.0, DROP: 1000.0}
     rows = {name: {"ttft_p99_ms": p99.get(name, 2000.0), "goodput_tok_s": 50.0} for name, _ in SYSTEMS.values()}
-    real = {"setup": RealSetup().__dict__, "rows": rows}
+    real = {"setup": replace(RealSetup(), rate=0.5, kv_cache_memory=str(3 * 1024**2)).__dict__, "rows": rows,
+            "regime": {"capacity": 1.25, "max_window_rate": 1.0, "max_window_share": 0.8, "num_blocks": 100,
+                       "floor_blocks": 31, "unlimited_mean_blocks": 50.0, "unlimited_peak_blocks": 150}}
     cell = _real_cell(real, "vLLM (preempt: recompute)")
     assert "1,000 ms vs 9,000 ms: 9.00x lower" in cell and cell.endswith("(direction holds: yes)")
     assert _real_cell(real, "InferCept-like (preempt: swap)").endswith("(direction holds: **no**)")
-    assert "48 burstgpt-shaped requests at 1.5 req/s" in cell
+    assert "24 burstgpt-shaped requests at 0.5 req/s" in cell and "KV 3.0 MiB each" in cell
+    assert "busiest 20 s window 1.00 req/s = 80% of the measured 1.25 req/s capacity" in cell
+    assert "= 100 blocks, 2x vLLM's mean in use; vLLM's peak with a large pool is 150% of it" in cell
+    floor = {**real, "regime": {**real["regime"], "num_blocks": 31, "floor_blocks": 31, "unlimited_mean_blocks": 5.1}}
+    assert "the floor of one longest request (2x vLLM's mean in use, 5 blocks, is less)" in _real_cell(
+        floor, "vLLM (preempt: recompute)")
 
 
 def test_dynaserve_quick_reads_its_claims_off_the_bench_run(tmp_path):

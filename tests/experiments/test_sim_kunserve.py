@@ -37,8 +37,23 @@ def test_one_short_run_writes_every_system_and_the_ratios(tmp_path, capsys):
     r = json.loads(out.read_text())
     d = r["datasets"]["longbench"]
     assert set(d["systems"]) == set(K.SYSTEMS) and d["rate"] == 6
+    g = d["regime"]  # the rate was given; the pool is 2x vLLM's mean KV in use with an unlimited pool
+    assert g["capacity"] is None and g["num_blocks"] == round(2 * g["unlimited_mean_blocks"])
+    assert g["unlimited_peak_blocks"] >= g["unlimited_mean_blocks"] > 0
     for s in d["systems"].values():
         assert s["completed"] + s["failed"] == d["num_requests"] and "timelines" not in s
+        assert s["lost"] == d["num_requests"] - s["completed"]
+        p = s["participation"]
+        assert p["throttled_never_in_a_drop"] == sorted(set(p["throttled"]) - set(p["in_a_drop"]))
+    assert not d["systems"]["vLLM (preempt: recompute)"]["participation"]["drops"]  # only drop drops
+    # the per-instance timelines of every system, beside the JSON
+    tl = json.loads((tmp_path / "k_timelines.json").read_text())
+    assert r["timelines_json"] == "k_timelines.json"
+    for label, s in tl["datasets"]["longbench"].items():
+        assert len(s["instances"]) == K.INSTANCES and s["participation"] == d["systems"][label]["participation"]
+        for inst in s["instances"]:
+            assert len(inst["t"]) == len(inst["kv_usage"]) == len(inst["waiting"]) and 0 < len(inst["t"]) <= 400
+            assert all(b >= a for a, b in zip(inst["t"], inst["t"][1:], strict=False))
     assert set(d["p99_ttft_gain_over"]) == set(K.BASELINES)
     assert r["setup"]["hardware"] == "a800-80g" and r["setup"]["link"] == "ib-hdr"
     text = capsys.readouterr().out

@@ -20,7 +20,6 @@ Lengths: BurstGPT-like (642 / 262, lognormal), ShareGPT (the real length set, in
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -31,6 +30,9 @@ import numpy as np
 from tidal.common import flags as F
 from tidal.common.machine import machine_info, usable_cores
 from tidal.common.results import command_line, write_result
+from tidal.experiments import kunserve_regime as R
+from tidal.experiments import kunserve_timelines as TL
+from tidal.experiments.kunserve_regime import BURSTINESS, RATE_SHAPE, WINDOW_S, bursty_arrivals
 from tidal.experiments.parallel import run_all
 from tidal.metrics import summarize
 
@@ -40,10 +42,7 @@ MAX_NUM_SEQS = 1024  # above what the KV holds for these lengths (vLLM's 256 cap
 #                     memory does: KunServe's gain is a larger batch in the grown pool, Sec. 5.2)
 MAX_NUM_BATCHED_TOKENS = 2048  # chunked prefill's step budget (Sarathi-Serve; vLLM's 512 starves prefills under load)
 SWAP_SPACE = 64 * 1024**3  # host memory per instance for InferCept-like swapping
-WINDOW_S, RATE_SHAPE, BURSTINESS = 20.0, 2.0, 0.5
-TARGET_DEMAND = 0.5
-PROBES = 6
-INITIAL_RATE = {"burstgpt": 60.0, "sharegpt": 16.0, "longbench": 5.0}  # req/s, 8 instances
+INITIAL_RATE = {"burstgpt": 40.0, "sharegpt": 12.0, "longbench": 4.0}  # req/s, 8 instances: the capacity probe's first
 SYSTEMS: dict[str, dict[str, Any]] = {
     "vLLM (preempt: recompute)": {"kv_pressure": "preempt", "preemption_mode": "recompute"},
     "InferCept-like (preempt: swap)": {"kv_pressure": "preempt", "preemption_mode": "swap"},
@@ -62,51 +61,30 @@ PAPER = ("KunServe: 12.7-72.2x lower P99 TTFT than vLLM, InferCept and Llumnix o
          "LongBench with Qwen-2.5-14B (Sec. 5.2, Fig. 13); 'up to 72.2x' in the abstract")
 
 
-def bursty_arrivals(rng: np.random.Generator, duration_s: float, rate: float) -> np.ndarray:
-    """A Gamma process (shape ``BURSTINESS``) whose rate is ``rate`` times a Gamma(``RATE_SHAPE``)
-    factor of mean 1, drawn per ``WINDOW_S`` window (the rate pattern is the same at any ``rate``:
-    the factors are drawn first)."""
-    windows = math.ceil(duration_s / WINDOW_S)
-    factors = rng.gamma(RATE_SHAPE, 1.0 / RATE_SHAPE, size=windows)
-    gaps = rng.gamma(BURSTINESS, 1.0 / BURSTINESS, size=int(duration_s * rate * 4) + 64)  # unit-rate gaps
-    out, t, k = [], 0.0, 0
-    while k < len(gaps):  # time runs at the window's rate: a unit gap lasts 1 / (rate * factor) s
-        w = int(t // WINDOW_S)
-        if w >= windows:
-            break
-        r = rate * max(factors[w], 1e-3)
-        step = gaps[k] / r
-        if t + step > (w + 1) * WINDOW_S:  # the gap crosses into the next window: spend the rest there
-            gaps[k] -= ((w + 1) * WINDOW_S - t) * r
-            t = (w + 1) * WINDOW_S
-            continue
-        t += step
-        k += 1
-        if t < duration_s:
-            out.append(t)
-    return np.asarray(out)
-
-
-def workload(dataset: str, duration_s: float, rate: float, seed: int) -> list[Any]:
+def workload(dataset: str, duration_s: float, rate: float, seed: int, arrivals: str = "gamma",
+             trace: str | None = None) -> list[Any]:
+    """The dataset's lengths on ``arrivals`` (:func:`tidal.experiments.kunserve_regime.arrivals`:
+    ``gamma`` bursts or the Azure hour's times) at mean ``rate``; ``steady``: Poisson arrivals."""
     from tidal import workload as W
 
     name, max_in = DATASETS[dataset]
     rng = np.random.default_rng(seed)
-    arrivals = bursty_arrivals(rng, duration_s, rate)
-    base = W.make_requests(W.WorkloadOptions(workload=name, num_requests=len(arrivals), seed=seed,
+    times = (W.arrivals_within(rng, duration_s, rate, 1.0) if arrivals == "steady"
+             else R.arrivals(arrivals, rng, duration_s, rate, trace))
+    base = W.make_requests(W.WorkloadOptions(workload=name, num_requests=len(times), seed=seed,
                                              max_input_len=max_in))
-    return [W.RequestSpec(float(t), s.prompt_len, s.output_len) for t, s in zip(arrivals, base, strict=True)]
+    return [W.RequestSpec(float(t), s.prompt_len, s.output_len) for t, s in zip(times, base, strict=True)]
 
 
 def simulate(system: dict[str, Any], specs: list[Any], timeline_interval: float, router: str = "llumnix",
-             gpu_memory_utilization: float = 0.9) -> dict[str, Any]:
+             gpu_memory_utilization: float = 0.9, num_blocks: int | None = None) -> dict[str, Any]:
     from tidal.config import SchedulerConfig
     from tidal.sim.build import ClusterSpec, build_simulator
 
     sched = SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
                             preemption_mode=system["preemption_mode"])
     spec = ClusterSpec(model=MODEL, hardware=HARDWARE, instances=INSTANCES, router=router, scheduler=sched,
-                       gpu_memory_utilization=gpu_memory_utilization,
+                       gpu_memory_utilization=gpu_memory_utilization, num_blocks=num_blocks,
                        swap_space=SWAP_SPACE if system["preemption_mode"] == "swap" else 0,
                        kv_pressure=system["kv_pressure"], link=LINK, timeline_interval_s=timeline_interval,
                        lookahead=system.get("lookahead", True))
@@ -119,13 +97,21 @@ def simulate(system: dict[str, Any], specs: list[Any], timeline_interval: float,
     out["mean_kv_demand"] = mean_demand(res.timelines)
     p = res.pressure or {}
     out["pressure"] = {k: v for k, v in p.items() if k != "events"}
-    out["events"] = [e for e in p.get("events", []) if e["kind"] != "migrate"][:400]
+    events = p.get("events", [])
+    out["participation"] = TL.participation(events, INSTANCES)
+    out["lost"] = len(specs) - out["completed"]
+    out["events"] = [e for e in events if e["kind"] != "migrate"][:400]
     groups = p.get("groups") or []
     busy = sum(g["busy_time_s"] for g in groups)
     out["bubble_ratio"] = sum(g["bubble_ratio"] * g["busy_time_s"] for g in groups) / busy if busy else None
     out["timelines"] = res.timelines
     out["ttft_series"] = sorted((r.send_s, r.ttft_s) for r in res.records if r.ttft_s is not None)
     return out
+
+
+def mean_usage(timelines: list[dict[str, Any]]) -> float:
+    """Time-weighted mean over the instances of KV in use / pool."""
+    return mean_demand([{"t": tl["t"], "kv_demand": tl["kv_usage"]} for tl in timelines])
 
 
 def mean_demand(timelines: list[dict[str, Any]]) -> float:
@@ -139,32 +125,73 @@ def mean_demand(timelines: list[dict[str, Any]]) -> float:
     return float(np.mean(vals)) if vals else 0.0
 
 
-def calibrate(dataset: str, duration_s: float, seed: int, progress: bool = True, router: str = "llumnix",
-              gpu_memory_utilization: float = 0.9) -> tuple[float, float]:
-    """The mean rate at which vLLM's average KV demand is ``TARGET_DEMAND`` +- 0.05: scaled by
-    target / demand (at most 2x a probe) until bracketed, then bisected; at most ``PROBES`` runs."""
-    rate, demand = INITIAL_RATE[dataset], 0.0
-    lo = hi = None
-    base = SYSTEMS["vLLM (preempt: recompute)"]
-    best = (math.inf, rate, demand)
-    for probe in range(PROBES):
-        demand = simulate(base, workload(dataset, duration_s, rate, seed), duration_s / 200, router,
-                          gpu_memory_utilization)["mean_kv_demand"]
+def probe_timelines(dataset: str, seed: int, router: str, rate: float, duration_s: float) -> list[dict[str, Any]]:
+    """One capacity-probe run: vLLM, steady Poisson arrivals at ``rate``, an unlimited KV pool,
+    cut at ``duration_s``; the per-instance timelines."""
+    from tidal.config import SchedulerConfig
+    from tidal.sim.build import ClusterSpec, build_simulator
+
+    specs = workload(dataset, duration_s, rate, seed, "steady")
+    sched = SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
+    spec = ClusterSpec(model=MODEL, hardware=HARDWARE, instances=INSTANCES, router=router, scheduler=sched,
+                       num_blocks=R.UNLIMITED_BLOCKS, kv_pressure="preempt", link=LINK,
+                       timeline_interval_s=duration_s / 300)
+    return build_simulator(spec, specs).run(until=duration_s).timelines
+
+
+def regime(dataset: str, duration_s: float, seed: int, arrivals: str = "gamma", trace: str | None = None,
+           router: str = "llumnix", rate: float | None = None, gpu_memory_utilization: float | None = None,
+           probe_duration_s: float = R.PROBE_DURATION_S, probes: int = R.PROBES,
+           progress: bool = True) -> dict[str, Any]:
+    """The run's rate and KV pool (:mod:`tidal.experiments.kunserve_regime`): the compute capacity
+    (unless ``rate`` is given), the highest mean rate whose every window stays at or under
+    ``CAPACITY_SHARE`` of it, and a pool of ``POOL_OVER_MEAN`` x vLLM's mean KV in use with an
+    unlimited pool (unless ``gpu_memory_utilization`` is given)."""
+    def log(msg: str) -> None:
         if progress:
-            print(f"  calibrate {dataset}: rate {rate:.2f} req/s -> vLLM's mean KV demand {demand:.1%} "
-                  f"(probe {probe + 1})", flush=True)
-        best = min(best, (abs(demand - TARGET_DEMAND), rate, demand))
-        if abs(demand - TARGET_DEMAND) <= 0.05:
-            break
-        if demand > TARGET_DEMAND:
-            hi = rate
-        else:
-            lo = rate
-        if lo is not None and hi is not None:
-            rate = (lo + hi) / 2
-        else:  # demand grows faster than the rate near saturation: damp the step
-            rate *= min(2.0, max(0.5, (TARGET_DEMAND / max(demand, 1e-3)) ** 0.5))
-    return best[1], best[2]
+            print(f"  {dataset}: {msg}", flush=True)
+
+    out: dict[str, Any] = {"arrivals": arrivals}
+    if rate is None:
+        probe = R.probe_capacity(lambda r, d: probe_timelines(dataset, seed, router, r, d), INITIAL_RATE[dataset],
+                                 probe_duration_s, probes, log)
+        cap = probe["capacity"]
+        rate, peak = R.rate_under_capacity(  # the arrivals workload() draws first from the same seed
+            cap, lambda r: R.arrivals(arrivals, np.random.default_rng(seed), duration_s, r, trace), duration_s)
+        out.update(capacity=probe, rate_source=f"every {WINDOW_S:g} s window at most {R.CAPACITY_SHARE:.0%} of "
+                   "the capacity", max_window_rate=peak, max_window_share=peak / cap)
+        log(f"compute capacity {cap:.2f} req/s ({probe['definition']}); mean rate {rate:.2f} req/s, its busiest "
+            f"{WINDOW_S:g} s window {peak:.2f} req/s = {peak / cap:.0%} of capacity")
+    else:
+        peak = float(R.window_rates(np.asarray([s.arrival_s for s in workload(dataset, duration_s, rate, seed,
+                                                                                arrivals, trace)]), duration_s).max())
+        out.update(capacity=None, rate_source="given (--rate)", max_window_rate=peak, max_window_share=None)
+    out["rate"] = rate
+    if gpu_memory_utilization is None:
+        use = simulate(SYSTEMS["vLLM (preempt: recompute)"], workload(dataset, duration_s, rate, seed, arrivals, trace),
+                       duration_s / 400, router, num_blocks=R.UNLIMITED_BLOCKS)
+        kv = R.kv_in_use(use["timelines"], R.UNLIMITED_BLOCKS)
+        blocks = R.pool_blocks(kv["mean_blocks"])
+        out.update(num_blocks=blocks, unlimited_mean_blocks=kv["mean_blocks"], unlimited_peak_blocks=kv["peak_blocks"],
+                   pool_source=f"{R.POOL_OVER_MEAN:g} x vLLM's mean KV in use with an unlimited pool", **pool_memory(blocks))
+        log(f"KV in use with an unlimited pool: mean {kv['mean_blocks']:.0f} blocks, peak {kv['peak_blocks']:.0f} "
+            f"per instance -> pool {blocks} blocks ({out['pool_gib']:.1f} GiB, weights + pool = "
+            f"{out['gpu_memory_share']:.0%} of a GPU); the peak is {kv['peak_blocks'] / blocks:.0%} of it")
+    else:
+        out.update(num_blocks=None, gpu_memory_utilization=gpu_memory_utilization,
+                   pool_source="given (--gpu-memory-utilization)")
+    return out
+
+
+def pool_memory(blocks: int) -> dict[str, float]:
+    """A pool of ``blocks`` per instance in GiB, and weights + pool as a share of the GPU."""
+    from tidal.sim.analytic import weight_bytes
+    from tidal.sim.hardware import get_hardware
+    from tidal.sim.models import get_model
+
+    arch, hw = get_model(MODEL), get_hardware(HARDWARE)
+    pool = blocks * 16 * arch.kv_bytes_per_token(2)
+    return {"pool_gib": pool / 1024**3, "gpu_memory_share": (pool + weight_bytes(arch, 2)) / hw.memory_bytes}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -173,12 +200,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--datasets", default="burstgpt,sharegpt,longbench", help=f"of {', '.join(DATASETS)}")
     p.add_argument("--duration", type=F.positive_float, default=300.0, help="seconds of arrivals")
     p.add_argument("--rate", type=F.positive_float, default=None,
-                   help="mean request rate (default: calibrated to ~50%% average KV demand per dataset)")
+                   help="mean request rate (default: the highest whose every 20 s window stays at or under "
+                        f"{R.CAPACITY_SHARE * 100:.0f}%% of the compute capacity the probe measures)")
+    p.add_argument("--arrivals", default="gamma", choices=list(R.ARRIVALS),
+                   help="gamma: a Gamma process modulated per 20 s window by Gamma(2) (BurstGPT-like); azure: the "
+                        "Azure conversation hour's real arrival times rescaled to the mean rate")
+    p.add_argument("--azure-trace", default=None,
+                   help=f"the Azure conversation trace for --arrivals azure (default: ${R.AZURE_ENV}, else the "
+                        "shared traces folder's azure2023_conv.csv)")
     p.add_argument("--router", default="llumnix", choices=["kv-aware", "llumnix"],
                    help="the dispatcher of every system: kv-aware (most free KV blocks) or llumnix (free KV blocks "
                         "per outstanding request, Llumnix's freeness)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of each GPU for weights and KV (lower: a smaller KV pool, a memory-bound run)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="fraction of each GPU for weights and KV (default: a KV pool of "
+                        f"{R.POOL_OVER_MEAN:g} x vLLM's mean KV in use, measured with an unlimited pool)")
+    p.add_argument("--probe-duration", type=F.positive_float, default=R.PROBE_DURATION_S,
+                   help="seconds of steady arrivals per capacity-probe run")
+    p.add_argument("--probes", type=F.positive_int, default=R.PROBES, help="capacity-probe runs per dataset")
     p.add_argument("--jobs", type=F.positive_int, default=1,
                    help=f"simulator runs at once, each a process of its own (this machine: {usable_cores()} cores)")
     F.add_workload_flags(p, only=("seed",))
@@ -208,25 +246,39 @@ def run(args: argparse.Namespace) -> int:
                               "setup": {"model": MODEL, "hardware": HARDWARE, "instances": INSTANCES, "link": LINK,
                                         "router": args.router, "max_num_seqs": MAX_NUM_SEQS,
                                         "gpu_memory_utilization": args.gpu_memory_utilization,
+                                        "kv_pool": ("given (--gpu-memory-utilization)" if args.gpu_memory_utilization
+                                                    else f"{R.POOL_OVER_MEAN:g} x vLLM's mean KV in use (unlimited pool)"),
                                         "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
                                         "swap_space_gib": SWAP_SPACE / 1024**3, "duration_s": args.duration,
-                                        "arrivals": f"Gamma(burstiness {BURSTINESS}), rate x Gamma({RATE_SHAPE}) "
-                                                    f"per {WINDOW_S:g} s window", "seed": args.seed},
+                                        "arrivals": (f"Gamma(burstiness {BURSTINESS}), rate x Gamma({RATE_SHAPE}) "
+                                                     f"per {WINDOW_S:g} s window" if args.arrivals == "gamma" else
+                                                     "the Azure conversation hour's arrival times, rescaled"),
+                                        "arrival_kind": args.arrivals, "seed": args.seed},
                               "datasets": {}}
-    # every dataset's rate first (its own calibration runs), then every (dataset, system) run: each
-    # batch of independent simulator runs goes to --jobs processes
-    if args.rate is not None:
-        rates = [(args.rate, None)] * len(names)
-    else:
-        rates = run_all(calibrate, [(ds, args.duration, args.seed, not args.no_progress, args.router,
-                                     args.gpu_memory_utilization) for ds in names], args.jobs)
-    specs_of = {ds: workload(ds, args.duration, rate, args.seed) for ds, (rate, _) in zip(names, rates, strict=True)}
+    if args.arrivals == "azure":
+        try:
+            args.azure_trace = R.azure_trace_path(args.azure_trace)
+        except R.RegimeError as e:
+            print(f"{PROG}: error: {e}", file=sys.stderr)
+            return 2
+    # every dataset's regime first (its capacity probe and pool sizing), then every (dataset,
+    # system) run: each batch of independent simulator runs goes to --jobs processes
+    try:
+        regimes = run_all(regime, [(ds, args.duration, args.seed, args.arrivals, args.azure_trace, args.router,
+                                    args.rate, args.gpu_memory_utilization, args.probe_duration, args.probes,
+                                    not args.no_progress) for ds in names], args.jobs)
+    except R.RegimeError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    specs_of = {ds: workload(ds, args.duration, g["rate"], args.seed, args.arrivals, args.azure_trace)
+                for ds, g in zip(names, regimes, strict=True)}
     runs = [(ds, label) for ds in names for label in SYSTEMS]
+    pools = {ds: (g.get("gpu_memory_utilization") or 0.9, g["num_blocks"]) for ds, g in zip(names, regimes, strict=True)}
     outs = dict(zip(runs, run_all(simulate, [(SYSTEMS[label], specs_of[ds], args.duration / 400, args.router,
-                                              args.gpu_memory_utilization) for ds, label in runs],
+                                              *pools[ds]) for ds, label in runs],
                                   args.jobs), strict=True))
-    for ds, (rate, demand) in zip(names, rates, strict=True):
-        specs = specs_of[ds]
+    for ds, g in zip(names, regimes, strict=True):
+        specs, rate = specs_of[ds], g["rate"]
         mean_in = float(np.mean([s.prompt_len for s in specs]))
         mean_out = float(np.mean([s.output_len for s in specs]))
         log(f"{ds}: {len(specs)} requests at {rate:.2f} req/s mean (input {mean_in:.0f}, output {mean_out:.0f})")
@@ -237,26 +289,36 @@ def run(args: argparse.Namespace) -> int:
             counts = {k: v for k, v in out["pressure"].get("counts", {}).items() if k in ("throttle", "migrate", "drop",
                                                                                            "restore", "autoscale")}
             bubble = f", bubbles {out['bubble_ratio']:.1%}" if out["bubble_ratio"] is not None else ""
+            part = out["participation"]
             log(f"{ds}: {label}: TTFT p50/p99 {_ms(out['ttft_ms']['p50'])} / {_ms(out['ttft_ms']['p99'])} ms, "
                 f"TPOT p50/p99 {_ms(out['tpot_ms']['p50'])} / {_ms(out['tpot_ms']['p99'])} ms, "
-                f"{out['num_preemptions']} preemptions, {counts}{bubble} "
-                f"({out['wall_s']:.0f} s wall)")
+                f"{out['num_preemptions']} preemptions, {counts}{bubble}; throttled instances {part['throttled']}, "
+                f"in a drop {part['in_a_drop']}, {part['onsets_answered']}/{part['throttle_onsets']} onsets answered "
+                f"by a drop; {out['lost']} lost ({out['wall_s']:.0f} s wall)")
+        base = rows["vLLM (preempt: recompute)"]
+        g["achieved"] = {"mean_kv_use": mean_usage(base["timelines"]), "mean_kv_demand": base["mean_kv_demand"],
+                         "peak_kv_demand": max((max(tl["kv_demand"]) for tl in base["timelines"] if tl["kv_demand"]),
+                                               default=0.0)}
+        log(f"{ds}: vLLM's KV with this pool: mean in use {g['achieved']['mean_kv_use']:.0%}, mean demand "
+            f"{g['achieved']['mean_kv_demand']:.0%}, burst peak demand {g['achieved']['peak_kv_demand']:.0%} of the pool")
         drop_p99 = rows["KunServe (drop)"]["ttft_ms"]["p99"]
         gains = {b: rows[b]["ttft_ms"]["p99"] / drop_p99 for b in BASELINES if drop_p99 and rows[b]["ttft_ms"]["p99"]}
-        report["datasets"][ds] = {"rate": rate, "calibrated_demand": demand, "num_requests": len(specs),
+        report["datasets"][ds] = {"rate": rate, "regime": g, "num_requests": len(specs),
                                   "mean_input": mean_in, "mean_output": mean_out, "systems": rows,
                                   "p99_ttft_gain_over": gains,
                                   "p99_ttft_gain_min_max": [min(gains.values()), max(gains.values())] if gains else None}
         _table(ds, rows)
     report["wall_time_s"] = time.perf_counter() - t0
-    plots = write_result(_slim(report), args.output, not args.no_plots, plotter=lambda r, p: _plots(report, p),
-                         prog=PROG)
+    timelines = TL.write_timelines(report, os.path.splitext(args.output)[0] + "_timelines.json")
+    plots = write_result(_slim(report) | {"timelines_json": os.path.basename(timelines)}, args.output,
+                         not args.no_plots, plotter=lambda r, p: _plots(report, p), prog=PROG)
     for ds, d in report["datasets"].items():
         if d["p99_ttft_gain_min_max"]:
             lo, hi = d["p99_ttft_gain_min_max"]
             print(f"{ds}: KunServe's P99 TTFT is {lo:.1f}-{hi:.1f}x lower than the baselines' (simulated)")
     print(f"\n{PAPER}")
-    print(f"wall time {report['wall_time_s']:.0f} s; wrote {args.output}" + (f" and {', '.join(plots)}" if plots else ""))
+    print(f"wall time {report['wall_time_s']:.0f} s; wrote {args.output}, {timelines}"
+          + (f" and {', '.join(plots)}" if plots else ""))
     return 0
 
 
@@ -274,7 +336,7 @@ def _table(ds: str, rows: dict[str, Any]) -> None:
 
 
 def _slim(report: dict[str, Any]) -> dict[str, Any]:
-    """The JSON without the per-instance timelines and TTFT series (kept for the plots only)."""
+    """The JSON without the per-instance timelines and TTFT series (the timelines JSON and the plots have them)."""
     out = {**report, "datasets": {}}
     for ds, d in report["datasets"].items():
         out["datasets"][ds] = {**d, "systems": {k: {kk: vv for kk, vv in v.items() if kk not in ("timelines",
@@ -325,13 +387,7 @@ def _plots(report: dict[str, Any], json_path: str) -> list[str]:
     fig.savefig(png, dpi=100)
     plt.close(fig)
     out = [png]
-    from tidal.sim.plots import plot_instance_timelines
-
-    for ds in dss:  # KunServe's per-instance timelines with its events, per dataset
-        r = report["datasets"][ds]["systems"]["KunServe (drop)"]
-        out.append(plot_instance_timelines(r["timelines"], f"{stem}_{ds}_drop_instances.png",
-                                           f"KunServe (drop), {ds}", r["events"]))
-    return out
+    return out + TL.plot_all_instances(report, stem)  # every system's per-instance timelines with its events
 
 
-__all__ = ["add_parser", "bursty_arrivals", "run", "workload"]
+__all__ = ["add_parser", "bursty_arrivals", "regime", "run", "simulate", "workload"]
