@@ -276,3 +276,31 @@ def test_dynaserve_real_row_says_why_each_probe_failed(tmp_path, monkeypatch):
     assert row["probe_failures"][1] == {"rate": 3.0, "unfinished": 45, "finished": 45, "by_metric": {"tbt": 0.5}}
     assert row["split_fraction"] == 0.5 and row["kv_mb_per_request"] == 1.0
     assert not log.exists()  # the server's log is removed once the run is read
+
+
+def test_reproduce_all_writes_every_papers_section_in_turn(tmp_path, monkeypatch, capsys):
+    """``tidal reproduce all``: each registered paper runs once, in order, and gets its JSON, its
+    Markdown and its own section of the results page; an unknown paper is a one-line error."""
+    from tidal.experiments import reproduce as R
+
+    ran = []
+
+    def fake(name):
+        def run(args, log):
+            ran.append(name)
+            return R.Report(name, f"{name} title", "setup", args.quick, claims=[R.Claim("c", "p", "s", True, "w")])
+        return run
+
+    monkeypatch.setattr(R, "PAPERS", {"one": fake("one"), "two": fake("two")})
+    md = tmp_path / "results.md"
+    assert main(["reproduce", "all", "--output", str(tmp_path), "--results-md", str(md), "--no-progress"]) == 0
+    assert ran == ["one", "two"]
+    text = md.read_text()
+    for name in ran:
+        assert json.loads((tmp_path / f"{name}.json").read_text())["paper"] == name
+        assert f"<!-- reproduce:{name}:begin -->" in text and f"## {name} title" in text
+    assert text.count("Command: `") == 2
+    capsys.readouterr()
+    assert main(["reproduce", "nope", "--output", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown paper 'nope'; available: one, two, all" in err and err.count("\n") == 1
