@@ -39,13 +39,13 @@ REAL = ("not run here: Qwen-2.5-14B does not fit this 2-core CPU; the same three
 # the simulated workloads whose shape the real run can serve (lengths scaled down): Mini Reasoning's
 REAL_SHAPES = {"mini-reasoning": "dynaserve-219-1467"}
 REAL_NO_SHAPE = "not run on the real engine: only Mini Reasoning's shape is (a 2-core CPU's time)"
-WHY_REAL = ("real: a 135M model on 1 CPU thread per instance (2 cores shared with other work), not vLLM on A100s; "
-            "PD Coloc. there is one chunk size (256 tokens) with the same slo-compose local policy as the other two. "
-            "Profiled from the workers' step reports (`tidal serve --step-log`): the length predictor starts cold "
-            "(before any request finishes it predicts ~24 output tokens for 367), so the early splits fall at the "
-            "prompt's end and beta carries nearly every decode; beta's gaps add its KV landings to its steps; a step "
-            "with any prefill costs several decode steps here, which alpha's composer pays once per small chunk; and a "
-            "1P1D prefill instance, idle most of the time, leaves its core to the decode instance")
+WHY_REAL = ("real: a 135M model on 1 CPU thread per instance, not vLLM on A100s; PD Coloc. there is one chunk "
+            "size (256 tokens) with the same slo-compose local policy as the other two. Profiled from the workers' "
+            "step reports (`tidal serve --step-log`): alpha is instance 0 of the only pair, so it runs every new "
+            "prompt's prefill beside its decodes, and such a mixed step takes 0.3-0.7 s here, a gap over the TBT SLO "
+            "for every request decoding on it; the length predictor starts cold (276 tokens predicted for 367), so part "
+            "of the decode stays on alpha, whose decode steps cost ~30 ms a sequence against beta's ~22; a 1P1D prefill "
+            "instance, idle most of the time, leaves its core to the decode instance")
 WHY = ("the calibrated A100 analytic cost model stands in for vLLM on A100s. On the hybrid (prefill-bound: ~1,350 "
        "tokens in, ~68 out) tuned colocation with 256-token chunks keeps nearly every request within the TBT SLO in "
        "the model, so its capacity is its queue growing, close to what two GPUs can prefill: a split moves work, it "
