@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
-import json
 import logging
 import os
 import tempfile
@@ -55,10 +54,11 @@ from tidal.engine.llm_engine import RequestSnapshot, dtype_name
 from tidal.engine.outputs import RequestOutput
 from tidal.runtime import protocol as P
 from tidal.runtime.handoffs import HandoffFront
-from tidal.runtime.kv_transfer import build_transport
+from tidal.runtime.kv_transfer import build_transport, unlink_segments
 from tidal.runtime.outbox import Outbox
 from tidal.runtime.records import ClusterConfig, FrontEngine, Tracked
 from tidal.runtime.split_front import SplitCoordinator
+from tidal.runtime.step_log import StepLog
 from tidal.runtime.worker import WorkerConfig
 
 MOVE_LOG = 4096  # the latest moves kept (ClusterLLM.move_records)
@@ -96,7 +96,7 @@ class ClusterLLM(HandoffFront):
             self.backend.shutdown()  # (KunServe's members stream activations and KV over local sockets)
             raise ConfigError("--kv-pressure drop links a pipeline group's members over sockets of one machine, "
                               "and the Ray cluster has several: use --kv-pressure migrate or preempt")
-        self._step_log = open(cluster.step_log, "w") if cluster.step_log else None  # noqa: SIM115 (closed by shutdown)
+        self._step_log = StepLog(cluster.step_log) if cluster.step_log else None
         self.ctx = zmq.Context()
         tag = uuid.uuid4().hex[:10]
         self._ipc_dir = tempfile.mkdtemp(prefix=f"tidal-{tag}-")
@@ -234,7 +234,7 @@ class ClusterLLM(HandoffFront):
         with self._lock:
             for t in self.requests.values():
                 self._release_handoff(t)
-        self._sweep_segments()
+        unlink_segments(f"tidal-kv-{self.transport_tag}-")  # chunks no receiver read (a worker died first)
         for s in (*self.cmd_socks, self.out):
             s.close(0)
         self.ctx.term()
@@ -246,17 +246,6 @@ class ClusterLLM(HandoffFront):
             for name in os.listdir(self._ipc_dir):
                 os.unlink(os.path.join(self._ipc_dir, name))
             os.rmdir(self._ipc_dir)
-
-    def _sweep_segments(self) -> None:
-        """Unlink this cluster's KV segments still in /dev/shm once its workers are gone: chunks
-        whose receiver died before reading them (a group's exchange, a worker that failed mid-move)
-        belong to no one else, and a segment outlives every process that made it."""
-        prefix = f"tidal-kv-{self.transport_tag}-"
-        with contextlib.suppress(OSError):
-            for name in os.listdir("/dev/shm"):
-                if name.startswith(prefix):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(os.path.join("/dev/shm", name))
 
     @property
     def is_running(self) -> bool:
@@ -503,23 +492,12 @@ class ClusterLLM(HandoffFront):
                 self._on_output(i, out)
         self.monitor.on_status(r.status, now)
         if self._step_log is not None and r.status.step_time_s:
-            self._log_step(i, r.status, now)
+            self._step_log.write(i, r.status, self.monitor.instances[i], now)
         if self.split is not None:
             self.split.record_step(r.status)
         self.tick_moves(now)  # waiting hand-offs ask again; a move past its deadline falls back
         if self.pressure is not None:
             self.pressure.tick(now)
-
-    def _log_step(self, i: int, st: InstanceStatus, now: float) -> None:
-        """``--step-log``: one worker step report as a JSON line."""
-        rec = self.monitor.instances[i]
-        self._step_log.write(json.dumps({  # type: ignore[union-attr]
-            "t": round(now, 6), "instance": i, "step_s": st.step_time_s, "prefill_tokens": st.step_prefill_tokens,
-            "prefill_prefix": st.step_prefill_prefix, "decodes": st.step_decode_count,
-            "decode_context": st.step_decode_context, "running": st.num_running, "waiting": st.num_waiting,
-            "free_blocks": st.num_free_blocks, "blocks": st.num_blocks, "token_budget": st.token_budget,
-            "handoffs_in": rec.handoffs_in, "reserved": len(rec.reserved), "import_s": st.import_s,
-            "export_s": st.export_s, "chunks_in": st.chunks_in, "chunks_out": st.chunks_out}) + "\n")
 
     def _on_pressure(self, i: int, r: Any, now: float) -> None:
         """KunServe's replies (a drop took effect, an exchange or a restore ended, a group left)."""

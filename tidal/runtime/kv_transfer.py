@@ -157,6 +157,17 @@ class SharedMemoryTransport(KVTransport):
             _untrack(shm)
 
 
+def unlink_segments(prefix: str) -> None:
+    """Unlink every shared-memory segment named ``prefix*``: a cluster's own chunks once its workers
+    are gone (one whose receiver died before reading it belongs to no one else, and a segment
+    outlives every process that made it)."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/dev/shm"):
+            if name.startswith(prefix):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join("/dev/shm", name))
+
+
 @dataclass(frozen=True, slots=True)
 class RayChunkRef:
     """Where a Ray chunk is: ``server``, the named actor that put it (a worker), and the chunk's
