@@ -3,12 +3,10 @@ report becomes one JSON line with the step's time and shape (where a layout's ti
 
 from __future__ import annotations
 
-import io
 import json
 from types import SimpleNamespace
 
 from tidal.cluster.monitor import InstanceStatus
-from tidal.runtime.cluster import ClusterLLM
 
 
 def test_the_flag_reaches_the_cluster_config():
@@ -21,15 +19,17 @@ def test_the_flag_reaches_the_cluster_config():
     assert F.serving_config(args).cluster.step_log is None
 
 
-def test_a_step_report_is_one_json_line():
-    buf = io.StringIO()
+def test_a_step_report_is_one_json_line(tmp_path):
+    from tidal.runtime.step_log import StepLog
+
     rec = SimpleNamespace(handoffs_in=3, reserved={"a": 2})
-    front = SimpleNamespace(_step_log=buf, monitor=SimpleNamespace(instances=[None, rec]))
     st = InstanceStatus(1, 364, 300, 16, num_running=4, num_waiting=1, step_time_s=0.125, step_prefill_tokens=20,
                         step_decode_count=3, step_decode_context=210.0, step_prefill_prefix=35.0, token_budget=64)
-    ClusterLLM._log_step(front, 1, st, 12.5)  # type: ignore[arg-type]
-    ClusterLLM._log_step(front, 1, st, 12.75)  # type: ignore[arg-type]
-    lines = buf.getvalue().splitlines()
+    log = StepLog(str(tmp_path / "steps.jsonl"))
+    log.write(1, st, rec, 12.5)
+    log.write(1, st, rec, 12.75)
+    log.close()
+    lines = (tmp_path / "steps.jsonl").read_text().splitlines()
     assert len(lines) == 2
     row = json.loads(lines[0])
     assert row == {"t": 12.5, "instance": 1, "step_s": 0.125, "prefill_tokens": 20, "prefill_prefix": 35.0,
