@@ -398,7 +398,13 @@ def test_ray_chunk_of_an_actor_crosses_plain_pickle_then_is_gone_when_released_o
     with pytest.raises(KVChunkGone, match="released"):
         reader.get(h)
     h2 = pickle.loads(pickle.dumps(ray.get(owner.put.remote(kv, ChunkSpec((0, 1), 0, 7)))))
-    ray.kill(owner)
+    ray.kill(owner)  # (asynchronous: wait until the actor answers no more, or a call may still reach it)
+    for _ in range(300):
+        try:
+            ray.get(owner.drop.remote([]), timeout=5)
+        except ray.exceptions.RayError:
+            break
+        time.sleep(0.1)
     with pytest.raises(KVChunkGone, match="cannot be read"):  # (bounded: at worst RAY_GET_TIMEOUT_S)
         reader.get(h2)
     reader.release(h2)  # harmless with its owner gone
