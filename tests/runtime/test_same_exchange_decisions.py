@@ -25,7 +25,14 @@ from __future__ import annotations
 
 import time
 
-from tests.runtime.shells import leaked_segments, random_work, request_specs, serve_burst, sim_instances
+from tests.runtime.shells import (
+    leaked_segments,
+    pools_of,
+    random_work,
+    request_specs,
+    serve_burst,
+    sim_instances,
+)
 from tests.runtime.test_cluster import shm_segments, wait_gone
 from tests.runtime.test_kunserve_runtime import _cluster
 from tests.runtime.test_same_pressure_decisions import _eq1
@@ -50,7 +57,7 @@ def _run_real(work):
     llm.start()
     pids = [h.pid for h in llm.handles]
     try:
-        pools = {r.index: (r.num_blocks, r.block_size) for r in llm.monitor.instances}
+        pools = pools_of(llm)
         assert serve_burst(llm, work) == [m for _, m in work]
         deadline = time.monotonic() + 30  # the restore, so that the workers stop as they started
         while time.monotonic() < deadline and not ("restore-done" in llm.pressure.counts and not llm.pressure.dropped):
