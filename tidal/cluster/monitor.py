@@ -98,6 +98,12 @@ class InstanceRecord:
         return AdmissionLoad(cap, st.num_running, st.num_waiting, untried)
 
     @property
+    def num_queued(self) -> int:
+        """Requests waiting here for their prefill: the last report's, and those sent since."""
+        a = self.admission_load(0)
+        return a.declined + a.untried
+
+    @property
     def num_free_blocks(self) -> int:
         return self.status.num_free_blocks
 

@@ -87,18 +87,28 @@ class KVAwareRouter(Router):
         return min(range(len(instances)), key=headroom)
 
 
+def queue_per_member(inst: InstanceLoad) -> float:
+    """Requests waiting for their prefill per member of the instance's pipeline group (1 alone)."""
+    return getattr(inst, "num_queued", 0) / max(1, len(getattr(inst, "group", ()) or ()))
+
+
 class LlumnixRouter(Router):
     name = "llumnix"
 
     def route(self, req: RouteRequest, instances: Sequence[InstanceLoad]) -> int:
-        def freeness(i: int) -> tuple[float, int, int]:
+        shortest = min(queue_per_member(x) for x in instances)
+
+        def freeness(i: int) -> tuple[bool, float, int, int]:
             inst = instances[i]
             need = -(-(req.prompt_len + 1) // inst.block_size)
             free = inst.num_free_blocks - inst.queued_block_demand - need
             b = max(inst.num_outstanding, 1)
             # Llumnix's F = free / B; an overloaded instance (F < 0) ranks lower the more it holds
             f = free / b if free >= 0 else free * b
-            return (-f, inst.num_outstanding, i)
+            # a KunServe group's pool grew by the weights it dropped, its compute only k-fold: it
+            # takes a request only while its prefill queue per member is the shortest there is
+            busy_group = len(getattr(inst, "group", ()) or ()) > 1 and queue_per_member(inst) > shortest
+            return (busy_group, -f, inst.num_outstanding, i)
         return min(range(len(instances)), key=freeness)
 
 
