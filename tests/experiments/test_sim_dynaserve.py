@@ -127,3 +127,26 @@ def test_fitted_tails_reach_table1s_long_prompt_1p1d_p99():
     p50, p99, _ = J.TABLE1[("8192-32", "disagg")]
     assert got["p50_ms"] == pytest.approx(p50, rel=0.15)
     assert got["p99_ms"] == pytest.approx(p99, rel=0.15)
+
+
+def test_the_jitter_search_takes_each_terms_best_value_in_turn(monkeypatch):
+    """``search`` on a made-up error surface (its minimum on the grid): coordinate descent lands on it,
+    evaluating each distinct point once; ``--params`` reads six values."""
+    from tidal.experiments import jitter_fit as J
+    from tidal.sim.jitter import FITTED, JitterParams
+
+    target = dict(attn_compute_efficiency=0.5, attn_self_factor=1.15, mixed_s=0.45e-3, sigma=1.4, seq_s=38e-6,
+                  recv_bw=40e9)
+    calls = []
+
+    def fake(p, seed, scale, log=False, jobs=1):
+        calls.append(p)
+        err = sum(abs(getattr(p, k) - v) / (max(J.GRID[k]) or 1.0) for k, v in target.items())
+        return {"params": p, "mean_abs_rel_err": err, "max_abs_rel_err": err}
+
+    monkeypatch.setattr(J, "evaluate", fake)
+    best, tried = J.search(FITTED, 0, 1.0, log=lambda m: None)
+    assert best == JitterParams(**target)
+    assert len(calls) == len(set(calls)) == len(tried)
+    assert J._parse("30e-6,1.2,0.3e-3,55e9,0.5,1.15") == JitterParams(30e-6, 1.2, 0.3e-3, 55e9,
+                                                                     attn_compute_efficiency=0.5, attn_self_factor=1.15)

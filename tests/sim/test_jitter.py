@@ -133,3 +133,32 @@ def test_a_1p1d_landing_stops_the_decode_instances_decodes_for_its_receive():
     extra = sorted((b - a for a, b in zip(short_off, short_on, strict=True)), reverse=True)
     assert extra[0] == pytest.approx(h.nbytes / 10e9, rel=0.02)  # the gap the landing fell in: 80 ms more
     assert abs(extra[1]) < 0.002  # every other gap as before (within the 4K request's own decode)
+
+
+def test_the_testbed_attention_replaces_only_what_it_fits():
+    from tidal.sim.hardware import get_hardware
+    from tidal.sim.jitter import testbed
+
+    hw = get_hardware("a100-80g")
+    assert testbed(hw, JitterParams(seq_s=1e-5)) is hw  # nothing fitted: Vidur's attention
+    tb = testbed(hw, JitterParams(attn_compute_efficiency=0.5, attn_self_factor=1.15))
+    assert (tb.attn_compute_efficiency, tb.attn_self_factor) == (0.5, 1.15)
+    assert tb.compute_efficiency == hw.compute_efficiency and tb.attn_memory_efficiency == hw.attn_memory_efficiency
+    for bad in (dict(attn_compute_efficiency=1.5), dict(attn_self_factor=0.5), dict(attn_self_factor=-1.0)):
+        with pytest.raises(ValueError, match="attn_"):
+            JitterParams(**bad)
+
+
+def test_fitted_runs_the_testbeds_prefill_attention_and_off_vidurs():
+    """One 8K prompt alone: its time to first token falls when the testbed's attention is faster
+    (FlashAttention's masked-block skip and a higher share of peak) and only with ``fitted``."""
+    def ttft(jitter, params):
+        spec = ClusterSpec(model="qwen-2.5-14b", hardware="a100-80g", instances=1, step_jitter=jitter,
+                           jitter_params=params, scheduler=SchedulerConfig(max_num_batched_tokens=2048))
+        res = build_simulator(spec, [RequestSpec(0.0, 8192, 2)]).run()
+        return res.records[0].ttft_s
+
+    vidur = JitterParams(seq_s=0.0, sigma=0.0)
+    fast = JitterParams(attn_compute_efficiency=0.5, attn_self_factor=1.15)
+    assert ttft("off", fast) == ttft("off", vidur)  # off: the hardware spec's attention, whatever is fitted
+    assert ttft("fitted", fast) < 0.9 * ttft("fitted", vidur)

@@ -14,20 +14,21 @@ instances preempt (219 / 1467 colocated: p50 TBT 80 ms, p99 359 ms, against the 
 163), so the offered rate is the paper's measured one.
 
 **The fit** (:mod:`tidal.sim.jitter`): ``seq_s`` (host seconds per sequence per step), ``sigma``
-(their log-normal spread per step), ``mixed_s`` (seconds each decode of a mixed step adds) and
-``recv_bw`` (the 1P1D decode instance's blocking KV receive, bytes/s), chosen on a small grid (:data:`GRID`) to minimize the mean relative error over the 18 figures
-(6 setups x p50, p99, throughput; the largest is reported beside it), on these baselines only (never on DynaServe's own
-results). ``--params`` evaluates one set instead of searching; ``--step-jitter off`` the mean
+(their log-normal spread per step), ``mixed_s`` (seconds each decode of a mixed step adds),
+``recv_bw`` (the 1P1D decode instance's blocking KV receive, bytes/s) and the testbed's prefill
+attention (``attn_compute_efficiency``, ``attn_self_factor``), chosen by ``--search`` one term at a
+time over :data:`GRID` (:func:`search`) to minimize the mean relative error over the 18 figures (6
+setups x p50, p99, throughput; the largest is reported beside it), on these baselines only (never
+on DynaServe's own results). ``--params`` evaluates one set instead; ``--step-jitter off`` the mean
 model. Every run is deterministic given ``--seed``.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import numpy as np
@@ -47,8 +48,13 @@ TABLE1: dict[tuple[str, str], tuple[float, float, float]] = {
 # seconds of arrivals and the warm-up not measured, per shape (a 219 / 1467 request lives ~70 s)
 WINDOWS = {"8192-32": (180.0, 40.0), "2048-512": (240.0, 80.0), "219-1467": (360.0, 150.0)}
 METRICS = ("p50_ms", "p99_ms", "rps")
-# the grid the fit searches
-GRID = {"seq_s": (30e-6, 38e-6), "sigma": (1.0, 1.2), "mixed_s": (0.15e-3, 0.3e-3), "recv_bw": (0.0, 40e9, 55e9, 70e9)}
+# the values the fit searches, one term at a time (coordinate descent from tidal.sim.jitter.FITTED);
+# attention: the testbed's prefill-attention kernels (0: Vidur's A100 fit, 34 % of peak, the full
+# causal square; FlashAttention-2 skips the masked blocks: a self factor near 1)
+GRID = {"attn_compute_efficiency": (0.0, 0.4, 0.5, 0.6), "attn_self_factor": (0.0, 1.15, 1.5),
+        "mixed_s": (0.15e-3, 0.3e-3, 0.45e-3, 0.6e-3), "sigma": (1.0, 1.2, 1.4), "seq_s": (30e-6, 38e-6),
+        "recv_bw": (0.0, 40e9, 55e9, 70e9)}
+PARAMS = ("seq_s", "sigma", "mixed_s", "recv_bw", "attn_compute_efficiency", "attn_self_factor")
 
 
 def run_point(shape: str, layout: str, jitter: JitterParams | None, seed: int = 0,
@@ -86,27 +92,57 @@ def run_point(shape: str, layout: str, jitter: JitterParams | None, seed: int = 
             "rps": done / (window - warm)}
 
 
-def evaluate(jitter: JitterParams | None, seed: int = 0, scale: float = 1.0, log: bool = True) -> dict[str, Any]:
-    """All six setups: each figure, the paper's, and the relative error; the largest and the mean."""
+def evaluate(jitter: JitterParams | None, seed: int = 0, scale: float = 1.0, log: bool = True,
+             jobs: int = 1) -> dict[str, Any]:
+    """All six setups (on ``jobs`` processes): each figure, the paper's, and the relative error; the
+    largest and the mean."""
+    from tidal.experiments.parallel import run_all
+
+    setups = list(TABLE1)
+    t0 = time.perf_counter()
+    got_all = run_all(run_point, [(shape, layout, jitter, seed, scale) for shape, layout in setups], jobs)
     rows = []
-    for (shape, layout), paper in TABLE1.items():
-        t0 = time.perf_counter()
-        got = run_point(shape, layout, jitter, seed, scale)
+    for (shape, layout), got in zip(setups, got_all, strict=True):
+        paper = TABLE1[(shape, layout)]
         errs = {m: got[m] / p - 1.0 for m, p in zip(METRICS, paper, strict=True)}
         rows.append({"shape": shape, "layout": layout, "sim": got, "paper": dict(zip(METRICS, paper, strict=True)),
                      "rel_err": errs})
         if log:
             print(f"  {shape:>9} {layout:<6} " + "  ".join(
-                f"{m} {got[m]:7.2f} (paper {p:7.2f}, {100 * errs[m]:+5.1f}%)" for m, p in zip(METRICS, paper, strict=True))
-                + f"  [{time.perf_counter() - t0:.0f} s]", flush=True)
+                f"{m} {got[m]:7.2f} (paper {p:7.2f}, {100 * errs[m]:+5.1f}%)" for m, p in zip(METRICS, paper, strict=True)),
+                flush=True)
+    if log:
+        print(f"  [{time.perf_counter() - t0:.0f} s]", flush=True)
     errs = [abs(e) for r in rows for e in r["rel_err"].values()]
     return {"params": None if jitter is None else asdict(jitter), "rows": rows, "max_abs_rel_err": max(errs),
             "mean_abs_rel_err": float(np.mean(errs))}
 
 
-def _grid() -> list[JitterParams]:
-    return [JitterParams(seq_s=q, sigma=s, mixed_s=m, recv_bw=b)
-            for q, s, m, b in itertools.product(GRID["seq_s"], GRID["sigma"], GRID["mixed_s"], GRID["recv_bw"])]
+def _score(ev: dict[str, Any]) -> tuple[float, float]:
+    return ev["mean_abs_rel_err"], ev["max_abs_rel_err"]
+
+
+def search(start: JitterParams, seed: int, scale: float, passes: int = 2, log: Any = print,
+           jobs: int = 1) -> tuple[JitterParams, list[dict[str, Any]]]:
+    """Coordinate descent over :data:`GRID`: each term in turn takes the grid value with the least
+    mean relative error over the 18 figures (the largest breaks ties), the others held; ``passes``
+    sweeps, or fewer when a sweep changes nothing. Returns the best and every evaluation."""
+    seen: dict[JitterParams, dict[str, Any]] = {}
+
+    def ev(p: JitterParams) -> dict[str, Any]:
+        if p not in seen:
+            seen[p] = evaluate(p, seed, scale, log=False, jobs=jobs)
+            log(f"  {p}: max {100 * seen[p]['max_abs_rel_err']:.1f}%, mean {100 * seen[p]['mean_abs_rel_err']:.1f}%")
+        return seen[p]
+
+    best = start
+    for _ in range(passes):
+        before = best
+        for name, values in GRID.items():
+            best = min((replace(best, **{name: v}) for v in values), key=lambda p: _score(ev(p)))
+        if best == before:
+            break
+    return best, list(seen.values())
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -115,10 +151,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--step-jitter", choices=("off", "fitted"), default="fitted",
                    help="off: the mean model's errors; fitted: the fitted tails' (tidal.sim.jitter.FITTED)")
     p.add_argument("--params", default=None,
-                   help="evaluate these instead: seq_s,sigma,mixed_s[,recv_bw] (e.g. 30e-6,1.0,0.25e-3,55e9)")
-    p.add_argument("--search", action="store_true", help="search the grid for the best fit (slow: 32 x 6 runs)")
+                   help="evaluate these instead: seq_s,sigma,mixed_s[,recv_bw[,attn_compute_efficiency,"
+                        "attn_self_factor]] (e.g. 30e-6,1.0,0.25e-3,55e9,0.5,1.15)")
+    p.add_argument("--search", action="store_true",
+                   help="fit the terms one at a time over their grids, from the fitted values (slow: ~40 x 6 runs)")
     p.add_argument("--scale", type=float, default=1.0, help="windows x this (shorter runs for a search)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--jobs", type=int, default=1, help="simulator runs at once, each a process of its own")
     F.add_output_flags(p, "results/jitter_fit.json")
     p.set_defaults(func=run)
 
@@ -126,11 +165,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _parse(text: str) -> JitterParams:
     try:
         values = [float(x) for x in text.split(",")]
-        if len(values) not in (3, 4):
+        if len(values) not in (3, 4, 6):
             raise ValueError(f"{len(values)} values")
-        return JitterParams(*values)
+        return JitterParams(**dict(zip(PARAMS[:len(values)], values, strict=True)))
     except ValueError as e:
-        raise ValueError(f"--params: expected seq_s,sigma,mixed_s[,recv_bw] ({e})") from None
+        raise ValueError(f"--params: expected seq_s,sigma,mixed_s[,recv_bw[,attn_compute_efficiency,"
+                         f"attn_self_factor]] ({e})") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -144,19 +184,13 @@ def run(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {"command": command, "paper": {f"{s} {lay}": v for (s, lay), v in TABLE1.items()},
                               "windows": WINDOWS, "seed": args.seed}
     if args.search:
-        tried = []
-        for params in _grid():
-            ev = evaluate(params, args.seed, args.scale, log=False)
-            tried.append(ev)
-            print(f"  {params}: max {100 * ev['max_abs_rel_err']:.1f}%, mean {100 * ev['mean_abs_rel_err']:.1f}%",
-                  flush=True)
-        best = min(tried, key=lambda e: (e["mean_abs_rel_err"], e["max_abs_rel_err"]))
+        chosen, tried = search(chosen or FITTED, args.seed, args.scale, log=lambda m: print(m, flush=True),
+                               jobs=args.jobs)
         report["search"] = [{"params": e["params"], "max": e["max_abs_rel_err"], "mean": e["mean_abs_rel_err"]}
                             for e in tried]
-        chosen = JitterParams(**best["params"])
         print(f"best: {chosen}", flush=True)
     print(f"step jitter: {'off (the mean model)' if chosen is None else chosen}", flush=True)
-    ev = evaluate(chosen, args.seed)
+    ev = evaluate(chosen, args.seed, jobs=args.jobs)
     report["fit"] = ev
     print(f"largest error {100 * ev['max_abs_rel_err']:.1f}%, mean {100 * ev['mean_abs_rel_err']:.1f}% over "
           f"{3 * len(TABLE1)} figures (DynaServe Table 1)", flush=True)

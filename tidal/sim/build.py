@@ -26,8 +26,9 @@ from tidal.sim.analytic import AnalyticCostModel, kv_pool_blocks_for
 from tidal.sim.cost_model import CostModel, ScaledCostModel
 from tidal.sim.hardware import HardwareSpec, get_hardware
 from tidal.sim.instance import SimInstance
+from tidal.sim.jitter import FITTED as JITTER_FITTED
 from tidal.sim.jitter import MODES as JITTER_MODES
-from tidal.sim.jitter import JitterParams, with_jitter
+from tidal.sim.jitter import JitterParams, testbed, with_jitter
 from tidal.sim.links import LinkSpec, get_link
 from tidal.sim.models import MODELS, get_model
 from tidal.sim.pd import HandoffConfig
@@ -211,6 +212,8 @@ def _split_simulator(spec: ClusterSpec, instances: list[SimInstance], requests: 
 def build_simulator(spec: ClusterSpec, requests: Sequence[RequestSpec],
                     recorder: Callable[[Decision], None] | None = None) -> ClusterSimulator:
     arch, hw, blocks, max_len = resolve(spec)
+    if spec.step_jitter == "fitted":  # the testbed the tails were fitted on: its prefill attention too
+        hw = testbed(hw, spec.jitter_params or JITTER_FITTED)
     layout = spec.layout
     check_policy_args(spec)
     block_bytes = spec.block_size * arch.kv_bytes_per_token(spec.dtype_bytes)  # all tp shards
