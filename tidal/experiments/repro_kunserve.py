@@ -51,8 +51,10 @@ def reproduce(args: argparse.Namespace, log: Progress) -> Report:
     report = Report(
         "kunserve", "KunServe: drop layers instead of preempting under memory pressure (Fig. 13)",
         f"Simulated: {setup['model']} on {setup['instances']} x {setup['hardware']}, {setup['link']} between "
-        f"them, {setup['router']} dispatch, {setup['arrivals']}, {setup['duration_s']:g} s of arrivals per "
-        f"dataset ({', '.join(data['datasets'])}); the same requests for every system. Runs "
+        f"them, {setup['router']} dispatch (Llumnix's freeness for every system; a KunServe group, whose pool "
+        f"grew by the weights it dropped but whose compute only by its members, takes a new request only while "
+        f"its prefill queue per member is the shortest), {setup['arrivals']}, {setup['duration_s']:g} s of "
+        f"arrivals per dataset ({', '.join(data['datasets'])}); the same requests for every system. Runs "
         f"`tidal bench sim-kunserve` (its JSON: `kunserve_sim.json`).",
         args.quick, data=_slim(data), figures=[os.path.basename(p) for p in data.get("plots", [])])
     if runs_real(args):

@@ -5,14 +5,17 @@ simulator: P50/P99 TTFT and TPOT of ``preempt`` (vLLM: recompute), ``preempt`` w
 The paper's setup (Sec. 5.1, Table 2, cluster A): Qwen-2.5-14B, 8 instances of one A800-80GB
 each (``a800-80g``), 200 Gbps RDMA between servers (``ib-hdr``); the dispatcher is Llumnix's load
 balancing for every system (``llumnix``: free KV blocks per outstanding request; KunServe Sec. 3:
-"our dispatcher incorporates the load-balancing design from Llumnix"). ``kv-aware`` (the most
-free blocks) is kept as an option: it sends a merged group, whose pool grew by the weights it
-dropped but whose compute did not, more than it can prefill. Arrivals are BurstGPT-like: the trace
-itself is not here, so a Gamma process (burstiness 0.5, BurstGPT's shape in
-:mod:`tidal.workload`) whose rate is modulated per 20 s window by a Gamma(2) factor (mean 1),
-which gives the trace's bursts of ~2x that throttle memory (Fig. 2a). The mean rate is scaled,
-as the paper scales BurstGPT, so that the *average* KV demand -- in use plus queued, Llumnix's
-count (Sec. 2.2) -- of vLLM (``preempt``) over the run is about 50%, below 60% (Sec. 5.1).
+"our dispatcher incorporates the load-balancing design from Llumnix"). A merged group's pool grew
+by the weights it dropped (here up to 5x an instance's pool) but its compute only by its members,
+so by freeness alone it drew a burst it then queued for its prefill (burstgpt: P99 TTFT 2.96 s,
+against 0.67 s once the group takes a request only while its prefill queue per member is the
+shortest, :class:`tidal.cluster.router.LlumnixRouter`). ``kv-aware`` (the most free blocks) is
+kept as an option. Arrivals are BurstGPT-like: the trace itself is not here, so a Gamma process
+(burstiness 0.5, BurstGPT's shape in :mod:`tidal.workload`) whose rate is modulated per 20 s
+window by a Gamma(2) factor (mean 1), which gives the trace's bursts of ~2x that throttle memory
+(Fig. 2a), or the Azure conversation hour's times (``--arrivals azure``). The rate and the KV pool
+come from :mod:`tidal.experiments.kunserve_regime` (the memory-bound regime: bursts within 85 %
+of the measured compute capacity, a pool of 2x vLLM's mean KV in use).
 Lengths: BurstGPT-like (642 / 262, lognormal), ShareGPT (the real length set, inputs capped at
 4K as in the paper) and LongBench-like (5.9K / 499, lognormal, capped at 16K).
 """
