@@ -51,9 +51,9 @@ METRICS = ("p50_ms", "p99_ms", "rps")
 # the values the fit searches, one term at a time (coordinate descent from tidal.sim.jitter.FITTED);
 # attention: the testbed's prefill-attention kernels (0: Vidur's A100 fit, 34 % of peak, the full
 # causal square; FlashAttention-2 skips the masked blocks: a self factor near 1)
-GRID = {"attn_compute_efficiency": (0.0, 0.4, 0.5, 0.6), "attn_self_factor": (0.0, 1.15, 1.5),
-        "mixed_s": (0.15e-3, 0.3e-3, 0.45e-3, 0.6e-3), "sigma": (1.0, 1.2, 1.4), "seq_s": (30e-6, 38e-6),
-        "recv_bw": (0.0, 40e9, 55e9, 70e9)}
+GRID = {"attn_compute_efficiency": (0.0, 0.4, 0.5, 0.6, 0.7), "attn_self_factor": (0.0, 1.15, 1.5, 2.0),
+        "mixed_s": (0.15e-3, 0.3e-3, 0.45e-3, 0.6e-3, 0.8e-3, 1.0e-3), "sigma": (1.0, 1.2, 1.4, 1.6, 1.8),
+        "seq_s": (10e-6, 20e-6, 30e-6, 38e-6), "recv_bw": (0.0, 40e9, 55e9, 70e9)}
 PARAMS = ("seq_s", "sigma", "mixed_s", "recv_bw", "attn_compute_efficiency", "attn_self_factor")
 
 
