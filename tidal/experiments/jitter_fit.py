@@ -149,7 +149,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("calibrate-jitter", help="fit the simulator's step-time tails to DynaServe's Table 1 baselines",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--step-jitter", choices=("off", "fitted"), default="fitted",
-                   help="off: the mean model's errors; fitted: the fitted tails' (tidal.sim.jitter.FITTED)")
+                   help="off: the mean model's errors; fitted: the fitted testbed's, tails and prefill attention "
+                        "(tidal.sim.jitter.FITTED)")
     p.add_argument("--params", default=None,
                    help="evaluate these instead: seq_s,sigma,mixed_s[,recv_bw[,attn_compute_efficiency,"
                         "attn_self_factor]] (e.g. 30e-6,1.0,0.25e-3,55e9,0.5,1.15)")
@@ -157,7 +158,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="fit the terms one at a time over their grids, from the fitted values (slow: ~40 x 6 runs)")
     p.add_argument("--scale", type=float, default=1.0, help="windows x this (shorter runs for a search)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--jobs", type=int, default=1, help="simulator runs at once, each a process of its own")
+    p.add_argument("--jobs", type=F.positive_int, default=1, help="simulator runs at once, each a process of its own")
     F.add_output_flags(p, "results/jitter_fit.json")
     p.set_defaults(func=run)
 

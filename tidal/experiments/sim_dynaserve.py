@@ -311,8 +311,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="every DynaServe system: alpha starts pushing a request's KV this many tokens before its "
                         "split point (default: dynaserve from its first chunk, Sec. 4.3; dynaserve-lead 64 before)")
     p.add_argument("--step-jitter", choices=("off", "fitted"), default="off",
-                   help="step-time tails (tidal.sim.jitter): off, the mean model; fitted, calibrated to the "
-                        "paper's Table 1 baselines (`tidal bench calibrate-jitter`)")
+                   help="step-time tails (tidal.sim.jitter): off, the mean model; fitted, the testbed (tails and "
+                        "prefill attention) calibrated to the paper's Table 1 baselines (`tidal bench calibrate-jitter`)")
     p.add_argument("--jobs", type=F.positive_int, default=1,
                    help=f"capacity searches at once, each a process of its own (this machine: {usable_cores()} cores)")
     F.add_workload_flags(p, only=("num_requests", "seed"), defaults={"num_requests": 2000})

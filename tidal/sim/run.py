@@ -91,9 +91,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed-profile", action="store_true",
                    help="slo-compose's profile table starts from the cost model on a grid (an offline profile)")
     g.add_argument("--step-jitter", choices=("off", "fitted"), default="off",
-                   help="step-time tails (tidal.sim.jitter): off, the cost model's means; fitted, host time per "
-                        "sequence and mixed-step interference fitted to DynaServe's Table 1 baselines "
-                        "(`tidal bench calibrate-jitter`)")
+                   help="step-time tails (tidal.sim.jitter): off, the cost model's means; fitted, the testbed "
+                        "fitted to DynaServe's Table 1 baselines: host time per sequence, mixed-step interference, "
+                        "1P1D's blocking KV receive and its prefill attention (`tidal bench calibrate-jitter`)")
     g.add_argument("--jitter-seed", type=int, default=0, help="the tails' own random stream")
     s.add_argument("--kv-stream-tokens", type=F.positive_int, default=16,
                    help="alpha pushes a request's KV to beta each time this many tokens are computed (Sec. 4.3)")
