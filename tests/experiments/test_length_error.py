@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.workload.test_workloads import needs_traces
 from tidal.cli import main as cli_main
 from tidal.experiments.length_error import replay_errors
 
@@ -17,6 +18,7 @@ def test_replay_predicts_before_it_observes():
     assert r["mae"] == pytest.approx((176 + 60 + 20) / 3)
 
 
+@needs_traces
 def test_the_command_reads_the_traces_and_refuses_a_missing_dir(tmp_path, capsys):
     assert cli_main(["bench", "length-error", "--limit", "300", "--output", str(tmp_path / "l.json")]) == 0
     out = capsys.readouterr().out
