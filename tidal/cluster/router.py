@@ -87,9 +87,14 @@ class KVAwareRouter(Router):
         return min(range(len(instances)), key=headroom)
 
 
+def members(inst: InstanceLoad) -> int:
+    """Instances in ``inst``'s KunServe pipeline group (1 when it runs alone)."""
+    return max(1, len(getattr(inst, "group", ()) or ()))
+
+
 def queue_per_member(inst: InstanceLoad) -> float:
-    """Requests waiting for their prefill per member of the instance's pipeline group (1 alone)."""
-    return getattr(inst, "num_queued", 0) / max(1, len(getattr(inst, "group", ()) or ()))
+    """Requests waiting for their prefill per member of the instance's pipeline group."""
+    return getattr(inst, "num_queued", 0) / members(inst)
 
 
 class LlumnixRouter(Router):
@@ -107,7 +112,7 @@ class LlumnixRouter(Router):
             f = free / b if free >= 0 else free * b
             # a KunServe group's pool grew by the weights it dropped, its compute only k-fold: it
             # takes a request only while its prefill queue per member is the shortest there is
-            busy_group = len(getattr(inst, "group", ()) or ()) > 1 and queue_per_member(inst) > shortest
+            busy_group = members(inst) > 1 and queue_per_member(inst) > shortest
             return (busy_group, -f, inst.num_outstanding, i)
         return min(range(len(instances)), key=freeness)
 
