@@ -304,3 +304,22 @@ def test_reproduce_all_writes_every_papers_section_in_turn(tmp_path, monkeypatch
     assert main(["reproduce", "nope", "--output", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "unknown paper 'nope'; available: one, two, all" in err and err.count("\n") == 1
+
+
+def test_judge_needs_every_seed_past_the_margin_and_a_margin_past_the_tolerance():
+    from tidal.experiments.reproduce import Claim, judge
+
+    assert judge([1.10, 1.05, 1.30]) == "holds"
+    assert judge([1.10, 1.01, 1.30]) == "tie"  # one seed inside the 2 % margin
+    assert judge([1.10, 0.90, 1.30]) == "tie"  # seeds disagree
+    assert judge([0.90, 0.95, 0.99]) == "fails"
+    assert judge([1.10, 1.10, 1.10], margin=0.02, tolerance=0.04) == "tie"  # a 4 % bracket cannot tell 2 %
+    assert judge([1.10, 1.10, 1.10], margin=0.05, tolerance=0.04) == "holds"
+    assert judge([1.0, 1.0, 1.0], identical=True) == "n/a"
+    assert judge([]) == "n/a"
+    c = Claim("c", "p", "s", holds=True, why="w", per_seed=[1.5, 0.9, 1.2])
+    assert c.verdict == "tie" and not c.holds and "per seed 1.50x, 0.90x, 1.20x" in c.row()
+    assert Claim("c", "p", "s", holds=True, why="w", identical=True).verdict == "n/a"
+    assert Claim("c", "p", "s", holds=False, why="w").verdict == "fails"
+    with pytest.raises(ValueError):
+        Claim("c", "p", "s", holds=True, why="w", verdict="maybe")

@@ -36,9 +36,32 @@ REAL_NOT_RUN = ("not run: the real engine here is a shared 2-core CPU, where non
                 "(13B-70B) fit and no engine timings are taken")
 
 
+VERDICTS = ("holds", "fails", "tie", "n/a")
+
+
+def judge(per_seed: Sequence[float] | None, margin: float = 0.02, tolerance: float = 0.0,
+          identical: bool = False) -> str:
+    """A claim's verdict from its per-seed ratios (technique over baseline, > 1 = the paper's way).
+
+    ``holds``: every seed's ratio clears ``1 + margin`` and the margin is wider than the search's
+    ``tolerance`` (a capacity bracket of 4 % cannot tell 2 % apart); ``fails``: every seed is on the
+    wrong side (ratio < 1); ``tie`` otherwise (seeds disagree, or a seed inside the margin); ``n/a`` when
+    the two sides are identical by construction (``identical``), or there is no ratio at all.
+    """
+    if identical or not per_seed:
+        return "n/a"
+    if margin > tolerance and all(r > 1.0 + margin for r in per_seed):
+        return "holds"
+    if all(r < 1.0 for r in per_seed):
+        return "fails"
+    return "tie"
+
+
 @dataclass
 class Claim:
-    """One row of the table. ``holds``: whether tidal's simulated numbers go the paper's way."""
+    """One row of the table. ``holds`` (legacy): whether tidal's simulated numbers go the paper's
+    way; a claim built with ``per_seed`` (one ratio a seed, > 1 = the paper's way) is judged by
+    :func:`judge` instead, and ``verdict`` is what the page and the JSON show."""
 
     claim: str
     paper: str
@@ -46,10 +69,28 @@ class Claim:
     holds: bool
     why: str
     real: str = REAL_NOT_RUN
+    per_seed: list[float] | None = None
+    margin: float = 0.02
+    tolerance: float = 0.0
+    identical: bool = False  # the two sides are the same run by construction: n/a, never holds
+    verdict: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.verdict:
+            if self.per_seed is not None or self.identical:
+                self.verdict = judge(self.per_seed, self.margin, self.tolerance, self.identical)
+            else:
+                self.verdict = "holds" if self.holds else "fails"
+        if self.verdict not in VERDICTS:
+            raise ValueError(f"verdict must be one of {VERDICTS}, not {self.verdict!r}")
+        self.holds = self.verdict == "holds"
 
     def row(self) -> str:
-        mark = "yes" if self.holds else "**no**"
-        return f"| {self.claim} | {self.paper} | {self.simulated} (direction holds: {mark}) | {self.real} | {self.why} |"
+        mark = self.verdict if self.verdict == "holds" else f"**{self.verdict}**"
+        seeds = ""
+        if self.per_seed:
+            seeds = f"; per seed {', '.join(f'{r:.2f}x' for r in self.per_seed)}"
+        return f"| {self.claim} | {self.paper} | {self.simulated} (verdict: {mark}{seeds}) | {self.real} | {self.why} |"
 
 
 @dataclass
