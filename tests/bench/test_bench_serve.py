@@ -224,7 +224,9 @@ def test_latencies_match_the_stub(stub_server, tmp_path: Path, capsys, endpoint:
         assert 0.2 - TOL / 3 < r["ttft_s"] < 0.2 + SLACK, r["ttft_s"]
         assert e2e - TOL / 3 < r["e2e_s"] < e2e + SLACK, r["e2e_s"]
         assert 0 <= r["e2e_s"] - r["ttft_s"] - sum(r["itl_s"]) < SLACK  # the stream ends after its last token
-        assert all(g > 0 for g in r["itl_s"]), r["itl_s"]
+        # a gap is 0 only where a stall held two events back and they came in one read: right after a late one
+        gaps = r["itl_s"]
+        assert all(g > 0 or (i and gaps[i - 1] > 0.05 * 2) for i, g in enumerate(gaps)), gaps
     assert abs(res["ttft_ms"]["p50"] / 1000 - 0.2) < TOL, res["ttft_ms"]
     # e2e ends at the last of k sends, each of which a busy neighbour on this 2-core machine can delay for
     # every request in flight (a CI run saw the median 24 ms late with TTFT and ITL medians in bounds):
