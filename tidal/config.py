@@ -162,6 +162,12 @@ class CacheConfig:
     swap_space: int | str = "1GiB"  # host memory for swapped-out KV blocks
     num_blocks_override: int | None = None
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | float32 | bfloat16 | float16
+    # automatic prefix caching (vLLM's --enable-prefix-caching, on by default there too): full KV blocks
+    # named by a chained hash, kept after their last user until reused
+    enable_prefix_caching: bool = True
+    # host memory (bytes; vLLM's --kv-offloading-size, given in GiB there) for a second tier of cached
+    # blocks: what the pool evicts is copied there and loaded back on a hit; 0 = none
+    kv_offloading_size: int | str = 0
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -173,6 +179,10 @@ class CacheConfig:
             if self.kv_cache_memory <= 0:
                 raise ConfigError("kv_cache_memory must be > 0")
         self.swap_space = parse_size(self.swap_space, "swap_space")
+        self.kv_offloading_size = parse_size(self.kv_offloading_size, "kv_offloading_size")
+        if self.kv_offloading_size and not self.enable_prefix_caching:
+            raise ConfigError("kv_offloading_size keeps cached prefix blocks in host memory: it needs prefix caching "
+                              "(drop --no-enable-prefix-caching, or the offloading size)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_blocks_override is not None and self.num_blocks_override <= 0:

@@ -54,6 +54,12 @@ class InstanceStatus:
     batch_size_cap: int | None = None
     token_budget: int | None = None
     policy: dict[str, Any] | None = None
+    # prefix caching since the worker started (tokens): prompt tokens looked up, found (device or host tier),
+    # found in the host tier; and the cached blocks nobody holds (free space that may yet be hit)
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    prefix_host_hits: int = 0
+    num_cached_blocks: int = 0
 
 
 _STATUS_FIELDS = tuple(f.name for f in fields(InstanceStatus))

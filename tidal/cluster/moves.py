@@ -297,6 +297,8 @@ def moved_request(req: Request, with_kv: bool) -> Request:
     the source (a split's beta part takes alpha's with alpha's tokens)."""
     new = Request(req.request_id, list(req.prompt_token_ids), req.sampling_params, arrival_time=req.arrival_time,
                   eos_token_ids=req.eos_token_ids, priority=req.priority, request_class=req.request_class)
+    new.block_hashes = list(req.block_hashes)  # its blocks' names (the simulator's come from a trace, not its tokens)
+    new.num_cached_tokens = req.num_cached_tokens
     new.output_token_ids = list(req.output_token_ids)
     new.num_computed_tokens = req.num_computed_tokens if with_kv else 0
     new.num_preemptions = req.num_preemptions

@@ -40,6 +40,7 @@ from tidal.config import (
     ConfigError,
     EngineConfig,
     SchedulerConfig,
+    parse_size,
 )
 from tidal.policies import check_policy
 
@@ -63,6 +64,21 @@ def positive_int(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
     return v
+
+
+def gib_size(text: str, name: str = "size") -> int:
+    """Bytes from a size in GiB (``4``, ``0.5``; vLLM's unit for ``--kv-offloading-size``) or with a
+    unit (``512MiB``)."""
+    try:
+        v = float(text)
+    except ValueError:
+        try:
+            return parse_size(text, name)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {text}")
+    return int(v * 1024**3)
 
 
 # ============================================================================ the flags
@@ -112,6 +128,12 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     _flag("--gpu-memory-utilization", type=float, default=None, help="fraction of GPU memory for weights+KV"),
     _flag("--block-size", type=int, default=None, help="tokens per KV block"),
     _flag("--swap-space", default=None, help="host memory for swapped-out KV, e.g. 1GiB"),
+    _flag("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+          help="reuse the KV of shared prompt prefixes (full blocks named by a chained hash, kept after their "
+               "last user until reused; on by default); --no-enable-prefix-caching recomputes every prompt"),
+    _flag("--kv-offloading-size", type=lambda t: gib_size(t, "--kv-offloading-size"), default=None, metavar="GIB",
+          help="GiB of host memory for a second tier of cached prefix blocks (what the KV pool evicts is copied "
+               "there, a hit there is loaded back); off by default (on a CPU host and pool are the same memory)"),
     _flag("--num-threads", type=int, default=None, help="CPU threads for the model (default: all cores, or $TIDAL_CPU_THREADS)"),
     # dest differs from the workload's --seed, so a command never mistakes one for the other
     _flag("--seed", type=int, default=None, dest="engine_seed", help="engine seed for unseeded sampling"),
@@ -402,7 +424,8 @@ def _check_policies(args: argparse.Namespace, cfg: SchedulerConfig) -> None:
 
 def cache_config(args: argparse.Namespace) -> CacheConfig:
     """``CacheConfig`` from the cache flags (sizes parsed, block size and utilization checked)."""
-    names = {"kv_cache_memory", "gpu_memory_utilization", "block_size", "swap_space"}
+    names = {"kv_cache_memory", "gpu_memory_utilization", "block_size", "swap_space", "enable_prefix_caching",
+             "kv_offloading_size"}
     return CacheConfig(**{k: v for k, v in _values(args, ENGINE_FLAGS).items() if k in names})
 
 

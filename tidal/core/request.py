@@ -38,6 +38,9 @@ class Request:
     max_model_len: int | None = None  # the engine's context limit (prompt + output)
     # DynaServe Sec. 3 micro-request: stop (pause) once this many tokens have KV; the rest runs elsewhere
     pause_at: int | None = None
+    # names of the request's full blocks (tidal.core.block_hash), extended as tokens are computed; a
+    # creator may name some ahead (the simulator, from a trace's hash ids)
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
     # --- mutable state ---
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
@@ -50,10 +53,16 @@ class Request:
     last_token_time: float | None = None  # when its latest output token was sampled (a hand-off carries it)
     finish_time: float | None = None
     length_limit: int | None = field(default=None, repr=False)  # max_output_tokens, once a token is checked
+    num_cached_tokens: int | None = None  # prompt tokens its first admission found cached (None: not admitted)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id}: the prompt is empty")
+
+    @property
+    def cache_salt(self) -> str | None:
+        """Prefix caching's tenant key: requests with different salts never share KV blocks."""
+        return self.sampling_params.cache_salt
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -39,6 +39,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # not a sampling knob: the prefix cache's tenant key (requests with different salts never share KV
+    # blocks), kept here so that every copy of a request (moves, fail-over, n > 1) carries it
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -69,6 +72,8 @@ class SamplingParams:
             raise SamplingParamsError("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise SamplingParamsError("stop", "stop strings must be non-empty strings")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise SamplingParamsError("cache_salt", "cache_salt must be a non-empty string")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise SamplingParamsError("stop_token_ids", "stop_token_ids must be non-negative integers")
 

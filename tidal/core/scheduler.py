@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from tidal.config import SchedulerConfig
-from tidal.core.kv_manager import KVCacheManager
+from tidal.core.kv_manager import KVCacheManager, PrefixHit
 from tidal.core.plan import (
     BatchComposition,
     RequestUpdate,
@@ -80,6 +80,11 @@ class Scheduler:
         self.paused: dict[str, Request] = {}  # hold their blocks, never scheduled (a KV hand-off in flight)
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # prefix caching (tokens): prompt tokens looked up at first admissions, and how many were
+        # found on the device pool and in the host tier (recomputation after preemption is no query)
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.prefix_host_hits = 0
         self._finished_since_plan: list[str] = []
         self._pending_updates: list[RequestUpdate] = []  # finishes decided while scheduling
         self._reached_pause: list[str] = []  # paused at their ``pause_at`` since the last drain
@@ -293,6 +298,7 @@ class Scheduler:
         swap_out: list[tuple[int, int]] = []
         swap_in: list[tuple[int, int]] = []
         room = self._room_preempting(budget, preempted, swap_out, now)
+        self.kv.begin_step()
 
         if self.config.scheduling == "prefill-first":
             self._schedule_prefill_first(view, budget, room, reserve, preempted, swap_in, now)
@@ -310,6 +316,9 @@ class Scheduler:
                 if not self.swapped:
                     self._admit(view, budget, reserve, now, self._add_chunk)
 
+        stores, loads = self.kv.end_step()  # the host tier's copies: stores go before loads, as swaps do
+        swap_out += stores
+        swap_in += loads
         finished, self._finished_since_plan = tuple(self._finished_since_plan), []
         self._step_id += 1
         chunks = budget.chunks
@@ -350,14 +359,35 @@ class Scheduler:
                 break
             if not self.policy.admit(req, admitted):
                 continue
-            if not add(req, budget, self._room(reserve if self.running else 0)):
+            keep = reserve if self.running else 0
+            hit = self.kv.find_prefix(req)
+            req.num_computed_tokens = self.kv.take_prefix(req, hit, keep)
+            if not add(req, budget, self._room(keep)):
+                if req.num_computed_tokens:  # back to the queue holding nothing (its blocks stay cached)
+                    self.kv.free(req.request_id)
+                    req.num_computed_tokens = 0
                 break
+            if req.num_cached_tokens is None:
+                self._count_prefix(req, hit)
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
             self.running.append(req)
             admitted.append(req)
+
+    def _count_prefix(self, req: Request, hit: PrefixHit) -> None:
+        """A request's first admission: its prompt was a prefix-cache query, what it found a hit
+        (device pool and host tier apart); a request preempted before its first admission is none."""
+        if req.num_preemptions:
+            req.num_cached_tokens = 0
+            return
+        cached = min(req.num_computed_tokens, req.num_prompt_tokens)
+        req.num_cached_tokens = cached
+        if self.kv.enable_caching:
+            self.prefix_queries += req.num_prompt_tokens
+            self.prefix_hits += cached
+            self.prefix_host_hits += min(hit.num_loaded * self.kv.block_size, cached)
 
     def _add_whole(self, req: Request, budget: StepBudget, room: Callable[[Request, int], bool]) -> bool:
         """Buy a request's whole prefill (up to its pause point), or nothing: False when it does
@@ -407,6 +437,7 @@ class Scheduler:
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             req.num_computed_tokens += chunk.num_tokens
+            self.kv.cache_blocks(req)
             if not chunk.sample:
                 self._check_pause(req)
                 continue
@@ -458,7 +489,8 @@ class Scheduler:
                     return None
                 positions.append((req.request_id, p))
         kv = self.kv
-        if kv.blocks_for_one_more(positions) > kv.num_free_blocks:
+        # with a host tier, a step that would evict cached blocks must store them: a planned step
+        if kv.blocks_for_one_more(positions) > (kv.num_plain_free_blocks if kv.host_tier else kv.num_free_blocks):
             return None
         return positions
 
@@ -475,6 +507,7 @@ class Scheduler:
         updates, self._pending_updates = self._pending_updates, []
         for req in batch:
             req.num_computed_tokens += 1
+            self.kv.cache_blocks(req)
             updates.append(self._take_token(req, token, now))
         return updates
 
@@ -506,6 +539,7 @@ class Scheduler:
             req.num_computed_tokens += steps
             req.output_token_ids.extend(tokens)
             req.last_token_time = now
+            self.kv.cache_blocks(req)
 
     def _check_pause(self, req: Request) -> None:
         if req.pause_at is not None and req.num_computed_tokens >= req.pause_at:

@@ -120,6 +120,11 @@ class AsyncLLM:
                             declined=self._declined,
                             untried=self._fresh + self._pending_adds)
 
+    async def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block, between steps. Returns 1 (the instances told)."""
+        await self.call(lambda e: e.reset_prefix_cache())
+        return 1
+
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run ``fn(engine)`` on the engine thread between steps (admin actions)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()

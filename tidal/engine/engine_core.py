@@ -75,10 +75,12 @@ class EngineCore:
                   and self.model.is_first and self.model.is_last)
         block_bytes = kv_block_bytes(arch, cc.block_size, self.kv_dtype, len(layer_ids))
         num_blocks = num_kv_blocks(config, self.device, arch, block_bytes, self.max_model_len, self.dtype, graphs)
-        num_host = cc.swap_space // block_bytes if sc.preemption_mode == "swap" else 0
+        # one host pool: swapped-out requests (swap mode) and the prefix cache's host tier share it
+        num_host = ((cc.swap_space if sc.preemption_mode == "swap" else 0) + cc.kv_offloading_size) // block_bytes
         self.kv_cache = PagedKVCache(arch, layer_ids, num_blocks, cc.block_size, self.kv_dtype, self.device, num_host,
                                      scratch_block=graphs)
-        self.kv_manager = KVCacheManager(num_blocks, cc.block_size, num_host)
+        self.kv_manager = KVCacheManager(num_blocks, cc.block_size, num_host, enable_caching=cc.enable_prefix_caching,
+                                         host_tier=cc.kv_offloading_size > 0)
         self.scheduler = Scheduler(sc, self.kv_manager, self.policy, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv_cache, seed=mc.seed)
         if graphs:
@@ -150,6 +152,12 @@ class EngineCore:
             "num_kv_blocks": kv.num_blocks,
             "num_free_kv_blocks": kv.num_free_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_caching": kv.enable_caching,
+            "prefix_cache_queries": self.scheduler.prefix_queries,  # prompt tokens looked up (tokens)
+            "prefix_cache_hits": self.scheduler.prefix_hits,  # of them found cached (device pool or host tier)
+            "prefix_cache_host_hits": self.scheduler.prefix_host_hits,
+            "num_cached_kv_blocks": kv.num_cached_blocks,
+            "num_host_kv_blocks": kv.host_pool.num_blocks if kv.host_tier else 0,
             "batch_size_cap": self.scheduler.last_caps.max_num_seqs,
             "token_budget": self.scheduler.last_caps.token_budget,
             "policy": self.policy.state(),  # a frozen PolicyState: safe to hand to the server's thread

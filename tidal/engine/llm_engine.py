@@ -140,6 +140,11 @@ class LLMEngine:
         self.core.add_requests(reqs)  # the scheduler checks each sequence's id, context and KV room
         self.outputs.add_request(request_id, text, params, reqs, arrival)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block (vLLM's ``reset_prefix_cache``); blocks in use stay.
+        Returns the cached blocks dropped."""
+        return self.core.kv_manager.reset_prefix_cache()
+
     def abort_request(self, request_ids: str | list[str]) -> None:
         self.transfer.free(request_ids)
 

@@ -186,4 +186,5 @@ class OutputProcessor:
         metrics = RequestMetrics(state.arrival_time, first.request.first_scheduled_time, first.request.first_token_time,
                                  finish_time, sum(s.request.num_preemptions for s in state.sequences))
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs,
-                             finished=all(s.finished for s in state.sequences), metrics=metrics)
+                             finished=all(s.finished for s in state.sequences), metrics=metrics,
+                             num_cached_tokens=first.request.num_cached_tokens)

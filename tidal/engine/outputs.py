@@ -43,6 +43,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     metrics: RequestMetrics | None = None
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache had (None: not yet scheduled)
 
     @property
     def num_prompt_tokens(self) -> int:

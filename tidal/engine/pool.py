@@ -52,12 +52,14 @@ class PoolResizer:
         if len(ids) == len(present):
             raise ValueError("an instance keeps at least one decoder layer")
         if kv_cache.num_host_blocks:
-            raise ValueError("layers cannot be dropped with swap preemption (the host pool is per layer)")
+            raise ValueError("layers cannot be dropped with a host KV pool (swap preemption or --kv-offloading-size: "
+                             "the host pool is per layer)")
         mem = self.pool_bytes  # before the drop: it includes the dropped layers' KV
         for i in ids:
             self.dropped_weight_bytes[i] = model.drop_layers([i])
             mem += self.dropped_weight_bytes[i]
         kv_cache.drop_layers(ids)
+        self.core.kv_manager.reset_prefix_cache()  # cached blocks no longer hold every layer's KV
         self._set_pool(mem // kv_cache.bytes_per_block, mem)
         return self.core.kv_manager.num_blocks
 
@@ -92,6 +94,7 @@ class PoolResizer:
         # shrink at the current layers' block size (relocating live blocks), then add the layers
         self._set_pool(n, n * kv_cache.bytes_per_block)
         kv_cache.add_layers(ids)
+        kv_manager.reset_prefix_cache()  # the restored layers' KV starts empty in every block
         self.pool_spare_bytes = mem - n * bpb
         # on CPU host memory is device memory: the "host copy" of every layer (Sec. 4.4, also
         # for fault tolerance) is the checkpoint file itself, read (mmapped) again here

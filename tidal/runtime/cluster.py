@@ -330,6 +330,10 @@ class ClusterLLM(HandoffFront):
                 "kv_cache_usage_perc": 1.0 - free / total if total else 0.0,
                 "num_kv_blocks": total, "num_free_kv_blocks": free,
                 "num_preemptions": sum(r.status.num_preemptions for r in inst),
+                "prefix_caching": self.engine.config.cache.enable_prefix_caching,
+                **{f"prefix_cache_{k}": sum(getattr(r.status, f"prefix_{k}", 0) for r in inst)
+                   for k in ("queries", "hits", "host_hits")},
+                "num_cached_kv_blocks": sum(r.status.num_cached_blocks for r in inst if r.routable),
                 "instance_failures": self.num_failures, "instance_restarts": self.num_restarts,
                 "failovers": self.num_failovers, "moves_ended": dict(self.moves_ended),
                 "splits": self.split.num_splits if self.split is not None else 0, "kv_bytes_moved": self.kv_bytes_moved,
@@ -374,6 +378,17 @@ class ClusterLLM(HandoffFront):
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    async def reset_prefix_cache(self) -> int:
+        """Every live instance forgets its cached prefix blocks (each between its steps). Returns
+        how many instances were told."""
+        from tidal.runtime import protocol as P
+
+        with self._lock:
+            alive = [r.index for r in self.monitor.instances if r.alive]
+        for i in alive:
+            self.send(i, P.ResetPrefixCache())
+        return len(alive)
 
     def send(self, i: int, cmd: Any) -> None:
         """Queue a command for worker ``i`` (sent by the I/O thread)."""

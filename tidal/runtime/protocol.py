@@ -118,7 +118,13 @@ class Shutdown:
     pass
 
 
-COMMANDS = (Add, Reserve, Import, KVChunk, Finish, Stay, Abort, Migrate, Group, Ungroup, Restore, Shutdown)
+@dataclass(frozen=True)
+class ResetPrefixCache:
+    """Forget every cached prefix block (``POST /reset_prefix_cache``); blocks in use stay."""
+
+
+COMMANDS = (Add, Reserve, Import, KVChunk, Finish, Stay, Abort, Migrate, Group, Ungroup, Restore, Shutdown,
+            ResetPrefixCache)
 
 
 # ---------------------------------------------------------------- replies (worker -> front end)

@@ -101,7 +101,9 @@ def instance_status(engine: Any, index: int, step_time_s: float | None = None) -
                           step_decode_count=d, step_decode_context=ctx, step_prefill_prefix=prefix,
                           step_prefill_sq=sq, batching=engine.config.scheduler.batching,
                           batch_size_cap=sched.last_caps.max_num_seqs, token_budget=sched.last_caps.token_budget,
-                          policy=engine.policy.state().to_dict())
+                          policy=engine.policy.state().to_dict(), prefix_queries=sched.prefix_queries,
+                          prefix_hits=sched.prefix_hits, prefix_host_hits=sched.prefix_host_hits,
+                          num_cached_blocks=kv.num_cached_blocks)
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
@@ -181,7 +183,7 @@ class Worker:
         return {P.Add: self.on_add, P.Reserve: self.on_reserve, P.Finish: self.on_finish, P.Stay: self.on_stay,
                 P.Abort: self.on_abort, P.Import: self.on_import, P.KVChunk: self.on_kv, P.Migrate: self.on_migrate,
                 P.Group: self.on_group, P.Ungroup: lambda _: self.ungroup(), P.Restore: self.on_restore,
-                P.Shutdown: self.on_shutdown}
+                P.Shutdown: self.on_shutdown, P.ResetPrefixCache: lambda _: self.engine.reset_prefix_cache()}
 
     def on_add(self, cmd: Any) -> None:
         from tidal.core.scheduler import RequestRejected

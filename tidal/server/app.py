@@ -174,6 +174,15 @@ def build_app(async_llm: Any, served_model_name: str | None = None) -> FastAPI:
             **({"cluster": cluster} if cluster is not None else {}),
         }))
 
+    @app.post("/reset_prefix_cache", responses={**json_object("The prefix cache was reset"), **errors(503)})
+    async def reset_prefix_cache() -> JSONResponse:
+        """Forget every cached prefix block (vLLM's endpoint; benchmark clients call it between runs).
+        Blocks that running requests hold stay; a cluster resets every live instance."""
+        if not engine_alive(async_llm):
+            return APIError("the engine is not running", 503, code="engine_dead").response()
+        told = await async_llm.reset_prefix_cache()
+        return JSONResponse({"reset": True, "instances": told})
+
     @app.get("/admin/splits", responses={**json_object("The latest split decisions"), **errors(404)})
     async def admin_splits() -> JSONResponse:
         """DynaServe: the latest split decisions, one per request (pair, split point, KV moved)."""

@@ -81,6 +81,17 @@ class _EngineCollector:
         pre = CounterMetricFamily("tidal:num_preemptions", "Preemptions since start.", labels=["model_name"])
         pre.add_metric([self.model_name], float(s.get("num_preemptions", 0)))
         yield pre
+        for name, key, doc in (
+                ("prefix_cache_queries", "prefix_cache_queries",
+                 "Prompt tokens looked up in the prefix cache (first admissions; recomputation is not a query)."),
+                ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache (pool or host tier)."),
+                ("prefix_cache_host_hits", "prefix_cache_host_hits",
+                 "Prompt tokens found in the prefix cache's host tier (loaded back).")):
+            cnt = CounterMetricFamily(f"tidal:{name}", doc, labels=["model_name"])
+            cnt.add_metric([self.model_name], float(s.get(key, 0)))
+            yield cnt
+        yield self._gauge("tidal:num_kv_blocks_cached", "Cached KV blocks nobody holds (free, and may yet be hit).",
+                          s.get("num_cached_kv_blocks", 0))
         yield self._policy(s, cluster)
         yield from self._instances(s, cluster)
 

@@ -54,6 +54,8 @@ class SamplingRequest(_Req):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # prefix caching's tenant key (vLLM's field): requests with different salts never share cached KV
+    cache_salt: str | None = Field(default=None, min_length=1)
 
 
 def _is_token_list(v: Any) -> bool:
@@ -157,10 +159,26 @@ async def parse_body(request: Request, model: type[_Req]) -> Any:
 
 
 # ---------------------------------------------------------------------------------------- responses
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV the prefix cache already had
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> UsageInfo:
+        details = None if cached_tokens is None else PromptTokensDetails(cached_tokens=cached_tokens)
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
+
+
+def cached_tokens(outputs: list[Any]) -> int:
+    """Prompt tokens the prefix cache had over a response's prompts (each one's first output)."""
+    return sum(getattr(o, "num_cached_tokens", None) or 0 for o in outputs)
 
 
 class CompletionLogprobs(BaseModel):

@@ -34,6 +34,7 @@ from tidal.server.protocol import (
     CompletionResponse,
     SamplingRequest,
     UsageInfo,
+    cached_tokens,
     parse_body,
 )
 from tidal.server.streaming import (
@@ -174,7 +175,7 @@ class OpenAIServing:
                 min_p=req.min_p or 0.0, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens or 0,
                 stop=stop, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=bool(req.ignore_eos),
                 include_stop_str_in_output=bool(req.include_stop_str_in_output), logprobs=logprobs,
-                skip_special_tokens=req.skip_special_tokens is not False)
+                skip_special_tokens=req.skip_special_tokens is not False, cache_salt=req.cache_salt)
         except SamplingParamsError as e:
             raise APIError(str(e), 400, param=e.param, code="invalid_value") from e
 
@@ -270,8 +271,7 @@ class OpenAIServing:
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
                 completion_tokens += len(c.token_ids)
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
-        usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                          total_tokens=prompt_tokens + completion_tokens)
+        usage = UsageInfo.of(prompt_tokens, completion_tokens, cached_tokens(streams.firsts))
         resp = CompletionResponse(id=rid, model=self.model_name, choices=choices, usage=usage)
         return JSONResponse(resp.model_dump())
 
@@ -306,7 +306,7 @@ class OpenAIServing:
             if include_usage:
                 pt = sum(len(o.prompt_token_ids) for o in streams.firsts)
                 ct = sum(ntoks.values())
-                usage = UsageInfo(prompt_tokens=pt, completion_tokens=ct, total_tokens=pt + ct)
+                usage = UsageInfo.of(pt, ct, cached_tokens(streams.firsts))
                 chunk = CompletionResponse(id=rid, created=created, model=self.model_name, choices=[], usage=usage)
                 yield sse(chunk.model_dump_json())
         except Exception as e:  # the engine died mid-stream: tell the client in-band

@@ -25,6 +25,7 @@ from tidal.server.protocol import (
     ChatStreamChoice,
     DeltaMessage,
     UsageInfo,
+    cached_tokens,
     parse_body,
 )
 from tidal.server.serving import MAX_LOGPROBS, OpenAIServing, clean_logprob, sse
@@ -118,7 +119,7 @@ class OpenAIServingChat(OpenAIServing):
                                       finish_reason=c.finish_reason, stop_reason=c.stop_reason))
             completion_tokens += len(c.token_ids)
         pt = len(prompt.token_ids)
-        usage = UsageInfo(prompt_tokens=pt, completion_tokens=completion_tokens, total_tokens=pt + completion_tokens)
+        usage = UsageInfo.of(pt, completion_tokens, cached_tokens(streams.firsts))
         return JSONResponse(ChatCompletionResponse(id=rid, model=self.model_name, choices=choices,
                                                    usage=usage).model_dump())
 
@@ -149,7 +150,7 @@ class OpenAIServingChat(OpenAIServing):
             if include_usage:
                 pt = len(streams.firsts[0].prompt_token_ids)
                 ct = sum(ntoks.values())
-                yield chunk([], UsageInfo(prompt_tokens=pt, completion_tokens=ct, total_tokens=pt + ct))
+                yield chunk([], UsageInfo.of(pt, ct, cached_tokens(streams.firsts)))
         except Exception as e:  # the engine died mid-stream: tell the client in-band
             yield sse(json.dumps(from_exception(e).body()))
         finally:

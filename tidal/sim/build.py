@@ -58,6 +58,10 @@ class ClusterSpec:
     kv_cache_memory: int | None = None  # explicit KV budget per instance (bytes)
     num_blocks: int | None = None  # explicit pool size (overrides the memory budget)
     swap_space: int = 0  # host bytes per instance for swapped-out KV (preemption_mode swap)
+    # prefix caching as the engine's (on by default); it changes a run only where requests carry content
+    # (a trace's hash ids): the simulator's prompts have no tokens, so others share nothing
+    enable_prefix_caching: bool = True
+    kv_offloading_size: int = 0  # host bytes per instance for cached blocks the pool evicts (a second tier)
     max_model_len: int | None = None  # default: the model's context
     timeline_interval_s: float = 0.0
     time_factor: float = 1.0  # multiply every step time (a slower or faster machine than modelled)
@@ -94,6 +98,10 @@ class ClusterSpec:
             raise ConfigError("the split planner's settings need --mode split")
         if self.step_jitter not in JITTER_MODES:
             raise ValueError(f"step_jitter must be one of {', '.join(JITTER_MODES)}; got {self.step_jitter!r}")
+        if self.kv_offloading_size < 0:
+            raise ConfigError(f"kv_offloading_size must be >= 0, got {self.kv_offloading_size}")
+        if self.kv_offloading_size and not self.enable_prefix_caching:
+            raise ConfigError("kv_offloading_size keeps cached prefix blocks in host memory: it needs prefix caching")
         if self.kv_stream_tokens < 1:
             raise ConfigError(f"kv_stream_tokens must be >= 1, got {self.kv_stream_tokens}")
         if self.kv_stream_lead is not None and self.kv_stream_lead < 0:
@@ -217,13 +225,16 @@ def build_simulator(spec: ClusterSpec, requests: Sequence[RequestSpec],
     layout = spec.layout
     check_policy_args(spec)
     block_bytes = spec.block_size * arch.kv_bytes_per_token(spec.dtype_bytes)  # all tp shards
-    host_blocks = spec.swap_space // block_bytes if spec.scheduler.preemption_mode == "swap" else 0
+    swap = spec.swap_space if spec.scheduler.preemption_mode == "swap" else 0
+    host_blocks = (swap + spec.kv_offloading_size) // block_bytes  # one host pool: swap and the cache's tier
+    caching = spec.enable_prefix_caching and any(r.hash_ids for r in requests)
     cost_model = make_cost_model(spec, arch, hw)  # stateless: the instances share it
     # the steps' times, with their tails; the planners' offline profiles (the grid) see the mean model
     step_model = with_jitter(cost_model, spec.step_jitter, spec.jitter_seed, spec.jitter_params)
     instances = [
         SimInstance(i, spec.role_scheduler(role), blocks, spec.block_size, step_model, max_len,
-                    num_host_blocks=host_blocks, timeline_interval=spec.timeline_interval_s, role=role)
+                    num_host_blocks=host_blocks, timeline_interval=spec.timeline_interval_s, role=role,
+                    enable_caching=caching, host_tier=caching and spec.kv_offloading_size > 0)
         for i, role in enumerate(layout.roles())
     ]
     grid = None

@@ -17,14 +17,29 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tidal.config import SchedulerConfig
+from tidal.core.block_hash import trace_block_names
 from tidal.core.kv_manager import KVCacheManager
 from tidal.core.plan import RequestUpdate, StepPlan, StepResult
 from tidal.core.request import Request
+from tidal.core.sampling import SamplingParams
 from tidal.core.scheduler import Scheduler
 from tidal.policies import build_policy
 from tidal.sim.cost_model import CostModel
+from tidal.workload import MOONCAKE_BLOCK_TOKENS, RequestSpec
 
 SIM_TOKEN = 0  # the token every simulated sample produces (requests ignore EOS)
+
+
+def sim_request(rid: str, spec: RequestSpec, now: float, block_size: int, caching: bool) -> Request:
+    """A simulated request: no tokens of its own (zeros), greedy to its exact output length; with
+    prefix caching, its prompt's blocks named from the trace's hash ids (equal where the engine,
+    given each id's tokens, would hit) and by its own id elsewhere, so that zeros share nothing."""
+    params = SamplingParams(temperature=0.0, max_tokens=spec.output_len, ignore_eos=True)
+    req = Request(rid, [0] * spec.prompt_len, params, arrival_time=now)
+    if caching:
+        req.block_hashes = trace_block_names(spec.hash_ids or (), MOONCAKE_BLOCK_TOKENS, spec.prompt_len, block_size,
+                                             rid.encode())
+    return req
 
 
 @dataclass
@@ -59,10 +74,12 @@ class Timeline:
 class SimInstance:
     def __init__(self, index: int, config: SchedulerConfig, num_blocks: int, block_size: int,
                  cost_model: CostModel, max_model_len: int | None, num_host_blocks: int = 0,
-                 timeline_interval: float = 0.0, role: str = "colocated"):
+                 timeline_interval: float = 0.0, role: str = "colocated", enable_caching: bool = False,
+                 host_tier: bool = False):
         self.index = index
         self.role = role
-        self.kv = KVCacheManager(num_blocks, block_size, num_host_blocks)
+        self.kv = KVCacheManager(num_blocks, block_size, num_host_blocks, enable_caching=enable_caching,
+                                 host_tier=host_tier)
         self.policy = build_policy(config)
         self.scheduler = Scheduler(config, self.kv, self.policy, max_model_len)
         self.cost_model = cost_model
@@ -212,8 +229,8 @@ class SimInstance:
             grow = opens.get(j % bs)
             if grow:
                 held = [(rid, p + j) for rid, p in grow]
-                if kv.blocks_for_one_more(held) > kv.num_free_blocks:
-                    break
+                if kv.blocks_for_one_more(held) > (kv.num_plain_free_blocks if kv.host_tier else kv.num_free_blocks):
+                    break  # (with a host tier, an eviction stores a block: a planned step)
                 kv.allocate_one_more(held)
             self._step_time = dt
             self.num_steps += 1
@@ -254,6 +271,9 @@ class SimInstance:
         return self.scheduler.update(plan, result, now)
 
     def stats(self) -> dict:
+        sched = self.scheduler
         return {"index": self.index, "role": self.role, "num_blocks": self.kv.num_blocks, "block_size": self.kv.block_size,
                 "steps": self.num_steps, "busy_time_s": self.busy_time,
-                "num_preemptions": self.scheduler.num_preemptions, "policy_state": self.policy.state().to_dict()}
+                "num_preemptions": sched.num_preemptions, "policy_state": self.policy.state().to_dict(),
+                "prefix_queries": sched.prefix_queries, "prefix_hits": sched.prefix_hits,
+                "prefix_host_hits": sched.prefix_host_hits, "num_host_blocks": self.kv.host_pool.num_blocks}

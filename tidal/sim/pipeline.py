@@ -160,7 +160,7 @@ class GroupInstance(SimInstance):
         group_cfg = replace(config, max_num_seqs=config.max_num_seqs * k,
                             max_num_batched_tokens=config.max_num_batched_tokens * k)
         super().__init__(lead.index, group_cfg, group_blocks(members, layers, cfg), lead.block_size, cost,
-                         lead.max_model_len, num_host_blocks=host)
+                         lead.max_model_len, num_host_blocks=host, enable_caching=lead.kv.enable_caching)
         self.members = list(members)
         self.layers = {m.index: layers[m.index] for m in members}
         self.pipeline = cost

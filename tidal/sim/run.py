@@ -103,7 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                        "at a token on a pair of instances)"})
     F.add_engine_flags(
         p, only=("model", "dtype", "max_model_len", "kv_cache_memory", "gpu_memory_utilization", "block_size",
-                 "swap_space"),
+                 "swap_space", "enable_prefix_caching", "kv_offloading_size"),
         defaults={"model": "llama-3-8b", "swap_space": "0"},
         helps={"model": f"model shape: {', '.join(MODELS)}",
                "dtype": "weights and KV dtype of the simulated instances; auto: the profile's with --profile, "
@@ -167,6 +167,7 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         cost_model=cost, profile=args.profile, scheduler=F.scheduler_config(args),
         gpu_memory_utilization=cache.gpu_memory_utilization, kv_cache_memory=cache.kv_cache_memory,
         num_blocks=args.num_blocks, swap_space=int(cache.swap_space), max_model_len=args.max_model_len,
+        enable_prefix_caching=cache.enable_prefix_caching, kv_offloading_size=int(cache.kv_offloading_size),
         mode=layout.mode, prefill_instances=layout.prefill_instances, prefill_batching=args.prefill_batching,
         link=args.link, layers_per_chunk=args.kv_layers_per_chunk, tokens_per_chunk=args.kv_tokens_per_chunk,
         split=SplitParams(**split_flags) if layout.split else None, split_length=args.split_length or "max-tokens",
@@ -217,6 +218,8 @@ def simulate(spec: ClusterSpec, specs: list[W.RequestSpec], slo: M.SLO, desc: st
         "instances": res.instances, "timelines": res.timelines,
         "requests": [_record(r, res.routed[i], by_request.get(i), splits.get(i)) for i, r in enumerate(res.records)],
     })
+    if any(i.get("prefix_queries") for i in res.instances):
+        summary["prefix_cache"] = prefix_cache_summary(spec, specs, res.instances, res.routed)
     if res.mode == "split":
         summary["splits"] = summarize_splits(res.splits)
         summary["split_load"] = res.split_load
@@ -226,6 +229,39 @@ def simulate(spec: ClusterSpec, specs: list[W.RequestSpec], slo: M.SLO, desc: st
         summary["handoffs"] = summarize_handoffs(res.handoffs, res.max_pending_handoffs)
         summary["handoff_timeline"] = res.handoff_timeline
     return summary
+
+
+def prefix_cache_summary(spec: ClusterSpec, specs: list[W.RequestSpec], instances: list[dict[str, Any]],
+                         routed: list[int]) -> dict[str, Any]:
+    """The run's hits (pool and host tier apart) beside what the traffic allows: an unbounded cache;
+    an LRU of each instance's capacity on the requests routed to it, in their order (what its cache
+    could hit, as routed); and one LRU of the cluster's combined capacity (what routing could reach
+    without a shared store). Capacities: the pool, and the pool plus the host tier where there is one."""
+    from tidal.core.block_hash import trace_block_names
+    from tidal.metrics.prefix import cache_summary, prefix_bounds
+
+    out = cache_summary(instances)
+    bs = spec.block_size
+    names = [(trace_block_names(s.hash_ids or (), W.MOONCAKE_BLOCK_TOKENS, s.prompt_len, bs, str(k).encode()),
+              s.prompt_len) for k, s in enumerate(specs)]
+    tiers = {"pool": [i["num_blocks"] for i in instances]}
+    if spec.kv_offloading_size:
+        tiers["pool_and_host"] = [i["num_blocks"] + i.get("num_host_blocks", 0) for i in instances]
+    out["unbounded_hit_rate"] = prefix_bounds(names, bs)["unbounded_hit_rate"]
+    total = sum(n for _, n in names)
+    per_instance = [[names[j] for j, r in enumerate(routed) if r == k] for k in range(len(instances))]
+    out["unbounded_hit_rate_as_routed"] = sum(
+        prefix_bounds(mine, bs)["unbounded_hit_rate"] * sum(n for _, n in mine) for mine in per_instance) / total \
+        if total else 0.0
+    for tier, caps in tiers.items():
+        cluster = prefix_bounds(names, bs, [sum(caps)])
+        out[f"lru_hit_rate_{tier}_combined"] = cluster["lru_hit_rate"][str(sum(caps))]
+        as_routed = 0.0
+        for mine, cap in zip(per_instance, caps, strict=True):
+            as_routed += prefix_bounds(mine, bs, [cap])["lru_hit_rate"][str(cap)] * sum(n for _, n in mine)
+        out[f"lru_hit_rate_{tier}_as_routed"] = as_routed / total if total else 0.0
+        out[f"{tier}_blocks"] = sum(caps)
+    return out
 
 
 def _record(r: M.RequestRecord, instance: int, handoff: Handoff | None = None,
@@ -349,6 +385,16 @@ def format_summary(r: dict[str, Any]) -> str:
                      f"{f(sp['exposed_transfer_ms']['p50'], '.2f')} / {f(sp['exposed_transfer_ms']['p99'], '.2f')} ms "
                      f"({f(None if sp['exposed_vs_whole'] is None else 100 * sp['exposed_vs_whole'])}% of sending "
                      f"it after the pause)")
+    pc = r.get("prefix_cache")
+    if pc:
+        host = "pool_and_host_blocks" in pc
+        lines.append(f"prefix cache: {100 * pc['hit_rate']:.1f}% of prompt tokens hit ({100 * pc['pool_hit_rate']:.1f}% "
+                     f"in the pools, {100 * pc['host_hit_rate']:.1f}% in the host tiers); bounds: unbounded "
+                     f"{100 * pc['unbounded_hit_rate']:.1f}% (as routed {100 * pc['unbounded_hit_rate_as_routed']:.1f}%); an LRU of each instance's pool on its requests "
+                     f"{100 * pc['lru_hit_rate_pool_as_routed']:.1f}%"
+                     + (f" (with its host tier {100 * pc['lru_hit_rate_pool_and_host_as_routed']:.1f}%)" if host else "")
+                     + f"; one LRU of all pools {100 * pc['lru_hit_rate_pool_combined']:.1f}%"
+                     + (f" (with the host tiers {100 * pc['lru_hit_rate_pool_and_host_combined']:.1f}%)" if host else ""))
     cs = r.get("capacity_search")
     if cs:
         lines.append(f"capacity at {cs['target_attainment']:.0%} attainment: {f(cs['capacity_rps'], '.3g')} req/s")

@@ -51,10 +51,9 @@ from tidal.cluster.moves import (
 from tidal.cluster.router import Router, RouteRequest
 from tidal.core.plan import RequestUpdate
 from tidal.core.request import Request
-from tidal.core.sampling import SamplingParams
 from tidal.core.validation import RequestRejected, check_context
 from tidal.metrics import RequestRecord
-from tidal.sim.instance import SimInstance
+from tidal.sim.instance import SimInstance, sim_request
 from tidal.sim.loop import Event, EventLoop
 from tidal.sim.pd import Handoff, HandoffConfig
 from tidal.sim.pressure import PressureHandler
@@ -206,8 +205,7 @@ class ClusterSimulator:
         if k is None:
             return self._refuse(rec, now, "unavailable: no instance is alive")
         inst = self.instances[k]
-        params = SamplingParams(temperature=0.0, max_tokens=spec.output_len, ignore_eos=True)
-        req = Request(self.ids[i], [0] * spec.prompt_len, params, arrival_time=now)
+        req = sim_request(self.ids[i], spec, now, inst.kv.block_size, inst.kv.enable_caching)
         try:
             inst.add_request(req)
         except RequestRejected as e:

@@ -49,10 +49,9 @@ from tidal.cluster.moves import (
 from tidal.cluster.split import SplitDecision, SplitPlanner, SplitRecord
 from tidal.cluster.split_predict import MicroRequest
 from tidal.core.request import Request
-from tidal.core.sampling import SamplingParams
 from tidal.core.validation import RequestRejected, check_context
 from tidal.metrics import distribution
-from tidal.sim.instance import SimInstance
+from tidal.sim.instance import SimInstance, sim_request
 from tidal.sim.loop import Event
 from tidal.sim.pd import HandoffConfig
 from tidal.sim.simulator import ClusterSimulator, SimResult, _Landed
@@ -149,8 +148,7 @@ class SplitSimulator(ClusterSimulator):
             self.load_timeline["instance"].append(inst)
             self.load_timeline["load_s"].append(dec.t_alpha if inst == a else dec.t_beta)
         first = a if dec.alpha is not None else b
-        params = SamplingParams(temperature=0.0, max_tokens=spec.output_len, ignore_eos=True)
-        req = Request(rid, [0] * spec.prompt_len, params, arrival_time=now)
+        req = sim_request(rid, spec, now, self.instances[first].kv.block_size, self.instances[first].kv.enable_caching)
         if dec.handoff:
             req.pause_at = dec.split
         try:
@@ -301,6 +299,7 @@ class SplitSimulator(ClusterSimulator):
             return True
         src = self.instances[t.alpha].scheduler.requests[t.request_id]
         req = Request(t.request_id, src.prompt_token_ids, src.sampling_params, arrival_time=src.arrival_time)
+        req.block_hashes = list(src.block_hashes)
         req.num_computed_tokens = tokens
         try:
             ok = dst.add_running(req)
