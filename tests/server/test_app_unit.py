@@ -100,7 +100,8 @@ def test_ok_path_and_served_name():
     with client_for("ok") as c:
         r = c.post("/v1/completions", json={**BODY, "model": "served-name", "logprobs": 1})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == "hi"
-        assert r.json()["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+        assert r.json()["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                                     "prompt_tokens_details": {"cached_tokens": 0}}
         assert r.json()["choices"][0]["logprobs"]["tokens"] == ["h", "i"]
         assert c.get("/v1/models").json()["data"][0]["id"] == "served-name"
         assert c.get("/health").status_code == 200

@@ -36,7 +36,7 @@ def _workload(n: int = 12, seed: int = 3) -> list[RequestSpec]:
 TIME_SCALE = 20.0
 
 
-def _run_engine(make_engine, specs: list[RequestSpec], engine_kwargs: dict):
+def _run_engine(make_engine, specs: list[RequestSpec], engine_kwargs: dict, prompts: list[list[int]] | None = None):
     vclock = [0.0]
     engine = make_engine(**engine_kwargs)
     engine.clock = lambda: vclock[0]
@@ -60,7 +60,8 @@ def _run_engine(make_engine, specs: list[RequestSpec], engine_kwargs: dict):
             s = specs[nxt]
             engine.add_request(str(nxt), None, SamplingParams(temperature=0.0, max_tokens=s.output_len,
                                                                ignore_eos=True),
-                               prompt_token_ids=rng.integers(100, 40000, size=s.prompt_len).tolist(),
+                               prompt_token_ids=prompts[nxt] if prompts is not None
+                               else rng.integers(100, 40000, size=s.prompt_len).tolist(),
                                arrival_time=s.arrival_s)
             nxt += 1
         if not engine.has_unfinished_requests():
@@ -102,7 +103,8 @@ def test_engine_and_simulator_make_the_same_plans(make_tiny_engine, case):
     model = _Recording(times)
     inst = SimInstance(0, replace(sc),
                        engine.kv_manager.num_blocks, engine.kv_manager.block_size, model, engine.max_model_len,
-                       num_host_blocks=engine.kv_manager.host_pool.num_blocks)
+                       num_host_blocks=engine.kv_manager.host_pool.num_blocks,
+                       enable_caching=engine.kv_manager.enable_caching)  # a recompute re-hits its own blocks
     result = ClusterSimulator([inst], build_router("round-robin"), specs).run()
     assert model.plans == engine_plans
     assert model.calls == len(times)
@@ -111,3 +113,37 @@ def test_engine_and_simulator_make_the_same_plans(make_tiny_engine, case):
     assert inst.kv.num_free_blocks == inst.kv.num_blocks
     if "recompute" in case or "swap" in case:
         assert engine.scheduler.num_preemptions > 0 and inst.scheduler.num_preemptions == engine.scheduler.num_preemptions
+
+
+def test_engine_and_simulator_hit_the_same_prefixes(make_tiny_engine, smol_tokenizer):
+    """Mooncake-style requests: the engine gets each hash id's 512 tokens (equal ids, equal tokens),
+    the simulator only the ids (its blocks named from them); with a pool small enough to evict, both
+    hit the same prefixes at the same steps, so their plans are the same, step for step."""
+    from tidal.workload import materialize
+
+    rng = np.random.default_rng(7)
+    chains = [[1, 2], [1, 2, 3], [1, 4], [5], [1, 2, 3, 6], [5, 7], [1, 2], [8, 9], [1, 4, 10], [5, 7, 11]]
+    specs = []
+    t = 0.0
+    for ids in chains:
+        t += float(rng.exponential(0.05))
+        n = 512 * (len(ids) - 1) + int(rng.integers(40, 500))
+        specs.append(RequestSpec(t, n, int(rng.integers(3, 12)), hash_ids=ids))
+    prompts = [s.prompt_token_ids for s in materialize(specs, smol_tokenizer, "ids")]
+    kwargs = dict(batching="continuous", num_blocks_override=260, max_num_batched_tokens=512)
+    engine, engine_plans, times = _run_engine(make_tiny_engine, specs, kwargs, prompts)
+    hits = engine.scheduler.prefix_hits
+    assert hits > 0 and engine.scheduler.prefix_queries == sum(s.prompt_len for s in specs)
+    sc = engine.config.scheduler
+    model = _Recording(times)
+    inst = SimInstance(0, replace(sc), engine.kv_manager.num_blocks, engine.kv_manager.block_size, model,
+                       engine.max_model_len, enable_caching=True)
+    result = ClusterSimulator([inst], build_router("round-robin"), specs).run()
+    assert inst.scheduler.prefix_hits == hits
+    from tidal.core.block_hash import block_hashes
+    from tidal.metrics.prefix import prefix_bounds
+
+    unbounded = prefix_bounds([(block_hashes(p, 16), len(p)) for p in prompts], 16)["unbounded_hit_rate"]
+    assert hits < unbounded * sum(len(p) for p in prompts)  # the pool evicted prefixes a later request wanted
+    assert model.plans == engine_plans
+    assert all(r.success for r in result.records)

@@ -72,6 +72,6 @@ def trace_block_names(hash_ids: Sequence[int], trace_block: int, prompt_len: int
                 spans += [hash_ids[k], off, n]
                 t += n
             names.append(hash_block(parent, spans, b"trace"))
-        else:
-            names.append(hash_block(parent, [j], b"own|" + unique))
+        else:  # the request's own tokens: a name no other request has (no chain needed to be unique)
+            names.append(b"own|%b|%d" % (unique, j))
     return names

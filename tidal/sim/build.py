@@ -58,9 +58,11 @@ class ClusterSpec:
     kv_cache_memory: int | None = None  # explicit KV budget per instance (bytes)
     num_blocks: int | None = None  # explicit pool size (overrides the memory budget)
     swap_space: int = 0  # host bytes per instance for swapped-out KV (preemption_mode swap)
-    # prefix caching as the engine's (on by default); it changes a run only where requests carry content
-    # (a trace's hash ids): the simulator's prompts have no tokens, so others share nothing
-    enable_prefix_caching: bool = True
+    # prefix caching as the engine's: requests share blocks where a trace's hash ids say their contents are
+    # equal; any request re-hits its own blocks after a recompute preemption (prompts without hash ids have
+    # no tokens here, so they share nothing else). Off by default here: the papers' experiments model
+    # engines without it (vLLM v0's default); `tidal sim` follows the engine's default (on)
+    enable_prefix_caching: bool = False
     kv_offloading_size: int = 0  # host bytes per instance for cached blocks the pool evicts (a second tier)
     max_model_len: int | None = None  # default: the model's context
     timeline_interval_s: float = 0.0
@@ -227,7 +229,7 @@ def build_simulator(spec: ClusterSpec, requests: Sequence[RequestSpec],
     block_bytes = spec.block_size * arch.kv_bytes_per_token(spec.dtype_bytes)  # all tp shards
     swap = spec.swap_space if spec.scheduler.preemption_mode == "swap" else 0
     host_blocks = (swap + spec.kv_offloading_size) // block_bytes  # one host pool: swap and the cache's tier
-    caching = spec.enable_prefix_caching and any(r.hash_ids for r in requests)
+    caching = spec.enable_prefix_caching
     cost_model = make_cost_model(spec, arch, hw)  # stateless: the instances share it
     # the steps' times, with their tails; the planners' offline profiles (the grid) see the mean model
     step_model = with_jitter(cost_model, spec.step_jitter, spec.jitter_seed, spec.jitter_params)

@@ -150,6 +150,9 @@
     text("v-batch-cap", st.cluster ? (caps.length ? caps.join(" / ") : "-") : st.batch_size_cap);
     text("v-token-budget", budgets.length ? budgets.join(" / ") : st.scheduler.max_num_batched_tokens);
     text("v-preemptions", s.num_preemptions);
+    // share of prompt tokens the prefix cache had (pool and host tier), since start
+    text("v-prefix-hits", !s.prefix_caching ? "off" : s.prefix_cache_queries ?
+      pct(s.prefix_cache_hits / s.prefix_cache_queries) + " of " + s.prefix_cache_queries + " tok" : "-");
     fill("instances", insts.map((i) => row([
       i.index, i.role, i.alive ? "alive" : "down", pct(i.kv), bar(i.kv), i.used + " / " + i.blocks, i.running,
       i.waiting, i.cap, i.budget, i.preemptions, i.stepMs === null ? "-" : i.stepMs.toFixed(1), i.layers])));
