@@ -97,7 +97,8 @@ def simulate(specs: list[RequestSpec], engine: Any, profile: str, time_factor: f
     spec = ClusterSpec(model="smollm2-135m", hardware="cpu", cost_model="profiled", profile=profile,
                        block_size=engine.kv_manager.block_size, num_blocks=engine.kv_manager.num_blocks,
                        max_model_len=engine.max_model_len, time_factor=time_factor,
-                       scheduler=replace(sc))  # the engine's own scheduler config, copied
+                       scheduler=replace(sc),  # the engine's own scheduler config, copied
+                       enable_prefix_caching=engine.kv_manager.enable_caching)  # a recompute re-hits its blocks
     return build_simulator(spec, specs).run().records
 
 
