@@ -36,6 +36,11 @@ class InstanceView:
     block_size: int
     queued_block_demand: int
     reserved_blocks: int  # hand-offs on their way here
+    # what the cache-aware router reads beside the request's cached prefixes (recorded in the request)
+    num_running: int = 0
+    token_budget: int | None = None
+    queued_prefill_tokens: int = 0
+    step_time_ema_s: float | None = None
 
     @property
     def handoff_room(self) -> int:
@@ -61,7 +66,8 @@ class Decision:
 
 def views_of(monitor: GlobalMonitor) -> tuple[InstanceView, ...]:
     return tuple(InstanceView(r.index, r.role, r.alive, r.num_outstanding, r.num_blocks, r.num_free_blocks,
-                              r.block_size, r.queued_block_demand, sum(r.reserved.values()))
+                              r.block_size, r.queued_block_demand, sum(r.reserved.values()), r.num_running,
+                              r.token_budget, r.queued_prefill_tokens, r.recent_step_s)
                  for r in monitor.instances)
 
 
@@ -69,10 +75,13 @@ def monitor_of(views: tuple[InstanceView, ...]) -> GlobalMonitor:
     """A monitor whose every instance looks as ``views`` say (outstanding requests and
     reservations stand in by count)."""
     mon = GlobalMonitor([InstanceStatus(v.index, v.num_blocks, v.num_free_blocks, v.block_size,
-                                        queued_block_demand=v.queued_block_demand) for v in views],
+                                        num_running=v.num_running, queued_block_demand=v.queued_block_demand,
+                                        token_budget=v.token_budget, queued_prefill_tokens=v.queued_prefill_tokens)
+                         for v in views],
                         [v.role for v in views])
     for rec, v in zip(mon.instances, views, strict=True):
         rec.alive = v.alive
+        rec.step_time_ema_s = v.step_time_ema_s
         rec.outstanding = {f"~{k}" for k in range(v.num_outstanding)}
         if v.reserved_blocks:
             rec.reserved = {"~reserved": v.reserved_blocks}

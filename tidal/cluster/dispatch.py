@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
+from tidal.cluster.cache_router import NoInstanceMeetsSLO
 from tidal.cluster.decisions import Decision, views_of
 from tidal.cluster.monitor import GlobalMonitor
 from tidal.cluster.router import Router, RouteRequest
@@ -89,12 +90,24 @@ class Dispatcher:
         when no instance of that role is alive."""
         role = "prefill" if self.layout.disaggregated else None
         live = self.monitor.routable(role)
+        names = req.block_hashes
+        if self.router.uses_cache and names:  # each instance's cached prefix of this prompt (replays bring theirs)
+            req = replace(req, cached=tuple(r.cached_tokens(names) for r in live))
         views = views_of(self.monitor) if self.recorder is not None else ()
-        index = live[self.router.route(req, live)].index if live else None
+        index = None
+        if live:
+            try:
+                index = live[self.router.route(req, live)].index
+            except NoInstanceMeetsSLO:  # --admission-ttft-slo: refused, not queued
+                index = None
         if self.recorder is not None:
-            self.recorder(Decision("dispatch", req.request_id, now, views, index, request=req))
+            self.recorder(Decision("dispatch", req.request_id, now, views, index,
+                                   request=replace(req, block_hashes=()) if names else req))
         if index is not None:
-            self.monitor.on_dispatch(index, req.request_id, now)
+            k = next(j for j, r in enumerate(live) if r.index == index)
+            cached = req.cached[k] if req.cached else 0
+            self.monitor.on_dispatch(index, req.request_id, now, max(req.prompt_len - cached, 1),
+                                     names if self.router.uses_cache else ())
         return index
 
     def choose_decode(self, request_id: str, blocks_needed: int, now: float = 0.0) -> int | None:

@@ -19,7 +19,9 @@ from collections import deque
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from tidal.cluster.cache_view import CacheView
 from tidal.core.admission import InstanceLoad as AdmissionLoad
+from tidal.core.block_pool import CacheDelta
 
 ROLES = ("colocated", "prefill", "decode")
 
@@ -60,6 +62,10 @@ class InstanceStatus:
     prefix_hits: int = 0
     prefix_host_hits: int = 0
     num_cached_blocks: int = 0
+    # prompt tokens waiting for their prefill (queued requests' and the rest of half-done prefills), and
+    # the block names its pools gained and lost since its last report (only when the front end asks)
+    queued_prefill_tokens: int = 0
+    cache_delta: CacheDelta | None = None
 
 
 _STATUS_FIELDS = tuple(f.name for f in fields(InstanceStatus))
@@ -84,6 +90,8 @@ class InstanceRecord:
     restarts: int = 0
     last_report: float | None = None
     group: tuple[int, ...] = ()  # KunServe pipeline group it belongs to, stage order (empty: none)
+    cache: CacheView = field(default_factory=CacheView)  # the block names it holds (tidal.cluster.cache_view)
+    sent: deque = field(default_factory=deque)  # (request id, prompt tokens to compute) of recent dispatches
 
     @property
     def routable(self) -> bool:
@@ -108,6 +116,38 @@ class InstanceRecord:
         """Requests waiting here for their prefill: the last report's, and those sent since."""
         a = self.admission_load(0)
         return a.declined + a.untried
+
+    @property
+    def num_running(self) -> int:
+        return self.status.num_running
+
+    @property
+    def recent_step_s(self) -> float | None:
+        """Its step time: the moving average of its reports, else its last step's."""
+        return self.step_time_ema_s if self.step_time_ema_s is not None else getattr(self.status, "step_time_s", None)
+
+    @property
+    def token_budget(self) -> int | None:
+        return getattr(self.status, "token_budget", None)
+
+    @property
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens waiting here for their prefill: the last report's, and the uncached ones of
+        the requests sent since (the most recent dispatches still outstanding)."""
+        untried = self.admission_load(0).untried
+        extra = 0
+        if untried:
+            for rid, tokens in reversed(self.sent):
+                if rid in self.outstanding:
+                    extra += tokens
+                    untried -= 1
+                    if not untried:
+                        break
+        return getattr(self.status, "queued_prefill_tokens", 0) + extra
+
+    def cached_tokens(self, names: tuple[bytes, ...] | list[bytes]) -> int:
+        """Leading prompt tokens of a request (its blocks' ``names``) that this instance holds cached."""
+        return self.cache.prefix(names) * self.block_size
 
     @property
     def num_free_blocks(self) -> int:
@@ -142,7 +182,7 @@ class GlobalMonitor:
     """
 
     def __init__(self, statuses: list[InstanceStatus], roles: list[str] | None = None, window_s: float = 10.0,
-                 ema: float = 0.2):
+                 ema: float = 0.2, approx_cache: bool = False):
         roles = roles or ["colocated"] * len(statuses)
         if len(roles) != len(statuses) or not statuses:
             raise ValueError("the monitor needs one role per instance, and at least one instance")
@@ -150,6 +190,9 @@ class GlobalMonitor:
         if bad:
             raise ValueError(f"unknown instance role {bad[0]!r}; roles: {', '.join(ROLES)}")
         self.instances = [InstanceRecord(s.index, r, s) for s, r in zip(statuses, roles, strict=True)]
+        if approx_cache:  # no reports of names: each instance's view is what was routed there, pool-sized
+            for rec in self.instances:
+                rec.cache = CacheView(approx_capacity=max(1, rec.status.num_blocks))
         self.window_s, self.ema = window_s, ema
         self.pending_handoffs: dict[str, int] = {}  # request id -> KV blocks it needs on a decode instance
         self.num_dispatched = 0
@@ -159,12 +202,23 @@ class GlobalMonitor:
     def on_status(self, status: InstanceStatus, now: float) -> None:
         rec = self.instances[status.index]
         rec.status, rec.last_report = status, now
+        delta = getattr(status, "cache_delta", None)
+        if delta is not None:
+            rec.cache.apply(delta)
         if status.step_time_s is not None and status.step_time_s > 0:
             t = status.step_time_s
             rec.step_time_ema_s = t if rec.step_time_ema_s is None else (1 - self.ema) * rec.step_time_ema_s + self.ema * t
 
-    def on_dispatch(self, index: int, request_id: str, now: float) -> None:
+    def on_dispatch(self, index: int, request_id: str, now: float, prompt_tokens: int = 0,
+                    names: tuple[bytes, ...] = ()) -> None:
+        """``request_id`` was sent to ``index``; ``prompt_tokens``: those it must compute there (its
+        uncached prompt), ``names``: its prompt's blocks (an approximate cache view takes them)."""
         rec = self.instances[index]
+        rec.sent.append((request_id, prompt_tokens))
+        while len(rec.sent) > 4 * len(rec.outstanding) + 64:
+            rec.sent.popleft()
+        if names:
+            rec.cache.note_routed(names)
         rec.outstanding.add(request_id)
         rec.dispatched += 1
         rec.arrivals.append(now)
@@ -217,12 +271,14 @@ class GlobalMonitor:
         rec.alive = False
         rec.failures += 1
         rec.reserved.clear()
+        rec.cache.clear()
         lost, rec.outstanding = rec.outstanding, set()
         return lost
 
     def on_restart(self, status: InstanceStatus, now: float) -> None:
         rec = self.instances[status.index]
         rec.alive, rec.restarts = True, rec.restarts + 1
+        rec.cache.clear()
         rec.step_time_ema_s = None
         self.on_status(status, now)
 
@@ -253,7 +309,9 @@ class GlobalMonitor:
                 "step_time_ema_s": r.step_time_ema_s, "failures": r.failures, "restarts": r.restarts,
                 "reserved_blocks": sum(r.reserved.values()), "dispatched": r.dispatched,
                 "handoffs_in": r.handoffs_in, "group": list(r.group),
-                **{k: getattr(r.status, k, _STATUS_DEFAULTS[k]) for k in _STATUS_FIELDS}} for r in self.instances],
+                "cached_names": len(r.cache),
+                **{k: getattr(r.status, k, _STATUS_DEFAULTS[k]) for k in _STATUS_FIELDS if k != "cache_delta"}}
+                for r in self.instances],
             "pending_handoffs": len(self.pending_handoffs),
             "num_dispatched": self.num_dispatched,
             "num_handoffs": self.num_handoffs,

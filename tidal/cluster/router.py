@@ -7,6 +7,8 @@ shared by the simulator and the multi-instance runtime.
 - ``kv-aware``: the most free KV blocks after what is already queued there and this request
   need (KunServe's dispatcher balances on a memory load metric in the manner of Llumnix);
   ties go to the fewest outstanding requests, then the lower index.
+- ``cache-aware``: where a request's prefix is cached and the load is light
+  (:mod:`tidal.cluster.cache_router`).
 - ``llumnix``: Llumnix's freeness, those free blocks per outstanding request (its F = (M - sum V)
   / B: how many more decode steps the batch can take before memory runs out). A KunServe group,
   whose pool grew by the weights it dropped but whose compute did not, looks free to ``kv-aware``
@@ -42,15 +44,21 @@ class InstanceLoad(Protocol):
 
 @dataclass(frozen=True)
 class RouteRequest:
-    """What a router knows of a request: its prompt and its most output."""
+    """What a router knows of a request: its prompt and its most output; for a router that reads
+    where KV lives, the names of its prompt's full blocks (``block_hashes``) and, filled in by the
+    dispatcher, the prompt tokens each live instance holds cached (``cached``, in the order of the
+    instances the router is given)."""
 
     request_id: str
     prompt_len: int
     max_tokens: int
+    block_hashes: tuple[bytes, ...] = ()
+    cached: tuple[int, ...] = ()
 
 
 class Router:
     name = "base"
+    uses_cache = False  # True: the dispatcher gives it each instance's cached prefix (RouteRequest.cached)
 
     def route(self, req: RouteRequest, instances: Sequence[InstanceLoad]) -> int:
         raise NotImplementedError
@@ -117,11 +125,18 @@ class LlumnixRouter(Router):
         return min(range(len(instances)), key=freeness)
 
 
+def _cache_aware() -> Router:
+    from tidal.cluster.cache_router import CacheAwareRouter
+
+    return CacheAwareRouter()
+
+
 ROUTERS: dict[str, Callable[[], Router]] = {
     RoundRobinRouter.name: RoundRobinRouter,
     LeastOutstandingRouter.name: LeastOutstandingRouter,
     KVAwareRouter.name: KVAwareRouter,
     LlumnixRouter.name: LlumnixRouter,
+    "cache-aware": _cache_aware,
 }
 
 

@@ -17,8 +17,40 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 from tidal.core.block_hash import BlockHash
+
+
+@dataclass(frozen=True, slots=True)
+class CacheDelta:
+    """What an instance's pools gained and lost since its last report, net: names stored and
+    evicted on the device pool and in the host tier; ``reset``: everything before was forgotten
+    (apply the rest after clearing)."""
+
+    stored: tuple[BlockHash, ...] = ()
+    evicted: tuple[BlockHash, ...] = ()
+    host_stored: tuple[BlockHash, ...] = ()
+    host_evicted: tuple[BlockHash, ...] = ()
+    reset: bool = False
+
+    @property
+    def empty(self) -> bool:
+        return not (self.stored or self.evicted or self.host_stored or self.host_evicted or self.reset)
+
+
+def net(log: Iterable[tuple[bool, BlockHash | None]]) -> tuple[bool, tuple[BlockHash, ...], tuple[BlockHash, ...]]:
+    """A pool's log (``(gained?, name)`` in order; ``(False, None)``: all forgotten) as (reset,
+    stored, evicted): each name's last word, after the last reset."""
+    last: dict[BlockHash, bool] = {}
+    reset = False
+    for gained, name in log:
+        if name is None:
+            reset, last = True, {}
+        else:
+            last[name] = gained
+    return reset, tuple(n for n, g in last.items() if g), tuple(n for n, g in last.items() if not g)
 
 
 class BlockPool:
@@ -34,6 +66,9 @@ class BlockPool:
         self._by_name: dict[BlockHash, int] = {}
         # where evicted (block, name) pairs go while someone listens (the host tier's stores); None: nobody
         self.evictions: list[tuple[int, BlockHash]] | None = None
+        # names gained (True) and lost (False) in order, while someone listens (a front end's view of
+        # where KV lives); None: nobody. A ``(False, None)`` entry: every name was forgotten
+        self.log: list[tuple[bool, BlockHash | None]] | None = None
 
     # ------------------------------------------------------------------ queries
     @property
@@ -85,6 +120,8 @@ class BlockPool:
             del self._by_name[name]
             if self.evictions is not None:
                 self.evictions.append((b, name))
+            if self.log is not None:
+                self.log.append((False, name))
             out.append(b)
         for b in out:
             self._ref[b] = 1
@@ -121,6 +158,8 @@ class BlockPool:
             return False
         self._name[block] = name
         self._by_name[name] = block
+        if self.log is not None:
+            self.log.append((True, name))
         return True
 
     def forget(self, block: int) -> None:
@@ -129,6 +168,8 @@ class BlockPool:
         if name is None:
             return
         del self._by_name[name]
+        if self.log is not None:
+            self.log.append((False, name))
         if block in self._lru:
             del self._lru[block]
             heapq.heappush(self._free, block)
@@ -142,6 +183,8 @@ class BlockPool:
         self._lru.clear()
         self._name.clear()
         self._by_name.clear()
+        if self.log is not None:
+            self.log.append((False, None))
         return dropped
 
     # ------------------------------------------------------------------ resize

@@ -21,10 +21,12 @@ from dataclasses import dataclass
 
 from tidal.config import cdiv
 from tidal.core.block_hash import BlockHash, extend_hashes, salt_key
-from tidal.core.block_pool import BlockPool
+from tidal.core.block_pool import BlockPool, CacheDelta, net
 from tidal.core.request import Request
 
-__all__ = ["BlockPool", "KVAllocation", "KVCacheManager", "PrefixHit"]
+__all__ = ["BlockPool", "CacheDelta", "KVAllocation", "KVCacheManager", "PrefixHit"]
+
+_NO_DELTA = CacheDelta()
 
 
 @dataclass(slots=True)
@@ -289,6 +291,21 @@ class KVCacheManager:
         for rid, table in self._tables.items():
             self._named[rid] = len(table)  # blocks already there are never named again
         return dropped
+
+    def track_names(self) -> None:
+        """Log the names the pools gain and lose from now on, for :meth:`drain_delta` (a front end
+        routing by where KV lives reads them from the instance's reports)."""
+        if self.pool.log is None:
+            self.pool.log, self.host_pool.log = [], []
+
+    def drain_delta(self) -> CacheDelta:
+        """What the pools gained and lost since the last call (empty unless :meth:`track_names`)."""
+        if self.pool.log is None or not (self.pool.log or self.host_pool.log):
+            return _NO_DELTA
+        reset_d, stored, evicted = net(self.pool.log)
+        reset_h, host_stored, host_evicted = net(self.host_pool.log or ())
+        self.pool.log, self.host_pool.log = [], []
+        return CacheDelta(stored, evicted, host_stored, host_evicted, reset_d or reset_h)
 
     @property
     def num_plain_free_blocks(self) -> int:

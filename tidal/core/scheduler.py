@@ -196,6 +196,12 @@ class Scheduler:
         bs = self.kv.block_size
         return sum(-(-(r.num_tokens + 1) // bs) for r in self.waiting)
 
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens waiting for their prefill: the waiting requests' and the rest of the running
+        ones' half-done prefills (what a cache-aware router counts as work ahead of a new request)."""
+        return (sum(r.num_uncomputed_tokens for r in self.waiting)
+                + sum(r.num_uncomputed_tokens for r in self.running if r.in_prefill))
+
     def hol_block_demand(self) -> int:
         """KV blocks the head of the queue needs: the first swapped request's host blocks (it
         comes back first), else the first waiting one's tokens and next slot; 0 for none."""

@@ -48,6 +48,7 @@ from tidal.cluster.router import RouteRequest, build_router
 from tidal.common.progress import startup_line
 from tidal.config import ConfigError, default_cpu_threads
 from tidal.core.admission import admit
+from tidal.core.block_hash import block_hashes
 from tidal.core.sampling import SamplingParams
 from tidal.engine.async_engine import EngineDeadError, QueueFullError
 from tidal.engine.llm_engine import RequestSnapshot, dtype_name
@@ -189,7 +190,8 @@ class ClusterLLM(HandoffFront):
         engine = self.serving.engine_for(role, i, dtype=dtype, num_threads=self.threads)
         return WorkerConfig(i, role, engine, self.cmd_addresses[i],
                             self.out_address, self.cluster.transport, self.cluster.layers_per_chunk,
-                            self.cluster.tokens_per_chunk, self.generation[i], transport_tag=self.transport_tag)
+                            self.cluster.tokens_per_chunk, self.generation[i], transport_tag=self.transport_tag,
+                            report_cache=self.cluster.router == "cache-aware" and self.config.cache.enable_prefix_caching)
 
     def now(self) -> float:
         return time.monotonic() - self._t0
@@ -357,7 +359,10 @@ class ClusterLLM(HandoffFront):
             placed = self.split.place(t)
             if placed is not None:
                 return placed
-        req = RouteRequest(t.rid, len(t.prompt_ids) + len(t.tokens), t.params.max_tokens or 0)
+        names = ()
+        if self.cluster.router == "cache-aware" and self.config.cache.enable_prefix_caching:  # where its prefix lives
+            names = tuple(block_hashes(t.prompt_ids + t.tokens, self.config.cache.block_size, t.params.cache_salt))
+        req = RouteRequest(t.rid, len(t.prompt_ids) + len(t.tokens), t.params.max_tokens or 0, names)
         i = self.dispatcher.dispatch(req, self.now())
         if i is None:
             return False

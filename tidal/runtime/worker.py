@@ -59,6 +59,7 @@ class WorkerConfig:
     mb_min_tokens: int = 16  # KunServe Fig. 11's MIN: a step of this many tokens or fewer is one microbatch
     transport_tag: str = ""  # the front end's: names its cluster's shared-memory KV segments
     env: dict[str, str] | None = None  # a local worker takes the front end's environment as it is now
+    report_cache: bool = False  # put the block names its pools gain and lose in its step reports (cache-aware routing)
 
 
 @dataclass
@@ -103,7 +104,8 @@ def instance_status(engine: Any, index: int, step_time_s: float | None = None) -
                           batch_size_cap=sched.last_caps.max_num_seqs, token_budget=sched.last_caps.token_budget,
                           policy=engine.policy.state().to_dict(), prefix_queries=sched.prefix_queries,
                           prefix_hits=sched.prefix_hits, prefix_host_hits=sched.prefix_host_hits,
-                          num_cached_blocks=kv.num_cached_blocks)
+                          num_cached_blocks=kv.num_cached_blocks, queued_prefill_tokens=sched.queued_prefill_tokens(),
+                          cache_delta=kv.drain_delta() if kv.pool.log is not None else None)
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
@@ -143,6 +145,8 @@ class Worker:
         self.out.setsockopt(zmq.LINGER, 2000)
         self.out.connect(cfg.out_address)
         self.engine = LLMEngine(cfg.engine)
+        if cfg.report_cache:
+            self.engine.kv_manager.track_names()
         from tidal.engine.loader import clear_cache
 
         clear_cache()  # a worker builds one engine: a per-process copy of the weights would only cost memory

@@ -239,6 +239,9 @@ def build_simulator(spec: ClusterSpec, requests: Sequence[RequestSpec],
                     enable_caching=caching, host_tier=caching and spec.kv_offloading_size > 0)
         for i, role in enumerate(layout.roles())
     ]
+    if caching and spec.router == "cache-aware":  # the router reads where each prefix is cached
+        for inst in instances:
+            inst.kv.track_names()
     grid = None
     if layout.split or spec.seed_profile:
         from tidal.sim.step_grid import ProfileGrid

@@ -30,15 +30,20 @@ from tidal.workload import MOONCAKE_BLOCK_TOKENS, RequestSpec
 SIM_TOKEN = 0  # the token every simulated sample produces (requests ignore EOS)
 
 
-def sim_request(rid: str, spec: RequestSpec, now: float, block_size: int, caching: bool) -> Request:
+def sim_names(rid: str, spec: RequestSpec, block_size: int) -> list[bytes]:
+    """A simulated prompt's block names: from the trace's hash ids (equal where the engine, given each
+    id's tokens, would hit) and by the request's own id elsewhere, so that its zeros share nothing."""
+    return trace_block_names(spec.hash_ids or (), MOONCAKE_BLOCK_TOKENS, spec.prompt_len, block_size, rid.encode())
+
+
+def sim_request(rid: str, spec: RequestSpec, now: float, block_size: int, caching: bool,
+                names: list[bytes] | None = None) -> Request:
     """A simulated request: no tokens of its own (zeros), greedy to its exact output length; with
-    prefix caching, its prompt's blocks named from the trace's hash ids (equal where the engine,
-    given each id's tokens, would hit) and by its own id elsewhere, so that zeros share nothing."""
+    prefix caching, its prompt's blocks named (:func:`sim_names`, or ``names`` when already made)."""
     params = SamplingParams(temperature=0.0, max_tokens=spec.output_len, ignore_eos=True)
     req = Request(rid, [0] * spec.prompt_len, params, arrival_time=now)
     if caching:
-        req.block_hashes = trace_block_names(spec.hash_ids or (), MOONCAKE_BLOCK_TOKENS, spec.prompt_len, block_size,
-                                             rid.encode())
+        req.block_hashes = list(names) if names is not None else sim_names(rid, spec, block_size)
     return req
 
 
@@ -95,6 +100,7 @@ class SimInstance:
         self.num_steps = 0
         self.busy_time = 0.0
         self.timeline = Timeline(timeline_interval)
+        self.cache_delta: Any = None  # the names its pools gained and lost in its last step (when tracked)
 
     # ---- what a router and the monitor see (InstanceLoad, InstanceStatus) ----
     @property
@@ -136,6 +142,14 @@ class SimInstance:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+    @property
+    def token_budget(self) -> int:
+        return self.scheduler.last_caps.token_budget
+
+    @property
+    def queued_prefill_tokens(self) -> int:
+        return self.scheduler.queued_prefill_tokens()
 
     # ---- requests and steps ----
     def add_request(self, req: Request) -> None:

@@ -53,7 +53,7 @@ from tidal.core.plan import RequestUpdate
 from tidal.core.request import Request
 from tidal.core.validation import RequestRejected, check_context
 from tidal.metrics import RequestRecord
-from tidal.sim.instance import SimInstance, sim_request
+from tidal.sim.instance import SimInstance, sim_names, sim_request
 from tidal.sim.loop import Event, EventLoop
 from tidal.sim.pd import Handoff, HandoffConfig
 from tidal.sim.pressure import PressureHandler
@@ -201,11 +201,17 @@ class ClusterSimulator:
             check_context(spec.prompt_len, spec.output_len, self.max_model_len)
         except RequestRejected as e:
             return self._refuse(rec, now, f"context: {e}")
-        k = self.dispatcher.dispatch(RouteRequest(self.ids[i], spec.prompt_len, spec.output_len), now)
+        names = None
+        if self.dispatcher.router.uses_cache:
+            self._sync_cache_views()
+        if self.instances[0].kv.enable_caching:
+            names = sim_names(self.ids[i], spec, self.instances[0].kv.block_size)
+        route_names = tuple(names) if names is not None and self.dispatcher.router.uses_cache else ()
+        k = self.dispatcher.dispatch(RouteRequest(self.ids[i], spec.prompt_len, spec.output_len, route_names), now)
         if k is None:
             return self._refuse(rec, now, "unavailable: no instance is alive")
         inst = self.instances[k]
-        req = sim_request(self.ids[i], spec, now, inst.kv.block_size, inst.kv.enable_caching)
+        req = sim_request(self.ids[i], spec, now, inst.kv.block_size, inst.kv.enable_caching, names)
         try:
             inst.add_request(req)
         except RequestRejected as e:
@@ -213,6 +219,14 @@ class ClusterSimulator:
             return self._refuse(rec, now, f"rejected: {e}")
         self.routed[i] = k
         return self._wake(inst, now)
+
+    def _sync_cache_views(self) -> None:
+        """The names every instance's pools gained and lost since the last dispatch, into the
+        monitor's views (as the runtime's step reports carry them; here without their lag)."""
+        for inst, rec in zip(self.instances, self.monitor.instances, strict=True):
+            delta = inst.kv.drain_delta()
+            if not delta.empty:
+                rec.cache.apply(delta)
 
     def _wake(self, inst: SimInstance, now: float) -> Event | None:
         if inst.busy or inst.wake_pending:
