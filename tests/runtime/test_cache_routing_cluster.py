@@ -1,0 +1,91 @@
+"""Cache-aware routing on real workers: conversations whose turns resend their history land on the
+instance that holds it, the instances share the conversations, every greedy answer equals one
+engine's, and every routing decision replays from its log (the dispatcher is the simulator's)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tests.runtime.test_cluster import no_leak, settle, wait_gone
+from tidal.cluster.decisions import Decision, replay
+from tidal.cluster.dispatch import ClusterLayout
+from tidal.config import EngineConfig
+from tidal.core.sampling import SamplingParams
+
+ENGINE = dict(dtype="float32", kv_cache_memory="64MiB", max_num_batched_tokens=64)
+PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+CONVERSATIONS, TURNS = 6, 4
+
+
+def user_turns(tokenizer) -> list[list[list[int]]]:
+    """Each conversation's user messages as token ids: a long opening, then short follow-ups."""
+    topics = ["gardening", "sailing", "chess", "baking", "astronomy", "cycling"]
+    out = []
+    for k in range(CONVERSATIONS):
+        first = tokenizer.encode(f"Let us talk about {topics[k]}. " * 12)
+        out.append([first] + [tokenizer.encode(f" Tell me more, part {j}.", add_special_tokens=False)
+                              for j in range(1, TURNS)])
+    return out
+
+
+def reference_answers(make_engine, turns) -> list[list[list[int]]]:
+    from tidal import LLM
+
+    llm = LLM.from_engine(make_engine(dtype="float32", max_num_batched_tokens=64, enable_prefix_caching=False))
+    answers = []
+    for conv in turns:
+        history: list[int] = []
+        mine = []
+        for msg in conv:
+            history = history + msg
+            (o,) = llm.generate([{"prompt_token_ids": history}], PARAMS)
+            mine.append(o.outputs[0].token_ids)
+            history = history + mine[-1]
+        answers.append(mine)
+    return answers
+
+
+async def converse(llm, k: int, conv: list[list[int]]) -> list[list[int]]:
+    history: list[int] = []
+    answers = []
+    for j, msg in enumerate(conv):
+        history = history + msg
+        toks: list[int] = []
+        async for o in llm.generate(None, PARAMS, f"c{k}t{j}", prompt_token_ids=history):
+            toks += o.outputs[0].delta_token_ids
+        answers.append(toks)
+        history = history + toks
+    return answers
+
+
+def test_conversations_stay_where_their_history_is_cached(make_engine, smol_tokenizer):
+    from tidal.runtime.cluster import ClusterConfig, ClusterLLM, ServingConfig
+
+    turns = user_turns(smol_tokenizer)
+    want = reference_answers(make_engine, turns)
+    llm = ClusterLLM(ServingConfig(EngineConfig.from_kwargs(**ENGINE),
+                                   ClusterConfig(layout=ClusterLayout(2), router="cache-aware", threads_per_instance=1)))
+    log: list[Decision] = []
+    llm.dispatcher.recorder = log.append
+    pids: list[int] = []
+    try:
+        llm.start()
+        pids = [h.pid for h in llm.handles if h is not None]
+
+        async def run():
+            return await asyncio.gather(*[converse(llm, k, conv) for k, conv in enumerate(turns)])
+
+        assert asyncio.run(run()) == want
+        settle(llm)
+        no_leak(llm)
+        st = llm.stats
+        assert st["prefix_cache_hits"] > 0
+    finally:
+        llm.shutdown()
+        wait_gone(pids)
+    where = {d.request_id: d.choice for d in log}
+    follow = [where[f"c{k}t{j}"] == where[f"c{k}t{j - 1}"] for k in range(CONVERSATIONS) for j in range(1, TURNS)]
+    assert sum(follow) >= 0.9 * len(follow), where
+    assert len({where[f"c{k}t0"] for k in range(CONVERSATIONS)}) == 2  # both instances took conversations
+    assert all(d.request.cached for d in log)  # the router saw each instance's cached prefix
+    assert [replay(d, ClusterLayout(2), "cache-aware") for d in log] == [d.choice for d in log]
