@@ -143,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
         sim_dynaserve,
         sim_kunserve,
         sim_policies,
+        sim_prefix,
     )
     from tidal.experiments import policies as bench_policies
 
@@ -151,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_policies.add_parser(bsub)
     sim_accuracy.add_parser(bsub)
     sim_policies.add_parser(bsub)
+    sim_prefix.add_parser(bsub)
     sim_dynaserve.add_parser(bsub)
     sim_kunserve.add_parser(bsub)
     kv_transfer.add_parser(bsub)

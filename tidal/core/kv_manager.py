@@ -205,6 +205,11 @@ class KVCacheManager:
                 hit.host.append(h)
         return hit
 
+    def peek_prefix_tokens(self, req: Request) -> int:
+        """The tokens :meth:`find_prefix` would give ``req`` now (device and host tier), changing nothing."""
+        hit = self.find_prefix(req)
+        return hit.num_tokens
+
     def take_prefix(self, req: Request, hit: PrefixHit, reserve: int = 0) -> int:
         """Make ``hit`` the start of ``req``'s block table: a reference on each device block, and a
         fresh device block for each host block, loaded from it before the step runs (only as many

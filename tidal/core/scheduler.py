@@ -83,6 +83,7 @@ class Scheduler:
         # prefix caching (tokens): prompt tokens looked up at first admissions, and how many were
         # found on the device pool and in the host tier (recomputation after preemption is no query)
         self.prefix_queries = 0
+        self._expected_cached: dict[str, int] = {}  # waiting requests' cached prefix when they arrived (tokens)
         self.prefix_hits = 0
         self.prefix_host_hits = 0
         self._finished_since_plan: list[str] = []
@@ -98,6 +99,8 @@ class Scheduler:
         if req.max_model_len is None:
             req.max_model_len = self.max_model_len
         req.status = RequestStatus.WAITING
+        if self.kv.pool.log is not None and not req.num_computed_tokens:  # a front end routes by cache: what
+            self._expected_cached[req.request_id] = self.kv.peek_prefix_tokens(req)  # it will likely not compute
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
@@ -131,6 +134,7 @@ class Scheduler:
         req = self.requests.pop(request_id, None)
         if req is None:
             return
+        self._expected_cached.pop(request_id, None)
         if self.paused.pop(request_id, None) is None:
             # the queue its status names first (no scan of a long waiting queue for a running request)
             first = {RequestStatus.WAITING: self.waiting, RequestStatus.SWAPPED: self.swapped}.get(
@@ -199,7 +203,9 @@ class Scheduler:
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens waiting for their prefill: the waiting requests' and the rest of the running
         ones' half-done prefills (what a cache-aware router counts as work ahead of a new request)."""
-        return (sum(r.num_uncomputed_tokens for r in self.waiting)
+        expected = self._expected_cached
+        return (sum(r.num_uncomputed_tokens - (expected.get(r.request_id, 0) if not r.num_preemptions else 0)
+                    for r in self.waiting)
                 + sum(r.num_uncomputed_tokens for r in self.running if r.in_prefill))
 
     def hol_block_demand(self) -> int:
@@ -375,6 +381,7 @@ class Scheduler:
                 break
             if req.num_cached_tokens is None:
                 self._count_prefix(req, hit)
+            self._expected_cached.pop(req.request_id, None)
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
