@@ -193,8 +193,8 @@ class ClusterSimulator:
         # conversation's later turn is scheduled when its predecessor ends (``_turn_ended``)
         self._next_turn = successors(self.specs)
         self._arrival_times = sorted(s.arrival_s for s in self.specs if s.after is None)  # a heap
-        self._unsent = set(self._next_turn.values())  # turns waiting on their predecessor
-        self._thinks = sorted((self.specs[j].think_s, j) for j in self._unsent)  # a heap, cleared lazily
+        self._turns_waiting = set(self._next_turn.values())  # turns waiting on their predecessor
+        self._thinks = sorted((self.specs[j].think_s, j) for j in self._turns_waiting)  # a heap, cleared lazily
         self._live: dict[int, Request] = {}  # request index -> its request, until its first token
         self._dead: set[int] = set()  # instances that failed (``fail``): they never step again
         self.num_failovers = 0
@@ -237,8 +237,8 @@ class ClusterSimulator:
     def _run_ahead_bound(self, now: float) -> float:
         """The earliest time a request can arrive after ``now`` (see the module docstring)."""
         bound = self._arrival_times[0] if self._arrival_times else inf
-        thinks, unsent = self._thinks, self._unsent
-        while thinks and thinks[0][1] not in unsent:
+        thinks, waiting = self._thinks, self._turns_waiting
+        while thinks and thinks[0][1] not in waiting:
             heapq.heappop(thinks)
         return min(bound, now + thinks[0][0]) if thinks else bound
 
@@ -249,14 +249,14 @@ class ClusterSimulator:
         if j is None:
             return
         if ok:
-            self._unsent.discard(j)
+            self._turns_waiting.discard(j)
             t = now + self.specs[j].think_s
             self.records[j].arrival_s = t
             heapq.heappush(self._arrival_times, t)
             self.loop.push(_Arrival(t, self, j))
             return
         while j is not None:
-            self._unsent.discard(j)
+            self._turns_waiting.discard(j)
             rec = self.records[j]
             rec.success, rec.error = False, "dropped"
             j = self._next_turn.get(j)
