@@ -343,7 +343,12 @@ async def run_load(specs: Sequence[RequestSpec], opts: ClientOptions,
                 if spec.prompt_segments is not None:
                     known.update(spec.contents or {})
                     prompt, answer = _history(spec, known, opts, ids), Answer()
-                await one(spec, rec, prompt, answer)
+                try:
+                    await one(spec, rec, prompt, answer)
+                except BenchError:
+                    raise  # the user's to fix (e.g. the chat endpoint without text): the run stops
+                except Exception as e:  # anything else fails this request only, with its name
+                    rec.success, rec.error = False, f"{type(e).__name__}: {e}"[:300]
                 if on_done is not None:
                     on_done(rec)
                 j = following.get(i)

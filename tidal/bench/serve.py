@@ -315,8 +315,9 @@ def format_summary(r: dict[str, Any]) -> str:
     lines.append(f"model: {r['model']}  ({r['base_url']}, {r['endpoint']})")
     wl = r["workload"]
     rate = r.get("rate")
-    lines.append(f"workload: {wl['name']}, {wl['num_requests']} requests, prompts as {wl['prompt_format']}, "
-                 f"rate {'trace times' if rate is None else rate}"
+    convs = f" in {wl['conversations']} conversations" if wl.get("conversations") else ""
+    lines.append(f"workload: {wl['name']}, {wl['num_requests']} requests{convs}, prompts as {wl['prompt_format']}, "
+                 f"rate {'trace times' if rate is None else rate}{' conversations/s' if convs else ''}"
                  + (f" x{r['config']['time_scale']:g}" if rate is None and r["config"].get("time_scale") else ""))
     row("Successful requests:", r["completed"], "d")
     row("Failed requests:", r["failed"], "d")

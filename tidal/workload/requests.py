@@ -421,8 +421,9 @@ def length_stats(specs: Sequence[RequestSpec]) -> dict[str, Any]:
         "span_s": float(max(arr) - min(arr)) if arr else 0.0,
         "mean_rate": r,
         "gap_cv": cv_of_gaps(arr) if len(arr) > 2 else None,
-        **({"conversations": len({s.conversation for s in specs})} if specs and specs[0].conversation is not None
-           else {}),
+        **({"conversations": len({s.conversation for s in specs}),  # and their starts' rate (the arrivals
+            "start_rate": mean_rate([s.arrival_s for s in specs if s.after is None])}  # of later turns: earliest)
+           if specs and specs[0].conversation is not None else {}),
     }
 
 
