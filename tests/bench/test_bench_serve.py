@@ -2,7 +2,9 @@
 
 The stub (FastAPI + uvicorn on a free loopback port, in a thread) streams ``max_tokens`` tokens:
 the first after ``ttft`` seconds, then one every ``itl`` seconds (or ``per_chunk`` tokens per chunk,
-listed in ``token_ids``), and a final usage chunk. A prompt containing ``SLOW`` waits ``slow_ttft``
+listed in ``token_ids``, as they are with ``return_token_ids``: ids 1000, 1001, ...), and a final
+usage chunk whose ``cached_tokens`` is the longest token-id prefix shared with an earlier prompt and
+its answer's ids, in whole blocks of 16 (a prefix cache's hit). ``max_tokens`` 13 is answered with HTTP 500. A prompt containing ``SLOW`` waits ``slow_ttft``
 instead; with ``serial_s`` set, the first tokens are produced one request at a time (a FIFO lock
 held ``serial_s``), so latency grows with load.
 """
@@ -54,7 +56,21 @@ def build_stub(stub: Stub) -> FastAPI:
     async def models():
         return {"object": "list", "data": [{"id": MODEL, "object": "model"}]}
 
-    async def stream(body: dict, chat: bool):
+    def cached(body: dict) -> int:
+        """Against the earlier requests' prompts and answers, as a prefix cache holds them."""
+        prompt = body.get("prompt")
+        if not isinstance(prompt, list):
+            return 0
+        best = 0
+        for b in stub.bodies:
+            other = b.get("prompt")
+            if isinstance(other, list):
+                other = other + list(range(1000, 1000 + int(b["max_tokens"]) - 1))  # the last token has no KV
+                k = next((j for j, (x, y) in enumerate(zip(prompt, other, strict=False)) if x != y), min(len(prompt), len(other)))
+                best = max(best, k)
+        return min(best, len(prompt) - 1) // 16 * 16
+
+    async def stream(body: dict, chat: bool, hit: int):
         n = int(body["max_tokens"])
         if chat:
             text = body["messages"][-1]["content"]
@@ -91,19 +107,23 @@ def build_stub(stub: Stub) -> FastAPI:
                 choice = {"index": 0, "delta": {"content": " tok" * k}, "finish_reason": fin}
             else:
                 choice = {"index": 0, "text": " tok" * k, "finish_reason": fin}
-            if stub.per_chunk > 1:
-                choice["token_ids"] = list(range(k))
+            if stub.per_chunk > 1 or body.get("return_token_ids"):
+                choice["token_ids"] = list(range(1000 + sent - k, 1000 + sent))
             yield "data: " + json.dumps({"id": rid, "choices": [choice]}) + "\n\n"
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n,
+                 "prompt_tokens_details": {"cached_tokens": hit}}
         yield "data: " + json.dumps({"id": rid, "choices": [], "usage": usage}) + "\n\n"
         yield "data: [DONE]\n\n"
 
     async def handle(request: Request, chat: bool):
         body = await request.json()
+        hit = cached(body)
         stub.bodies.append(body)
         if body.get("model") != MODEL:
             return JSONResponse({"error": {"message": f"model {body.get('model')!r} not found"}}, status_code=404)
-        return StreamingResponse(stream(body, chat), media_type="text/event-stream")
+        if body.get("max_tokens") == 13:
+            return JSONResponse({"error": {"message": "unlucky"}}, status_code=500)
+        return StreamingResponse(stream(body, chat, hit), media_type="text/event-stream")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -417,3 +437,94 @@ def test_placements_join_on_the_response_id_and_are_drawn(stub_server, tmp_path:
         k = int(r["response_id"].split("-")[1])
         assert p["split"] == p["prompt_len"] + k % 3 - 1 and p["kv_bytes"] == 1000 * k
     assert (tmp_path / "r_placement.png").stat().st_size > 0
+
+
+# ============================================================================ conversations
+CONV = "conversation:turns=3,user=6,answer=4,user_sigma=0,answer_sigma=0,think=0.05"
+
+
+def _conversation_specs(name: str, n: int, rate: float) -> list:
+    from tidal import workload as W
+
+    return W.make_requests(W.WorkloadOptions(workload=name, num_requests=n, rate=rate, seed=0))
+
+
+def test_chat_conversation_resends_the_actual_answers(stub_server, tmp_path: Path, capsys):
+    """Each later turn goes out its think time after the previous response ended, with the whole
+    history: the earlier messages and, as the assistant's, the text the server streamed."""
+    stub, url = stub_server
+    stub.reset(ttft=0.02, itl=0.01)
+    out = tmp_path / "conv.json"
+    code, stdout, err = bench(["--base-url", url, "--endpoint", "chat", "--workload", CONV, "--num-requests", "9",
+                               "--rate", "20", "--tokenizer", "none", "--warmup-requests", "0",
+                               "--output", str(out), "--no-plots"], capsys)
+    assert code == 0, err
+    res = json.loads(out.read_text())
+    assert res["completed"] == 9 and res["workload"]["conversations"] == 3
+    specs = _conversation_specs(CONV, 9, 20.0)
+    recs = {r["index"]: r for r in res["requests"]}
+    for i, s in enumerate(specs):
+        if s.after is not None:
+            prev = recs[s.after]
+            assert recs[i]["arrival_s"] == pytest.approx(prev["end_s"] + s.think_s)
+            assert 0 <= recs[i]["send_s"] - recs[i]["arrival_s"] < SLACK
+    bodies = [b["messages"] for b in stub.bodies]
+    assert len(bodies) == 9
+    by_first = {}
+    for msgs in sorted(bodies, key=len):
+        by_first.setdefault(msgs[0]["content"], []).append(msgs)
+    assert len(by_first) == 3
+    for turns in by_first.values():
+        assert [len(m) for m in turns] == [1, 3, 5]
+        for a, b in zip(turns, turns[1:], strict=False):
+            assert b[:len(a)] == a  # the history, unchanged
+            assert b[len(a)] == {"role": "assistant", "content": " tok" * 4}  # the answer the server sent
+            assert b[len(a) + 1]["role"] == "user" and b[len(a) + 1]["content"] not in str(a)
+
+
+def test_token_id_conversation_sends_the_answers_ids_and_records_cached_tokens(stub_server):
+    from tests.workload.test_conversation import FakeTok
+    from tidal import workload as W
+    from tidal.bench.client import ClientOptions
+    from tidal.bench.client import run as run_client
+    from tidal.metrics import summarize
+
+    stub, url = stub_server
+    stub.reset(ttft=0.01, itl=0.005)
+    name = "conversation:system=20,turns=2,user=10,answer=6,user_sigma=0,answer_sigma=0,think=0.02"
+    specs = W.materialize(_conversation_specs(name, 4, 50.0), FakeTok(), "ids")
+    records, _ = run_client(specs, ClientOptions(base_url=url, model=MODEL))
+    assert all(r.success for r in records)
+    prompts = [b["prompt"] for b in stub.bodies]
+    assert len(prompts) == 4 and all(b["return_token_ids"] is True for b in stub.bodies)
+    for s in specs:
+        if s.after is None:
+            continue
+        first = specs[s.after].prompt_token_ids  # system + the first message: 30 ids
+        user = s.contents[s.prompt_segments[-1].content]
+        # turn 2 = turn 1's prompt + the ids the server returned for its answer + the new message
+        assert first + list(range(1000, 1006)) + user in prompts
+    # the stub's prefix cache: turn 2 shares 35 tokens with turn 1 and its answer, the second conversation's
+    # first turn 20 with the first's (the system prompt)
+    cached = sorted(r.cached_tokens for r in records)
+    assert cached == [0, 16, 32, 32]
+    summary = summarize(records)
+    assert summary["cached_prompt_tokens"] == 80
+    assert summary["cached_prompt_share"] == pytest.approx(80 / sum(r.prompt_tokens for r in records))
+
+
+def test_a_failed_turn_drops_the_rest_of_its_conversation(stub_server, tmp_path: Path, capsys):
+    stub, url = stub_server
+    stub.reset(ttft=0.01, itl=0.005)
+    out = tmp_path / "fail.json"
+    name = "conversation:conversations=2,turns=3,answer=13,answer_sigma=0,think=0.01"
+    code, stdout, err = bench(["--base-url", url, "--workload", name, "--rate", "20", "--tokenizer", "none",
+                               "--warmup-requests", "0", "--output", str(out), "--no-plots"], capsys)
+    assert code == 0, err
+    res = json.loads(out.read_text())
+    assert res["num_requests"] == 6 and res["failed"] == 6
+    assert len(stub.bodies) == 2  # only the first turns were sent
+    errors = sorted(r["error"] for r in res["requests"])
+    assert errors[:2] == ["HTTP 500: unlucky"] * 2
+    assert errors[2:] == ["not sent: an earlier turn of its conversation failed"] * 4
+    assert all(r["send_s"] is None for r in res["requests"] if r["error"].startswith("not sent"))

@@ -44,8 +44,8 @@ def _sim_msg(monkeypatch, prompt_len: int, max_tokens: int) -> str:
 
     said = []
     refuse = ClusterSimulator._refuse
-    monkeypatch.setattr(ClusterSimulator, "_refuse", staticmethod(lambda rec, now, error: (said.append(error),
-                                                                                          refuse(rec, now, error))[1]))
+    monkeypatch.setattr(ClusterSimulator, "_refuse", lambda self, rec, now, error: (said.append(error),
+                                                                                   refuse(self, rec, now, error))[1])
     inst = SimInstance(0, SchedulerConfig(), 8, 4, Constant(), L)
     res = ClusterSimulator([inst], build_router("round-robin"), [RequestSpec(0.0, prompt_len, max_tokens)],
                            max_model_len=L).run()

@@ -15,6 +15,19 @@ prompt token counts (``output_tokens``); the chunk timing gives TTFT and the gap
 The run is bounded: by the number of requests, by ``time_limit_s`` (no request is sent after it;
 requests still running ``drain_s`` later are cancelled and count as failed), and by a per-request
 timeout. Only ``base_url`` is contacted; proxies from the environment are ignored.
+
+The server's ``usage.prompt_tokens_details.cached_tokens`` (its prefix cache's hit) is recorded
+per request when it reports one.
+
+Conversations (:mod:`tidal.workload.conversation`) run as a closed loop, one chain per
+conversation: its first turn goes out at the conversation's arrival, each later turn ``think_s``
+after the previous turn's response ended, with the whole history: chat messages (system, user,
+then each answer as the assistant's message, as the server returned its text); or, with token-id
+prompts on the completions endpoint, the previous prompt's ids + the answer's ids + the new
+message's (``return_token_ids``, vLLM's field, asks the server for the answer's ids; a server
+that sends none has the answer's text encoded with the tokenizer); or one text. When a turn fails
+the rest of its conversation is not sent and counts as failed (no answer to go on from); a turn due
+after ``time_limit_s`` is not sent and not counted, like any request due then.
 """
 
 from __future__ import annotations
@@ -31,6 +44,9 @@ import aiohttp
 
 from tidal.metrics import RequestRecord, itl_from_chunks
 from tidal.workload import RequestSpec
+from tidal.workload.conversation import chat_messages, prompt_ids, prompt_text, successors
+
+DROPPED = "not sent: an earlier turn of its conversation failed"
 
 
 class BenchError(Exception):
@@ -109,6 +125,7 @@ class ClientOptions:
     time_limit_s: float | None = None
     drain_s: float = 60.0
     extra_body: dict[str, Any] = field(default_factory=dict)
+    tokenizer: Any = None  # encodes an answer's text when a server returns no token ids (conversations)
 
     @property
     def url(self) -> str:
@@ -116,7 +133,9 @@ class ClientOptions:
         return self.base_url + path
 
 
-def build_payload(spec: RequestSpec, opts: ClientOptions) -> dict[str, Any]:
+def build_payload(spec: RequestSpec, opts: ClientOptions, prompt: Any = None) -> dict[str, Any]:
+    """The request body; ``prompt`` (a conversation turn's history: chat messages, token ids or
+    text) replaces the spec's own prompt."""
     body: dict[str, Any] = {
         "model": opts.model,
         "max_tokens": int(spec.output_len),
@@ -128,9 +147,16 @@ def build_payload(spec: RequestSpec, opts: ClientOptions) -> dict[str, Any]:
         body["ignore_eos"] = True
     if opts.endpoint == "chat":
         text = spec.prompt_text
-        if text is None:
+        if prompt is not None:
+            body["messages"] = prompt
+        elif text is None:
             raise BenchError("the chat endpoint needs text prompts (use --prompt-format text)")
-        body["messages"] = [{"role": "user", "content": text}]
+        else:
+            body["messages"] = [{"role": "user", "content": text}]
+    elif prompt is not None:
+        body["prompt"] = prompt
+        if isinstance(prompt, list):  # the next turn sends this answer's ids
+            body["return_token_ids"] = True
     else:
         body["prompt"] = spec.prompt_token_ids if spec.prompt_token_ids is not None else (spec.prompt_text or "")
     body.update(opts.extra_body)
@@ -155,11 +181,37 @@ def chunk_tokens(choice: dict[str, Any], chat: bool) -> int:
     return 1 if choice.get("finish_reason") is None and "text" in choice else 0
 
 
+@dataclass
+class Answer:
+    """What a response streamed: its text and, where the server listed them, its token ids."""
+
+    text: list[str] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+
+    def add(self, choice: dict[str, Any], chat: bool) -> None:
+        piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+        if isinstance(piece, str):
+            self.text.append(piece)
+        ids = choice.get("token_ids")
+        if isinstance(ids, list):
+            self.ids.extend(int(t) for t in ids if isinstance(t, int))
+
+    def token_ids(self, num_tokens: int, tokenizer: Any) -> list[int]:
+        """The answer's ids: as the server listed them when it listed all ``num_tokens``, else its
+        text encoded (BenchError without a tokenizer)."""
+        if len(self.ids) == num_tokens:
+            return list(self.ids)
+        if tokenizer is None:
+            raise BenchError("the server returned no token ids for an answer and no tokenizer was given")
+        return list(tokenizer.encode("".join(self.text), add_special_tokens=False))
+
+
 async def send_one(session: aiohttp.ClientSession, spec: RequestSpec, opts: ClientOptions, rec: RequestRecord,
-                   t0: float) -> None:
-    """Stream one request; fills ``rec`` as it goes (so a cancelled request keeps what it got)."""
+                   t0: float, prompt: Any = None, answer: Answer | None = None) -> None:
+    """Stream one request; fills ``rec`` as it goes (so a cancelled request keeps what it got), and
+    ``answer`` with what the response said."""
     chat = opts.endpoint == "chat"
-    payload = build_payload(spec, opts)
+    payload = build_payload(spec, opts, prompt)
     times: list[float] = []
     counts: list[int] = []
     usage: dict[str, Any] | None = None
@@ -200,7 +252,12 @@ async def send_one(session: aiohttp.ClientSession, spec: RequestSpec, opts: Clie
                         usage = obj["usage"]
                     if rec.response_id is None and isinstance(obj.get("id"), str):
                         rec.response_id = obj["id"]
-                    k = sum(chunk_tokens(c, chat) for c in obj.get("choices") or [] if isinstance(c, dict))
+                    k = 0
+                    for c in obj.get("choices") or []:
+                        if isinstance(c, dict):
+                            k += chunk_tokens(c, chat)
+                            if answer is not None:
+                                answer.add(c, chat)
                     rec.num_chunks += 1
                     if k:
                         if not times:
@@ -225,6 +282,9 @@ async def send_one(session: aiohttp.ClientSession, spec: RequestSpec, opts: Clie
             rec.output_tokens = usage["completion_tokens"]
         if isinstance(usage.get("prompt_tokens"), int):
             rec.prompt_tokens = usage["prompt_tokens"]
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            rec.cached_tokens = details["cached_tokens"]
     if not times:
         rec.error = "no tokens received"
         return
@@ -237,56 +297,114 @@ async def send_one(session: aiohttp.ClientSession, spec: RequestSpec, opts: Clie
 
 
 # ============================================================================ a run
+def _history(spec: RequestSpec, known: dict[int, Any], opts: ClientOptions, ids: bool) -> Any:
+    """A conversation turn's prompt from the contents known so far (module docstring)."""
+    if opts.endpoint == "chat":
+        if ids:
+            raise BenchError("the chat endpoint needs text prompts (use --prompt-format text)")
+        return chat_messages(spec, known)
+    return prompt_ids(spec, known) if ids else prompt_text(spec, known)
+
+
 async def run_load(specs: Sequence[RequestSpec], opts: ClientOptions,
                    on_done: Callable[[RequestRecord], None] | None = None) -> tuple[list[RequestRecord], float]:
-    """Send ``specs`` at their arrival times; returns the records (in spec order) and the duration
-    (t=0 to the last end, or to the time limit plus drain)."""
+    """Send ``specs`` at their arrival times (a conversation's later turns: ``think_s`` after the
+    previous turn ended); returns the records of the requests sent or dropped (in spec order) and
+    the duration (t=0 to the last end, or to the time limit plus drain)."""
     timeout = aiohttp.ClientTimeout(total=opts.request_timeout_s, sock_connect=10)
     sem = asyncio.Semaphore(opts.max_concurrency) if opts.max_concurrency else None
     records = [RequestRecord(i, s.arrival_s, s.prompt_len, s.output_len) for i, s in enumerate(specs)]
-    tasks: dict[asyncio.Task, RequestRecord] = {}
+    following = successors(specs)
+    current: dict[asyncio.Task, RequestRecord] = {}  # each chain's request in flight (or next)
+    sent: list[RequestRecord] = []
     async with _session(timeout) as session:
         t0 = time.perf_counter()
 
-        async def one(spec: RequestSpec, rec: RequestRecord) -> None:
+        async def one(spec: RequestSpec, rec: RequestRecord, prompt: Any, answer: Answer | None) -> None:
             if sem is not None:
                 async with sem:
                     if opts.time_limit_s is not None and time.perf_counter() - t0 >= opts.time_limit_s:
                         rec.error = "not sent: time limit reached while waiting for a concurrency slot"
                         return
-                    await send_one(session, spec, opts, rec, t0)
+                    await send_one(session, spec, opts, rec, t0, prompt, answer)
             else:
-                await send_one(session, spec, opts, rec, t0)
+                await send_one(session, spec, opts, rec, t0, prompt, answer)
 
-        def _done(task: asyncio.Task) -> None:
-            if on_done is not None and not task.cancelled():
-                on_done(tasks[task])
+        async def chain(i: int) -> None:
+            """Request ``i``, then (a conversation) each next turn after its think time."""
+            task = asyncio.current_task()
+            assert task is not None
+            known: dict[int, Any] = {}
+            ids = specs[i].prompt_token_ids is not None
+            while True:
+                spec, rec = specs[i], records[i]
+                current[task] = rec
+                prompt, answer = None, None
+                if spec.prompt_segments is not None:
+                    known.update(spec.contents or {})
+                    prompt, answer = _history(spec, known, opts, ids), Answer()
+                try:
+                    await one(spec, rec, prompt, answer)
+                except BenchError:
+                    raise  # the user's to fix (e.g. the chat endpoint without text): the run stops
+                except Exception as e:  # anything else fails this request only, with its name
+                    rec.success, rec.error = False, f"{type(e).__name__}: {e}"[:300]
+                if on_done is not None:
+                    on_done(rec)
+                j = following.get(i)
+                if j is None:
+                    return
+                if rec.success and answer is not None and spec.answer_segments:
+                    try:
+                        known[spec.answer_segments[0].content] = (answer.token_ids(rec.output_tokens, opts.tokenizer)
+                                                                  if ids else "".join(answer.text))
+                    except BenchError as e:
+                        rec.success, rec.error = False, str(e)
+                if not rec.success:
+                    while j is not None:
+                        records[j].error = DROPPED
+                        sent.append(records[j])
+                        if on_done is not None:
+                            on_done(records[j])
+                        j = following.get(j)
+                    return
+                arrival = (rec.end_s or 0.0) + specs[j].think_s
+                if opts.time_limit_s is not None and arrival >= opts.time_limit_s:
+                    return  # due after the time limit: not sent, like any request due then
+                records[j].arrival_s = arrival
+                delay = t0 + arrival - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                sent.append(records[j])
+                i = j
 
-        sent: list[RequestRecord] = []
         for spec, rec in zip(specs, records, strict=True):
+            if spec.after is not None:
+                continue  # sent by its conversation's chain
             if opts.time_limit_s is not None and spec.arrival_s >= opts.time_limit_s:
                 break
             delay = t0 + spec.arrival_s - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            task = asyncio.create_task(one(spec, rec))
-            tasks[task] = rec
-            task.add_done_callback(_done)
+            task = asyncio.create_task(chain(rec.index))
+            current[task] = rec
             sent.append(rec)
         deadline = None
         if opts.time_limit_s is not None:
             deadline = t0 + opts.time_limit_s + opts.drain_s
-        pending: set[asyncio.Task] = set(tasks)
+        pending: set[asyncio.Task] = set(current)
         if pending:
             wait_s = None if deadline is None else max(0.0, deadline - time.perf_counter())
-            _, pending = await asyncio.wait(pending, timeout=wait_s)
+            done, pending = await asyncio.wait(pending, timeout=wait_s)
+            for task in done:
+                task.result()  # a chain's own error (a bug, or BenchError from a bad payload) surfaces
         for task in pending:
             task.cancel()
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
             now = time.perf_counter() - t0
             for task in pending:
-                rec = tasks[task]
+                rec = current[task]
                 rec.success = False
                 rec.error = "cancelled: still running at the time limit"
                 if rec.end_s is None or rec.end_s > now:
@@ -295,7 +413,7 @@ async def run_load(specs: Sequence[RequestSpec], opts: ClientOptions,
                     on_done(rec)
     ends = [r.end_s for r in sent if r.end_s is not None]
     duration = max(ends) if ends else 0.0
-    return sent, duration
+    return sorted(sent, key=lambda r: r.index), duration
 
 
 def run(specs: Sequence[RequestSpec], opts: ClientOptions,
@@ -303,5 +421,5 @@ def run(specs: Sequence[RequestSpec], opts: ClientOptions,
     return asyncio.run(run_load(specs, opts, on_done))
 
 
-__all__ = ["BenchError", "ClientOptions", "build_payload", "check_server", "chunk_tokens", "normalize_base_url",
+__all__ = ["DROPPED", "Answer", "BenchError", "ClientOptions", "build_payload", "check_server", "chunk_tokens", "normalize_base_url",
            "run", "run_load", "send_one"]

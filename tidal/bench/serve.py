@@ -162,11 +162,14 @@ def _run_once(specs: list[W.RequestSpec], copts: ClientOptions, slo: M.SLO, desc
     return records, M.summarize(records, duration, slo)
 
 
-def _warmup(specs: list[W.RequestSpec], copts: ClientOptions, n: int) -> None:
+def _warmup(specs: list[W.RequestSpec], copts: ClientOptions, n: int, tok: _Tok | None, fmt: str, seed: int) -> None:
+    """``n`` short requests of the workload's first prompt lengths, with prompts of their own (a
+    different seed): the measured prompts stay out of the server's prefix cache."""
     if n <= 0 or not specs:
         return
-    probe = [replace(specs[i % len(specs)], arrival_s=0.0, output_len=min(specs[i % len(specs)].output_len, 4))
-             for i in range(n)]
+    base = [W.RequestSpec(0.0, specs[i % len(specs)].prompt_len, min(specs[i % len(specs)].output_len, 4))
+            for i in range(n)]
+    probe = W.materialize(base, tok, fmt, seed=seed + 1, special_ids=tok.special_ids if tok else ())
     records, _ = run_client(probe, replace(copts, time_limit_s=None, max_concurrency=None))
     bad = [r for r in records if not r.success]
     if bad:
@@ -200,8 +203,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     copts = ClientOptions(base_url=base_url, model=model, endpoint=args.endpoint, temperature=args.temperature,
                           ignore_eos=args.ignore_eos, max_concurrency=args.max_concurrency,
                           request_timeout_s=args.request_timeout,
-                          time_limit_s=args.duration, drain_s=args.drain_timeout, extra_body=extra)
-    _warmup(specs, copts, args.warmup_requests)
+                          time_limit_s=args.duration, drain_s=args.drain_timeout, extra_body=extra, tokenizer=tok)
+    _warmup(specs, copts, args.warmup_requests, tok, fmt, args.seed)
     print(f"{PROG}: {model} at {base_url} ({args.endpoint}), workload "
           f"{args.workload or 'trace ' + str(args.trace)}, {len(specs)} requests, prompts as {fmt}"
           f"{' (tokenizer ' + tok.name + ')' if tok else ''}", file=sys.stderr)
@@ -312,8 +315,9 @@ def format_summary(r: dict[str, Any]) -> str:
     lines.append(f"model: {r['model']}  ({r['base_url']}, {r['endpoint']})")
     wl = r["workload"]
     rate = r.get("rate")
-    lines.append(f"workload: {wl['name']}, {wl['num_requests']} requests, prompts as {wl['prompt_format']}, "
-                 f"rate {'trace times' if rate is None else rate}"
+    convs = f" in {wl['conversations']} conversations" if wl.get("conversations") else ""
+    lines.append(f"workload: {wl['name']}, {wl['num_requests']} requests{convs}, prompts as {wl['prompt_format']}, "
+                 f"rate {'trace times' if rate is None else rate}{' conversations/s' if convs else ''}"
                  + (f" x{r['config']['time_scale']:g}" if rate is None and r["config"].get("time_scale") else ""))
     row("Successful requests:", r["completed"], "d")
     row("Failed requests:", r["failed"], "d")
@@ -323,6 +327,8 @@ def format_summary(r: dict[str, Any]) -> str:
     row("Request throughput (req/s):", r["request_throughput"])
     row("Output token throughput (tok/s):", r["output_throughput"])
     row("Total token throughput (tok/s):", r["total_token_throughput"])
+    if r.get("cached_prompt_share") is not None:  # the server reported its prefix cache's hits
+        row("Prompt tokens cached (%):", 100 * r["cached_prompt_share"])
     lines.append("{s:{c}^{n}}".format(s=" SLO ", n=w, c="-"))
     lines.append(f"SLOs: {', '.join(f'{k} <= {v:g} ms' for k, v in r['slo'].items()) or 'none (attain = succeed)'}")
     att = r["slo_attainment"]

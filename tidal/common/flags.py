@@ -164,7 +164,8 @@ WORKLOAD_FLAGS: tuple[Flag, ...] = (
     _flag("--workload", default=None,
           help="fixed:IN:OUT | uniform:A-B:C-D | " + " | ".join(W.SHAPES) +
                " | mix:NAME=W,NAME=W (e.g. mix:alpaca=0.8,longbench=0.2) | alpaca-real | sharegpt-lengths | "
-               "arxiv-lengths (default with --trace: the trace)"),
+               "arxiv-lengths | conversation[:KEY=VALUE,...] (multi-turn: turns resend the history; --rate "
+               "counts conversation starts; keys in tidal.workload.conversation) (default with --trace: the trace)"),
     _flag("--trace", default=None, help="timed trace to replay: Azure CSV or Mooncake JSONL"),
     _flag("--time-scale", type=positive_float, default=None,
           help="trace replay speedup: arrival t becomes t / X (2 = twice as fast)"),

@@ -51,27 +51,43 @@ def block_hashes(tokens: Sequence[int], block_size: int, cache_salt: str | None 
     return extend_hashes([], lambda a, b: tokens[a:b], len(tokens), block_size, salt_key(cache_salt))
 
 
+def span_block_names(spans: Sequence[tuple[int, int]], num_tokens: int, block_size: int, unique: bytes,
+                     extra: bytes = b"content") -> list[BlockHash]:
+    """Names of the full blocks of ``num_tokens`` tokens without the tokens: the sequence is made of
+    content spans, (content id, length) one after the other, and a block is named by the
+    (id, offset in the content, tokens) pieces it covers, chained as :func:`hash_block` chains.
+    Equal spans give equal names exactly where the engine, given each id's tokens, would give
+    equal names (the simulator's requests have no tokens). Tokens past the spans are the request's
+    own (``unique``). ``extra`` keeps one namespace of ids (a trace's) apart from another's."""
+    names: list[BlockHash] = []
+    ends: list[int] = []
+    covered = 0
+    for _, n in spans:
+        covered += n
+        ends.append(covered)
+    k = 0  # the span holding the current token
+    for j in range(num_tokens // block_size):
+        start, end = j * block_size, (j + 1) * block_size
+        if end > covered:  # the request's own tokens: a name no other request has (no chain needed)
+            names.append(b"own|%b|%d" % (unique, j))
+            continue
+        pieces: list[int] = []
+        t = start
+        while t < end:
+            while ends[k] <= t:
+                k += 1
+            content, n = spans[k]
+            off = t - (ends[k] - n)
+            m = min(end - t, n - off)
+            pieces += [content, off, m]
+            t += m
+        names.append(hash_block(names[-1] if names else None, pieces, extra))
+    return names
+
+
 def trace_block_names(hash_ids: Sequence[int], trace_block: int, prompt_len: int, block_size: int,
                       unique: bytes) -> list[BlockHash]:
     """Names of a prompt's full blocks from a trace's block hash ids (Mooncake: one id per
-    ``trace_block`` tokens, equal ids for equal contents), without its tokens: a block is named by
-    the (id, offset) spans it covers, chained as :func:`hash_block` chains. Equal ids give equal
-    names exactly where the engine, given each id's tokens, would give equal names (the simulator's
-    prompts have no tokens). Tokens past the last id's span are the request's own (``unique``)."""
-    names: list[BlockHash] = []
-    covered = len(hash_ids) * trace_block
-    for j in range(prompt_len // block_size):
-        start, end = j * block_size, (j + 1) * block_size
-        parent = names[-1] if names else None
-        if end <= covered:
-            spans = []
-            t = start
-            while t < end:
-                k, off = divmod(t, trace_block)
-                n = min(end - t, trace_block - off)
-                spans += [hash_ids[k], off, n]
-                t += n
-            names.append(hash_block(parent, spans, b"trace"))
-        else:  # the request's own tokens: a name no other request has (no chain needed to be unique)
-            names.append(b"own|%b|%d" % (unique, j))
-    return names
+    ``trace_block`` tokens, equal ids for equal contents): :func:`span_block_names` of spans of
+    ``trace_block`` tokens each."""
+    return span_block_names([(h, trace_block) for h in hash_ids], prompt_len, block_size, unique, b"trace")

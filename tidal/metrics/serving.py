@@ -24,6 +24,9 @@ Percentiles interpolate linearly between order statistics (numpy's default).
 attains when it succeeded and meets every SLO given (TTFT, TPOT, E2E; a request with one output
 token has no TPOT and meets a TPOT SLO). With no SLO, attaining = succeeding.
 **Goodput**: attaining requests per second, and their output tokens per second.
+**Cached prompt share**: over the completed requests whose server reported its prefix cache
+(``usage.prompt_tokens_details.cached_tokens``), the share of their prompt tokens it had cached
+(None when none reported it).
 **Capacity**: the highest request rate whose attainment is at least a target
 (:class:`CapacitySearch` bisects on rate; the caller runs the probes).
 """
@@ -64,6 +67,8 @@ class RequestRecord:
     error: str = ""
     response_id: str | None = None  # the response's ``id`` (the server's request id)
     placement: dict[str, Any] | None = None  # where a cluster ran it (e.g. DynaServe's split), if it says
+    # prompt tokens the server's prefix cache had (usage.prompt_tokens_details.cached_tokens; None: not reported)
+    cached_tokens: int | None = None
 
     @property
     def queue_s(self) -> float | None:
@@ -228,6 +233,9 @@ def summarize(records: Sequence[RequestRecord], duration_s: float | None = None,
         met = sum(1 for r in records if slo_checks(r, slo).get(key))
         per_slo[key] = met / n if n else None
     errors = Counter(r.error for r in records if not r.success)
+    told = [r for r in ok if r.cached_tokens is not None]  # the server reported its prefix cache's share
+    told_prompt = sum(r.prompt_tokens if r.prompt_tokens is not None else r.prompt_len for r in told)
+    cached = sum(r.cached_tokens or 0 for r in told)
     return {
         "num_requests": n,
         "completed": len(ok),
@@ -253,6 +261,8 @@ def summarize(records: Sequence[RequestRecord], duration_s: float | None = None,
             "output_throughput": _rate(sum(r.output_tokens for r in good), dur),
         },
         "errors": dict(errors.most_common(10)),
+        "cached_prompt_tokens": cached if told else None,
+        "cached_prompt_share": cached / told_prompt if told and told_prompt else None,
     }
 
 

@@ -73,6 +73,7 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = None
     echo: bool | None = False
     suffix: str | None = None
+    return_token_ids: bool | None = False  # vLLM's field: each choice lists its tokens' ids (streamed: the new ones)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -194,6 +195,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids (left out of the JSON otherwise)
 
 
 class CompletionResponse(BaseModel):

@@ -55,6 +55,7 @@ MAX_CHARS_PER_TOKEN = 32
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4; vLLM any number): more is a 400 naming the limit
 MIN_LOGPROB = -9999.0
 _SEED_RANGE = (-(2**63), 2**63 - 1 - MAX_N)  # torch generators take 64-bit seeds; n > 1 uses seed + i
+_NO_IDS: dict = {"choices": {"__all__": {"token_ids"}}}  # a completion's JSON without return_token_ids
 
 
 def clean_logprob(x: float) -> float:
@@ -258,7 +259,8 @@ class OpenAIServing:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return EventStreamResponse(self._completion_events(streams, rid, params.n, include_usage,
-                                                               req.logprobs is not None), on_close=streams.aclose)
+                                                               req.logprobs is not None, bool(req.return_token_ids)),
+                                       on_close=streams.aclose)
         try:
             finals = await run_watched(request, self._collect(streams))
         finally:
@@ -268,12 +270,13 @@ class OpenAIServing:
             for c in out.outputs:
                 lp = self.completion_logprobs(c.logprobs or [], 0)[0] if req.logprobs is not None else None
                 choices.append(CompletionChoice(index=pidx * params.n + c.index, text=c.text, logprobs=lp,
-                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                                token_ids=list(c.token_ids) if req.return_token_ids else None))
                 completion_tokens += len(c.token_ids)
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
         usage = UsageInfo.of(prompt_tokens, completion_tokens, cached_tokens(streams.firsts))
         resp = CompletionResponse(id=rid, model=self.model_name, choices=choices, usage=usage)
-        return JSONResponse(resp.model_dump())
+        return JSONResponse(resp.model_dump(exclude=None if req.return_token_ids else _NO_IDS))
 
     async def _collect(self, streams: EngineStreams) -> list[Any]:
         finals: list[Any] = list(streams.firsts)
@@ -282,7 +285,7 @@ class OpenAIServing:
         return finals
 
     async def _completion_events(self, streams: EngineStreams, rid: str, n: int, include_usage: bool,
-                                 want_logprobs: bool) -> AsyncIterator[str]:
+                                 want_logprobs: bool, want_ids: bool = False) -> AsyncIterator[str]:
         created = int(time.time())
         done: set[int] = set()
         offsets: dict[int, int] = {}
@@ -300,9 +303,10 @@ class OpenAIServing:
                     if c.finish_reason is not None:
                         done.add(idx)
                     choice = CompletionChoice(index=idx, text=c.delta_text, logprobs=lp,
-                                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                                              finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                              token_ids=list(c.delta_token_ids) if want_ids else None)
                     chunk = CompletionResponse(id=rid, created=created, model=self.model_name, choices=[choice])
-                    yield sse(chunk.model_dump_json(exclude={"usage"}))
+                    yield sse(chunk.model_dump_json(exclude={"usage": True, **({} if want_ids else _NO_IDS)}))
             if include_usage:
                 pt = sum(len(o.prompt_token_ids) for o in streams.firsts)
                 ct = sum(ntoks.values())

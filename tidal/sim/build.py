@@ -58,9 +58,9 @@ class ClusterSpec:
     kv_cache_memory: int | None = None  # explicit KV budget per instance (bytes)
     num_blocks: int | None = None  # explicit pool size (overrides the memory budget)
     swap_space: int = 0  # host bytes per instance for swapped-out KV (preemption_mode swap)
-    # prefix caching as the engine's: requests share blocks where a trace's hash ids say their contents are
-    # equal; any request re-hits its own blocks after a recompute preemption (prompts without hash ids have
-    # no tokens here, so they share nothing else). Off by default here: the papers' experiments model
+    # prefix caching as the engine's: requests share blocks where a trace's hash ids or a conversation's
+    # content spans say their contents are equal (a turn's answer blocks too); any request re-hits its own
+    # blocks after a recompute preemption (other prompts have no tokens here, so they share nothing else). Off by default here: the papers' experiments model
     # engines without it (vLLM v0's default); `tidal sim` follows the engine's default (on)
     enable_prefix_caching: bool = False
     kv_offloading_size: int = 0  # host bytes per instance for cached blocks the pool evicts (a second tier)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tidal.config import SchedulerConfig
-from tidal.core.block_hash import trace_block_names
+from tidal.core.block_hash import span_block_names, trace_block_names
 from tidal.core.kv_manager import KVCacheManager
 from tidal.core.plan import RequestUpdate, StepPlan, StepResult
 from tidal.core.request import Request
@@ -30,16 +30,28 @@ from tidal.workload import MOONCAKE_BLOCK_TOKENS, RequestSpec
 SIM_TOKEN = 0  # the token every simulated sample produces (requests ignore EOS)
 
 
+def spec_block_names(spec: RequestSpec, block_size: int, unique: bytes) -> list[bytes]:
+    """The names a simulated request's full blocks get (:mod:`tidal.core.block_hash`): a
+    conversation turn's from its content spans, prompt and answer (so its decode-filled blocks
+    carry the names the next turn's prompt has there); a trace row's prompt from its hash ids;
+    by ``unique`` elsewhere, so that the simulator's zeros share nothing."""
+    if spec.prompt_segments is not None:
+        spans = [(g.content, g.length) for g in (*spec.prompt_segments, *(spec.answer_segments or ()))]
+        return span_block_names(spans, spec.prompt_len + spec.output_len, block_size, unique)
+    return trace_block_names(spec.hash_ids or (), MOONCAKE_BLOCK_TOKENS, spec.prompt_len, block_size, unique)
+
+
 def sim_names(rid: str, spec: RequestSpec, block_size: int) -> list[bytes]:
-    """A simulated prompt's block names: from the trace's hash ids (equal where the engine, given each
-    id's tokens, would hit) and by the request's own id elsewhere, so that its zeros share nothing."""
-    return trace_block_names(spec.hash_ids or (), MOONCAKE_BLOCK_TOKENS, spec.prompt_len, block_size, rid.encode())
+    """A simulated request's block names (:func:`spec_block_names`, keyed by its id where it has no content)."""
+    return spec_block_names(spec, block_size, rid.encode())
 
 
 def sim_request(rid: str, spec: RequestSpec, now: float, block_size: int, caching: bool,
                 names: list[bytes] | None = None) -> Request:
     """A simulated request: no tokens of its own (zeros), greedy to its exact output length; with
-    prefix caching, its prompt's blocks named (:func:`sim_names`, or ``names`` when already made)."""
+    prefix caching, its blocks named ahead (:func:`sim_names`, or ``names`` when already made): the
+    scheduler's ``extend_hashes`` names only blocks past those, so a hit, and a decode-filled block,
+    has the name of its content."""
     params = SamplingParams(temperature=0.0, max_tokens=spec.output_len, ignore_eos=True)
     req = Request(rid, [0] * spec.prompt_len, params, arrival_time=now)
     if caching:

@@ -219,7 +219,7 @@ def simulate(spec: ClusterSpec, specs: list[W.RequestSpec], slo: M.SLO, desc: st
         "requests": [_record(r, res.routed[i], by_request.get(i), splits.get(i)) for i, r in enumerate(res.records)],
     })
     if any(i.get("prefix_queries") for i in res.instances):
-        summary["prefix_cache"] = prefix_cache_summary(spec, specs, res.instances, res.routed)
+        summary["prefix_cache"] = prefix_cache_summary(spec, specs, res.instances, res.routed, res.records)
     if res.mode == "split":
         summary["splits"] = summarize_splits(res.splits)
         summary["split_load"] = res.split_load
@@ -232,24 +232,33 @@ def simulate(spec: ClusterSpec, specs: list[W.RequestSpec], slo: M.SLO, desc: st
 
 
 def prefix_cache_summary(spec: ClusterSpec, specs: list[W.RequestSpec], instances: list[dict[str, Any]],
-                         routed: list[int]) -> dict[str, Any]:
+                         routed: list[int], records: list[M.RequestRecord] | None = None) -> dict[str, Any]:
     """The run's hits (pool and host tier apart) beside what the traffic allows: an unbounded cache;
     an LRU of each instance's capacity on the requests routed to it, in their order (what its cache
     could hit, as routed); and one LRU of the cluster's combined capacity (what routing could reach
-    without a shared store). Capacities: the pool, and the pool plus the host tier where there is one."""
-    from tidal.core.block_hash import trace_block_names
+    without a shared store). Capacities: the pool, and the pool plus the host tier where there is one.
+
+    The requests go in the order they arrived (``records``' send times: a conversation's later
+    turns arrive when the run says; dropped turns never did), each named as the simulator names it
+    (:func:`tidal.sim.instance.spec_block_names`): a conversation turn's answer blocks too, those
+    its run computes (:func:`_computed_names`), which enter a bound's cache with the turn (the next
+    turn, the only one to hold them, comes later)."""
     from tidal.metrics.prefix import cache_summary, prefix_bounds
 
     out = cache_summary(instances)
     bs = spec.block_size
-    names = [(trace_block_names(s.hash_ids or (), W.MOONCAKE_BLOCK_TOKENS, s.prompt_len, bs, str(k).encode()),
-              s.prompt_len) for k, s in enumerate(specs)]
+    order: list[int] = list(range(len(specs)))
+    if records is not None:
+        order = sorted((k for k in order if records[k].error != "dropped"),
+                       key=lambda k: (specs[k].arrival_s if records[k].send_s is None else records[k].send_s, k))
+    named = {k: (_computed_names(specs[k], bs, str(k).encode()), specs[k].prompt_len) for k in order}
+    names = [named[k] for k in order]
     tiers = {"pool": [i["num_blocks"] for i in instances]}
     if spec.kv_offloading_size:
         tiers["pool_and_host"] = [i["num_blocks"] + i.get("num_host_blocks", 0) for i in instances]
     out["unbounded_hit_rate"] = prefix_bounds(names, bs)["unbounded_hit_rate"]
     total = sum(n for _, n in names)
-    per_instance = [[names[j] for j, r in enumerate(routed) if r == k] for k in range(len(instances))]
+    per_instance = [[named[j] for j in order if routed[j] == k] for k in range(len(instances))]
     out["unbounded_hit_rate_as_routed"] = sum(
         prefix_bounds(mine, bs)["unbounded_hit_rate"] * sum(n for _, n in mine) for mine in per_instance) / total \
         if total else 0.0
@@ -262,6 +271,15 @@ def prefix_cache_summary(spec: ClusterSpec, specs: list[W.RequestSpec], instance
         out[f"lru_hit_rate_{tier}_as_routed"] = as_routed / total if total else 0.0
         out[f"{tier}_blocks"] = sum(caps)
     return out
+
+
+def _computed_names(s: W.RequestSpec, block_size: int, unique: bytes) -> list[bytes]:
+    """The names of the blocks a request's run leaves named: its prompt's, and a conversation
+    turn's answer but for its last token (sampled, never fed back: its KV is never computed)."""
+    from tidal.sim.instance import spec_block_names
+
+    names = spec_block_names(s, block_size, unique)
+    return names[:(s.prompt_len + s.output_len - 1) // block_size] if s.answer_segments else names
 
 
 def _record(r: M.RequestRecord, instance: int, handoff: Handoff | None = None,

@@ -22,10 +22,19 @@ Per request the simulator fills a :class:`tidal.metrics.RequestRecord` exactly a
 load client does for a real server (TTFT, per-token gaps, E2E), so the same ``summarize``
 gives the same metrics. A request that cannot fit the model's context (prompt + max_tokens) or
 an instance's KV pool is refused and counted as failed. Pure: no clock, no threads, no torch.
+
+Conversations (:mod:`tidal.workload.conversation`) run as a closed loop, as the load client runs
+them: a turn arrives ``think_s`` after its previous turn finished (its record's ``arrival_s`` is
+then that time). When a turn fails (refused, aborted, never admitted) the rest of its conversation
+is dropped: never sent, counted as failed with the error ``dropped`` (a user has no answer to go on
+from). The fast path runs an instance ahead only until the next arrival it can know of: the next
+one scheduled, or the soonest a turn still waiting on its predecessor could come (now plus the
+shortest think time among them).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from math import inf
@@ -58,6 +67,7 @@ from tidal.sim.loop import Event, EventLoop
 from tidal.sim.pd import Handoff, HandoffConfig
 from tidal.sim.pressure import PressureHandler
 from tidal.workload import RequestSpec
+from tidal.workload.conversation import successors
 
 
 @dataclass
@@ -179,9 +189,13 @@ class ClusterSimulator:
         self._last_token: dict[int, float] = {}
         self.routed = [-1] * len(self.specs)
         self.loop = EventLoop()
-        # arrivals fire in time order: the next one's time bounds the fast path (see _begin)
-        self._arrival_times = sorted(s.arrival_s for s in self.specs)
-        self._arrived = 0
+        # arrivals fire in time order: the next one's time bounds the fast path (see _begin); a
+        # conversation's later turn is scheduled when its predecessor ends (``_turn_ended``)
+        self._next_turn = successors(self.specs)
+        self._arrival_times = sorted(s.arrival_s for s in self.specs if s.after is None)  # a heap
+        self._turns_waiting = set(self._next_turn.values())  # turns waiting on their predecessor
+        self._thinks = sorted((self.specs[j].think_s, j) for j in self._turns_waiting)  # a heap, cleared lazily
+        self._live: dict[int, Request] = {}  # request index -> its request, until its first token
         self._dead: set[int] = set()  # instances that failed (``fail``): they never step again
         self.num_failovers = 0
         self.fast_forward = fast_forward and self.layout.mode == "colocate" and pressure is None
@@ -194,9 +208,7 @@ class ClusterSimulator:
 
     # ---------------------------------------------------------------- events
     def _arrive(self, i: int, now: float) -> Event | None:
-        self._arrived += 1
-        spec, rec = self.specs[i], self.records[i]
-        rec.send_s = now
+        spec, rec = self._arrived(i, now)
         try:  # before dispatch: a request too long for the context reaches no instance
             check_context(spec.prompt_len, spec.output_len, self.max_model_len)
         except RequestRejected as e:
@@ -206,7 +218,9 @@ class ClusterSimulator:
             self._sync_cache_views()
         if self.instances[0].kv.enable_caching:
             names = sim_names(self.ids[i], spec, self.instances[0].kv.block_size)
-        route_names = tuple(names) if names is not None and self.dispatcher.router.uses_cache else ()
+        route_names = ()  # the prompt's blocks (a conversation turn's names run on into its answer)
+        if names is not None and self.dispatcher.router.uses_cache:
+            route_names = tuple(names[:(spec.prompt_len - 1) // self.instances[0].kv.block_size])
         k = self.dispatcher.dispatch(RouteRequest(self.ids[i], spec.prompt_len, spec.output_len, route_names), now)
         if k is None:
             return self._refuse(rec, now, "unavailable: no instance is alive")
@@ -218,6 +232,7 @@ class ClusterSimulator:
             self.monitor.on_finish(k, self.ids[i])
             return self._refuse(rec, now, f"rejected: {e}")
         self.routed[i] = k
+        self._live[i] = req
         return self._wake(inst, now)
 
     def _sync_cache_views(self) -> None:
@@ -228,15 +243,50 @@ class ClusterSimulator:
             if not delta.empty:
                 rec.cache.apply(delta)
 
+    def _arrived(self, i: int, now: float) -> tuple[RequestSpec, RequestRecord]:
+        """Request ``i`` arrives at ``now``: its spec and record (sent now)."""
+        heapq.heappop(self._arrival_times)  # the earliest: this one's time
+        rec = self.records[i]
+        rec.send_s = now
+        return self.specs[i], rec
+
+    def _run_ahead_bound(self, now: float) -> float:
+        """The earliest time a request can arrive after ``now`` (see the module docstring)."""
+        bound = self._arrival_times[0] if self._arrival_times else inf
+        thinks, waiting = self._thinks, self._turns_waiting
+        while thinks and thinks[0][1] not in waiting:
+            heapq.heappop(thinks)
+        return min(bound, now + thinks[0][0]) if thinks else bound
+
+    def _turn_ended(self, i: int, now: float, ok: bool) -> None:
+        """Request ``i`` ended at ``now``: its conversation's next turn arrives ``think_s`` later,
+        or (it failed) the rest of the conversation is dropped."""
+        j = self._next_turn.get(i)
+        if j is None:
+            return
+        if ok:
+            self._turns_waiting.discard(j)
+            t = now + self.specs[j].think_s
+            self.records[j].arrival_s = t
+            heapq.heappush(self._arrival_times, t)
+            self.loop.push(_Arrival(t, self, j))
+            return
+        while j is not None:
+            self._turns_waiting.discard(j)
+            rec = self.records[j]
+            rec.success, rec.error = False, "dropped"
+            j = self._next_turn.get(j)
+
     def _wake(self, inst: SimInstance, now: float) -> Event | None:
         if inst.busy or inst.wake_pending:
             return None
         inst.wake_pending = True
         return _Wake(now, self, inst)
 
-    @staticmethod
-    def _refuse(rec: RequestRecord, now: float, error: str) -> None:
+    def _refuse(self, rec: RequestRecord, now: float, error: str) -> None:
         rec.end_s, rec.success, rec.status, rec.error = now, False, 400, error.split(":")[0]
+        self._live.pop(rec.index, None)
+        self._turn_ended(rec.index, now, False)
         return None
 
     def _begin(self, inst: SimInstance, now: float) -> Event | None:
@@ -250,7 +300,7 @@ class ClusterSimulator:
             # its own times. Until that arrival nothing reads this instance (colocated, no KV pressure:
             # another instance's events touch only that instance, the monitor and its own records), so
             # every record, block and timeline sample is what running them one event each would give.
-            before = self._arrival_times[self._arrived] if self._arrived < len(self._arrival_times) else inf
+            before = self._run_ahead_bound(now)
             start, now = now, inst.run_decodes(now, before, lambda updates, t: self._apply(inst, updates, t),
                                                self._apply_run)
             ran_ahead = now != start
@@ -440,6 +490,9 @@ class ClusterSimulator:
                 if rec.ttft_s is None:
                     rec.ttft_s = now - rec.send_s
                     rec.itl_s.extend([0.0] * (n - 1))
+                    req = self._live.pop(i, None)
+                    if req is not None:  # what its first admission found in the prefix cache
+                        rec.cached_tokens = req.num_cached_tokens
                 elif n == 1:  # a decode step: the common case
                     rec.itl_s.append(now - last[i])
                 else:
@@ -458,6 +511,9 @@ class ClusterSimulator:
                 rec.status = 200
                 if not rec.success:
                     rec.error = upd.finish_reason or "aborted"
+                    self._live.pop(i, None)
+                if self._next_turn:
+                    self._turn_ended(i, now, rec.success)
 
     def _apply_run(self, request_ids: list[str], ends: list[float]) -> None:
         """What ``_apply`` records for a run of decode steps that finished nobody, ending at ``ends``:
@@ -477,7 +533,8 @@ class ClusterSimulator:
     # ---------------------------------------------------------------- run
     def run(self, until: float | None = None, progress: Callable[[float], None] | None = None) -> SimResult:
         for i, spec in enumerate(self.specs):
-            self.loop.push(_Arrival(spec.arrival_s, self, i))
+            if spec.after is None:  # later turns arrive when their predecessor ends (_turn_ended)
+                self.loop.push(_Arrival(spec.arrival_s, self, i))
         self._fast = self.fast_forward and until is None  # a run cut at ``until`` must not run ahead of it
         self.loop.run(until=until, progress=progress)
         if self.pressure is not None:

@@ -124,8 +124,7 @@ class SplitSimulator(ClusterSimulator):
 
     # ---------------------------------------------------------------- arrival: Alg. 1
     def _arrive(self, i: int, now: float) -> Event | None:
-        spec, rec = self.specs[i], self.records[i]
-        rec.send_s = now
+        spec, rec = self._arrived(i, now)
         rid = self.ids[i]
         try:  # the engine's and the simulator's one check (tidal.core.validation)
             check_context(spec.prompt_len, spec.output_len, self.max_model_len)
@@ -158,6 +157,7 @@ class SplitSimulator(ClusterSimulator):
             return self._refuse(rec, now, f"rejected: {e}")
         self.monitor.on_dispatch(first, rid, now)
         self.routed[i] = first
+        self._live[i] = req
         self.transfers[i] = self._transfer(i, dec, now)
         a_samples = dec.alpha.decode_tokens if dec.handoff and dec.alpha is not None else 0
         self._parts[rid] = (dec.alpha, dec.beta, a_samples)

@@ -26,7 +26,9 @@ Workload names (``--workload``):
 * ``sharegpt-lengths`` / ``arxiv-lengths``: rows of the length sets, sampled with the seed
   (without replacement while there are enough rows);
 * ``trace``: the rows of a timed trace file (:func:`load_trace`: Azure CSV or Mooncake JSONL), in
-  time order, with their own arrival times.
+  time order, with their own arrival times;
+* ``conversation[:KEY=VALUE,...]``: multi-turn conversations whose turns resend the history, each
+  turn sent a think time after the previous one ended (:mod:`tidal.workload.conversation`).
 
 Arrivals of the untimed workloads: a Gamma process of rate ``R`` and burstiness ``B`` (gaps are
 Gamma with shape ``B`` and scale ``1 / (R * B)``, mean ``1/R``, coefficient of variation
@@ -49,6 +51,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from tidal.workload.spec import RequestSpec, Segment  # noqa: F401  (re-exported)
 from tidal.workload.traces import (  # noqa: F401  (re-exported)
     TraceRow,
     WorkloadError,
@@ -76,22 +79,6 @@ class TokenizerLike(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
-
-
-@dataclass
-class RequestSpec:
-    """One request of a workload. ``arrival_s`` counts from the start of the run."""
-
-    arrival_s: float
-    prompt_len: int
-    output_len: int
-    prompt_text: str | None = None
-    prompt_token_ids: list[int] | None = None
-    #: Mooncake prefix-block hashes (requests sharing a hash share that 512-token block)
-    hash_ids: list[int] | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"arrival_s": self.arrival_s, "prompt_len": self.prompt_len, "output_len": self.output_len}
 
 
 # ============================================================================ length shapes
@@ -125,7 +112,7 @@ SHAPES: dict[str, Shape] = {
 }
 LENGTH_SETS = ("sharegpt-lengths", "arxiv-lengths")
 WORKLOAD_NAMES = (*SHAPES, "alpaca-real", *LENGTH_SETS, "trace", "fixed:IN:OUT", "uniform:A-B:C-D",
-                  "mix:NAME=W,NAME=W")
+                  "mix:NAME=W,NAME=W", "conversation[:KEY=VALUE,...]")
 
 
 def lognormal_lengths(rng: np.random.Generator, n: int, mean: float, sigma: float) -> np.ndarray:
@@ -307,7 +294,12 @@ def default_dataset_path(workload: str, traces_dir: str | None) -> str:
 
 
 def specs_at_rate(base: Sequence[RequestSpec], rate: float, duration_s: float | None) -> list[RequestSpec]:
-    """The same requests with arrivals rescaled to average ``rate`` (cut at ``duration_s``)."""
+    """The same requests with arrivals rescaled to average ``rate`` (cut at ``duration_s``);
+    conversations: their starts (:func:`tidal.workload.conversation.conversations_at_rate`)."""
+    if any(s.after is not None for s in base):
+        from tidal.workload.conversation import conversations_at_rate
+
+        return conversations_at_rate(base, rate, duration_s)
     arr = rescale_to_rate([s.arrival_s for s in base], rate)
     out = [replace(s, arrival_s=float(t)) for s, t in zip(base, arr, strict=True)]
     if duration_s is not None:
@@ -332,6 +324,15 @@ def make_requests(opts: WorkloadOptions, tokenizer: TokenizerLike | None = None)
         if not opts.trace:
             raise WorkloadError("--workload trace needs --trace PATH")
         specs = _trace_requests(opts)
+    elif name == "conversation" or name.startswith("conversation:"):
+        from tidal.workload import conversation as C
+
+        if opts.time_scale is not None:
+            raise WorkloadError("--time-scale applies to --trace replay only")
+        return C.conversation_requests(C.parse_conversation(name), rng, num_requests=n, duration_s=dur,
+                                       rate=math.inf if opts.rate is None else opts.rate,
+                                       burstiness=1.0 if opts.burstiness is None else opts.burstiness,
+                                       max_input_len=opts.max_input_len, max_output_len=opts.max_output_len)
     else:
         if opts.time_scale is not None:
             raise WorkloadError("--time-scale applies to --trace replay only")
@@ -420,6 +421,9 @@ def length_stats(specs: Sequence[RequestSpec]) -> dict[str, Any]:
         "span_s": float(max(arr) - min(arr)) if arr else 0.0,
         "mean_rate": r,
         "gap_cv": cv_of_gaps(arr) if len(arr) > 2 else None,
+        **({"conversations": len({s.conversation for s in specs}),  # and their starts' rate (the arrivals
+            "start_rate": mean_rate([s.arrival_s for s in specs if s.after is None])}  # of later turns: earliest)
+           if specs and specs[0].conversation is not None else {}),
     }
 
 
@@ -501,9 +505,18 @@ class PromptMaker:
         decode random word tokens, re-encode, then trim or pad and repeat until the count matches."""
         if self.tok is None:
             return self.approx_text(length)
-        target = max(1, length - self.special_overhead())
+        return self._text_of(max(1, length - self.special_overhead()), self.rng, max_iters)
+
+    def plain_text(self, length: int, rng: np.random.Generator | None = None) -> str:
+        """Text of ``length`` tokens without the tokenizer's special tokens (a message inside a
+        longer prompt), drawn from ``rng``; approximate without a tokenizer."""
+        rng = rng or self.rng
+        return self.approx_text(length, rng) if self.tok is None else self._text_of(max(1, length), rng)
+
+    def _text_of(self, target: int, rng: np.random.Generator, max_iters: int = 12) -> str:
+        assert self.tok is not None
         words = self._word_pool()
-        text = self.tok.decode(self.rng.choice(words, size=target).tolist()).lstrip()
+        text = self.tok.decode(rng.choice(words, size=target).tolist()).lstrip()
         for _ in range(max_iters):
             ids = self.tok.encode(text, add_special_tokens=False)
             if len(ids) == target:
@@ -511,12 +524,12 @@ class PromptMaker:
             if len(ids) > target:
                 text = self.tok.decode(ids[:target])
             else:
-                text += self.tok.decode(self.rng.choice(words, size=target - len(ids)).tolist())
+                text += self.tok.decode(rng.choice(words, size=target - len(ids)).tolist())
         return text
 
-    def approx_text(self, length: int) -> str:
+    def approx_text(self, length: int, rng: np.random.Generator | None = None) -> str:
         """Without a tokenizer: common English words, about one token each."""
-        idx = self.rng.integers(0, len(_FALLBACK_WORDS), size=max(1, length))
+        idx = (rng or self.rng).integers(0, len(_FALLBACK_WORDS), size=max(1, length))
         return " ".join(_FALLBACK_WORDS[i] for i in idx)
 
     def count(self, text: str) -> int:
@@ -540,6 +553,10 @@ def materialize(specs: Sequence[RequestSpec], tokenizer: TokenizerLike | None, p
     if prompt_format not in ("ids", "text"):
         raise WorkloadError(f"unknown prompt format {prompt_format!r} (ids or text)")
     maker = PromptMaker(tokenizer, seed, special_ids)
+    if any(s.prompt_segments is not None for s in specs):
+        from tidal.workload.conversation import materialize_conversations
+
+        return materialize_conversations(specs, maker, prompt_format, seed)
     out = []
     for s in specs:
         if s.prompt_text is not None:
@@ -562,5 +579,5 @@ __all__ = [
     "gamma_arrivals", "length_stats", "load_alpaca", "load_length_set", "load_trace", "lognormal_lengths",
     "make_requests", "materialize", "mean_rate", "parse_azure_timestamp", "rescale_to_rate", "speed_up",
     "synthetic_lengths", "WORKLOAD_NAMES", "MOONCAKE_BLOCK_TOKENS", "MAX_SHAPE_LEN", "default_dataset_path",
-    "default_traces_dir", "specs_at_rate",
+    "default_traces_dir", "specs_at_rate", "Segment",
 ]
