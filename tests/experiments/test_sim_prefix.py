@@ -28,11 +28,11 @@ def test_sim_prefix_runs_every_setup_and_writes_the_page(tmp_path, capsys):
     trace = tmp_path / "trace.jsonl"
     small_trace(trace)
     out, page = tmp_path / "out", tmp_path / "cache.md"
-    code = main(["bench", "sim-prefix", "--trace", str(trace), "--instances", "4", "--host-tiers", "1",
+    code = main(["bench", "sim-prefix", "--trace", str(trace), "--workloads", "trace", "--instances", "4", "--host-tiers", "1",
                  "--routing-tier", "1", "--rates", "2", "--jobs", "1", "--output", str(out), "--page", str(page),
                  "--no-progress"])
     assert code == 0, capsys.readouterr().err
-    res = json.loads((out / "sim_prefix.json").read_text())
+    res = json.loads((out / "sim_prefix.json").read_text())["workloads"][0]
     off, pool, host = res["caching"]
     assert off["at_trace_rate"]["prefix_cache"] is None  # caching off: no queries
     p, h = pool["at_trace_rate"]["prefix_cache"], host["at_trace_rate"]["prefix_cache"]
@@ -43,4 +43,5 @@ def test_sim_prefix_runs_every_setup_and_writes_the_page(tmp_path, capsys):
     hit = {name: d["sweep"][0]["prefix_cache"]["hit_rate"] for name, d in routers.items()}
     assert hit["cache-aware"] > hit["least-outstanding"]
     text = page.read_text()
-    assert "| cache-aware | 2 |" in text and "prefix_routing.png" in text and (out / "prefix_routing.png").exists()
+    assert "| cache-aware | 2 |" in text and "What the routing comparison shows" in text
+    assert "prefix_routing_trace.png" in text and (out / "prefix_routing_trace.png").exists()

@@ -26,25 +26,71 @@ def _cap(c: dict[str, Any] | None) -> str:
 
 
 def summary_lines(res: dict[str, Any]) -> list[str]:
-    lines = [f"{res['num_requests']} requests of {res['trace']} (trace rate {res['trace_rate']:.2f} req/s), "
-             f"{res['model']} on {res['instances']} x {res['hardware']}; SLO {res['slo']} for {res['target']:.0%}"]
-    for row in res.get("caching", []):
-        r, pc = row["at_trace_rate"], row["at_trace_rate"].get("prefix_cache") or {}
-        lines.append(f"  caching {row['setup']:<28} hit {_pct(pc.get('hit_rate'))} (bounds: as routed LRU "
-                     f"{_pct(pc.get('lru_hit_rate_pool_and_host_as_routed', pc.get('lru_hit_rate_pool_as_routed')))}, "
-                     f"unbounded as routed {_pct(pc.get('unbounded_hit_rate_as_routed'))}); TTFT p50/p99 "
-                     f"{_ms(r['ttft_ms'], 'p50')} / {_ms(r['ttft_ms'], 'p99')} ms; capacity {_cap(row['capacity'])}")
-    routing = res.get("routing")
-    if routing:
-        for name, d in routing["routers"].items():
-            lines.append(f"  routing {name:<20} capacity {_cap(d['capacity'])}; at each rate "
-                         + ", ".join(f"{rate:g}: hit {_pct((s.get('prefix_cache') or {}).get('hit_rate'))} "
-                                     f"p99 TTFT {_ms(s['ttft_ms'], 'p99')} ms"
-                                     for rate, s in zip(routing["rates"], d["sweep"], strict=True)))
+    lines = [f"{res['model']} on {res['instances']} x {res['hardware']}; SLO {res['slo']} for {res['target']:.0%}"]
+    for w in res["workloads"]:
+        lines.append(f"{w['workload']}: {w['num_requests']} requests at {w['trace_rate']:.2f}/s")
+        for row in w.get("caching", []):
+            r, pc = row["at_trace_rate"], row["at_trace_rate"].get("prefix_cache") or {}
+            lines.append(f"  caching {row['setup']:<28} hit {_pct(pc.get('hit_rate'))} (unbounded as routed "
+                         f"{_pct(pc.get('unbounded_hit_rate_as_routed'))}); TTFT p50/p99 "
+                         f"{_ms(r['ttft_ms'], 'p50')} / {_ms(r['ttft_ms'], 'p99')} ms; capacity {_cap(row['capacity'])}")
+        routing = w.get("routing")
+        if routing:
+            for name, d in routing["routers"].items():
+                lines.append(f"  routing {name:<20} capacity {_cap(d['capacity'])}; "
+                             + ", ".join(f"{rate:g}/s: hit {_pct((s.get('prefix_cache') or {}).get('hit_rate'))} "
+                                         f"p99 TTFT {_ms(s['ttft_ms'], 'p99')} ms"
+                                         for rate, s in zip(routing["rates"], d["sweep"], strict=True)))
     return lines
 
 
+def routing_checks(res: dict[str, Any], base: str = "least-outstanding", mine: str = "cache-aware") -> list[str]:
+    """The comparisons issue 52 asks for, read off the sweep: cache-aware's hit rate against one LRU of the
+    cluster's combined capacity, P99 TTFT at the rate where least-outstanding first misses the SLO, capacity."""
+    routing = res.get("routing")
+    if not routing or base not in routing["routers"] or mine not in routing["routers"]:
+        return []
+    rates, b, m = routing["rates"], routing["routers"][base], routing["routers"][mine]
+    target = res.get("target", 0.9)
+    out = []
+    fr = []
+    for rate, s in zip(rates, m["sweep"], strict=True):
+        pc = s.get("prefix_cache") or {}
+        comb = pc.get("lru_hit_rate_pool_and_host_combined", pc.get("lru_hit_rate_pool_combined"))
+        if comb:
+            fr.append(f"{rate:g}/s {pc['hit_rate'] / comb:.2f}")
+    if fr:
+        out.append(f"{mine}'s hit rate over one LRU of the cluster's combined capacity, by rate: {', '.join(fr)}")
+    miss = next((k for k, s in enumerate(b["sweep"]) if (s.get("slo_attainment") or 0) < target), None)
+    if miss is None:
+        out.append(f"{base} meets the SLO at every rate of the sweep")
+    else:
+        pb, pm = (b["sweep"][miss]["ttft_ms"] or {}).get("p99"), (m["sweep"][miss]["ttft_ms"] or {}).get("p99")
+        lost = sum(s.get("failed") or 0 for s in (b["sweep"][miss], m["sweep"][miss]))
+        if pb and pm:
+            out.append(f"at {rates[miss]:g}/s, where {base} first misses the SLO ({_pct(b['sweep'][miss]['slo_attainment'])}"
+                       f" attainment): P99 TTFT {pm:,.0f} ms against {pb:,.0f} ms ({pm / pb:.2f}x); "
+                       f"{lost} requests failed in the two runs")
+    cb, cm = (b["capacity"] or {}).get("capacity_rps"), (m["capacity"] or {}).get("capacity_rps")
+    if cb and cm:
+        out.append(f"capacity {cm:.2f} against {cb:.2f}/s: {cm / cb:.2f}x")
+    else:
+        out.append(f"capacity: {base} {_cap(b['capacity'])}, {mine} {_cap(m['capacity'])} (req/s)")
+    return out
+
+
+def _slug(label: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in label.split(":")[0].split(".")[0])
+
+
 def write_plots(res: dict[str, Any], out_dir: str) -> list[str]:
+    files: list[str] = []
+    for w in res["workloads"]:
+        files += _plots(w, out_dir, _slug(w["workload"]), res["slo"])
+    return files
+
+
+def _plots(res: dict[str, Any], out_dir: str, slug: str, slo: str) -> list[str]:
     plt = pyplot()
     files = []
     caching = res.get("caching")
@@ -59,7 +105,7 @@ def write_plots(res: dict[str, Any], out_dir: str) -> list[str]:
         ax.set_xticks(list(xs), names, rotation=15)
         ax.set_ylabel("prompt tokens served from cache (%)")
         ax.legend()
-        files.append(save_figure(plt, fig, os.path.join(out_dir, "prefix_caching_hits.png")))
+        files.append(save_figure(plt, fig, os.path.join(out_dir, f"prefix_caching_{slug}.png")))
     routing = res.get("routing")
     if routing:
         fig, axes = plt.subplots(1, 3, figsize=(14, 4))
@@ -71,12 +117,12 @@ def write_plots(res: dict[str, Any], out_dir: str) -> list[str]:
                          marker="o", label=name)
         axes[0].set_ylabel("P99 TTFT (ms)")
         axes[0].set_yscale("log")
-        axes[1].set_ylabel(f"SLO attainment (%), {res['slo']}")
+        axes[1].set_ylabel(f"SLO attainment (%), {slo}")
         axes[2].set_ylabel("prefix-cache hit rate (%)")
         for ax in axes:
             ax.set_xlabel("request rate (req/s)")
             ax.legend()
-        files.append(save_figure(plt, fig, os.path.join(out_dir, "prefix_routing.png")))
+        files.append(save_figure(plt, fig, os.path.join(out_dir, f"prefix_routing_{slug}.png")))
     return [os.path.basename(f) for f in files]
 
 
@@ -84,15 +130,23 @@ def write_page(res: dict[str, Any], path: str, figures: list[str], out_dir: str)
     rel = os.path.relpath(out_dir, os.path.dirname(os.path.abspath(path)) or ".")
     L = ["# Prefix caching and cache-aware routing, measured", "",
          "Generated by `" + res["command"] + "` (do not edit; rerun it). Simulated: "
-         f"{res['model']} on {res['instances']} x {res['hardware']}, {res['num_requests']} requests of "
-         f"`{res['trace']}` (mean prompt {res.get('input_mean', 0):,.0f} tokens, {res['trace_rate']:.2f} req/s in "
-         f"the trace), {res['kv_blocks_per_instance']:,} KV blocks of 16 tokens an instance; the working set "
-         f"(every distinct full block) is {res['working_set_gib_per_instance']:.0f} GiB an instance. SLO: "
-         f"{res['slo']} (ms; tbt: a request's P99 gap) for {res['target']:.0%} of the requests. "
-         f"{res['wall_time_s']:.0f} s of simulation.", ""]
+         f"{res['model']} on {res['instances']} x {res['hardware']}, {res['kv_blocks_per_instance']:,} KV blocks of "
+         f"16 tokens an instance. SLO: {res['slo']} (ms; tbt: a request's P99 gap) for {res['target']:.0%} of the "
+         f"requests. {res['wall_time_s']:.0f} s of simulation.", ""]
+    for w in res["workloads"]:
+        L += _section(w, [f for f in figures if _slug(w["workload"]) in f], rel)
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write("\n".join(L))
+
+
+def _section(res: dict[str, Any], figures: list[str], rel: str) -> list[str]:
+    L = [f"## {res['workload']}", "",
+         f"{res['num_requests']} requests (mean prompt {res.get('input_mean', 0):,.0f} tokens, mean output "
+         f"{res.get('output_mean', 0):,.0f}) at {res['trace_rate']:.2f}/s of their own; the working set (every "
+         f"distinct full block) is {res['working_set_gib_per_instance']:.0f} GiB an instance.", ""]
     caching = res.get("caching")
     if caching:
-        L += ["## Prefix caching (least-outstanding routing)", "",
+        L += ["### Prefix caching (least-outstanding routing)", "",
               "Hit rates are shares of prompt tokens (first admissions). Bounds on the same requests in the same order: "
               "an LRU of each instance's capacity on the requests routed to it (what its cache could hit), an "
               "unbounded cache per instance as routed, and one unbounded cache for the cluster (the reuse the trace "
@@ -109,7 +163,7 @@ def write_page(res: dict[str, Any], path: str, figures: list[str], out_dir: str)
         L.append("")
     routing = res.get("routing")
     if routing:
-        L += ["## Routing (prefix caching on, a host tier of "
+        L += ["### Routing (prefix caching on, a host tier of "
               f"{routing['host_tier_gib']:.0f} GiB an instance)", "",
               "| router | rate (req/s) | hit rate | one LRU of the cluster (pools + host tiers) | TTFT p50 / p99 ms | "
               "ITL p99 ms | attainment | busiest / mean instance work |", "|---|---|---|---|---|---|---|---|"]
@@ -124,11 +178,16 @@ def write_page(res: dict[str, Any], path: str, figures: list[str], out_dir: str)
         L += ["", "| router | capacity (req/s) |", "|---|---|"]
         L += [f"| {name} | {_cap(d['capacity'])} |" for name, d in routing["routers"].items()]
         L.append("")
+    checks = routing_checks(res)
+    if checks:
+        L += ["### What the routing comparison shows", ""]
+        L += [f"- {line}" for line in checks]
+        L.append("")
     band_src = (caching or [{}])[0].get("at_trace_rate") if caching else None
     if routing:
         band_src = routing["routers"][next(iter(routing["routers"]))]["sweep"][0]
     if band_src and band_src.get("by_prompt_length"):
-        L += ["## Where the TTFT bound binds", "",
+        L += ["### Where the TTFT bound binds", "",
               "TTFT by prompt length" + (" (the routing sweep's lowest rate, first router)" if routing else "") +
               ": a prompt's prefill alone on one instance sets a floor that only a cache hit lowers.", "",
               "| prompt tokens | requests | TTFT p50 ms | within the TTFT SLO |", "|---|---|---|---|"]
@@ -139,8 +198,7 @@ def write_page(res: dict[str, Any], path: str, figures: list[str], out_dir: str)
         L.append("")
     for f in figures:
         L += [f"![{f}]({rel}/{f})", ""]
-    with open(path, "w", encoding="utf-8") as fh:
-        fh.write("\n".join(L))
+    return L
 
 
 __all__ = ["summary_lines", "write_page", "write_plots"]

@@ -37,6 +37,7 @@ from tidal.experiments.parallel import run_all
 
 PROG = "tidal bench sim-prefix"
 DEFAULT_TRACE = "mooncake_synthetic.jsonl"
+DEFAULT_CONVERSATION = "conversation:system=1000,turns_mean=5,think=10"
 GIB = 1024**3
 
 
@@ -49,6 +50,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default=None, help=f"a trace with hash_ids (default: the shared {DEFAULT_TRACE})")
+    p.add_argument("--workloads", default=f"trace,{DEFAULT_CONVERSATION}",
+                   help="comma-separated: trace (--trace's), and/or a conversation workload spec "
+                        "(tidal.workload.conversation; its --rate is conversation starts per second)")
+    p.add_argument("--conversation-rate", type=float, default=4.0,
+                   help="the conversation workload's own start rate (conversations/s), its 'trace rate'")
+    p.add_argument("--conversation-requests", type=int, default=3000, help="turns of the conversation workload")
     p.add_argument("--model", default="qwen-2.5-14b")
     p.add_argument("--hardware", default="a100-80g")
     p.add_argument("--instances", type=int, default=8)
@@ -108,7 +115,7 @@ def by_length(requests: list[dict[str, Any]], slo: M.SLO) -> list[dict[str, Any]
 def _capacity(cfg: dict[str, Any], base: list[W.RequestSpec], slo: M.SLO, target: float, low: float, high: float,
               tolerance: float) -> dict[str, Any]:
     """The capacity search of one setup, probe by probe (each probe the same requests, rescaled)."""
-    search = M.CapacitySearch(low, high, target, tolerance=tolerance, max_probes=10)
+    search = M.CapacitySearch(low, high, target, tolerance=tolerance, max_probes=8)
     while (rate := search.next_rate()) is not None:
         r = simulate(cfg, W.specs_at_rate(base, rate, None), slo)
         search.record(rate, r["slo_attainment"] or 0.0, {"ttft_ms": r["ttft_ms"], "hit_rate": _hit(r)})
@@ -123,15 +130,26 @@ def _hit(r: dict[str, Any]) -> float | None:
 # ============================================================================ the experiment
 def working_set_gib(specs: list[W.RequestSpec], cfg: dict[str, Any]) -> float:
     """The KV of every distinct full block of the trace's prompts, per instance (GiB)."""
-    from tidal.core.block_hash import trace_block_names
+    from tidal.sim.instance import spec_block_names
     from tidal.sim.models import get_model
 
     names: set[bytes] = set()
     bs = cfg["block_size"]
     for k, s in enumerate(specs):
-        names.update(trace_block_names(s.hash_ids or (), W.MOONCAKE_BLOCK_TOKENS, s.prompt_len, bs, str(k).encode()))
+        names.update(spec_block_names(s, bs, str(k).encode()))
     per_block = bs * get_model(cfg["model"]).kv_bytes_per_token(cfg["dtype_bytes"])
     return len(names) * per_block / cfg["instances"] / GIB
+
+
+def load_workload(name: str, args: argparse.Namespace, max_len: int) -> tuple[str, list[W.RequestSpec], float]:
+    """(label, requests, their own rate) of one workload of ``--workloads``."""
+    if name == "trace":
+        specs = load_trace(args, max_len)
+        return os.path.basename(args.trace or DEFAULT_TRACE), specs, W.mean_rate([s.arrival_s for s in specs]) or 1.0
+    specs = W.make_requests(W.WorkloadOptions(workload=name, num_requests=args.conversation_requests,
+                                              rate=args.conversation_rate, max_input_len=max_len // 2,
+                                              max_output_len=max_len // 4))
+    return name, specs, args.conversation_rate
 
 
 def load_trace(args: argparse.Namespace, max_len: int) -> list[W.RequestSpec]:
@@ -157,20 +175,27 @@ def run_experiment(args: argparse.Namespace, log) -> dict[str, Any]:
     base_cfg = {"model": args.model, "hardware": args.hardware, "instances": args.instances, "tp": 1,
                 "dtype_bytes": 2, "block_size": 16, "enable_prefix_caching": True}
     _, _, blocks, max_len = resolve(ClusterSpec(**base_cfg))
-    specs = load_trace(args, max_len)
-    trace_rate = W.mean_rate([s.arrival_s for s in specs]) or 1.0
-    ws = working_set_gib(specs, base_cfg)
-    log(f"{len(specs)} requests at {trace_rate:.2f} req/s, {blocks} KV blocks an instance, working set "
-        f"{ws:.0f} GiB an instance")
-    out: dict[str, Any] = {"trace": args.trace or DEFAULT_TRACE, "num_requests": len(specs), "trace_rate": trace_rate,
-                           "model": args.model, "hardware": args.hardware, "instances": args.instances,
-                           "kv_blocks_per_instance": blocks, "working_set_gib_per_instance": ws, "slo": args.slo,
-                           "target": args.target, **W.length_stats(specs)}
-    parts = set(args.parts.split(","))
+    out: dict[str, Any] = {"model": args.model, "hardware": args.hardware, "instances": args.instances,
+                           "kv_blocks_per_instance": blocks, "slo": args.slo, "target": args.target, "workloads": []}
     t0 = time.perf_counter()
+    for name in [w for w in args.workloads.split(",") if w]:
+        label, specs, rate = load_workload(name, args, max_len)
+        log(f"{label}: {len(specs)} requests at {rate:.2f}/s")
+        out["workloads"].append(run_workload(args, log, slo, base_cfg, label, specs, rate, t0))
+    out["wall_time_s"] = time.perf_counter() - t0
+    return out
 
-    def done(what: str):
-        return lambda i, r: log(f"  [{time.perf_counter() - t0:6.0f} s] {what(i)}")
+
+def run_workload(args: argparse.Namespace, log, slo: M.SLO, base_cfg: dict[str, Any], label: str,
+                 specs: list[W.RequestSpec], trace_rate: float, t0: float) -> dict[str, Any]:
+    ws = working_set_gib(specs, base_cfg)
+    log(f"  working set {ws:.0f} GiB an instance")
+    out: dict[str, Any] = {"workload": label, "num_requests": len(specs), "trace_rate": trace_rate,
+                           "working_set_gib_per_instance": ws, **W.length_stats(specs)}
+    parts = set(args.parts.split(","))
+
+    def done(what):
+        return lambda i, r: log(f"  [{time.perf_counter() - t0:6.0f} s] {label}: {what(i)}")
 
     if "caching" in parts:
         setups = [("off", {"enable_prefix_caching": False}), ("pool", {})]
@@ -178,8 +203,8 @@ def run_experiment(args: argparse.Namespace, log) -> dict[str, Any]:
                     {"kv_offloading_size": tier_bytes(t, ws)}) for t in args.host_tiers.split(",") if t]
         cfgs = [{**base_cfg, "router": "least-outstanding", **extra} for _, extra in setups]
         at_trace = run_all(simulate, [(c, specs, slo) for c in cfgs], args.jobs,
-                           done(lambda i: f"caching {setups[i][0]}: at the trace's rate"))
-        caps = run_all(_capacity, [(c, specs, slo, args.target, trace_rate / 32, trace_rate, args.search_tolerance)
+                           done(lambda i: f"caching {setups[i][0]}: at its own rate"))
+        caps = run_all(_capacity, [(c, specs, slo, args.target, trace_rate / 32, trace_rate * 2, args.search_tolerance)
                                    for c in cfgs], args.jobs, done(lambda i: f"caching {setups[i][0]}: capacity"))
         out["caching"] = [{"setup": name, "config": {k: v for k, v in c.items() if k in ("kv_offloading_size",
                                                                                           "enable_prefix_caching")},
@@ -189,17 +214,16 @@ def run_experiment(args: argparse.Namespace, log) -> dict[str, Any]:
         routers = [r for r in args.routers.split(",") if r]
         tier = tier_bytes(args.routing_tier, ws)
         rates = ([float(x) for x in args.rates.split(",")] if args.rates
-                 else [round(trace_rate * f, 3) for f in (1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2)])
+                 else [round(trace_rate * f, 3) for f in (1 / 8, 1 / 4, 1 / 2, 3 / 4, 1, 3 / 2)])
         cfgs = [{**base_cfg, "router": r, "kv_offloading_size": tier} for r in routers]
         calls = [(c, W.specs_at_rate(specs, rate, None), slo) for c in cfgs for rate in rates]
         sweep = run_all(simulate, calls, args.jobs,
-                        done(lambda i: f"routing {routers[i // len(rates)]} at {rates[i % len(rates)]} req/s"))
-        caps = run_all(_capacity, [(c, specs, slo, args.target, trace_rate / 32, trace_rate, args.search_tolerance)
+                        done(lambda i: f"routing {routers[i // len(rates)]} at {rates[i % len(rates)]}/s"))
+        caps = run_all(_capacity, [(c, specs, slo, args.target, trace_rate / 32, trace_rate * 2, args.search_tolerance)
                                    for c in cfgs], args.jobs, done(lambda i: f"routing {routers[i]}: capacity"))
         out["routing"] = {"host_tier_gib": tier / GIB, "rates": rates,
                           "routers": {r: {"sweep": sweep[k * len(rates):(k + 1) * len(rates)], "capacity": caps[k]}
                                       for k, r in enumerate(routers)}}
-    out["wall_time_s"] = time.perf_counter() - t0
     return out
 
 
