@@ -338,6 +338,26 @@ def test_paged_attention_equals_the_gathered_sdpa(heads, kv_heads, d, positions,
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("positions", [[0, 3, 17], [700], [130, 5, 300]])
+def test_paged_attention_reads_a_bfloat16_cache_exactly(positions, threads):
+    """A bfloat16 cache (a bfloat16 model's) is widened span by span (exactly: bf16 -> float32 loses
+    nothing): the same output, bit for bit, as a float32 cache holding the same values."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        q, kv, tables, pos = _paged(len(positions), 9, 3, 64, 4, positions)
+        k16, v16 = kv.k.bfloat16(), kv.v.bfloat16()
+        op = torch.ops.tidal.paged_decode_attention
+        got = op(q, k16, v16, tables, pos, 0.125)
+        want = op(q, k16.float(), v16.float(), tables, pos, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        op(q, k16, v16.float(), tables, pos, 0.125)
+
+
 def test_paged_attention_refuses_what_it_cannot_read():
     q, kv, tables, pos = _paged(2, 4, 2, 16, 4, [5, 2])
     op = torch.ops.tidal.paged_decode_attention
@@ -463,3 +483,71 @@ def test_decode_layer_equals_the_python_layers(tmp_path, monkeypatch, kind, step
     written = fused_kv[0].k.view(-1, kvh, d)[slots]
     assert not torch.allclose(written, k0.view(-1, kvh, d)[slots])  # the step wrote its keys
     assert (fused - h0).abs().max() > 0.1  # and the layers changed the hidden states
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "mixed"])
+def test_a_bfloat16_models_decode_step_runs_the_fused_layers_in_float32(tmp_path, kind):
+    """A bfloat16 model's step of decodes: hidden states widened to float32, each layer one C++ call over
+    the bfloat16 KV cache (its K/V written rounded to nearest even, as torch rounds), the output rounded
+    back. Against the same layers run as float32 Python over a float32 copy of the cache: the KV rows
+    written are that float32 computation's, rounded by torch; the hidden states agree to bf16 rounding."""
+    from gguf import GGMLQuantizationType as QT
+
+    from tidal.engine.attention import AttentionBatch, DecodeGroup, KVLayer
+
+    from .test_quant import _tiny_model
+
+    types = {"q4_1": dict.fromkeys(_MATRICES, QT.Q4_1),
+             "mixed": {**dict.fromkeys(_MATRICES, QT.Q4_1), "ffn_down": QT.F16}}[kind]
+    (tmp_path / kind).mkdir()
+    model, _ = _tiny_model(tmp_path / kind, types, "int4", dtype=torch.bfloat16)
+    model.set_attention("auto", torch.bfloat16)
+    assert model.native_bf16_decode and not model.native_attention and model.kernels == "tidal"
+    bs, kvh, d = 16, 2, 16
+    g = torch.Generator().manual_seed(1)
+    tables = torch.randperm(12, generator=g).view(4, 3)[:3]
+    pos = torch.tensor([5, 17, 40])
+    slots = tables[torch.arange(3), pos // bs] * bs + pos % bs
+    mask = (torch.arange(3 * bs) <= pos[:, None]).view(3, 1, 1, -1)
+    k0 = torch.randn(12, bs, kvh, d, generator=g).bfloat16()
+    v0 = torch.randn(12, bs, kvh, d, generator=g).bfloat16()
+    h0 = torch.randn(3, 64, generator=g).bfloat16()
+
+    def batch():
+        return AttentionBatch(positions=pos, slot_mapping=slots, num_decodes=3,
+                              decode_groups=[DecodeGroup(0, 3, tables, mask)], prefills=[], block_size=bs)
+
+    kv = {i: KVLayer(k0.clone(), v0.clone()) for i in model.layer_ids}
+    with torch.inference_mode():
+        fused = model.forward(h0.clone(), batch(), kv)
+    assert fused.dtype == torch.bfloat16
+    assert all(isinstance(model.layers[str(i)]._native, tuple) for i in model.layer_ids)
+    # layer by layer: the rows decode_layer writes into the bfloat16 cache are what layer_attn_in computes
+    # from the same input, rounded by torch; chained, the layers give forward's output exactly
+    h = h0.float()
+    b = batch()
+    b.rope = model.rotary.tables(pos, torch.float32)
+    q_size = model.layers["0"].q_size
+    for i in model.layer_ids:
+        layer = model.layers[str(i)]
+        args = layer.native_args()
+        norm1, _, ws, qs, dm, shapes, bias = args
+        mine = KVLayer(k0.clone(), v0.clone())
+        with torch.inference_mode():
+            f32 = KVLayer(k0.float(), v0.float())
+            qkv = torch.ops.tidal.layer_attn_in(h, norm1, ws, qs, dm, shapes, bias, *b.rope, f32.k, f32.v, slots,
+                                                layer.num_heads, layer.num_kv_heads, layer.input_layernorm.eps)
+            h = torch.ops.tidal.decode_layer(h, *args, *b.rope, mine.k, mine.v, slots, tables, pos, layer.num_heads,
+                                             layer.num_kv_heads, layer.input_layernorm.eps, layer.scale)
+        kvs = layer.kv_size
+        want_k = qkv[:, q_size:q_size + kvs].reshape(3, kvh, d).bfloat16()
+        want_v = qkv[:, q_size + kvs:].reshape(3, kvh, d).bfloat16()
+        assert torch.equal(mine.k.view(-1, kvh, d)[slots], want_k)
+        assert torch.equal(mine.v.view(-1, kvh, d)[slots], want_v)
+        assert torch.equal(kv[i].k, mine.k) and torch.equal(kv[i].v, mine.v)  # forward wrote the same
+    assert torch.equal(fused, h.bfloat16())
+    # and the whole step agrees with the Python layers in bfloat16 to bfloat16 rounding
+    with torch.inference_mode():
+        model.native_bf16_decode = False
+        python = model.forward(h0.clone(), batch(), {i: KVLayer(k0.clone(), v0.clone()) for i in model.layer_ids})
+    torch.testing.assert_close(fused.float(), python.float(), rtol=0.05, atol=0.05)

@@ -115,7 +115,7 @@ def test_linear_uses_int4_up_to_its_step_size(monkeypatch):
     assert calls == [1, 4]  # five tokens: the float matmul
 
 
-def _tiny_model(tmp_path, types, mode):
+def _tiny_model(tmp_path, types, mode, dtype=torch.float32):
     cfg = _tiny_qwen2_config(hidden_size=64, intermediate_size=128)
     import transformers
 
@@ -124,7 +124,7 @@ def _tiny_model(tmp_path, types, mode):
     if not path.exists():
         _write_gguf(path, "qwen2", cfg, state, types)
     ckpt = load_checkpoint(str(path))
-    model = LlamaModel(ckpt.arch, torch.float32, torch.device("cpu"))
+    model = LlamaModel(ckpt.arch, dtype, torch.device("cpu"))
     assert model.set_quantization(mode) is None
     model.load_weights(ckpt.weights())
     return model, ckpt

@@ -141,8 +141,10 @@ class DecoderLayer(nn.Module):
                 qs.append(q.qs if q is not None else _NONE)
                 dm.append(q.dm if q is not None else _NONE)
                 shapes += [q.n, q.k, q.max_tokens] if q is not None else [*lin.weight.shape, 0]
-            self._native = (self.input_layernorm.weight, self.post_attention_layernorm.weight, ws, qs, dm, shapes,
-                            self.qkv_proj.bias)
+            bias = self.qkv_proj.bias
+            # the norms (and a bias) in float32, the layer's dtype in C++ (a bfloat16 model's: widened copies)
+            self._native = (self.input_layernorm.weight.float(), self.post_attention_layernorm.weight.float(), ws,
+                            qs, dm, shapes, None if bias is None else bias.float())
         return self._native or None
 
     def native_forward(self, h: torch.Tensor, kv: KVLayer, batch: AttentionBatch, args: tuple) -> torch.Tensor:
@@ -201,16 +203,20 @@ class LlamaModel(nn.Module):
         self._int4_tokens: dict[tuple[int, int], int] = {}  # matrix shape -> measured crossover
         self._head_tokens = 0  # the same for the LM head's grouped int8
         self.head_int8: GroupedInt8Weight | native.Q8_0Weight | None = None
-        self.native_attention = native.available(device, dtype)  # tidal's paged decode attention
+        # tidal's paged decode attention and fused layers (float32 on CPU)
+        self.native_attention = dtype == torch.float32 and native.available(device, dtype)
+        # a bfloat16 model's decode-only steps in the fused float32 layer over its bfloat16 KV (set_attention)
+        self.native_bf16_decode = False
         self.triton_attention = False  # the Triton kernels (set_attention)
-        self.kernels = "torch"  # whose 4/8-bit kernels: torch's, or "tidal" (engine/native.py: float32 on CPU)
+        self.kernels = "torch"  # whose 4/8-bit kernels: torch's, or "tidal" (engine/native.py: float32/bf16 on CPU)
 
     def set_attention(self, backend: str, kv_dtype: torch.dtype) -> str:
         """Choose what attends (``--attention-backend``), given the KV cache's dtype; returns its name.
         ``auto``: the Triton kernels on CUDA (where Triton imports and the head size suits them), tidal's
         C++ kernels in float32 on CPU (they read and write a float32 cache), else torch's SDPA."""
-        self.native_attention = backend == "auto" and kv_dtype == self.dtype and native.available(self.device,
-                                                                                                   self.dtype)
+        self.native_attention = backend == "auto" and kv_dtype == self.dtype == torch.float32 and \
+            native.available(self.device, self.dtype)
+        self.native_bf16_decode = backend == "auto" and native.bf16_decode(self.device, self.dtype, kv_dtype)
         want_triton = backend == "triton" or (backend == "auto" and self.device.type == "cuda")
         self.triton_attention = False
         if want_triton:
@@ -461,9 +467,17 @@ class LlamaModel(nn.Module):
         # around the Python attention; under --compile Inductor fuses the Python layers instead
         native = self.native_attention and not torch.compiler.is_compiling()
         decodes_only = not batch.prefills and len(batch.decode_groups) == 1
-        for i in (self.layer_ids if layer_ids is None else layer_ids):
+        ids = self.layer_ids if layer_ids is None else layer_ids
+        # a bfloat16 model's step of decodes: the fused float32 layers over the bfloat16 KV cache (the
+        # hidden states widened here and rounded back after the last layer), when every layer has them
+        wide = (self.native_bf16_decode and decodes_only and not torch.compiler.is_compiling()
+                and all(self.layers[str(i)].native_args() is not None for i in ids))
+        if wide:
+            dtype, h = h.dtype, h.float()
+            batch.rope = self.rotary.tables(batch.positions, torch.float32)
+        for i in ids:
             layer = self.layers[str(i)]
-            args = layer.native_args() if native else None
+            args = layer.native_args() if native or wide else None
             kv = kv_caches[i]
             if args is None:
                 h = layer(h, kv, batch)
@@ -474,7 +488,7 @@ class LlamaModel(nn.Module):
                                                  layer.scale)
             else:
                 h = layer.native_forward(h, kv, batch, args)
-        return h
+        return h.to(dtype) if wide else h
 
     def greedy_tokens(self, h: torch.Tensor) -> torch.Tensor | None:
         """``compute_logits(h).argmax(-1)`` where the LM head's Q8_0 kernel runs (tidal's fused argmax:

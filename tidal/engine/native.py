@@ -212,8 +212,24 @@ def _register_fakes() -> None:
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether tidal's kernels run here: float32 on CPU, and the kernels built."""
-    return device.type == "cpu" and dtype == torch.float32 and load() is None
+    """Whether tidal's kernels run here: float32 or bfloat16 on CPU, and the kernels built. They compute in
+    float32: a bfloat16 model's activations are widened on the way in and rounded on the way out, and its
+    decode steps run the fused layer in float32 over its bfloat16 KV cache (:func:`bf16_decode`)."""
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and load() is None
+
+
+def bf16_decode(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+    """Whether a bfloat16 model's decode-only steps run ``decode_layer`` (hidden states in float32, the
+    KV cache in bfloat16) instead of ~35 ATen calls a layer: on CPU, with the kernels built."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and kv_dtype == torch.bfloat16 and load() is None
+
+
+def _in_f32(op, x: torch.Tensor, *args) -> torch.Tensor:
+    """``op`` on ``x`` in float32 (the kernels' dtype), the result in ``x``'s dtype (a 16-bit float: widened
+    and rounded back; anything else goes as it is, and the kernel names what it cannot take)."""
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return op(x.contiguous(), *args)
+    return op(x.float().contiguous(), *args).to(x.dtype)
 
 
 # ------------------------------------------------------------------------------ packed weights
@@ -239,7 +255,7 @@ class Q4_1Weight:
         return self.qs.numel() + self.dm.numel() * 2
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.tidal.q4_1_mm(x.contiguous(), self.qs, self.dm, self.n, self.k)
+        return _in_f32(torch.ops.tidal.q4_1_mm, x, self.qs, self.dm, self.n, self.k)
 
     @classmethod
     def pack(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Q4_1Weight:
@@ -273,13 +289,13 @@ class Q8_0Weight:
         return self.qs.numel() + self.d.numel() * 2 + extra
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.tidal.q8_0_mm(x.contiguous(), self.qs, self.d, self.n, self.k)
+        return _in_f32(torch.ops.tidal.q8_0_mm, x, self.qs, self.d, self.n, self.k)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """``matmul(x).argmax(-1)`` (torch's rule for ties and NaN) without the logits in memory: by bound
         and verify (int8 estimates, the few logits that can win computed exactly) for steps of
         ``BOUNDED_MIN_ROWS`` rows or more where the CPU has AVX-512 VNNI; the same token either way."""
-        x = x.contiguous()
+        x = x.float().contiguous()
         if self.bounds is not None and x.shape[0] >= BOUNDED_MIN_ROWS:
             tokens = torch.ops.tidal.q8_0_argmax_bounded(x, *self.bounds, self.n, self.k)
             if bool((tokens >= 0).all()):

@@ -8,8 +8,9 @@
 // where they can be, instead of ~35 ATen calls a layer: those calls (and the Python around them)
 // cost more than the arithmetic of a one-decode step. The loops round differently from torch's
 // kernels (the sums of squares, SiLU's exponential): results agree to float32 rounding, not bit
-// for bit (tests/engine/test_native.py). Weights: each matrix's float32 weight, and where it has a
-// Q4_1 copy for steps of at most max_tokens rows, that copy (empty tensors when not).
+// for bit (tests/engine/test_native.py). Weights: each matrix's float weight (float32, or a bfloat16 model's
+// bfloat16), and where it has a Q4_1 copy for steps of at most max_tokens rows, that copy (empty tensors when
+// not). The hidden states and norms are float32 either way; the KV cache float32 or bfloat16.
 #include "kernels.h"
 
 #include <ATen/ATen.h>
@@ -31,6 +32,8 @@ at::Tensor linear(const at::Tensor& x, int64_t i, at::TensorList weights, at::Te
     at::Tensor y = tidal::q4_1_mm(x, qs[i], dm[i], n, k);
     return bias ? y.add_(*bias) : y;
   }
+  if (weights[i].scalar_type() != at::kFloat)  // a bfloat16 model's float matrix: its matmul, in its dtype
+    return at::linear(x.to(weights[i].scalar_type()), weights[i], bias).to(at::kFloat);
   return at::linear(x, weights[i], bias);
 }
 
@@ -114,10 +117,13 @@ at::Tensor attn_in(const at::Tensor& h, const at::Tensor& norm1, at::TensorList 
                    const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
                    const at::Tensor& slots, int64_t num_heads, int64_t num_kv_heads, double eps) {
   check_weights(weights, qs, dm, shapes);
+  const bool bf16 = k_cache.scalar_type() == at::kBFloat16;
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == at::kFloat && k_cache.dim() == 4 &&
-                  k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat &&
-                  k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
-              "decoder layer: h must be a contiguous float32 [tokens, hidden], the caches contiguous float32 4-d");
+                  (k_cache.scalar_type() == at::kFloat || bf16) && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+                  norm1.scalar_type() == at::kFloat,
+              "decoder layer: h and the norm weight must be contiguous float32, the caches contiguous float32 or "
+              "bfloat16 4-d");
   const int64_t T = h.size(0), C = h.size(1), D = k_cache.size(3), H = num_heads, KVH = num_kv_heads;
   const int64_t q_size = H * D, kv_size = KVH * D, width = q_size + 2 * kv_size;
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * D / 2 && sin.numel() == T * D / 2 &&
@@ -134,6 +140,16 @@ at::Tensor attn_in(const at::Tensor& h, const at::Tensor& norm1, at::TensorList 
   TORCH_CHECK(qkv.size(1) == width, "decoder layer: QKV has ", qkv.size(1), " outputs, heads need ", width);
   float* qkvp = qkv.data_ptr<float>();
   rope(qkvp, width, cos.data_ptr<float>(), sin.data_ptr<float>(), T, H + KVH, D);
+  if (bf16) {  // a bfloat16 cache (a bfloat16 model): K and V rounded as torch rounds them
+    auto* kc = reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::BFloat16>());
+    auto* vc = reinterpret_cast<uint16_t*>(v_cache.data_ptr<at::BFloat16>());
+    rows(T, 2 * kv_size, [&](int64_t r) {
+      const float* row = qkvp + r * width;
+      tidal::f32_to_bf16(row + q_size, kc + sl[r] * kv_size, kv_size);
+      tidal::f32_to_bf16(row + q_size + kv_size, vc + sl[r] * kv_size, kv_size);
+    });
+    return qkv;
+  }
   float* kc = k_cache.data_ptr<float>();
   float* vc = v_cache.data_ptr<float>();
   rows(T, 2 * kv_size, [&](int64_t r) {
@@ -149,7 +165,7 @@ at::Tensor attn_out(const at::Tensor& a, const at::Tensor& h, const at::Tensor& 
                     at::TensorList qs, at::TensorList dm, at::IntArrayRef shapes, double eps) {
   check_weights(weights, qs, dm, shapes);
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == at::kFloat && a.scalar_type() == at::kFloat &&
-                  a.size(0) == h.size(0),
+                  a.size(0) == h.size(0) && norm2.scalar_type() == at::kFloat,
               "decoder layer: h must be a contiguous float32 [tokens, hidden] and the attention one row per token");
   const int64_t T = h.size(0), C = h.size(1);
   at::Tensor hs = linear(a.reshape({T, -1}).contiguous(), 1, weights, qs, dm, shapes, std::nullopt).add_(h);

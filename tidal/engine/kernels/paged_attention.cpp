@@ -1,4 +1,5 @@
-// Decode attention straight over the paged KV cache, float32 (torch.ops.tidal.paged_decode_attention).
+// Decode attention straight over the paged KV cache, float32 (torch.ops.tidal.paged_decode_attention); a
+// bfloat16 cache is read into float32 a span at a time (exact), then attended in float32 the same way.
 //
 // The eager path gathers every decode's blocks into one padded [n, ctx, KVH, D] tensor per layer
 // and calls SDPA with a mask; this reads each token's K and V where the block table says they are,
@@ -16,7 +17,7 @@
 // memory's read bandwidth: ~22 of ~26 GB/s).
 //
 //   q            [n, H, D]                 float32
-//   k, v cache   [blocks, bs, KVH, D]      float32
+//   k, v cache   [blocks, bs, KVH, D]      float32 or bfloat16
 //   block_tables [n, W] int64              (W * bs >= each context)
 //   positions    [n] int64                 the decode's position: it attends to tokens 0..position
 // Returns [n, H, D].
@@ -320,10 +321,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                                   const at::Tensor& block_tables, const at::Tensor& positions, double scale) {
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 3 && q.is_contiguous(),
               "paged_decode_attention: q must be a contiguous [n, heads, head_dim] float32 CPU tensor");
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.dim() == 4 &&
-                  k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "paged_decode_attention: the K and V caches must be contiguous float32 [blocks, block_size, kv_heads, "
-              "head_dim]");
+  const bool bf16 = k_cache.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((k_cache.scalar_type() == at::kFloat || bf16) && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(),
+              "paged_decode_attention: the K and V caches must be contiguous float32 or bfloat16 [blocks, block_size, "
+              "kv_heads, head_dim]");
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t nblocks = k_cache.size(0), bs = k_cache.size(1), KVH = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && KVH > 0 && H % KVH == 0, "paged_decode_attention: q has ", H, " heads of ", D,
@@ -359,8 +362,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   // taken in that order the tasks balance as longest-first list scheduling
   const int64_t T = n * C;
   struct Scratch {
-    std::vector<float> s, o, mx, sum;
+    std::vector<float> s, o, mx, sum, kw, vw;  // kw, vw: a bfloat16 cache's span, widened to float32
   };
+  const int64_t row = KVH * D;
+  const int64_t zero_entry = 0;
   tidal::run_tasks<Scratch>(T, [&](int64_t t, Scratch& w) {
     auto &s = w.s, &o = w.o, &mx = w.mx, &sum = w.sum;
     mx.resize(H);
@@ -375,8 +380,25 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
       }
       return;
     }
-    const Span sp{k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tables + i * W, bs, KVH, D, G, j0, j1};
     const int64_t L = j1 - j0;
+    // a bfloat16 cache: the span's K and V rows widened (exactly) into float32 rows side by side, which the
+    // float32 code then reads as one block of L tokens starting at token 0
+    Span sp{nullptr, nullptr, tables + i * W, bs, KVH, D, G, j0, j1};
+    if (bf16) {
+      w.kw.resize(L * row);
+      w.vw.resize(L * row);
+      const auto* kc = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
+      const auto* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
+      for (int64_t j = j0; j < j1; ++j) {
+        const int64_t at = (tables[i * W + j / bs] * bs + j % bs) * row;
+        tidal::bf16_to_f32(kc + at, w.kw.data() + (j - j0) * row, row);
+        tidal::bf16_to_f32(vc + at, w.vw.data() + (j - j0) * row, row);
+      }
+      sp = Span{w.kw.data(), w.vw.data(), &zero_entry, L, KVH, D, G, 0, L};
+    } else {
+      sp.k = k_cache.data_ptr<float>();
+      sp.v = v_cache.data_ptr<float>();
+    }
     s.resize(H * L);
     o.resize(H * D);
     span_scores(sp, qp + i * H * D, sc, s.data());
