@@ -105,6 +105,22 @@ def test_a_whole_prompt_hit_still_computes_its_last_block():
     assert [(c.start, c.num_tokens, c.sample) for c in plan.chunks] == [(12, 4, True)]  # 3 of 4 blocks
 
 
+def test_an_alpha_part_hits_no_kv_past_its_split_point():
+    """DynaServe's alpha computes KV up to ``pause_at`` and hands [0, pause_at) to beta: a cached
+    prefix longer than that would put KV past the split into alpha's chunks (beta refuses them)."""
+    d = Driver(sched(budget=64))
+    p = tokens(32)
+    d.add(req("a", p))
+    d.run()
+    b = req("b", p)
+    b.pause_at = 13
+    d.add(b)
+    plan, _ = d.step()
+    (c,) = plan.chunks
+    assert (c.start, c.start + c.num_tokens) == (12, 13)  # 3 blocks hit, not 7: KV ends at the split
+    assert d.sched.requests["b"].num_computed_tokens == 13
+
+
 def test_live_requests_share_blocks_and_the_last_user_frees_them():
     d = Driver(sched(budget=64))
     p = tokens(20)

@@ -184,11 +184,13 @@ class KVCacheManager:
         """The longest prefix of ``req``'s known tokens (prompt and outputs) whose blocks are named
         here: device blocks, then host blocks that continue it. Capped one token short of all of
         them, so a step still computes the token that samples (whole blocks only: a prompt of
-        exactly k blocks hits k - 1)."""
+        exactly k blocks hits k - 1), and short of an alpha part's split point."""
         hit = PrefixHit([], [], self.block_size)
         if not self.enable_caching or req.num_computed_tokens or self.has(req.request_id):
             return hit
         cap = (req.num_tokens - 1) // self.block_size
+        if req.pause_at is not None:  # a DynaServe alpha part: no KV past its split point (beta gets [0, pause_at))
+            cap = min(cap, (req.pause_at - 1) // self.block_size)
         if cap <= 0:
             return hit
         names = self.hashes(req, cap * self.block_size)
