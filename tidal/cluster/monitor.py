@@ -171,6 +171,10 @@ class GlobalMonitor:
     def on_handoff_wait(self, request_id: str, blocks: int) -> None:
         self.pending_handoffs[request_id] = blocks
 
+    def on_handoff_cancel(self, request_id: str) -> None:
+        """A hand-off that waited for room will not happen (the request stays, finished or is re-run)."""
+        self.pending_handoffs.pop(request_id, None)
+
     def on_handoff_start(self, request_id: str, dst: int, blocks: int) -> None:
         """A hand-off to ``dst`` began: its blocks are reserved there until it lands or fails."""
         self.pending_handoffs.pop(request_id, None)

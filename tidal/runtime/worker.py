@@ -118,6 +118,11 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
             os._exit(1)
 
 
+def in_ray_actor() -> bool:
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
 def node_name() -> str:
     """Where this worker runs: its Ray node's id in a Ray actor, else the host's name."""
     ray = sys.modules.get("ray")
@@ -140,13 +145,23 @@ class Worker:
         self.out = self.ctx.socket(zmq.PUSH)
         self.out.setsockopt(zmq.LINGER, 2000)
         self.out.connect(cfg.out_address)
-        self.engine = LLMEngine(cfg.engine)
+        if in_ray_actor():  # its stderr is Ray's log file: its start-up lines go to the front end's too
+            from tidal.common.progress import set_startup_sink
+
+            set_startup_sink(lambda line: self.send(P.Log(line)))
+        try:
+            self.engine = LLMEngine(cfg.engine)
+        finally:
+            from tidal.common.progress import set_startup_sink
+
+            set_startup_sink(None)
         from tidal.engine.loader import clear_cache
 
         clear_cache()  # a worker builds one engine: a per-process copy of the weights would only cost memory
         self.transport = build_transport(cfg.transport, cfg.transport_tag)
         self.exports: deque[_Export] = deque()
         self.handing_off: set[str] = set()
+        self.kept: set[str] = set()  # a prefill instance's requests that run here to their end (no hand-off)
         self.importing: set[str] = set()  # paused imports whose KV chunks are still arriving
         # per import, the chunks (and a beta part's ``finish``) that arrived but wait for blocks,
         # in arrival order: an import holds blocks only for the KV that has landed
@@ -192,6 +207,8 @@ class Worker:
         except RequestRejected as err:
             self.send(P.Rejected(cmd.request_id, str(err), err.param))
             return
+        if cmd.whole:
+            self.kept.add(cmd.request_id)
         if cmd.pause_at is not None:
             self.exports.append(_Export(cmd.request_id, stream=True))
 
@@ -222,12 +239,14 @@ class Worker:
             if ex.request_id == rid:
                 self.exports.remove(ex)
         self.handing_off.discard(rid)
+        self.kept.add(rid)  # a prefill instance hands it off no more: its decode runs here
         e.cancel_pause(rid)
 
     def on_abort(self, cmd: Any) -> None:
         rid = cmd.request_id
         self.engine.abort_request(rid)
         self.handing_off.discard(rid)
+        self.kept.discard(rid)
         self.importing.discard(rid)
         self.waiting_kv.pop(rid, None)  # their handles are the front end's to release
         for ex in list(self.exports):
@@ -246,6 +265,8 @@ class Worker:
             return
         if cmd.paused:
             self.importing.add(cmd.snapshot.request_id)
+        if cmd.whole:
+            self.kept.add(cmd.snapshot.request_id)
 
     def on_kv(self, cmd: Any) -> None:
         if cmd.request_id not in self.importing:
@@ -379,7 +400,7 @@ class Worker:
     # ---------------------------------------------------------------- hand-offs (prefill role)
     def start_handoffs(self, outs: list) -> None:
         for o in outs:
-            if o.finished or o.request_id in self.handing_off or len(o.outputs) != 1:
+            if o.finished or o.request_id in self.handing_off or o.request_id in self.kept or len(o.outputs) != 1:
                 continue  # n > 1 requests stay here: a hand-off moves one sequence
             self.hand_off(o.request_id)
 
@@ -475,7 +496,7 @@ class Worker:
         from tidal.runtime.peer import PeerLost
 
         self.send(P.Ready(self.status(), self.engine.describe_weights(), self.engine.model.layer_weight_bytes(),
-                          node_name(), os.getpid()))
+                          node_name(), os.getpid(), socket.gethostname()))
         poller = zmq.Poller()
         poller.register(self.cmd, zmq.POLLIN)
         while self.running:
@@ -548,6 +569,8 @@ class Worker:
         t0 = time.perf_counter()
         outs = self.engine.step()
         dt = time.perf_counter() - t0
+        if self.kept:
+            self.kept.difference_update(o.request_id for o in outs if o.finished)
         if self.cfg.role == "prefill":
             self.start_handoffs(outs)
         if any(x.stream for x in self.exports):

@@ -50,7 +50,8 @@ _ERRORS = {
     404: "Unknown model or route",
     413: "Request body too large",
     415: "Content type is not application/json",
-    503: "Waiting queue full, engine not running, or server shutting down (see Retry-After)",
+    503: "Waiting queue full, no instance alive to serve it (one restarts), engine not running, or server "
+         "shutting down (see Retry-After)",
 }
 _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying", "schema": {"type": "integer"}}}
 

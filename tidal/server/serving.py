@@ -199,7 +199,7 @@ class OpenAIServing:
             return await handler
         except ClientDisconnected:
             return Response(status_code=499)
-        except Exception as e:  # engine errors after submission (e.g. EngineDeadError): 500, same shape
+        except Exception as e:  # engine errors after submission: a lost instance 503, a dead engine 500, same shape
             return from_exception(e).response()
 
     # ------------------------------------------------------------------ /v1/completions
