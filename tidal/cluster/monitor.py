@@ -54,6 +54,8 @@ class InstanceStatus:
     batch_size_cap: int | None = None
     token_budget: int | None = None
     policy: dict[str, Any] | None = None
+    num_swap_preemptions: int = 0  # of num_preemptions, those that swapped out (the rest recomputed)
+    num_swap_fallbacks: int = 0  # preemptions that wanted to swap and recomputed (the host pool was full)
 
 
 _STATUS_FIELDS = tuple(f.name for f in fields(InstanceStatus))

@@ -111,7 +111,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     _flag("--kv-cache-memory", default=None, help="KV pool size on CPU or CUDA, e.g. 512MiB"),
     _flag("--gpu-memory-utilization", type=float, default=None, help="fraction of GPU memory for weights+KV"),
     _flag("--block-size", type=int, default=None, help="tokens per KV block"),
-    _flag("--swap-space", default=None, help="host memory for swapped-out KV, e.g. 1GiB"),
+    _flag("--swap-space", default=None, help="host memory for swapped-out KV with --preemption-mode swap (default "
+                                             "4GiB, vLLM's; allocated only in swap mode), e.g. 8GiB"),
     _flag("--num-threads", type=int, default=None, help="CPU threads for the model (default: all cores, or $TIDAL_CPU_THREADS)"),
     # dest differs from the workload's --seed, so a command never mistakes one for the other
     _flag("--seed", type=int, default=None, dest="engine_seed", help="engine seed for unseeded sampling"),

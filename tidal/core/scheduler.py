@@ -80,6 +80,8 @@ class Scheduler:
         self.paused: dict[str, Request] = {}  # hold their blocks, never scheduled (a KV hand-off in flight)
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_swap_preemptions = 0  # preemptions that swapped out (the rest recomputed)
+        self.num_swap_fallbacks = 0  # preemptions that wanted to swap, found the host pool full and recomputed
         self._finished_since_plan: list[str] = []
         self._pending_updates: list[RequestUpdate] = []  # finishes decided while scheduling
         self._reached_pause: list[str] = []  # paused at their ``pause_at`` since the last drain
@@ -235,7 +237,9 @@ class Scheduler:
                 swap_out.extend(moves)
                 victim.status = RequestStatus.SWAPPED
                 self.swapped.append(victim)
+                self.num_swap_preemptions += 1
                 return
+            self.num_swap_fallbacks += 1  # the host pool cannot hold it: recompute instead
         # recompute: drop the KV, keep the tokens; it re-enters at the head of the queue
         self.kv.free(victim.request_id)
         victim.num_computed_tokens = 0

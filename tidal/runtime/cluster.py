@@ -346,6 +346,8 @@ class ClusterLLM(HandoffFront):
                 "kv_cache_usage_perc": 1.0 - free / total if total else 0.0,
                 "num_kv_blocks": total, "num_free_kv_blocks": free,
                 "num_preemptions": sum(r.status.num_preemptions for r in inst),
+                "num_swap_preemptions": sum(r.status.num_swap_preemptions for r in inst),
+                "num_swap_fallbacks": sum(r.status.num_swap_fallbacks for r in inst),
                 "instance_failures": self.num_failures, "instance_restarts": self.num_restarts,
                 "failovers": self.num_failovers, "parked": len(self.parked), "moves_ended": dict(self.moves_ended),
                 "splits": self.split.num_splits if self.split is not None else 0, "kv_bytes_moved": self.kv_bytes_moved,

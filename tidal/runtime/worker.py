@@ -101,7 +101,8 @@ def instance_status(engine: Any, index: int, step_time_s: float | None = None) -
                           step_decode_count=d, step_decode_context=ctx, step_prefill_prefix=prefix,
                           step_prefill_sq=sq, batching=engine.config.scheduler.batching,
                           batch_size_cap=sched.last_caps.max_num_seqs, token_budget=sched.last_caps.token_budget,
-                          policy=engine.policy.state().to_dict())
+                          policy=engine.policy.state().to_dict(), num_swap_preemptions=sched.num_swap_preemptions,
+                          num_swap_fallbacks=sched.num_swap_fallbacks)
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import os
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -164,6 +166,7 @@ def build_app(async_llm: Any, served_model_name: str | None = None) -> FastAPI:
         cfg = engine.config
         return JSONResponse(_jsonable({
             "model": name, "alive": engine_alive(async_llm), "max_model_len": engine.max_model_len,
+            "pid": os.getpid(), "host": socket.gethostname(),  # where the server runs (a chaos soak's processes)
             "stats": stats, "policy": policy.to_dict() if isinstance(policy, PolicyState) else None,
             "batch_size_cap": batch_size_cap(stats, cfg.scheduler.max_num_seqs),
             "scheduler": dataclasses.asdict(cfg.scheduler), "cache": dataclasses.asdict(cfg.cache),

@@ -256,4 +256,6 @@ class SimInstance:
     def stats(self) -> dict:
         return {"index": self.index, "role": self.role, "num_blocks": self.kv.num_blocks, "block_size": self.kv.block_size,
                 "steps": self.num_steps, "busy_time_s": self.busy_time,
-                "num_preemptions": self.scheduler.num_preemptions, "policy_state": self.policy.state().to_dict()}
+                "num_preemptions": self.scheduler.num_preemptions,
+                "num_swap_preemptions": self.scheduler.num_swap_preemptions,
+                "num_swap_fallbacks": self.scheduler.num_swap_fallbacks, "policy_state": self.policy.state().to_dict()}

@@ -34,6 +34,7 @@ from tidal.sim.build import (
     pressure_link,
     resolve,
     split_params,
+    swap_warning,
 )
 from tidal.sim.pd import Handoff, summarize_handoffs
 from tidal.sim.split import SplitTransfer, summarize_splits
@@ -104,12 +105,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     F.add_engine_flags(
         p, only=("model", "dtype", "max_model_len", "kv_cache_memory", "gpu_memory_utilization", "block_size",
                  "swap_space"),
-        defaults={"model": "llama-3-8b", "swap_space": "0"},
+        defaults={"model": "llama-3-8b"},
         helps={"model": f"model shape: {', '.join(MODELS)}",
                "dtype": "weights and KV dtype of the simulated instances; auto: the profile's with --profile, "
                         "else bfloat16 (native on every simulated device)",
                "kv_cache_memory": "KV budget per instance, e.g. 512MiB (default: --gpu-memory-utilization)",
-               "swap_space": "host memory per instance for swapped-out KV, e.g. 4GiB"},
+               "swap_space": "host memory per instance for swapped-out KV with --preemption-mode swap "
+                             "(default 4GiB, vLLM's)"},
         title="model and KV memory (as the engine's flags)")
     F.add_scheduler_flags(p, omit=("max_queued_requests",))  # the simulated instances never refuse a request
     F.add_workload_flags(p, helps={"num_requests": "number of requests (default 1000 unless --duration "
@@ -212,6 +214,7 @@ def simulate(spec: ClusterSpec, specs: list[W.RequestSpec], slo: M.SLO, desc: st
     by_request = {h.index: h for h in res.handoffs}
     splits = {t.index: t for t in res.splits}
     summary.update({
+        "preemptions": preemptions(res.instances),
         "simulated_time_s": res.simulated_time_s, "wall_time_s": wall,
         "speedup": res.simulated_time_s / wall if wall > 0 else None, "num_events": res.num_events,
         "instances": res.instances, "timelines": res.timelines,
@@ -226,6 +229,15 @@ def simulate(spec: ClusterSpec, specs: list[W.RequestSpec], slo: M.SLO, desc: st
         summary["handoffs"] = summarize_handoffs(res.handoffs, res.max_pending_handoffs)
         summary["handoff_timeline"] = res.handoff_timeline
     return summary
+
+
+def preemptions(instances: list[dict[str, Any]]) -> dict[str, int]:
+    """Every instance's preemptions by what they did: swapped out, or recomputed; ``swap_fallbacks``:
+    those that wanted to swap (``--preemption-mode swap``) and recomputed, the host pool full."""
+    total = sum(i.get("num_preemptions", 0) for i in instances)
+    swap = sum(i.get("num_swap_preemptions", 0) for i in instances)
+    return {"total": total, "swap": swap, "recompute": total - swap,
+            "swap_fallbacks": sum(i.get("num_swap_fallbacks", 0) for i in instances)}
 
 
 def _record(r: M.RequestRecord, instance: int, handoff: Handoff | None = None,
@@ -251,6 +263,9 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
     spec = cluster_spec(args)
     arch, hw, blocks, max_len = resolve(spec)  # fail on a bad model/hardware/memory before the workload
     check_roles(spec)
+    swap_warn = swap_warning(spec)
+    if swap_warn:
+        print(f"{PROG}: warning: {swap_warn}", file=sys.stderr)
     F.check_capacity_flags(args)
     if args.capacity_search:  # one base workload (at 1 req/s, or the trace's times) rescaled per probe
         if args.num_requests is None and args.duration is not None and not args.trace:
@@ -274,6 +289,8 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
         info.update({"pairs": layout.pairs(), "split_params": asdict(split_params(spec, blocks * spec.block_size)),
                      "split_length": spec.split_length, "link": hc.link.to_dict(),
                      "kv_layers_per_chunk": hc.layers_per_chunk, "kv_stream_tokens": spec.kv_stream_tokens})
+    if swap_warn:
+        info["swap_warning"] = swap_warn
     if spec.kv_pressure in ("migrate", "drop"):
         info["pressure_link"] = pressure_link(spec, hw).to_dict()
     search_report = None
@@ -326,6 +343,13 @@ def format_summary(r: dict[str, Any]) -> str:
              f"  goodput {f(r['goodput']['request_throughput'], '.2f')} req/s",
              f"simulated {r['simulated_time_s']:.1f} s in {r['wall_time_s']:.2f} s wall: "
              f"{f(r['speedup'], '.0f')}x faster than real time ({r['num_events']} events)"]
+    pre = r.get("preemptions")
+    if pre and pre["total"]:
+        lines.append(f"preemptions: {pre['total']} ({pre['swap']} swapped out, {pre['recompute']} recomputed"
+                     + (f", {pre['swap_fallbacks']} of them wanted to swap but the swap space was full"
+                        if pre["swap_fallbacks"] else "") + ")")
+    if r.get("swap_warning"):
+        lines.append(f"warning: {r['swap_warning']}")
     kp = r.get("kv_pressure")
     if kp:
         counts = ", ".join(f"{v} {k}" for k, v in sorted(kp["counts"].items())) or "no throttle"
