@@ -308,12 +308,19 @@ def swap_space_warning(host_blocks: int, block_size: int, max_model_len: int, sw
     if host_blocks * block_size >= max_model_len:
         return None
     need = cdiv(max_model_len, block_size)
-    per_block = swap_space / host_blocks if host_blocks else None
-    want = f" (about {need * per_block / 1024**3:.2f} GiB)" if per_block else ""
-    return (f"--swap-space {swap_space / 1024**3:.2f} GiB holds {host_blocks} KV blocks ({host_blocks * block_size} "
+    want = f", about {format_size(need * swap_space / host_blocks)}" if host_blocks else ""
+    return (f"--swap-space {format_size(swap_space)} holds {host_blocks} KV blocks ({host_blocks * block_size} "
             f"tokens), less than one request of max_model_len {max_model_len} tokens ({need} blocks{want}): a "
             "preemption of a request longer than that recomputes instead of swapping (counted as a swap "
             "fallback); raise --swap-space to swap it")
+
+
+def format_size(n: float) -> str:
+    """``4 GiB``, ``96 KiB``, ``1.5 MiB``: a byte count for people."""
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
 
 
 def cdiv(a: int, b: int) -> int:

@@ -231,6 +231,17 @@ def simulate(spec: ClusterSpec, specs: list[W.RequestSpec], slo: M.SLO, desc: st
     return summary
 
 
+def rate_meaning(args: argparse.Namespace) -> str:
+    """What a probe's rate is, in words (the capacity search's report and summary say it)."""
+    if not args.trace:
+        return (f"the mean rate of {args.workload}'s arrivals"
+                + (f" over --duration {args.duration:g} s" if args.duration is not None else ""))
+    if args.duration is None:
+        return "the whole trace's mean arrival rate (its gaps' pattern kept, rescaled)"
+    return (f"the mean arrival rate of the requests replayed: the trace's first rate x {args.duration:g} s arrivals, "
+            f"rescaled to that rate within the {args.duration:g} s window (their gaps' pattern kept)")
+
+
 def preemptions(instances: list[dict[str, Any]]) -> dict[str, int]:
     """Every instance's preemptions by what they did: swapped out, or recomputed; ``swap_fallbacks``:
     those that wanted to swap (``--preemption-mode swap``) and recomputed, the host pool full."""
@@ -267,10 +278,13 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
     if swap_warn:
         print(f"{PROG}: warning: {swap_warn}", file=sys.stderr)
     F.check_capacity_flags(args)
-    if args.capacity_search:  # one base workload (at 1 req/s, or the trace's times) rescaled per probe
+    if args.capacity_search:  # one base workload (at 1 req/s, or the whole trace at its times) rescaled per probe
         if args.num_requests is None and args.duration is not None and not args.trace:
             args.num_requests = int(args.search_high * args.duration * 1.5) + 16
-        specs = workload(args, None if args.trace else 1.0)
+        if args.trace:  # each probe takes the window its rate brings (window_at_rate), not the trace's first D s
+            specs = W.make_requests(F.workload_options(args, rate=None, duration_s=None))
+        else:
+            specs = workload(args, 1.0)
     else:
         specs = workload(args, args.rate)
     layout = spec.layout
@@ -296,14 +310,15 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
     search_report = None
     if args.capacity_search:
         search = F.capacity_search(args)
+        at_rate_of = W.window_at_rate if args.trace else W.specs_at_rate
         while (rate := search.next_rate()) is not None:
-            at_rate = W.specs_at_rate(specs, rate, args.duration)
+            at_rate = at_rate_of(specs, rate, args.duration)
             out = simulate(spec, at_rate, slo, f"rate {rate:.3g}", not args.no_progress, args.timeline_points)
             search.record(rate, out["slo_attainment"] or 0.0, {k: out[k] for k in ("ttft_ms", "tpot_ms")})
             print(f"  rate {rate:8.3g} req/s: attainment {100 * (out['slo_attainment'] or 0):5.1f}%", file=sys.stderr)
-        search_report = search.report()
+        search_report = {**search.report(), "rate_means": rate_meaning(args)}
         rate = search.capacity or args.search_low
-        specs = W.specs_at_rate(specs, rate, args.duration)
+        specs = at_rate_of(specs, rate, args.duration)
     result = simulate(spec, specs, slo, "sim", not args.no_progress, args.timeline_points)
     result["instance_stats"] = result["instances"]  # per instance (info's "instances" is their number)
     result.update(info)
@@ -373,9 +388,14 @@ def format_summary(r: dict[str, Any]) -> str:
                      f"{f(sp['exposed_transfer_ms']['p50'], '.2f')} / {f(sp['exposed_transfer_ms']['p99'], '.2f')} ms "
                      f"({f(None if sp['exposed_vs_whole'] is None else 100 * sp['exposed_vs_whole'])}% of sending "
                      f"it after the pause)")
+    wl = r.get("workload") or {}
+    if wl.get("span_s"):
+        lines.append(f"workload: {wl['num_requests']} requests arriving over {wl['span_s']:.1f} s, a mean "
+                     f"{f(wl.get('mean_rate'), '.3g')} req/s")
     cs = r.get("capacity_search")
     if cs:
-        lines.append(f"capacity at {cs['target_attainment']:.0%} attainment: {f(cs['capacity_rps'], '.3g')} req/s")
+        lines.append(f"capacity at {cs['target_attainment']:.0%} attainment: {f(cs['capacity_rps'], '.3g')} req/s"
+                     + (f" ({cs['rate_means']})" if cs.get("rate_means") else ""))
     return "\n".join(lines)
 
 
