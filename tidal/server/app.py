@@ -45,6 +45,8 @@ from tidal.server.protocol import (
     TokenizeRequest,
     parse_body,
 )
+from tidal.server.schema_rules import Limits
+from tidal.server.serving import MAX_LOGPROBS, MAX_N, MAX_PROMPTS, MAX_STOP, SEED_RANGE
 from tidal.server.serving_chat import OpenAIServingChat
 
 
@@ -88,7 +90,10 @@ def build_app(async_llm: Any, served_model_name: str | None = None) -> FastAPI:
     # the server calls this as it stops accepting connections, before it waits for the open ones
     app.state.begin_shutdown = serving.drain.begin
     install_handlers(app)
-    install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
+    limits = Limits(vocab_size=serving.vocab_size, tokenizer_size=len(engine.tokenizer),
+                    max_model_len=engine.max_model_len, max_n=MAX_N, max_prompts=MAX_PROMPTS, max_stop=MAX_STOP,
+                    max_logprobs=MAX_LOGPROBS, seed_range=SEED_RANGE)
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest], limits)
     body_errors = errors(400, 404, 413, 415)
     dashboard.install(app, metrics)  # /dashboard and /admin/latency
 
