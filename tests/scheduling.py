@@ -31,6 +31,7 @@ HEAVY_FIRST = (
     "tests/runtime/test_kunserve_runtime.py",
     "tests/server/test_dashboard.py",
     "tests/server/test_chaos.py",
+    "tests/runtime/test_faults.py",
     "hf_smol",
     "tests/runtime/test_migrate_runtime.py",
     "tests/runtime/test_kunserve_groups.py",
