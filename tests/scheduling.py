@@ -22,7 +22,7 @@ from __future__ import annotations
 from xdist.scheduler import LoadScopeScheduling
 
 # modules that run a server (or cluster) of their own are units of their own, not in "servers"
-OWN_SERVER_MODULES = ("tests/server/test_dashboard.py", "tests/server/test_soak.py")
+OWN_SERVER_MODULES = ("tests/server/test_dashboard.py", "tests/server/test_soak.py", "tests/server/test_chaos.py")
 HF_SMOL_MODULES = ("tests/bench/test_offline_bench.py", "tests/engine/test_loader.py", "tests/engine/test_parity.py")
 HEAVY_FIRST = (
     "servers",
@@ -30,6 +30,8 @@ HEAVY_FIRST = (
     "tests/engine/test_kernel_build.py",
     "tests/runtime/test_kunserve_runtime.py",
     "tests/server/test_dashboard.py",
+    "tests/server/test_chaos.py",
+    "tests/runtime/test_faults.py",
     "hf_smol",
     "tests/runtime/test_migrate_runtime.py",
     "tests/runtime/test_kunserve_groups.py",

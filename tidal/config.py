@@ -152,6 +152,7 @@ class ModelConfig:
 
 
 DEFAULT_CPU_KV_MEMORY = 512 * 1024**2  # the KV pool on CPU when no budget is given
+DEFAULT_SWAP_SPACE = 4 * 1024**3  # host memory for swapped-out KV, per instance: vLLM's default (4 GiB per GPU)
 
 
 @dataclass
@@ -159,7 +160,7 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int | str | None = None  # bytes for the KV pool on CPU (default DEFAULT_CPU_KV_MEMORY)
     gpu_memory_utilization: float = 0.9  # fraction of free GPU memory for weights+KV on CUDA
-    swap_space: int | str = "1GiB"  # host memory for swapped-out KV blocks
+    swap_space: int | str = DEFAULT_SWAP_SPACE  # host memory for swapped-out KV blocks (used in swap mode only)
     num_blocks_override: int | None = None
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | float32 | bfloat16 | float16
     # automatic prefix caching (vLLM's --enable-prefix-caching, on by default there too): full KV blocks
@@ -307,6 +308,29 @@ def kv_pool_blocks(block_bytes: int, *, kv_cache_memory: int | None = None, tota
         raise ConfigError(f"the KV cache budget ({budget} bytes) holds no block of {block_bytes} bytes "
                           f"(weights and activations take {used_bytes + activation_bytes} bytes)")
     return int(n)
+
+
+def swap_space_warning(host_blocks: int, block_size: int, max_model_len: int, swap_space: int) -> str | None:
+    """What to say at start-up when ``--preemption-mode swap``'s host pool (``host_blocks`` blocks of
+    ``block_size`` tokens, ``swap_space`` bytes) cannot hold one request of ``max_model_len`` tokens:
+    a preemption of a long request then recomputes instead (counted as a swap fallback). None when
+    it can."""
+    if host_blocks * block_size >= max_model_len:
+        return None
+    need = cdiv(max_model_len, block_size)
+    want = f", about {format_size(need * swap_space / host_blocks)}" if host_blocks else ""
+    return (f"--swap-space {format_size(swap_space)} holds {host_blocks} KV blocks ({host_blocks * block_size} "
+            f"tokens), less than one request of max_model_len {max_model_len} tokens ({need} blocks{want}): a "
+            "preemption of a request longer than that recomputes instead of swapping (counted as a swap "
+            "fallback); raise --swap-space to swap it")
+
+
+def format_size(n: float) -> str:
+    """``4 GiB``, ``96 KiB``, ``1.5 MiB``: a byte count for people."""
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
 
 
 def cdiv(a: int, b: int) -> int:

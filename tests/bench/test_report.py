@@ -175,3 +175,27 @@ def test_a_failed_system_is_a_cell_that_keeps_the_table():
     assert R._cell({"status": "failed", "reason": "RuntimeError: a|b"}) == "failed: RuntimeError: a/b"
     assert R._cell(None) == "-"
     assert R._cell({"status": "ok", "output_tok_s": 10.0, "wall_s": 2.5}) == "10.0 (2.50 s)"
+
+
+def _chaos_run(mode: str, backend: str, lost: int, left_after_stop: list[int]) -> dict:
+    from tidal.bench import soak
+
+    s = {"duration_s": 60.2, "sent": 100, "completed": 70, "refused": 20, "refused_503": 20, "refused_429": 0,
+         "failed": lost, "lost_streams": lost, "other_errors": 0, "leaked_kv_blocks": 0, "health_ok": True,
+         "chaos": {"kills": 6, "back_after_s_mean": 9.04, "back_after_s_max": 12.0, "processes_left": 0,
+                   "not_back": 0}}
+    s["clean"] = soak.clean(s)
+    return {"mode": mode, "backend": backend, "soak": s, "left_after_stop": left_after_stop, "server_exit_code": 0}
+
+
+def test_a_chaos_soak_is_a_table_of_its_modes_with_the_totals(tmp_path):
+    runs = [_chaos_run("colocate", "process", 0, []), _chaos_run("split", "ray", 2, [4242])]
+    _write(tmp_path / "r", "chaos.json", {"benchmark": "tidal bench soak --chaos", "title": "chaos soak",
+                                          "command": "python benchmarks/chaos_soak.py", "date": "2026-03-01",
+                                          "machine": XEON, "runs": runs, "clean": False})
+    loaded = R.load_runs(str(tmp_path / "r"))
+    assert [r.kind for r in loaded] == ["chaos"]
+    page = R.render_page(loaded)
+    assert "| colocate | process | 60 | 6 | 9.0 / 12.0 | 100 | 70 | 20 | 0 | 0 | 0 | 0 | clean |" in page
+    assert "| split | ray | 60 | 6 | 9.0 / 12.0 | 100 | 70 | 20 | 2 | 0 | 0 | 1 | **not clean** |" in page
+    assert "| **all** | | 120 | 12 | | 200 | 140 | 40 | **2** | 0 | 0 | 1 | **not clean** |" in page

@@ -71,6 +71,26 @@ def test_disaggregated_dispatch_goes_to_prefill_instances_only():
     assert [disp.dispatch(rq(f"r{i}"), 0.0) for i in range(4)] == [0, 1, 0, 1]
 
 
+def test_a_role_nobody_alive_holds_is_covered_by_the_survivors():
+    """1P1D with an instance down degrades to colocated: no prefill instance alive, a decode one
+    takes new requests and runs them whole; no decode instance alive, the prefill one keeps what it
+    prefills (no hand-off); back to P/D once the role is back; None only with nobody alive."""
+    mon, disp = make(ClusterLayout(3, "disaggregate", 1))
+    assert disp.can_hand_off() and not disp.runs_whole(0) and disp.runs_whole(1)
+    mon.on_failure(0)  # the prefill instance
+    assert {disp.dispatch(rq(f"r{i}"), 0.0) for i in range(4)} == {1, 2}
+    mon.on_failure(1)
+    mon.on_failure(2)
+    assert disp.dispatch(rq("x"), 1.0) is None and not disp.can_hand_off()
+    mon.on_restart(status(0), 2.0)  # the prefill instance is back, no decode instance yet
+    assert disp.dispatch(rq("y"), 2.0) == 0 and disp.runs_whole(0) and not disp.can_hand_off()
+    assert disp.choose_decode("y", 1) is None  # (the front end asks can_hand_off first: it would wait forever)
+    mon.on_restart(status(2), 3.0)
+    assert disp.can_hand_off() and not disp.runs_whole(0) and disp.dispatch(rq("z"), 3.0) == 0
+    mon.on_handoff_cancel("y")
+    assert mon.pending_handoffs == {}
+
+
 def test_handoff_goes_to_the_decode_instance_with_the_most_room_that_fits():
     # decode instances 1, 2, 3 with 30, 50 and 40 free blocks; instance 2 has 25 blocks queued
     mon, disp = make(ClusterLayout(4, "disaggregate", 1), free=[100, 30, 50, 40])

@@ -160,6 +160,24 @@ def test_every_phase_falls_back_by_its_deadline(kind):
     assert m.tick(2.5) == [FreeSource(0)] and m.phase is Phase.DONE
 
 
+def test_a_handoff_with_no_destination_alive_stays_on_its_source():
+    """Every decode instance is down: the request decodes where it was prefilled (P/D degrades to
+    colocated) rather than wait for a restart; after its source let it go, it is recomputed."""
+    m = move(MoveKind.HANDOFF)
+    assert m.start(0.0) == [Pause(0), Reserve(4)]
+    assert m.unplaceable(0.1) == [Resume(0)] and m.phase is Phase.STAYED
+    assert [e for _, e in m.log] == ["start", "no destination alive", "stayed"]
+    assert m.unplaceable(0.2) == []  # over
+    m = move(MoveKind.HANDOFF)
+    m.start(0.0)
+    m.reserved(1, 0.1)
+    assert m.unplaceable(0.2) == []  # it has a destination: not this event's business
+    m = move(MoveKind.HANDOFF)
+    m.start(0.0)
+    m.source_free = True  # (its last chunk went before the destination died)
+    assert m.unplaceable(0.1) == [FailOver("no destination is alive")] and m.phase is Phase.FAILED_OVER
+
+
 @pytest.mark.parametrize("seed", range(30))
 def test_random_event_orders_always_end_by_the_deadlines(seed):
     """Whatever the shell reports, in whatever order, a move is over by the sum of its deadlines
@@ -171,7 +189,7 @@ def test_random_event_orders_always_end_by_the_deadlines(seed):
     cmds = m.start(t)
     for _ in range(rng.randint(0, 12)):
         t += rng.uniform(0.0, 0.6)
-        ev = rng.choice(["reserved", "refused", "landed", "freed", "failed", "tick"])
+        ev = rng.choice(["reserved", "refused", "landed", "freed", "failed", "unplaceable", "tick"])
         if ev == "reserved":
             cmds += m.reserved(rng.choice([1, 2]), t)
         elif ev == "refused":
@@ -182,6 +200,8 @@ def test_random_event_orders_always_end_by_the_deadlines(seed):
             cmds += m.source_freed(t)
         elif ev == "failed":
             cmds += m.failed(rng.choice([0, 1, 2, 3]), t)
+        elif ev == "unplaceable":
+            cmds += m.unplaceable(t)
         else:
             cmds += m.tick(t)
     t_end = t + DL.reserve_s + DL.transfer_s + DL.free_s

@@ -44,6 +44,44 @@ def test_tiny_kv_pool_preempts_and_matches(make_tiny_engine, prompts, reference,
     engine.kv_manager.check_invariants()
 
 
+def test_a_swap_space_too_small_says_so_and_counts_the_fallbacks(make_tiny_engine, prompts, reference, capsys):
+    """--preemption-mode swap with room for a few blocks (far less than one max_model_len
+    request): a start-up warning says so, and the preemptions that wanted to swap and recomputed are
+    counted apart from those that swapped; the outputs stay the reference's."""
+    engine = make_tiny_engine(max_num_batched_tokens=64, num_blocks_override=40, preemption_mode="swap",
+                              swap_space="96KiB")
+    err = capsys.readouterr().err
+    n = engine.kv_manager.host_pool.num_blocks
+    assert 0 < n * 16 < engine.max_model_len
+    assert f"warning: --swap-space 96 KiB holds {n} KV blocks ({n * 16} tokens), less than one request of " \
+           f"max_model_len {engine.max_model_len} tokens" in err and engine.core.swap_warning
+    assert run_all(engine, prompts) == reference
+    st = engine.stats()
+    assert st["num_swap_fallbacks"] > 0 and st["num_swap_preemptions"] > 0
+    assert st["num_preemptions"] >= st["num_swap_fallbacks"] + st["num_swap_preemptions"]
+    ok = make_tiny_engine(max_num_batched_tokens=64, num_blocks_override=40, preemption_mode="swap", swap_space="64MiB")
+    assert "swap-space" not in capsys.readouterr().err and ok.core.swap_warning is None
+
+
+def test_the_default_swap_space_is_4gib_and_costs_memory_only_as_it_is_used(make_tiny_engine):
+    """vLLM's 4 GiB by default; allocated only in swap mode, and never touched until a block is
+    swapped out (building the engine does not grow the process by gigabytes)."""
+    from tidal.config import CacheConfig
+
+    assert CacheConfig().swap_space == 4 * 2**30
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    assert make_tiny_engine(num_blocks_override=40).kv_manager.host_pool.num_blocks == 0  # recompute: no host pool
+    before = rss()
+    engine = make_tiny_engine(num_blocks_override=40, preemption_mode="swap")
+    host = engine.kv_manager.host_pool.num_blocks
+    assert host == 4 * 2**30 // (16 * engine.arch.kv_bytes_per_token(4, engine.arch.num_layers))
+    assert rss() - before < 2**30
+
+
 def test_abort_frees_blocks_at_once(make_tiny_engine, prompts):
     engine = make_tiny_engine(max_num_batched_tokens=64)
     for i, p in enumerate(prompts):

@@ -249,3 +249,36 @@ def test_a_handoff_whose_kv_cannot_be_read_is_recomputed_not_sent_again():
     _started(front2, 2, last=False)
     front2.reply(1, P.Refused("a", "KV chunk x cannot be read", kv_lost=True))
     assert t2.instance == 0 and front2.sent[-1] == (0, P.Stay("a")) and front2.failed_over == []
+
+
+def test_a_handoff_while_no_decode_instance_is_alive_stays_on_its_prefill_instance():
+    """1P1D with its decode instance down: the prefilled request is told to ``stay`` (its prefill
+    instance decodes it to its end) instead of waiting for the restart, its chunks are released and
+    nothing is left pending; with the decode instance back, the next one is handed off."""
+    front = Front([InstanceStatus(0, 40, 40, 16), InstanceStatus(1, 40, 40, 16)], ClusterLayout(2, "disaggregate", 1))
+    front.monitor.on_failure(1)
+    t = front.track("a", 0, 64, 1)
+    front.reply(0, P.HandoffStarted("a", "snap", 5, 2))  # type: ignore[arg-type]
+    h = Handle(0)
+    front.reply(0, P.KVChunk("a", h, False))  # type: ignore[arg-type]
+    assert front.sent == [(0, P.Stay("a"))] and t.instance == 0 and t.handoff is None
+    assert front.monitor.pending_handoffs == {} and front.reserved() == {} and front.transport.released == [h]
+    assert front.move_records[-1].events == ("start", "no destination alive", "stayed")
+    front.monitor.on_restart(InstanceStatus(1, 40, 40, 16), 1.0)
+    front.track("b", 0, 64, 1)
+    front.reply(0, P.HandoffStarted("b", "snap", 5, 1))  # type: ignore[arg-type]
+    assert front.sent_kinds()[1:] == [(1, "Import")] and front.reserved() == {1: {"b": 5}}
+
+
+def test_a_waiting_handoff_stays_when_the_decode_instances_die_and_an_aborted_one_leaves_no_pending():
+    front = Front([InstanceStatus(0, 40, 40, 16), InstanceStatus(1, 40, 0, 16)], ClusterLayout(2, "disaggregate", 1))
+    t = front.track("a", 0, 64, 1)
+    front.reply(0, P.HandoffStarted("a", "snap", 5, 1))  # type: ignore[arg-type]
+    assert front.monitor.pending_handoffs == {"a": 5} and t.handoff is not None  # no room: it waits
+    u = front.track("b", 0, 64, 1)
+    front.reply(0, P.HandoffStarted("b", "snap", 5, 1))  # type: ignore[arg-type]
+    front.drop_handoff(u)  # the client went away
+    assert front.monitor.pending_handoffs == {"a": 5}
+    front.monitor.on_failure(1)
+    front.tick_moves(1.0)  # it asks again: no decode instance is alive any more
+    assert front.sent == [(0, P.Stay("a"))] and t.handoff is None and front.monitor.pending_handoffs == {}

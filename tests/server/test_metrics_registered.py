@@ -75,3 +75,16 @@ def test_clusters_and_split_servers_export_every_queried_metric_at_start():
     got = _samples(_cluster_stats(["colocated", "colocated"]))  # the baseline policy: only its caps
     assert set(got) >= QUERIED
     assert sorted(s.labels["key"] for s in got["tidal:policy_state"]) == ["caps.max_num_seqs"] * 2 + ["caps.token_budget"] * 2
+
+
+def test_preemptions_are_counted_by_what_they_did():
+    """``tidal:preemptions_total{mode}``: swapped out, or recomputed (recompute mode, or a swap that
+    found the host pool full, also counted as ``tidal:swap_fallbacks_total``), one engine or a cluster."""
+    for stats in ({**_single_stats(), "num_preemptions": 5, "num_swap_preemptions": 3, "num_swap_fallbacks": 2},
+                  {**_cluster_stats(["colocated", "colocated"]), "num_preemptions": 5, "num_swap_preemptions": 3,
+                   "num_swap_fallbacks": 2}):
+        got = _samples(stats)
+        assert {s.labels["mode"]: s.value for s in got["tidal:preemptions_total"]} == {"swap": 3.0, "recompute": 2.0}
+        assert [s.value for s in got["tidal:swap_fallbacks_total"]] == [2.0]
+    got = _samples(_single_stats())  # before any preemption (and a stats dict without the counts)
+    assert {s.labels["mode"]: s.value for s in got["tidal:preemptions_total"]} == {"swap": 0.0, "recompute": 0.0}

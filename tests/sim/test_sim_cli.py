@@ -53,6 +53,47 @@ def test_capacity_search(tmp_path):
     assert cs["capacity_rps"] == max(passed)
 
 
+def test_capacity_search_over_a_trace_window_serves_the_rate_it_reports(tmp_path, capsys):
+    """A trace that thins out (dense first, sparse later), searched within a 60 s window: the run at
+    the capacity found serves exactly that mean rate in the window, and the summary says what the
+    rate is (the window's requests, rescaled within it), not the whole trace's rescaled mean."""
+    trace = tmp_path / "t.csv"
+    times = [0.05 * i for i in range(300)] + [15 + 4.0 * i for i in range(300)]
+    trace.write_text("time,input_len,output_len\n" + "".join(f"{t:.3f},{64 + i % 50},{16 + i % 7}\n"
+                                                            for i, t in enumerate(times)))
+    out = tmp_path / "c.json"
+    rc = _run(["--model", "llama-2-7b", "--hardware", "a100-80g", "--trace", str(trace), "--duration", "60",
+               "--slo", "ttft=500,tpot=40", "--capacity-search", "--search-low", "0.5", "--search-high", "8",
+               "--max-probes", "4", "--output", str(out), "--no-progress", "--no-plots"])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    cap = r["capacity_search"]["capacity_rps"]
+    assert cap is not None and r["workload"]["mean_rate"] == pytest.approx(cap)
+    assert r["workload"]["span_s"] <= 60 and r["num_requests"] == min(600, int(cap * 60) + 1)
+    text = capsys.readouterr().out
+    assert "within the 60 s window" in text and f"a mean {cap:.3g} req/s" in text
+
+
+def test_a_swap_space_too_small_for_a_request_is_said_and_its_fallbacks_counted(tmp_path, capsys):
+    """Requests of 2,300 tokens (144 KV blocks of llama-3-8b) and 64 blocks of swap space: the
+    preemptions of requests past 1,024 tokens recompute instead of swapping, and the run says so (a warning at the start, the
+    fallbacks in the summary and the JSON); the default swap space (4 GiB, vLLM's) swaps them."""
+    argv = ["--model", "llama-3-8b", "--hardware", "a100-80g", "--kv-cache-memory", "1GiB", "--workload",
+            "fixed:2000:300", "--num-requests", "40", "--preemption-mode", "swap", "--no-progress", "--no-plots"]
+    assert _run([*argv, "--swap-space", "128MiB", "--output", str(tmp_path / "small.json")]) == 0
+    printed = capsys.readouterr()
+    r = json.loads((tmp_path / "small.json").read_text())
+    pre = r["preemptions"]
+    assert pre["swap_fallbacks"] == pre["recompute"] > 0 and pre["total"] == pre["swap"] + pre["recompute"]
+    assert "swap-space 128 MiB holds 64 KV blocks" in r["swap_warning"] and r["swap_warning"] in printed.err
+    assert f"{pre['swap_fallbacks']} of them wanted to swap but the swap space was full" in printed.out
+    assert _run([*argv, "--output", str(tmp_path / "default.json")]) == 0
+    printed = capsys.readouterr()
+    r = json.loads((tmp_path / "default.json").read_text())
+    assert r["preemptions"]["swap"] > 0 and r["preemptions"]["swap_fallbacks"] == 0
+    assert "swap_warning" not in r and "warning" not in printed.err
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--model", "gpt-9"], "unknown model 'gpt-9'"),
     (["--hardware", "tpu-v9"], "unknown hardware 'tpu-v9'"),

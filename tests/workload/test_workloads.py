@@ -253,3 +253,23 @@ def test_prompts_without_a_tokenizer():
     assert len(out[0].prompt_text.split()) == 30
     with pytest.raises(W.WorkloadError, match="tokenizer"):
         W.materialize([W.RequestSpec(0.0, 30, 4)], None, "ids")
+
+
+def test_a_trace_window_at_a_rate_has_that_mean_rate():
+    """The capacity search over a trace window: rescaling the whole trace and cutting it at the window
+    gave the window the rate of whatever part landed in it (a trace that thins out: far below the
+    probe's rate); ``window_at_rate`` takes the first rate x D arrivals and rescales those to the rate."""
+    from tidal.workload import RequestSpec, mean_rate, specs_at_rate, window_at_rate
+
+    times = [0.1 * i for i in range(100)] + [10 + 5.0 * i for i in range(100)]  # dense, then sparse
+    base = [RequestSpec(t, 10, 5) for t in times]
+    cut = specs_at_rate(base, 2.0, 60.0)  # the old way: the whole trace at 2 req/s, the first 60 s kept
+    assert mean_rate([s.arrival_s for s in cut]) > 2.5  # the window holds the dense part: not 2 req/s
+    win = window_at_rate(base, 2.0, 60.0)
+    arr = [s.arrival_s for s in win]
+    assert len(win) == 121 and arr[0] == 0.0 and max(arr) <= 60.0
+    assert mean_rate(arr) == pytest.approx(2.0)
+    assert [s.prompt_len for s in win] == [s.prompt_len for s in base[:121]]  # the trace's first requests, in order
+    short = window_at_rate(base[:50], 2.0, 60.0)  # the trace runs out: all of it, still at the rate
+    assert len(short) == 50 and mean_rate([s.arrival_s for s in short]) == pytest.approx(2.0)
+    assert window_at_rate(base, 2.0, None) == specs_at_rate(base, 2.0, None)

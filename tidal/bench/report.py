@@ -7,6 +7,8 @@ Each file there is one run, in the format the command that measured it writes:
   peers, one table a run;
 - ``tidal sim --output FILE`` (key ``speedup``; ``python benchmarks/sim_speed.py``): the simulator's
   speed;
+- ``python benchmarks/chaos_soak.py --output FILE`` (keys ``benchmark`` and ``runs``): ``tidal bench
+  soak --chaos`` in each mode and backend, one row a run;
 - anything else carries a ``figures`` list of ``[measurement, value]`` pairs and a ``benchmark``
   name (the runs transcribed from earlier READMEs that kept no JSON of their own, the kernel and
   scheduler micro-benchmarks).
@@ -52,7 +54,7 @@ class ReportError(ValueError):
 class Run:
     path: str  # relative to the results folder
     data: dict[str, Any]
-    kind: str  # offline | sim | figures
+    kind: str  # offline | sim | chaos | figures
 
     @property
     def date(self) -> str:
@@ -83,6 +85,8 @@ def kind_of(data: Any) -> str | None:
         return "offline"
     if "speedup" in data and "simulated_time_s" in data:
         return "sim"
+    if isinstance(data.get("runs"), list) and data.get("benchmark") == "tidal bench soak --chaos":
+        return "chaos"
     if isinstance(data.get("figures"), list) and data.get("benchmark"):
         return "figures"
     return None
@@ -106,8 +110,8 @@ def load_runs(results_dir: str) -> list[Run]:
                 raise ReportError(f"{path}: not readable JSON ({e})") from None
             kind = kind_of(data)
             if kind is None:
-                raise ReportError(f"{path}: neither a `tidal bench offline` report, a `tidal sim` result nor a "
-                                  "record with `benchmark` and `figures`")
+                raise ReportError(f"{path}: neither a `tidal bench offline` report, a `tidal sim` result, a chaos soak "
+                                  "(`benchmarks/chaos_soak.py`) nor a record with `benchmark` and `figures`")
             if data.get("partial"):
                 raise ReportError(f"{path}: a partial report (the run was stopped before its end)")
             runs.append(Run(rel, data, kind))
@@ -238,6 +242,31 @@ def _offline_lines(run: Run) -> list[str]:
     return lines
 
 
+# ============================================================================ chaos soaks
+def _chaos_lines(run: Run) -> list[str]:
+    """One row per mode and backend of a chaos soak, and the totals."""
+    lines = ["| mode | backend | s | kills | back after s (mean / max) | sent | completed | refused 503 | lost streams "
+             "| other errors | KV blocks left | processes left | verdict |", "|---" * 13 + "|"]
+    tot = dict.fromkeys(("s", "kills", "sent", "completed", "refused", "lost", "other", "kv", "left"), 0)
+    for r in run.data["runs"]:
+        s, ch = r["soak"], r["soak"]["chaos"]
+        left = ch["processes_left"] + len(r.get("left_after_stop") or [])
+        ok = s["clean"] and not r.get("left_after_stop") and r.get("server_exit_code") == 0
+        back = "-" if ch["back_after_s_mean"] is None else f"{ch['back_after_s_mean']:.1f} / {ch['back_after_s_max']:.1f}"
+        lines.append(f"| {r['mode']} | {r['backend']} | {s['duration_s']:.0f} | {ch['kills']} | {back} | {s['sent']} | "
+                     f"{s['completed']} | {s['refused_503']} | {s['lost_streams']} | {s['other_errors']} | "
+                     f"{_fmt(s['leaked_kv_blocks'], 'd') if s['leaked_kv_blocks'] is not None else 'not idle'} | {left} | "
+                     f"{'clean' if ok else '**not clean**'} |")
+        for k, v in (("s", s["duration_s"]), ("kills", ch["kills"]), ("sent", s["sent"]), ("completed", s["completed"]),
+                     ("refused", s["refused_503"]), ("lost", s["lost_streams"]), ("other", s["other_errors"]),
+                     ("kv", s["leaked_kv_blocks"] or 0), ("left", left)):
+            tot[k] += v
+    lines.append(f"| **all** | | {tot['s']:.0f} | {tot['kills']} | | {tot['sent']} | {tot['completed']} | {tot['refused']} "
+                 f"| **{tot['lost']}** | {tot['other']} | {tot['kv']} | {tot['left']} | "
+                 f"{'clean' if run.data.get('clean') else '**not clean**'} |")
+    return lines
+
+
 # ============================================================================ page
 def _run_lines(run: Run) -> list[str]:
     d = run.data
@@ -254,6 +283,8 @@ def _run_lines(run: Run) -> list[str]:
         lines += [f"*Recorded*: {rec.get('how', 'by hand')}.", ""]
     if run.kind == "offline":
         lines += _offline_lines(run)
+    elif run.kind == "chaos":
+        lines += _chaos_lines(run)
     elif run.kind == "sim":
         lines += ["| simulated time | wall time | speedup |", "|---|---|---|",
                   f"| {_fmt(d.get('simulated_time_s'), '.0f')} s | {_fmt(d.get('wall_time_s'), '.1f')} s | "
@@ -332,8 +363,9 @@ def render_page(runs: list[Run]) -> str:
         "for each repeat.",
         "",
         "To add a run: `tidal bench offline --output benchmarks/results/NAME.json` (or `python",
-        "benchmarks/sim_speed.py --output benchmarks/results/NAME.json`), then `tidal bench report`,",
-        "which rewrites this page and the table in the README.",
+        "benchmarks/sim_speed.py --output benchmarks/results/NAME.json`, or `python benchmarks/chaos_soak.py",
+        "--output benchmarks/results/NAME.json`: `tidal bench soak --chaos` in every mode and backend), then",
+        "`tidal bench report`, which rewrites this page and the table in the README.",
         "",
         "## Summary: tidal against its best peer",
         "",

@@ -10,6 +10,14 @@ accepted), the KV blocks still in use (leaked: the server has nothing to run), t
 resident memory at start and end (``process_resident_memory_bytes`` of ``/metrics``) and every
 ``/health`` status. It prints progress lines and writes the JSON report; the exit code is 1
 when anything failed, leaked or ``/health`` was ever not 200.
+
+A refusal counts as one only with ``Retry-After`` and an OpenAI-style error body (else it is an
+other error); a stream that was accepted and then broke is a *lost* stream. With ``--chaos``
+(:mod:`tidal.bench.chaos`) a random worker of the server is SIGKILLed every
+``--chaos-interval`` seconds of the arrivals: the run is clean when no request failed (none
+lost, no other error: every one answered or refused with a retryable 503), no KV block leaked,
+every killed worker is back and gone (``processes_left``), and ``/health`` answered 200 (or 503
+while no instance was alive).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from typing import Any
 
 import aiohttp
 
+from tidal.bench.chaos import Chaos, descendants
 from tidal.bench.client import BenchError, normalize_base_url
 from tidal.common import flags as F
 from tidal.common.machine import machine_info
@@ -35,6 +44,7 @@ from tidal.common.results import command_line, run_command, write_json
 PROG = "tidal bench soak"
 DEFAULT_OUTPUT = os.path.join("results", "soak.json")
 REFUSED = (429, 503)
+LOST = "lost: "  # how a request that was accepted and then broke is labelled among the errors
 WORDS = ("river", "stone", "light", "cloud", "market", "engine", "garden", "signal", "paper", "winter")
 
 # (name, method, path, body bytes or JSON, content type): each must be refused with a 4xx
@@ -77,6 +87,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-timeout", type=F.positive_float, default=60.0,
                    help="seconds to wait for the server to report nothing running before counting KV blocks")
     p.add_argument("--max-in-flight", type=F.positive_int, default=1024, help="client-side bound on open requests")
+    p.add_argument("--chaos", action="store_true",
+                   help="SIGKILL a random worker of the server (a process or a Ray actor) every --chaos-interval "
+                        "seconds of the arrivals, and check every request is answered or refused with a 503")
+    p.add_argument("--chaos-interval", type=F.positive_float, default=10.0, help="seconds between kills (--chaos)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=DEFAULT_OUTPUT, help=f"JSON report (default {DEFAULT_OUTPUT})")
     p.add_argument("--no-progress", action="store_true", help="no progress lines")
@@ -111,17 +125,32 @@ class Soak:
 
     def _fail(self, why: str) -> None:
         self.counts["failed"] += 1
+        self.counts["lost" if why.startswith(LOST) else "other_errors"] += 1
         self.errors[why[:200]] += 1
+
+    async def _refusal(self, r: aiohttp.ClientResponse) -> str:
+        """A 429/503 is a refusal when it says when to retry and why (an OpenAI error body)."""
+        body = await r.read()
+        try:
+            err = json.loads(body).get("error")
+        except (ValueError, AttributeError):
+            err = None
+        if not isinstance(err, dict) or "message" not in err:
+            return f"HTTP {r.status} without an OpenAI error body: {body[:80]!r}"
+        if not r.headers.get("Retry-After"):
+            return f"HTTP {r.status} without Retry-After ({err.get('code')})"
+        return f"refused-{r.status}"
 
     async def normal(self, stream: bool) -> str:
         assert self.session is not None
         try:
+            accepted = False
             async with self.session.post(f"{self.url}/v1/completions", json=self._body(stream)) as r:
                 if r.status in REFUSED:
-                    await r.read()
-                    return "refused"
+                    return await self._refusal(r)
                 if r.status != 200:
                     return f"HTTP {r.status}: {(await r.text())[:120]}"
+                accepted = True
                 if not stream:
                     data = await r.json()
                     return "completed" if data.get("choices") and data.get("usage") else f"bad body {str(data)[:120]}"
@@ -131,12 +160,12 @@ class Soak:
                     if text == "data: [DONE]":
                         done = True
                     elif text.startswith("data: ") and '"error"' in text[:40]:
-                        return f"error event in stream: {text[6:160]}"
-                return "completed" if done else "stream ended without [DONE]"
+                        return f"{LOST}error event in stream: {text[6:160]}"
+                return "completed" if done else f"{LOST}stream ended without [DONE]"
         except asyncio.TimeoutError:
-            return "timed out"
+            return f"{LOST if accepted else ''}timed out"
         except aiohttp.ClientError as e:
-            return f"{type(e).__name__}: {e}"
+            return f"{LOST if accepted and stream else ''}{type(e).__name__}: {e}"
 
     async def disconnect(self) -> str:
         """A streamed request whose client goes away: before the response (after 0-50 ms), or
@@ -147,10 +176,10 @@ class Soak:
 
         async def go() -> str:
             async with self.session.post(f"{self.url}/v1/completions", json=self._body(True)) as r:
-                if r.status >= 500 and r.status not in REFUSED:
-                    return f"HTTP {r.status}"
+                if r.status in REFUSED:
+                    return await self._refusal(r)
                 if r.status != 200:
-                    return "refused" if r.status in REFUSED else f"HTTP {r.status}"
+                    return f"HTTP {r.status}"
                 async for _ in r.content:
                     break  # the first chunk: leave now (the context manager closes the connection)
                 return "disconnected"
@@ -176,9 +205,9 @@ class Soak:
             kw["headers"] = {"Content-Type": ctype}
         try:
             async with self.session.request(method, f"{self.url}{path}", **kw) as r:
-                await r.read()
                 if r.status in REFUSED:
-                    return "refused"
+                    return await self._refusal(r)
+                await r.read()
                 if 400 <= r.status < 500:
                     return "malformed_rejected"
                 return f"malformed request ({name}) answered HTTP {r.status}"
@@ -200,7 +229,10 @@ class Soak:
                 out = await self.normal(stream=self.rng.random() < 0.75)
         finally:
             self.in_flight -= 1
-        if out in ("completed", "refused", "disconnected", "malformed_rejected"):
+        if out.startswith("refused-"):
+            self.counts["refused"] += 1
+            self.counts[out.replace("-", "_")] += 1
+        elif out in ("completed", "disconnected", "malformed_rejected"):
             self.counts[out] += 1
         else:
             self._fail(out)
@@ -248,7 +280,7 @@ class Soak:
         c = self.counts
         bad = sum(1 for _, s in self.health if s != 200)
         print(f"[{time.monotonic() - self.t0:6.1f}s] {phase}: sent {c['sent']}  completed {c['completed']}  "
-              f"refused {c['refused']}  failed {c['failed']}  disconnected {c['disconnected']}  "
+              f"refused {c['refused']}  failed {c['failed']} (lost {c['lost']})  disconnected {c['disconnected']}  "
               f"malformed->4xx {c['malformed_rejected']}  in flight {self.in_flight}  "
               f"health {len(self.health) - bad}/{len(self.health)} ok"
               + ("" if kv is None else f"  KV {100 * kv:.0f}%"), file=self.log, flush=True)
@@ -266,6 +298,7 @@ class Soak:
             while left > 0:
                 left -= 1
                 out = await self.normal(stream=False)
+                out = "refused" if out.startswith("refused-") else out
                 outcomes[out if out in ("completed", "refused") else "failed"] += 1
                 if out == "refused":  # a full queue is not the service rate: try that one again shortly
                     left += 1
@@ -280,6 +313,29 @@ class Soak:
         if outcomes["completed"] == 0:
             raise BenchError(f"no request of the capacity probe completed at {self.url}: {dict(outcomes)}")
         return outcomes["completed"] / elapsed
+
+    @staticmethod
+    def activity(state: dict[str, Any] | None) -> dict[str, int]:
+        """The server's counters of what it did (fail-overs, restarts, moves by outcome, hand-offs,
+        splits, KV-pressure events), flat: a run's is the difference of two."""
+        s = (state or {}).get("stats") or {}
+        c = (state or {}).get("cluster") or s.get("cluster") or {}
+        out = {k: s[k] for k in ("instance_failures", "instance_restarts", "failovers", "splits", "num_preemptions")
+               if isinstance(s.get(k), int)}
+        out.update({f"moves_{k}": v for k, v in (s.get("moves_ended") or {}).items()})
+        if isinstance(c.get("num_handoffs"), int):
+            out["handoffs"] = c["num_handoffs"]
+        out.update({f"kv_pressure_{k}": v for k, v in ((c.get("kv_pressure") or {}).get("events_total") or {}).items()})
+        return out
+
+    @staticmethod
+    def tree(state: dict[str, Any] | None) -> int | None:
+        """Processes under the server (its workers, and a local Ray's), when it runs on this machine."""
+        import socket
+
+        if not state or not state.get("pid") or state.get("host") != socket.gethostname():
+            return None
+        return len(descendants(int(state["pid"])))
 
     async def wait_idle(self) -> dict[str, Any] | None:
         deadline = time.monotonic() + self.a.idle_timeout
@@ -312,8 +368,15 @@ class Soak:
                       f"{conc} at a time, max_tokens {self.a.max_tokens}; {self.probe})", file=self.log, flush=True)
             rate = self.a.multiple * capacity
             print(f"{PROG}: {self.a.duration:g} s at {rate:.3g} req/s ({self.a.multiple:g} x capacity) against "
-                  f"{self.url}, {self.a.disconnect_fraction:.0%} disconnects, {self.a.malformed_fraction:.0%} malformed",
+                  f"{self.url}, {self.a.disconnect_fraction:.0%} disconnects, {self.a.malformed_fraction:.0%} malformed"
+                  + (f", a worker killed every {self.a.chaos_interval:g} s" if self.a.chaos else ""),
                   file=self.log, flush=True)
+            tree_start = self.tree(start_state)
+            chaos, stop_chaos, chaos_task = None, asyncio.Event(), None
+            if self.a.chaos:
+                chaos = Chaos(lambda: self.get_json("/admin/state"), self.a.chaos_interval,
+                              random.Random(self.a.seed + 1), self.t0, self.log, self.a.idle_timeout)
+                chaos_task = asyncio.create_task(chaos.run(stop_chaos))
             tasks: set[asyncio.Task] = set()
             t_start = time.monotonic()
             next_arrival, next_progress = t_start, t_start + self.a.progress_interval
@@ -332,6 +395,9 @@ class Soak:
                     next_progress += self.a.progress_interval
                 await asyncio.sleep(max(0.0, min(next_arrival, next_progress) - time.monotonic()))
             arrivals_s = time.monotonic() - t_start
+            stop_chaos.set()
+            if chaos_task is not None:
+                await chaos_task
             self.progress("arrivals done, draining")
             if tasks:
                 _, pending = await asyncio.wait(set(tasks), timeout=self.a.drain_timeout)
@@ -340,7 +406,12 @@ class Soak:
                 await asyncio.gather(*pending, return_exceptions=True)
                 for _ in pending:
                     self._fail(f"still running {self.a.drain_timeout:g} s after the last arrival")
+            if chaos is not None:
+                await chaos.finish(self.a.idle_timeout)  # every killed instance back, then idle
             idle = await self.wait_idle()
+            tree_end = self.tree(idle or start_state)
+            before, after = self.activity(start_state), self.activity(idle or await self.get_json("/admin/state"))
+            activity = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
             stop_health.set()
             await health_task
             rss_end = await self.rss()
@@ -349,11 +420,14 @@ class Soak:
         leaked = s["num_kv_blocks"] - s["num_free_kv_blocks"] if idle else None
         statuses = Counter(str(st) for _, st in self.health)
         c = self.counts
+        ok_health = {"200", "503"} if self.a.chaos else {"200"}  # 503: no instance alive for a moment
         return {
             "base_url": self.url, "model": self.model,
             "capacity_rps": capacity, "capacity_measured": measured, "capacity_probe": self.probe,
             "multiple": self.a.multiple, "rate_rps": rate, "duration_s": arrivals_s,
             "sent": c["sent"], "completed": c["completed"], "refused": c["refused"], "failed": c["failed"],
+            "refused_503": c["refused_503"], "refused_429": c["refused_429"], "lost_streams": c["lost"],
+            "other_errors": c["other_errors"],
             "disconnected": c["disconnected"], "disconnects_sent": c["disconnect_sent"],
             "malformed_sent": c["malformed_sent"], "malformed_rejected": c["malformed_rejected"],
             "not_sent": c["not_sent"], "errors": dict(self.errors.most_common()),
@@ -361,6 +435,9 @@ class Soak:
             "rss_start_bytes": rss_start, "rss_end_bytes": rss_end,
             "health_samples": len(self.health), "health_statuses": dict(statuses),
             "health_always_200": bool(self.health) and set(statuses) == {"200"},
+            "health_ok": bool(self.health) and set(statuses) <= ok_health,
+            "processes_start": tree_start, "processes_end": tree_end, "server_activity": activity,
+            **({"chaos": chaos.report()} if chaos is not None else {}),
             # a gap far above --health-interval: this client (or the whole machine) stalled, not only the server
             "health_max_gap_s": max((b[0] - a[0] for a, b in zip(self.health, self.health[1:], strict=False)),
                                     default=None),
@@ -369,6 +446,10 @@ class Soak:
 
 
 def clean(r: dict[str, Any]) -> bool:
+    chaos = r.get("chaos")
+    if chaos is not None:
+        return (r["failed"] == 0 and r["leaked_kv_blocks"] == 0 and r["health_ok"] and chaos["kills"] > 0
+                and chaos["processes_left"] == 0 and chaos["not_back"] == 0)
     return r["failed"] == 0 and r["leaked_kv_blocks"] == 0 and r["health_always_200"]
 
 
@@ -380,10 +461,12 @@ def format_summary(r: dict[str, Any]) -> str:
              f"{r['base_url']} ({r['model']}): {r['duration_s']:.0f} s at {r['rate_rps']:.3g} req/s = "
              f"{r['multiple']:g} x capacity {r['capacity_rps']:.3g} req/s ({'measured' if r['capacity_measured'] else 'given'})"]
     for label, key in (("requests sent", "sent"), ("completed", "completed"), ("refused (429/503)", "refused"),
-                       ("failed", "failed"), ("client disconnects", "disconnected"),
+                       ("  of which 503 + Retry-After", "refused_503"), ("failed", "failed"),
+                       ("  lost streams", "lost_streams"), ("  other errors", "other_errors"),
+                       ("client disconnects", "disconnected"),
                        ("malformed -> 4xx", "malformed_rejected"), ("malformed sent", "malformed_sent"),
                        ("leaked KV blocks (idle)", "leaked_kv_blocks")):
-        v = r[key]
+        v = r.get(key)
         lines.append(f"{label:<34}{'-' if v is None else v:>12}")
     lines.append(f"{'server RSS start -> end':<34}{mib(r['rss_start_bytes']):>12} -> {mib(r['rss_end_bytes'])}")
     lines.append(f"{'/health samples':<34}{r['health_samples']:>12}  "
@@ -392,11 +475,24 @@ def format_summary(r: dict[str, Any]) -> str:
     if gap is not None:
         lines.append(f"{'longest gap between /health samples':<34}{gap:>10.1f} s  (interval "
                      f"{r['config']['health_interval']:g} s; far more: the client or machine stalled)")
+    ch = r.get("chaos")
+    if ch is not None:
+        back = "-" if ch["back_after_s_max"] is None else f"{ch['back_after_s_mean']:.1f} s mean, {ch['back_after_s_max']:.1f} s max"
+        lines.append(f"{'workers killed (SIGKILL)':<34}{ch['kills']:>12}  every {ch['interval_s']:g} s; back after {back}"
+                     + (f"; {ch['not_back']} not back" if ch["not_back"] else ""))
+        lines.append(f"{'killed processes left':<34}{ch['processes_left']:>12}"
+                     + (f"  skipped: {ch['skipped']}" if ch["skipped"] else ""))
+    if r.get("server_activity"):
+        lines.append("server: " + ", ".join(f"{k} {v}" for k, v in sorted(r["server_activity"].items())))
+    if r.get("processes_start") is not None:
+        lines.append(f"{'processes under the server':<34}{r['processes_start']:>12} -> {r['processes_end']}")
     for msg, n in r["errors"].items():
         lines.append(f"  {n} x {msg}")
     if not r["idle"]:
         lines.append("  the server still had work --idle-timeout after the run: its KV blocks were not counted")
-    lines.append(f"verdict: {'CLEAN' if clean(r) else 'NOT CLEAN'} (0 failed, 0 leaked KV blocks, /health always 200)")
+    rule = ("0 failed (0 lost, every refusal a 503/429 with Retry-After), 0 leaked KV blocks, every killed worker "
+            "back and gone, /health 200 or 503" if ch is not None else "0 failed, 0 leaked KV blocks, /health always 200")
+    lines.append(f"verdict: {'CLEAN' if clean(r) else 'NOT CLEAN'} ({rule})")
     lines.append("=" * 60)
     return "\n".join(lines)
 

@@ -11,6 +11,11 @@ Pure decision code shared by the simulator and the real runtime.
   none can, the request waits on its prefill instance and the monitor shows it as a pending
   hand-off; it is retried whenever an instance reports.
 
+  While a role has no live instance (one died and restarts), the survivors cover for it: with
+  no prefill instance alive a decode instance takes new requests and runs them whole, and with
+  no decode instance alive a prefill instance keeps what it prefills and decodes it itself
+  (:meth:`Dispatcher.can_hand_off`): 1P1D degrades to colocated until the role is back.
+
 - ``split`` (DynaServe): instances pair up (``2k`` alpha, ``2k+1`` beta, :func:`tidal.cluster.split.pairs`)
   and every instance prefills and decodes; :class:`tidal.cluster.split.SplitPlanner` picks the pair
   and the split point of each request, not this dispatcher.
@@ -86,10 +91,13 @@ class Dispatcher:
         self.recorder = recorder
 
     def dispatch(self, req: RouteRequest, now: float) -> int | None:
-        """The instance that takes ``req`` first (a prefill instance when disaggregated), or None
-        when no instance of that role is alive."""
+        """The instance that takes ``req`` first (a prefill instance when disaggregated; a decode
+        instance, which runs it whole, when no prefill instance is alive), or None when no
+        instance is alive at all."""
         role = "prefill" if self.layout.disaggregated else None
         live = self.monitor.routable(role)
+        if not live and self.layout.disaggregated:  # the prefill role is down: P/D degrades to colocated
+            live = self.monitor.routable("decode")
         names = req.block_hashes
         if self.router.uses_cache and names:  # each instance's cached prefix of this prompt (replays bring theirs)
             req = replace(req, cached=tuple(r.cached_tokens(names) for r in live))
@@ -109,6 +117,17 @@ class Dispatcher:
             self.monitor.on_dispatch(index, req.request_id, now, max(req.prompt_len - cached, 1),
                                      names if self.router.uses_cache else ())
         return index
+
+    def can_hand_off(self) -> bool:
+        """Disaggregated: some decode instance is alive to take a hand-off. When none is, a
+        prefilled request stays on its prefill instance and decodes there (waiting for a decode
+        instance to come back would stall every stream for a restart)."""
+        return any(r.role == "decode" for r in self.monitor.alive("decode"))
+
+    def runs_whole(self, index: int) -> bool:
+        """A request placed on ``index`` now runs there to its end: always but on a prefill
+        instance, and on one of those while no decode instance is alive."""
+        return self.monitor.instances[index].role != "prefill" or not self.can_hand_off()
 
     def choose_decode(self, request_id: str, blocks_needed: int, now: float = 0.0) -> int | None:
         """BucketServe's hand-off target: the live decode instance with the most free KV that can

@@ -66,6 +66,8 @@ class InstanceStatus:
     # the block names its pools gained and lost since its last report (only when the front end asks)
     queued_prefill_tokens: int = 0
     cache_delta: CacheDelta | None = None
+    num_swap_preemptions: int = 0  # of num_preemptions, those that swapped out (the rest recomputed)
+    num_swap_fallbacks: int = 0  # preemptions that wanted to swap and recomputed (the host pool was full)
 
 
 _STATUS_FIELDS = tuple(f.name for f in fields(InstanceStatus))
@@ -230,6 +232,10 @@ class GlobalMonitor:
 
     def on_handoff_wait(self, request_id: str, blocks: int) -> None:
         self.pending_handoffs[request_id] = blocks
+
+    def on_handoff_cancel(self, request_id: str) -> None:
+        """A hand-off that waited for room will not happen (the request stays, finished or is re-run)."""
+        self.pending_handoffs.pop(request_id, None)
 
     def on_handoff_start(self, request_id: str, dst: int, blocks: int) -> None:
         """A hand-off to ``dst`` began: its blocks are reserved there until it lands or fails."""

@@ -177,6 +177,15 @@ class Move:
             return [Retry(now + self.deadlines.retry_s)]
         return self._fall_back(now, "the destination refused it", release=False)
 
+    def unplaceable(self, now: float) -> list[Command]:
+        """No instance that could take the request is alive (a P/D hand-off while every decode
+        instance is down): it stays on its source while that holds it (P/D degrades to colocated),
+        else it is recomputed. Only while it waits for a destination."""
+        if self.phase is not Phase.RESERVING:
+            return []
+        self.log.append((now, "no destination alive"))
+        return self._fall_back(now, "no destination is alive", release=False)
+
     def chunk_landed(self, index: int, now: float) -> list[Command]:
         if self.phase is not Phase.SENDING or not 0 <= index < self.num_chunks or index in self.landed:
             return []

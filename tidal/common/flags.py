@@ -127,7 +127,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     _flag("--kv-cache-memory", default=None, help="KV pool size on CPU or CUDA, e.g. 512MiB"),
     _flag("--gpu-memory-utilization", type=float, default=None, help="fraction of GPU memory for weights+KV"),
     _flag("--block-size", type=int, default=None, help="tokens per KV block"),
-    _flag("--swap-space", default=None, help="host memory for swapped-out KV, e.g. 1GiB"),
+    _flag("--swap-space", default=None, help="host memory for swapped-out KV with --preemption-mode swap (default "
+                                             "4GiB, vLLM's; allocated only in swap mode), e.g. 8GiB"),
     _flag("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
           help="reuse the KV of shared prompt prefixes (full blocks named by a chained hash, kept after their "
                "last user until reused; on by default); --no-enable-prefix-caching recomputes every prompt"),

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 
@@ -108,6 +108,7 @@ def progress_lines(total: int | None, enabled: bool = True, every_s: float = 0.0
 
 
 _startup_label = "engine"
+_startup_sink: Callable[[str], None] | None = None
 
 
 def set_startup_label(label: str) -> None:
@@ -116,9 +117,20 @@ def set_startup_label(label: str) -> None:
     _startup_label = label
 
 
+def set_startup_sink(sink: Callable[[str], None] | None) -> None:
+    """Where else this process's start-up lines go (a Ray actor sends them to its front end, whose
+    stderr is the one the user reads); None: stderr only."""
+    global _startup_sink
+    _startup_sink = sink
+
+
 def startup_line(msg: str) -> None:
     """One line of an engine's start on stderr: ``engine: msg``."""
-    print(f"{_startup_label}: {msg}", file=sys.stderr, flush=True)
+    line = f"{_startup_label}: {msg}"
+    print(line, file=sys.stderr, flush=True)
+    if _startup_sink is not None:
+        with contextlib.suppress(Exception):  # a line that cannot be forwarded is still in this process's log
+            _startup_sink(line)
 
 
 @contextlib.contextmanager
@@ -131,5 +143,5 @@ def startup_phase(doing: str, done: str) -> Iterator[None]:
     startup_line(f"{done} in {time.perf_counter() - t0:.1f} s")
 
 
-__all__ = ["ProgressBar", "ProgressLines", "progress_bar", "progress_lines", "set_startup_label", "startup_line",
-           "startup_phase"]
+__all__ = ["ProgressBar", "ProgressLines", "progress_bar", "progress_lines", "set_startup_label", "set_startup_sink",
+           "startup_line", "startup_phase"]

@@ -86,6 +86,8 @@ class Scheduler:
         self._expected_cached: dict[str, int] = {}  # waiting requests' cached prefix when they arrived (tokens)
         self.prefix_hits = 0
         self.prefix_host_hits = 0
+        self.num_swap_preemptions = 0  # preemptions that swapped out (the rest recomputed)
+        self.num_swap_fallbacks = 0  # preemptions that wanted to swap, found the host pool full and recomputed
         self._finished_since_plan: list[str] = []
         self._pending_updates: list[RequestUpdate] = []  # finishes decided while scheduling
         self._reached_pause: list[str] = []  # paused at their ``pause_at`` since the last drain
@@ -252,7 +254,9 @@ class Scheduler:
                 swap_out.extend(moves)
                 victim.status = RequestStatus.SWAPPED
                 self.swapped.append(victim)
+                self.num_swap_preemptions += 1
                 return
+            self.num_swap_fallbacks += 1  # the host pool cannot hold it: recompute instead
         # recompute: drop the KV, keep the tokens; it re-enters at the head of the queue
         self.kv.free(victim.request_id)
         victim.num_computed_tokens = 0

@@ -35,6 +35,11 @@ class QueueFullError(RuntimeError):
     """The waiting queue is at its bound (``--max-queued-requests``)."""
 
 
+class InstanceUnavailableError(RuntimeError):
+    """A fault, not a bug: no instance that could serve the request is alive right now (one died
+    and restarts). The server refuses with 503 and ``Retry-After``; a retry later succeeds."""
+
+
 class AsyncLLM:
     def __init__(self, engine: LLMEngine, step_hooks: list[Callable[[LLMEngine, list[RequestOutput]], None]] | None = None):
         self.engine = engine

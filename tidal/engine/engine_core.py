@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from tidal.common.progress import startup_phase
-from tidal.config import EngineConfig, default_cpu_threads
+from tidal.common.progress import startup_line, startup_phase
+from tidal.config import EngineConfig, default_cpu_threads, swap_space_warning
 from tidal.core.kv_manager import KVCacheManager
 from tidal.core.plan import RequestUpdate, StepPlan, StepResult
 from tidal.core.policy import SchedulingPolicy
@@ -75,8 +75,13 @@ class EngineCore:
                   and self.model.is_first and self.model.is_last)
         block_bytes = kv_block_bytes(arch, cc.block_size, self.kv_dtype, len(layer_ids))
         num_blocks = num_kv_blocks(config, self.device, arch, block_bytes, self.max_model_len, self.dtype, graphs)
-        # one host pool: swapped-out requests (swap mode) and the prefix cache's host tier share it
-        num_host = ((cc.swap_space if sc.preemption_mode == "swap" else 0) + cc.kv_offloading_size) // block_bytes
+        # one host pool: swapped-out requests (swap mode only) and the prefix cache's host tier share it
+        num_swap = cc.swap_space // block_bytes if sc.preemption_mode == "swap" else 0
+        num_host = num_swap + cc.kv_offloading_size // block_bytes
+        self.swap_warning = swap_space_warning(num_swap, cc.block_size, self.max_model_len, cc.swap_space) \
+            if sc.preemption_mode == "swap" else None
+        if self.swap_warning:
+            startup_line(f"warning: {self.swap_warning}")
         self.kv_cache = PagedKVCache(arch, layer_ids, num_blocks, cc.block_size, self.kv_dtype, self.device, num_host,
                                      scratch_block=graphs)
         self.kv_manager = KVCacheManager(num_blocks, cc.block_size, num_host, enable_caching=cc.enable_prefix_caching,
@@ -158,6 +163,8 @@ class EngineCore:
             "prefix_cache_host_hits": self.scheduler.prefix_host_hits,
             "num_cached_kv_blocks": kv.num_cached_blocks,
             "num_host_kv_blocks": kv.host_pool.num_blocks if kv.host_tier else 0,
+            "num_swap_preemptions": self.scheduler.num_swap_preemptions,
+            "num_swap_fallbacks": self.scheduler.num_swap_fallbacks,
             "batch_size_cap": self.scheduler.last_caps.max_num_seqs,
             "token_budget": self.scheduler.last_caps.token_budget,
             "policy": self.policy.state(),  # a frozen PolicyState: safe to hand to the server's thread

@@ -45,9 +45,11 @@ class PagedKVCache:
     def _add_layer(self, i: int, pin: bool = False) -> None:
         self.layers[i] = KVLayer(self._alloc(self.num_blocks), self._alloc(self.num_blocks))
         if self.num_host_blocks:
+            # empty, never zeroed: a host block is read only after a swap-out wrote it, so on CPU the
+            # swap space costs memory only as blocks are swapped out (its pages are touched then)
             h = (self.num_host_blocks, *self._shape)
-            self.host[i] = KVLayer(torch.zeros(h, dtype=self.dtype, pin_memory=pin),
-                                   torch.zeros(h, dtype=self.dtype, pin_memory=pin))
+            self.host[i] = KVLayer(torch.empty(h, dtype=self.dtype, pin_memory=pin),
+                                   torch.empty(h, dtype=self.dtype, pin_memory=pin))
 
     def _alloc(self, n: int, like: torch.Tensor | None = None) -> torch.Tensor:
         """n blocks (and the scratch block, if any; on huge pages where the CPU's kernel gives them):

@@ -9,6 +9,8 @@ import torch
 from tidal.core.plan import TokenLogprobs
 from tidal.core.sampling import SamplingParams
 
+MIN_TEMPERATURE = 1e-5  # (vLLM's _SAMPLING_EPS) a lower one samples as this: logits / 1e-45 overflow float32
+
 
 class Sampler:
     def __init__(self, seed: int = 0):
@@ -28,7 +30,8 @@ class Sampler:
     @staticmethod
     def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
         """Apply temperature, top-k, top-p and min-p; returns probabilities [S, V]."""
-        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
+        # a temperature below MIN_TEMPERATURE (a denormal, say) would overflow the logits: it samples as that
+        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).clamp_(min=MIN_TEMPERATURE).unsqueeze(1)
         logits = logits / temps
         ks = [p.top_k if p.top_k > 0 else 0 for p in params]
         if any(ks):
@@ -46,6 +49,7 @@ class Sampler:
             cum = sp.cumsum(-1)
             top_p = torch.tensor(tops, dtype=probs.dtype).unsqueeze(1)
             drop_sorted = (cum - sp) >= top_p  # keep the smallest prefix whose mass reaches top_p
+            drop_sorted[:, 0] = False  # and the likeliest token always (a top_p that rounds to 0 in float32)
             drop = torch.zeros_like(drop_sorted).scatter(1, si, drop_sorted)
             probs = probs.masked_fill(drop, 0.0)
         mins = [p.min_p for p in params]

@@ -15,8 +15,12 @@ The HTTP server talks to it exactly as to :class:`tidal.engine.async_engine.Asyn
   chunk as it computes, to the beta member, which holds a reservation and continues the request;
 - when a worker dies, its requests are re-run on the live instances from their prompt plus the
   tokens already streamed (recompute), their streams continue, and the worker is restarted.
-  Only when no instance is alive does a request fail (the server answers 503). A worker that
-  fails otherwise (an exception other than a client's rejection: ``Fatal``) is handled the same way.
+  The survivors cover for a role nobody alive holds (:class:`~tidal.cluster.dispatch.Dispatcher`:
+  P/D degrades to colocated, a split runs whole on a live instance). When no instance at all can
+  take a re-run it waits (*parked*) until one is back, up to ``start_timeout_s``; a new request
+  meanwhile is refused with :class:`InstanceUnavailableError` (the server's 503 with
+  ``Retry-After``), never an internal error. A worker that fails otherwise (an exception other
+  than a client's rejection: ``Fatal``) is handled the same way.
 
 The coordinators of ``--kv-pressure`` and ``--mode split`` see this front end through the narrow
 :class:`tidal.runtime.front.Front` protocol (``send``, ``failover``, ``recompute``, ...).
@@ -30,6 +34,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -50,7 +55,7 @@ from tidal.config import ConfigError, default_cpu_threads
 from tidal.core.admission import admit
 from tidal.core.block_hash import block_hashes
 from tidal.core.sampling import SamplingParams
-from tidal.engine.async_engine import EngineDeadError, QueueFullError
+from tidal.engine.async_engine import EngineDeadError, InstanceUnavailableError, QueueFullError
 from tidal.engine.llm_engine import RequestSnapshot, dtype_name
 from tidal.engine.outputs import RequestOutput
 from tidal.runtime import protocol as P
@@ -125,9 +130,12 @@ class ClusterLLM(HandoffFront):
         self.move_records: deque[MoveRecord] = deque(maxlen=MOVE_LOG)
         self.weights: list[str | None] = [None] * n  # what each worker runs (its ready message says)
         self.nodes: list[str | None] = [None] * n  # where each runs (a Ray node's id, or the host's name)
+        self.hosts: list[str | None] = [None] * n  # the host's name each runs on
         self.pids: list[int | None] = [None] * n
         self.requests: dict[str, Tracked] = {}  # by the client's request id
         self.by_wid: dict[str, Tracked] = {}  # by the id its current run has on the workers (Tracked.wid)
+        # re-runs no live instance could take (every one that could is down): placed when one is back
+        self.parked: dict[str, tuple[Tracked, float]] = {}  # by the client's request id: (request, since)
         self.outbox = Outbox()
         self._lock = threading.RLock()
         self._ids = itertools.count()
@@ -202,7 +210,7 @@ class ClusterLLM(HandoffFront):
             return
         n = self.layout.instances
         t0 = time.perf_counter()
-        where = "worker N engine" if self.cluster.backend != "ray" else "in Ray's logs: log_to_driver is off"
+        where = "worker N engine" + (", forwarded from Ray's actors" if self.cluster.backend == "ray" else "")
         startup_line(f"starting {n} instances (their own start-up lines: {where}) ...")
         for i in range(n):
             self.handles[i] = self.backend.start(self._worker_config(i))
@@ -281,7 +289,7 @@ class ClusterLLM(HandoffFront):
             self.by_wid[rid] = t
             if not self._place(t, fresh=True):
                 del self.requests[rid], self.by_wid[rid]
-                raise EngineDeadError("no serving instance is alive")
+                raise InstanceUnavailableError(self._unavailable())
         finished = False
         try:
             while True:
@@ -298,11 +306,18 @@ class ClusterLLM(HandoffFront):
 
     def _admit(self, max_q: int | None) -> bool:
         """The queue bound over the instances (under the lock): their backlog, plus the hand-offs
-        waiting for a decode instance, must stay within ``max_q`` counting the new request."""
+        waiting for a decode instance and the parked re-runs, must stay within ``max_q`` counting
+        the new request."""
         cap = self.config.scheduler.max_num_seqs
         live = [r for r in self.monitor.instances if r.alive]
         entry = [r.admission_load(cap) for r in live if r.routable and r.role != "decode"]
-        return admit([r.admission_load(cap) for r in live], max_q, len(self.monitor.pending_handoffs), entry)
+        return admit([r.admission_load(cap) for r in live], max_q,
+                     len(self.monitor.pending_handoffs) + len(self.parked), entry)
+
+    def _unavailable(self) -> str:
+        dead = [r.index for r in self.monitor.instances if not r.alive]
+        return (f"no instance can serve the request right now (instance{'s' if len(dead) != 1 else ''} "
+                f"{', '.join(map(str, dead))} down{', restarting' if self.cluster.restart else ''}); retry shortly")
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -310,6 +325,7 @@ class ClusterLLM(HandoffFront):
             if t is None:
                 return
             self.by_wid.pop(t.wid, None)
+            self.parked.pop(request_id, None)
             for i in {t.instance, *(() if t.handoff is None else (t.handoff.src, t.handoff.dst))}:
                 if i is not None and i >= 0:
                     self.send(i, P.Abort(t.wid))
@@ -328,7 +344,7 @@ class ClusterLLM(HandoffFront):
             return {
                 "num_requests_running": sum(r.status.num_running for r in inst if r.alive),
                 "num_requests_waiting": sum(r.status.num_waiting for r in inst if r.alive)
-                + len(self.monitor.pending_handoffs),
+                + len(self.monitor.pending_handoffs) + len(self.parked),
                 "kv_cache_usage_perc": 1.0 - free / total if total else 0.0,
                 "num_kv_blocks": total, "num_free_kv_blocks": free,
                 "num_preemptions": sum(r.status.num_preemptions for r in inst),
@@ -336,8 +352,10 @@ class ClusterLLM(HandoffFront):
                 **{f"prefix_cache_{k}": sum(getattr(r.status, f"prefix_{k}", 0) for r in inst)
                    for k in ("queries", "hits", "host_hits")},
                 "num_cached_kv_blocks": sum(r.status.num_cached_blocks for r in inst if r.routable),
+                "num_swap_preemptions": sum(r.status.num_swap_preemptions for r in inst),
+                "num_swap_fallbacks": sum(r.status.num_swap_fallbacks for r in inst),
                 "instance_failures": self.num_failures, "instance_restarts": self.num_restarts,
-                "failovers": self.num_failovers, "moves_ended": dict(self.moves_ended),
+                "failovers": self.num_failovers, "parked": len(self.parked), "moves_ended": dict(self.moves_ended),
                 "splits": self.split.num_splits if self.split is not None else 0, "kv_bytes_moved": self.kv_bytes_moved,
                 "cluster": {"mode": self.layout.mode, "router": self.cluster.router, "backend": self.cluster.backend,
                             "threads_per_instance": self.threads, "weights": list(self.weights),
@@ -349,7 +367,8 @@ class ClusterLLM(HandoffFront):
         """The monitor's view, each instance with where its worker runs (node, pid)."""
         snap = self.monitor.snapshot(self.now())
         for d in snap["instances"]:
-            d["node"], d["pid"] = self.nodes[d["index"]], self.pids[d["index"]]
+            i = d["index"]
+            d["node"], d["host"], d["pid"] = self.nodes[i], self.hosts[i], self.pids[i]
         return snap
 
     # ---------------------------------------------------------------- placing requests (under the lock)
@@ -367,12 +386,15 @@ class ClusterLLM(HandoffFront):
         if i is None:
             return False
         t.instance = i
+        # a prefill instance while no decode instance is alive: it runs the request whole (P/D degrades)
+        whole = self.layout.disaggregated and self.monitor.instances[i].role == "prefill" and \
+            self.dispatcher.runs_whole(i)
         if fresh:
-            self.send(i, P.Add(t.wid, t.prompt_ids, t.params, t.priority, t.request_class))
+            self.send(i, P.Add(t.wid, t.prompt_ids, t.params, t.priority, t.request_class, whole=whole))
         else:
             snap = RequestSnapshot(t.wid, None, list(t.prompt_ids), list(t.tokens), t.params, 0, {}, t.priority,
                                    t.request_class, text_sent=t.text_sent, age_s=self.now() - t.arrival_s)
-            self.send(i, P.Import(snap, False))
+            self.send(i, P.Import(snap, False, whole=whole))
         return True
 
     # ---------------------------------------------------------------- the coordinators' view (tidal.runtime.front)
@@ -421,14 +443,37 @@ class ClusterLLM(HandoffFront):
         self.by_wid.pop(t.wid, None)
         t.wid = f"{t.rid}~{t.failovers + 1}"
         self.by_wid[t.wid] = t
-        if t.params.n > 1 or not self._place(t, fresh=not t.tokens and t.text_sent == 0):
-            self._deliver(t, EngineDeadError("the instance serving this request failed and no other can take it"
-                                             if t.params.n == 1 else "an instance failed under an n > 1 request"))
-            self.requests.pop(t.rid, None)
-            self.by_wid.pop(t.wid, None)
-            return
         t.failovers += 1
         self.num_failovers += 1
+        if t.params.n > 1 and t.delivered:  # its sequences' text went out: a re-run would repeat it
+            self._give_up(t, "an instance failed under an n > 1 request whose output had begun; retry the request")
+            return
+        t.instance = -1
+        if not self._place(t, fresh=self._fresh(t)):
+            self.parked[t.rid] = (t, self.now())  # placed when an instance is back (_unpark)
+
+    @staticmethod
+    def _fresh(t: Tracked) -> bool:
+        """Nothing of ``t`` reached the client: it starts anew (an ``add``), else it continues (an ``import``)."""
+        return not t.tokens and t.text_sent == 0 and not t.delivered
+
+    def _give_up(self, t: Tracked, why: str) -> None:
+        self._deliver(t, InstanceUnavailableError(why))
+        self.requests.pop(t.rid, None)
+        self.by_wid.pop(t.wid, None)
+        self.parked.pop(t.rid, None)
+
+    def _unpark(self, now: float) -> None:
+        """Place the parked re-runs, oldest first, while an instance takes them; those parked longer
+        than ``start_timeout_s``, or while nothing will come back, fail (a 503 the client may retry)."""
+        for rid, (t, since) in list(self.parked.items()):
+            if self._place(t, fresh=self._fresh(t)):
+                del self.parked[rid]
+                continue
+            coming = self.cluster.restart and any(h is not None for h in self.handles)
+            if not coming or now - since > self.cluster.start_timeout_s:
+                self._give_up(t, f"the instance serving this request failed and none was back within "
+                                 f"{now - since:.0f} s; retry the request")
 
     # ---------------------------------------------------------------- I/O thread
     def _deliver(self, t: Tracked, item: Any) -> None:
@@ -463,6 +508,8 @@ class ClusterLLM(HandoffFront):
                         self._on_reply(*P.decode_reply(raw))
                 with self._lock:
                     self.tick_moves(self.now())  # deadlines pass with no report too
+                    if self.parked:
+                        self._unpark(self.now())
                     for fd, i in sentinels.items():
                         h = self.handles[i]  # a Fatal reply may have replaced (or removed) it already
                         if h is not None and h.sentinel == fd and (fd in events or not h.alive()):
@@ -482,7 +529,7 @@ class ClusterLLM(HandoffFront):
                 P.Grouped: self._on_pressure, P.ExchangeDone: self._on_pressure, P.Ungrouped: self._on_pressure,
                 P.Restored: self._on_pressure, P.Rejected: self._on_rejected, P.HandoffStarted: self._on_handoff,
                 P.KVChunk: self._on_kv, P.SplitDone: self._on_split_done, P.Landed: self._on_landed,
-                P.Refused: self._on_refused, P.Unmoved: self._on_unmoved, P.Fatal: self._on_fatal}
+                P.Refused: self._on_refused, P.Unmoved: self._on_unmoved, P.Log: self._on_log, P.Fatal: self._on_fatal}
 
     def _on_reply(self, i: int, gen: int, reply: Any) -> None:
         if gen != self.generation[i]:
@@ -491,7 +538,7 @@ class ClusterLLM(HandoffFront):
 
     def _on_ready(self, i: int, r: P.Ready, now: float) -> None:
         self.weights[i] = r.weights
-        self.nodes[i], self.pids[i] = r.node, r.pid
+        self.nodes[i], self.hosts[i], self.pids[i] = r.node, r.host or None, r.pid
         if self.pressure is not None:
             self.pressure.on_layer_bytes(r.layer_bytes)
         self.unready_deaths[i] = 0
@@ -505,6 +552,12 @@ class ClusterLLM(HandoffFront):
             rec.alive = True
         if all(rec.alive for rec in self.monitor.instances):
             self._ready.set()
+        if self.parked:
+            self._unpark(now)
+
+    def _on_log(self, i: int, r: P.Log, now: float) -> None:
+        """A start-up line of a worker whose own output is not this process's stderr (a Ray actor)."""
+        print(r.line, file=sys.stderr, flush=True)
 
     def _on_status(self, i: int, r: P.Out | P.Idle, now: float) -> None:
         if isinstance(r, P.Out):
@@ -555,6 +608,7 @@ class ClusterLLM(HandoffFront):
         if out.request_id != t.rid:  # a re-run after a fail-over: the client knows the first id
             out = dataclasses.replace(out, request_id=t.rid)
         c = out.outputs[0]
+        t.delivered = True
         if len(out.outputs) == 1:
             t.tokens.extend(c.delta_token_ids)
             t.text_sent += len(c.delta_text)

@@ -11,7 +11,9 @@ How the machine's commands are carried out here (the protocol's messages in brac
   where), so for those there is nothing to send;
 - ``Reserve``: the dispatcher's decode pick (a hand-off), or the reservation on the destination
   the coordinator chose (a migration; a split's beta gets ``Reserve``); the monitor counts it.
-  A destination that cannot hold the copy answers ``Refused`` later;
+  A destination that cannot hold the copy answers ``Refused`` later. A hand-off while no decode
+  instance is alive is ``unplaceable``: the request stays on its prefill instance (``Stay``), which
+  decodes it to its end (P/D degrades to colocated while the decode role is down);
 - ``SendChunk``: the snapshot (``Import``) and the chunks the source put (``KVChunk``) go on to
   the destination, now and as they come; the destination resumes the request after the last one
   and says ``Landed``;
@@ -94,6 +96,9 @@ class HandoffFront:
             return []  # a prefill worker and an alpha part pause themselves
         if isinstance(c, Reserve):
             if c.dst is None:  # a hand-off: the dispatcher's decode instance (it records the reservation)
+                if not self.dispatcher.can_hand_off():  # every decode instance is down: it decodes where it is
+                    self.monitor.on_handoff_cancel(t.rid)
+                    return move.unplaceable(now)
                 dst = self.dispatcher.choose_decode(t.rid, c.blocks, now)
                 if dst is None:
                     return []  # waits (the monitor shows it), asked again on the next report
@@ -143,6 +148,7 @@ class HandoffFront:
     def _ended(self, t: Tracked, h: Handoff) -> None:
         move = h.move
         self._record_end(t, h)
+        self.monitor.on_handoff_cancel(t.rid)  # no longer waiting for a decode instance, however it ended
         if move.phase is Phase.DONE:
             assert move.dst is not None
             if move.kind is MoveKind.MIGRATE:
@@ -188,6 +194,7 @@ class HandoffFront:
         h = t.handoff
         if h is None:
             return
+        self.monitor.on_handoff_cancel(t.rid)  # it may have waited for a decode instance
         if not h.move.over:
             if h.move.dst is not None:
                 self.monitor.on_reservation_end(t.rid, h.move.dst)

@@ -15,7 +15,7 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 class ProtocolError(RuntimeError):
@@ -26,7 +26,8 @@ class ProtocolError(RuntimeError):
 @dataclass(frozen=True)
 class Add:
     """A new request; ``pause_at``: DynaServe's alpha part, which pauses at its split point and
-    streams its KV to its beta part."""
+    streams its KV to its beta part; ``whole``: a prefill instance runs it to its end (no decode
+    instance is alive to hand it to)."""
 
     request_id: str
     prompt_ids: list[int]
@@ -34,6 +35,7 @@ class Add:
     priority: int = 0
     request_class: str = "online"
     pause_at: int | None = None
+    whole: bool = False
 
 
 @dataclass(frozen=True)
@@ -50,10 +52,12 @@ class Reserve:
 
 @dataclass(frozen=True)
 class Import:
-    """A snapshot without KV: ``paused`` when its KV follows in chunks, recomputed otherwise."""
+    """A snapshot without KV: ``paused`` when its KV follows in chunks, recomputed otherwise
+    (``whole``: as :class:`Add`'s)."""
 
     snapshot: Any  # RequestSnapshot
     paused: bool
+    whole: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,7 +83,8 @@ class Finish:
 @dataclass(frozen=True)
 class Stay:
     """A move fell back while this source still held the request: keep it (stop its export, clear
-    a split point) and run it on. A source that already let it go answers ``Refused``."""
+    a split point) and run it on to its end (a prefill instance hands it off no more). A source
+    that already let it go answers ``Refused``."""
 
     request_id: str
 
@@ -135,6 +140,7 @@ class Ready:
     layer_bytes: int
     node: str = ""  # where it runs: the Ray node's id, or the host's name
     pid: int = 0
+    host: str = ""  # the host's name (a Ray actor's too)
 
 
 @dataclass(frozen=True)
@@ -246,6 +252,14 @@ class Restored:
 
 
 @dataclass(frozen=True)
+class Log:
+    """A line the worker printed while it started (a Ray actor's own output goes to Ray's logs):
+    the front end prints it on its own stderr."""
+
+    line: str
+
+
+@dataclass(frozen=True)
 class Fatal:
     """The worker failed (an exception other than a client's rejection): it exits after this."""
 
@@ -254,7 +268,7 @@ class Fatal:
 
 
 REPLIES = (Ready, Out, Idle, Rejected, HandoffStarted, KVChunk, SplitDone, Landed, Refused, Unmoved, Grouped,
-           ExchangeDone, Ungrouped, Restored, Fatal)
+           ExchangeDone, Ungrouped, Restored, Log, Fatal)
 
 
 # ---------------------------------------------------------------- frames
@@ -296,6 +310,6 @@ def _frame(raw: bytes, size: int) -> tuple:
 
 
 __all__ = ["COMMANDS", "PROTOCOL_VERSION", "REPLIES", "Abort", "Add", "ExchangeDone", "Fatal", "Finish", "Group",
-           "Grouped", "HandoffStarted", "Idle", "Import", "KVChunk", "Landed", "Migrate", "Out", "ProtocolError",
+           "Grouped", "HandoffStarted", "Idle", "Import", "KVChunk", "Landed", "Log", "Migrate", "Out", "ProtocolError",
            "Ready", "Refused", "Rejected", "Reserve", "Restore", "Restored", "Shutdown", "SplitDone", "Ungroup",
            "Stay", "Ungrouped", "Unmoved", "decode_command", "decode_reply", "encode_command", "encode_reply"]

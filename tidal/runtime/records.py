@@ -61,6 +61,7 @@ class Tracked:
     wid: str = ""  # the id this run has on the workers: rid, then a new one after each fail-over
     split_log: dict[str, Any] | None = None  # its entry in ClusterLLM.splits (split mode)
     arrival_s: float = 0.0  # when the client sent it, on the front end's clock (a re-run keeps its age)
+    delivered: bool = False  # an output of it went to the client
 
     def __post_init__(self) -> None:
         self.wid = self.wid or self.rid

@@ -105,7 +105,8 @@ def instance_status(engine: Any, index: int, step_time_s: float | None = None) -
                           policy=engine.policy.state().to_dict(), prefix_queries=sched.prefix_queries,
                           prefix_hits=sched.prefix_hits, prefix_host_hits=sched.prefix_host_hits,
                           num_cached_blocks=kv.num_cached_blocks, queued_prefill_tokens=sched.queued_prefill_tokens(),
-                          cache_delta=kv.drain_delta() if kv.pool.log is not None else None)
+                          cache_delta=kv.drain_delta() if kv.pool.log is not None else None,
+                          num_swap_preemptions=sched.num_swap_preemptions, num_swap_fallbacks=sched.num_swap_fallbacks)
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
@@ -120,6 +121,11 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
         if os.getppid() == 1:  # the parent is already gone
             os._exit(1)
+
+
+def in_ray_actor() -> bool:
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
 
 
 def node_name() -> str:
@@ -144,7 +150,16 @@ class Worker:
         self.out = self.ctx.socket(zmq.PUSH)
         self.out.setsockopt(zmq.LINGER, 2000)
         self.out.connect(cfg.out_address)
-        self.engine = LLMEngine(cfg.engine)
+        if in_ray_actor():  # its stderr is Ray's log file: its start-up lines go to the front end's too
+            from tidal.common.progress import set_startup_sink
+
+            set_startup_sink(lambda line: self.send(P.Log(line)))
+        try:
+            self.engine = LLMEngine(cfg.engine)
+        finally:
+            from tidal.common.progress import set_startup_sink
+
+            set_startup_sink(None)
         if cfg.report_cache:
             self.engine.kv_manager.track_names()
         from tidal.engine.loader import clear_cache
@@ -153,6 +168,7 @@ class Worker:
         self.transport = build_transport(cfg.transport, cfg.transport_tag)
         self.exports: deque[_Export] = deque()
         self.handing_off: set[str] = set()
+        self.kept: set[str] = set()  # a prefill instance's requests that run here to their end (no hand-off)
         self.importing: set[str] = set()  # paused imports whose KV chunks are still arriving
         # per import, the chunks (and a beta part's ``finish``) that arrived but wait for blocks,
         # in arrival order: an import holds blocks only for the KV that has landed
@@ -198,6 +214,8 @@ class Worker:
         except RequestRejected as err:
             self.send(P.Rejected(cmd.request_id, str(err), err.param))
             return
+        if cmd.whole:
+            self.kept.add(cmd.request_id)
         if cmd.pause_at is not None:
             self.exports.append(_Export(cmd.request_id, stream=True))
 
@@ -228,12 +246,14 @@ class Worker:
             if ex.request_id == rid:
                 self.exports.remove(ex)
         self.handing_off.discard(rid)
+        self.kept.add(rid)  # a prefill instance hands it off no more: its decode runs here
         e.cancel_pause(rid)
 
     def on_abort(self, cmd: Any) -> None:
         rid = cmd.request_id
         self.engine.abort_request(rid)
         self.handing_off.discard(rid)
+        self.kept.discard(rid)
         self.importing.discard(rid)
         self.waiting_kv.pop(rid, None)  # their handles are the front end's to release
         for ex in list(self.exports):
@@ -252,6 +272,8 @@ class Worker:
             return
         if cmd.paused:
             self.importing.add(cmd.snapshot.request_id)
+        if cmd.whole:
+            self.kept.add(cmd.snapshot.request_id)
 
     def on_kv(self, cmd: Any) -> None:
         if cmd.request_id not in self.importing:
@@ -385,7 +407,7 @@ class Worker:
     # ---------------------------------------------------------------- hand-offs (prefill role)
     def start_handoffs(self, outs: list) -> None:
         for o in outs:
-            if o.finished or o.request_id in self.handing_off or len(o.outputs) != 1:
+            if o.finished or o.request_id in self.handing_off or o.request_id in self.kept or len(o.outputs) != 1:
                 continue  # n > 1 requests stay here: a hand-off moves one sequence
             self.hand_off(o.request_id)
 
@@ -481,7 +503,7 @@ class Worker:
         from tidal.runtime.peer import PeerLost
 
         self.send(P.Ready(self.status(), self.engine.describe_weights(), self.engine.model.layer_weight_bytes(),
-                          node_name(), os.getpid()))
+                          node_name(), os.getpid(), socket.gethostname()))
         poller = zmq.Poller()
         poller.register(self.cmd, zmq.POLLIN)
         while self.running:
@@ -554,6 +576,8 @@ class Worker:
         t0 = time.perf_counter()
         outs = self.engine.step()
         dt = time.perf_counter() - t0
+        if self.kept:
+            self.kept.difference_update(o.request_id for o in outs if o.finished)
         if self.cfg.role == "prefill":
             self.start_handoffs(outs)
         if any(x.stream for x in self.exports):

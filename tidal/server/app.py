@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import os
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -43,6 +45,8 @@ from tidal.server.protocol import (
     TokenizeRequest,
     parse_body,
 )
+from tidal.server.schema_rules import Limits
+from tidal.server.serving import MAX_LOGPROBS, MAX_N, MAX_PROMPTS, MAX_STOP, SEED_RANGE
 from tidal.server.serving_chat import OpenAIServingChat
 
 
@@ -86,7 +90,10 @@ def build_app(async_llm: Any, served_model_name: str | None = None) -> FastAPI:
     # the server calls this as it stops accepting connections, before it waits for the open ones
     app.state.begin_shutdown = serving.drain.begin
     install_handlers(app)
-    install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
+    limits = Limits(vocab_size=serving.vocab_size, tokenizer_size=len(engine.tokenizer),
+                    max_model_len=engine.max_model_len, max_n=MAX_N, max_prompts=MAX_PROMPTS, max_stop=MAX_STOP,
+                    max_logprobs=MAX_LOGPROBS, seed_range=SEED_RANGE)
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest], limits)
     body_errors = errors(400, 404, 413, 415)
     dashboard.install(app, metrics)  # /dashboard and /admin/latency
 
@@ -164,6 +171,7 @@ def build_app(async_llm: Any, served_model_name: str | None = None) -> FastAPI:
         cfg = engine.config
         return JSONResponse(_jsonable({
             "model": name, "alive": engine_alive(async_llm), "max_model_len": engine.max_model_len,
+            "pid": os.getpid(), "host": socket.gethostname(),  # where the server runs (a chaos soak's processes)
             "stats": stats, "policy": policy.to_dict() if isinstance(policy, PolicyState) else None,
             "batch_size_cap": batch_size_cap(stats, cfg.scheduler.max_num_seqs),
             "scheduler": dataclasses.asdict(cfg.scheduler), "cache": dataclasses.asdict(cfg.cache),

@@ -1,7 +1,7 @@
 """OpenAI-style errors: every failure answers ``{"error": {"message", "type", "param", "code"}}``.
 
 :class:`APIError` is what the handlers raise; :func:`from_exception` maps engine exceptions
-(queue full, rejected prompt, bad sampling parameter, dead engine) onto it, and
+(queue full, no live instance, rejected prompt, bad sampling parameter, dead engine) onto it, and
 :func:`install_handlers` makes FastAPI answer validation errors, unknown routes and unexpected
 exceptions in the same shape, so a bad request never takes the server down.
 """
@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tidal.core.sampling import SamplingParamsError
 from tidal.core.scheduler import RequestRejected
-from tidal.engine.async_engine import EngineDeadError, QueueFullError
+from tidal.engine.async_engine import EngineDeadError, InstanceUnavailableError, QueueFullError
 
 log = logging.getLogger("tidal.server")
 
@@ -63,6 +63,8 @@ def from_exception(e: BaseException, prompt_param: str = "prompt") -> APIError:
         return e
     if isinstance(e, QueueFullError):
         return APIError(str(e), 503, code="queue_full")
+    if isinstance(e, InstanceUnavailableError):  # an instance died and restarts: a fault a retry gets past
+        return APIError(str(e), 503, code="instance_unavailable")
     if isinstance(e, ServerShuttingDown):
         return APIError(str(e), 503, code="server_shutdown")
     if isinstance(e, RequestRejected):

@@ -92,6 +92,18 @@ class _EngineCollector:
             yield cnt
         yield self._gauge("tidal:num_kv_blocks_cached", "Cached KV blocks nobody holds (free, and may yet be hit).",
                           s.get("num_cached_kv_blocks", 0))
+        # by what they did: swapped out, or recomputed (recompute mode, or swap mode with a full host pool)
+        swapped = float(s.get("num_swap_preemptions", 0))
+        by_mode = CounterMetricFamily("tidal:preemptions", "Preemptions since start, by what they did (swap: the "
+                                      "KV went to the host pool; recompute: it was dropped).",
+                                      labels=["model_name", "mode"])
+        by_mode.add_metric([self.model_name, "swap"], swapped)
+        by_mode.add_metric([self.model_name, "recompute"], float(s.get("num_preemptions", 0)) - swapped)
+        yield by_mode
+        fallbacks = CounterMetricFamily("tidal:swap_fallbacks", "Preemptions that wanted to swap, found the host "
+                                        "pool (--swap-space) full and recomputed.", labels=["model_name"])
+        fallbacks.add_metric([self.model_name], float(s.get("num_swap_fallbacks", 0)))
+        yield fallbacks
         yield self._policy(s, cluster)
         yield from self._instances(s, cluster)
 

@@ -15,6 +15,8 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from tidal.server.schema_rules import Limits, state_rules
+
 JSON = "application/json"
 
 
@@ -50,7 +52,8 @@ _ERRORS = {
     404: "Unknown model or route",
     413: "Request body too large",
     415: "Content type is not application/json",
-    503: "Waiting queue full, engine not running, or server shutting down (see Retry-After)",
+    503: "Waiting queue full, no instance alive to serve it (one restarts), engine not running, or server "
+         "shutting down (see Retry-After)",
 }
 _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying", "schema": {"type": "integer"}}}
 
@@ -70,8 +73,12 @@ def ok(model: type[BaseModel], description: str, stream: bool = False) -> dict[i
     """The 200 response; ``stream``: also ``text/event-stream`` (``"stream": true``)."""
     resp: dict[str, Any] = {"model": model, "description": description}
     if stream:
-        resp["content"] = {"text/event-stream": {"schema": {"type": "string", "description":
-                                                            "server-sent events: `data: <chunk JSON>` ... `data: [DONE]`"}}}
+        # before OpenAPI 3.2 (no itemSchema) an event stream's schema describes one event
+        event = {"type": "object", "required": ["data"],
+                 "properties": {"data": {"type": "string", "description": "a chunk's JSON, an error body's JSON, "
+                                                                          "or [DONE] (the last event)"}},
+                 "description": "one server-sent event: `data: <chunk JSON>` ... `data: [DONE]`"}
+        resp["content"] = {"text/event-stream": {"schema": event}}
     return {200: resp}
 
 
@@ -93,8 +100,9 @@ def request_body(model: type[BaseModel]) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {JSON: {"schema": _ref(model)}}}}
 
 
-def install_openapi(app: FastAPI, request_models: list[type[BaseModel]]) -> None:
-    """Serve the schema with ``request_models`` (and the error body) in its components, no 422."""
+def install_openapi(app: FastAPI, request_models: list[type[BaseModel]], limits: Limits | None = None) -> None:
+    """Serve the schema with ``request_models`` (and the error body) in its components, no 422;
+    with ``limits``, the request bodies state the handlers' rules (:mod:`tidal.server.schema_rules`)."""
     models = [*request_models, ErrorResponse]
 
     def openapi() -> dict[str, Any]:
@@ -112,6 +120,8 @@ def install_openapi(app: FastAPI, request_models: list[type[BaseModel]]) -> None
                 op.get("responses", {}).pop("422", None)
         for name in ("HTTPValidationError", "ValidationError"):
             comps.pop(name, None)
+        if limits is not None:
+            state_rules(comps, limits)
         app.openapi_schema = schema
         return schema
 

@@ -125,6 +125,20 @@ class DetokenizeRequest(_Req):
     tokens: list[int]
 
 
+def _whole_numbers(x: Any) -> tuple[Any, bool]:
+    """``x`` with every float that is a whole number as an int (JSON's data model: ``3.0`` and
+    ``3`` are one number, an integer), and whether any changed. A float field takes an int."""
+    if isinstance(x, float):
+        return (int(x), True) if x.is_integer() else (x, False)
+    if isinstance(x, list):
+        items = [_whole_numbers(v) for v in x]
+        return ([v for v, _ in items], True) if any(c for _, c in items) else (x, False)
+    if isinstance(x, dict):
+        pairs = {k: _whole_numbers(v) for k, v in x.items()}
+        return ({k: v for k, (v, _) in pairs.items()}, True) if any(c for _, c in pairs.values()) else (x, False)
+    return x, False
+
+
 async def parse_body(request: Request, model: type[_Req]) -> Any:
     """Read and validate a JSON body; every failure is an :class:`APIError` (400/413/415)."""
     ctype = request.headers.get("content-type", "")
@@ -151,6 +165,9 @@ async def parse_body(request: Request, model: type[_Req]) -> Any:
     if not isinstance(obj, dict):
         raise APIError(f"the request body must be a JSON object, not {type(obj).__name__}", 400,
                        code="invalid_json")
+    whole, changed = _whole_numbers(obj)
+    if changed:  # JSON has one number type: 3.0 is the integer 3 (as the schema's "integer" says)
+        text = json.dumps(whole)
     try:
         return model.model_validate_json(text)
     except ValidationError as e:

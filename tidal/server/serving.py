@@ -12,6 +12,7 @@ and never a broken stream.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import time
@@ -54,7 +55,7 @@ MAX_LOGPROBS = 20
 MAX_CHARS_PER_TOKEN = 32
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4; vLLM any number): more is a 400 naming the limit
 MIN_LOGPROB = -9999.0
-_SEED_RANGE = (-(2**63), 2**63 - 1 - MAX_N)  # torch generators take 64-bit seeds; n > 1 uses seed + i
+SEED_RANGE = (-(2**63), 2**63 - 1 - MAX_N)  # torch generators take 64-bit seeds; n > 1 uses seed + i
 _NO_IDS: dict = {"choices": {"__all__": {"token_ids"}}}  # a completion's JSON without return_token_ids
 
 
@@ -131,7 +132,12 @@ class OpenAIServing:
         if bad is not None:
             raise APIError(f"{param}: token id {bad} is out of range [0, {self.vocab_size})", 400, param=param)
 
-    def check_length(self, ids: list[int], max_tokens: int | None, param: str, max_param: str) -> None:
+    def fit_length(self, prompt: PromptInput, params: SamplingParams, param: str) -> PromptInput:
+        """The prompt must leave the context room for one output token (else 400). ``max_tokens``
+        is an upper bound: where the prompt leaves less room, the request ends at the context
+        (``finish_reason`` length), as the engine ends any request there; the prompt gets its own
+        parameters then (a batch's prompts differ in length)."""
+        ids = prompt.token_ids
         if not ids:
             raise APIError(f"{param}: the prompt is empty", 400, param=param)
         n = len(ids)
@@ -139,20 +145,29 @@ class OpenAIServing:
             raise APIError(f"this model's maximum context length is {self.max_model_len} tokens, but the "
                            f"prompt has {n} tokens (at least one output token must fit)", 400, param=param,
                            code="context_length_exceeded")
-        if max_tokens is not None and n + max_tokens > self.max_model_len:
-            raise APIError(f"this model's maximum context length is {self.max_model_len} tokens, but "
-                           f"{n} prompt tokens + {max_param} {max_tokens} = {n + max_tokens}", 400,
-                           param=max_param, code="context_length_exceeded")
+        room = self.max_model_len - n
+        if params.max_tokens is None or params.max_tokens <= room:
+            return prompt
+        fitted = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
+        return dataclasses.replace(prompt, params=fitted)
 
     def sampling_params(self, req: SamplingRequest, max_tokens: int | None, max_param: str,
                         logprobs: int | None) -> SamplingParams:
         n = 1 if req.n is None else req.n
         if not 1 <= n <= MAX_N:
             raise APIError(f"n must be in [1, {MAX_N}], got {n}", 400, param="n")
-        if req.best_of is not None and req.best_of != n:
-            raise APIError("best_of other than n is not supported", 400, param="best_of")
-        if max_tokens is not None and max_tokens < 1:
-            raise APIError(f"{max_param} must be at least 1, got {max_tokens}", 400, param=max_param)
+        if req.best_of is not None and req.best_of != 1:  # (vLLM V1 refuses best_of > 1 likewise)
+            raise APIError(f"best_of must be 1 (best-of sampling is not supported), got {req.best_of}", 400,
+                           param="best_of")
+        top = self.max_model_len - 1  # the most any prompt of one token leaves room for
+        if max_tokens is not None and not 1 <= max_tokens <= top:
+            raise APIError(f"{max_param} must be in [1, {top}] (this model's context less one prompt token), got "
+                           f"{max_tokens}", 400, param=max_param)
+        min_tokens = req.min_tokens or 0
+        if not 0 <= min_tokens <= top:
+            raise APIError(f"min_tokens must be in [0, {top}], got {min_tokens}", 400, param="min_tokens")
+        if max_tokens is not None:
+            min_tokens = min(min_tokens, max_tokens)  # beyond max_tokens it changes nothing: max_tokens ends it
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(req, name)
             if v is not None and v != 0:
@@ -161,7 +176,7 @@ class OpenAIServing:
             raise APIError("repetition_penalty is not supported (only 1)", 400, param="repetition_penalty")
         if req.logit_bias:
             raise APIError("logit_bias is not supported", 400, param="logit_bias")
-        if req.seed is not None and not _SEED_RANGE[0] <= req.seed <= _SEED_RANGE[1]:
+        if req.seed is not None and not SEED_RANGE[0] <= req.seed <= SEED_RANGE[1]:
             raise APIError("seed must be a 64-bit signed integer", 400, param="seed")
         if req.stream_options is not None and not req.stream:
             raise APIError("stream_options is only allowed when stream is true", 400, param="stream_options")
@@ -173,7 +188,7 @@ class OpenAIServing:
             return SamplingParams(
                 n=n, temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
-                min_p=req.min_p or 0.0, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens or 0,
+                min_p=req.min_p or 0.0, seed=req.seed, max_tokens=max_tokens, min_tokens=min_tokens,
                 stop=stop, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=bool(req.ignore_eos),
                 include_stop_str_in_output=bool(req.include_stop_str_in_output), logprobs=logprobs,
                 skip_special_tokens=req.skip_special_tokens is not False, cache_salt=req.cache_salt)
@@ -201,7 +216,7 @@ class OpenAIServing:
             return await handler
         except ClientDisconnected:
             return Response(status_code=499)
-        except Exception as e:  # engine errors after submission (e.g. EngineDeadError): 500, same shape
+        except Exception as e:  # engine errors after submission: a lost instance 503, a dead engine 500, same shape
             return from_exception(e).response()
 
     # ------------------------------------------------------------------ /v1/completions
@@ -251,9 +266,8 @@ class OpenAIServing:
             raise APIError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", 400, param="logprobs")
         params = self.sampling_params(req, req.max_tokens, "max_tokens", req.logprobs)
         prompts = await self.completion_prompts(req)
-        for i, p in enumerate(prompts):
-            self.check_length(p.token_ids, params.max_tokens, "prompt" if len(prompts) == 1 else f"prompt.{i}",
-                              "max_tokens")
+        prompts = [self.fit_length(p, params, "prompt" if len(prompts) == 1 else f"prompt.{i}")
+                   for i, p in enumerate(prompts)]
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = await self.start_streams(request, prompts, params, req, rid, start, "prompt")
         if req.stream:

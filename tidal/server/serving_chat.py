@@ -95,12 +95,14 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError("top_logprobs requires logprobs to be true", 400, param="top_logprobs")
         want_lp = bool(req.logprobs)
         if req.max_completion_tokens is not None:
+            if req.max_tokens is not None:  # the one that counts is max_completion_tokens: both must be valid
+                self.sampling_params(req, req.max_tokens, "max_tokens", None)
             max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
         else:
             max_tokens, max_param = req.max_tokens, "max_tokens"
         params = self.sampling_params(req, max_tokens, max_param, (top_n or 0) if want_lp else None)
-        prompt = await self.chat_prompt(req.messages, req.add_generation_prompt is not False)
-        self.check_length(prompt.token_ids, params.max_tokens, "messages", max_param)
+        prompt = self.fit_length(await self.chat_prompt(req.messages, req.add_generation_prompt is not False), params,
+                                 "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self.start_streams(request, [prompt], params, req, rid, start, "messages")
         if req.stream:

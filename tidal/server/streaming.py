@@ -110,6 +110,7 @@ class Drain:
 class PromptInput:
     text: str | None  # None when the prompt came as token ids
     token_ids: list[int]
+    params: SamplingParams | None = None  # its own, when they differ from the request's (fitted to the context)
 
 
 class EngineStreams:
@@ -138,7 +139,7 @@ class EngineStreams:
             self.drain.live.add(self)
         for i, p in enumerate(prompts):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-            self.gens.append(self.llm.generate(p.text, params, rid, prompt_token_ids=p.token_ids,
+            self.gens.append(self.llm.generate(p.text, p.params or params, rid, prompt_token_ids=p.token_ids,
                                                priority=priority, request_class=request_class))
             self.trackers.append(self.metrics.tracker(self.start_time))
         try:

@@ -20,7 +20,7 @@ from tidal.cluster.handoff import DEFAULT_LAYERS_PER_CHUNK, DEFAULT_TOKENS_PER_C
 from tidal.cluster.pressure import ModelMemory, check_pressure_mode
 from tidal.cluster.router import build_router
 from tidal.cluster.split import SplitParams, SplitPlanner
-from tidal.config import ConfigError, ModelArch, SchedulerConfig
+from tidal.config import DEFAULT_SWAP_SPACE, ConfigError, ModelArch, SchedulerConfig, swap_space_warning
 from tidal.policies.profile_table import ProfileTable
 from tidal.sim.analytic import AnalyticCostModel, kv_pool_blocks_for
 from tidal.sim.cost_model import CostModel, ScaledCostModel
@@ -57,11 +57,12 @@ class ClusterSpec:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | None = None  # explicit KV budget per instance (bytes)
     num_blocks: int | None = None  # explicit pool size (overrides the memory budget)
-    swap_space: int = 0  # host bytes per instance for swapped-out KV (preemption_mode swap)
+    swap_space: int = DEFAULT_SWAP_SPACE  # host bytes per instance for swapped-out KV (preemption_mode swap)
     # prefix caching as the engine's: requests share blocks where a trace's hash ids or a conversation's
     # content spans say their contents are equal (a turn's answer blocks too); any request re-hits its own
-    # blocks after a recompute preemption (other prompts have no tokens here, so they share nothing else). Off by default here: the papers' experiments model
-    # engines without it (vLLM v0's default); `tidal sim` follows the engine's default (on)
+    # blocks after a recompute preemption (other prompts have no tokens here, so they share nothing else).
+    # Off by default here: the papers' experiments model engines without it (vLLM v0's default); `tidal sim`
+    # follows the engine's default (on)
     enable_prefix_caching: bool = False
     kv_offloading_size: int = 0  # host bytes per instance for cached blocks the pool evicts (a second tier)
     max_model_len: int | None = None  # default: the model's context
@@ -152,6 +153,20 @@ def resolve(spec: ClusterSpec) -> tuple[ModelArch, HardwareSpec, int, int]:
     return arch, hw, blocks, max_len
 
 
+def swap_blocks(spec: ClusterSpec, arch: ModelArch) -> int:
+    """Host blocks per instance for swapped-out KV (none unless ``--preemption-mode swap``), as the engine sizes them."""
+    block_bytes = spec.block_size * arch.kv_bytes_per_token(spec.dtype_bytes)  # all tp shards
+    return spec.swap_space // block_bytes if spec.scheduler.preemption_mode == "swap" else 0
+
+
+def swap_warning(spec: ClusterSpec) -> str | None:
+    """The engine's start-up warning for this setup: a swap space too small for one longest request."""
+    if spec.scheduler.preemption_mode != "swap":
+        return None
+    arch, _, _, max_len = resolve(spec)
+    return swap_space_warning(swap_blocks(spec, arch), spec.block_size, max_len, spec.swap_space)
+
+
 def handoff_config(spec: ClusterSpec, arch: ModelArch, hw: HardwareSpec) -> HandoffConfig:
     link: LinkSpec = get_link(spec.link, hw)
     return HandoffConfig.for_model(arch, spec.dtype_bytes, link, spec.tp, spec.layers_per_chunk, spec.tokens_per_chunk)
@@ -227,8 +242,7 @@ def build_simulator(spec: ClusterSpec, requests: Sequence[RequestSpec],
     layout = spec.layout
     check_policy_args(spec)
     block_bytes = spec.block_size * arch.kv_bytes_per_token(spec.dtype_bytes)  # all tp shards
-    swap = spec.swap_space if spec.scheduler.preemption_mode == "swap" else 0
-    host_blocks = (swap + spec.kv_offloading_size) // block_bytes  # one host pool: swap and the cache's tier
+    host_blocks = swap_blocks(spec, arch) + spec.kv_offloading_size // block_bytes  # one host pool: swap, cache tier
     caching = spec.enable_prefix_caching
     cost_model = make_cost_model(spec, arch, hw)  # stateless: the instances share it
     # the steps' times, with their tails; the planners' offline profiles (the grid) see the mean model

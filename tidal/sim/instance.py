@@ -300,6 +300,7 @@ class SimInstance:
         sched = self.scheduler
         return {"index": self.index, "role": self.role, "num_blocks": self.kv.num_blocks, "block_size": self.kv.block_size,
                 "steps": self.num_steps, "busy_time_s": self.busy_time,
-                "num_preemptions": sched.num_preemptions, "policy_state": self.policy.state().to_dict(),
+                "num_preemptions": sched.num_preemptions, "num_swap_preemptions": sched.num_swap_preemptions,
+                "num_swap_fallbacks": sched.num_swap_fallbacks, "policy_state": self.policy.state().to_dict(),
                 "prefix_queries": sched.prefix_queries, "prefix_hits": sched.prefix_hits,
                 "prefix_host_hits": sched.prefix_host_hits, "num_host_blocks": self.kv.host_pool.num_blocks}

@@ -185,6 +185,8 @@ class GroupInstance(SimInstance):
         return {"group": list(self.group), "layers": {i: list(v) for i, v in self.layers.items()},
                 "num_blocks": self.kv.num_blocks, "formed_s": self.formed_s, "steps": self.num_steps,
                 "busy_time_s": self.busy_time, "num_preemptions": self.scheduler.num_preemptions,
+                "num_swap_preemptions": self.scheduler.num_swap_preemptions,
+                "num_swap_fallbacks": self.scheduler.num_swap_fallbacks,
                 "microbatches_per_step": self.pipeline.microbatches / self.pipeline.steps if self.pipeline.steps else None,
                 "bubble_ratio": self.pipeline.bubble()}
 

@@ -34,6 +34,7 @@ from tidal.sim.build import (
     pressure_link,
     resolve,
     split_params,
+    swap_warning,
 )
 from tidal.sim.pd import Handoff, summarize_handoffs
 from tidal.sim.split import SplitTransfer, summarize_splits
@@ -104,12 +105,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     F.add_engine_flags(
         p, only=("model", "dtype", "max_model_len", "kv_cache_memory", "gpu_memory_utilization", "block_size",
                  "swap_space", "enable_prefix_caching", "kv_offloading_size"),
-        defaults={"model": "llama-3-8b", "swap_space": "0"},
+        defaults={"model": "llama-3-8b"},
         helps={"model": f"model shape: {', '.join(MODELS)}",
                "dtype": "weights and KV dtype of the simulated instances; auto: the profile's with --profile, "
                         "else bfloat16 (native on every simulated device)",
                "kv_cache_memory": "KV budget per instance, e.g. 512MiB (default: --gpu-memory-utilization)",
-               "swap_space": "host memory per instance for swapped-out KV, e.g. 4GiB"},
+               "swap_space": "host memory per instance for swapped-out KV with --preemption-mode swap "
+                             "(default 4GiB, vLLM's)"},
         title="model and KV memory (as the engine's flags)")
     F.add_scheduler_flags(p, omit=("max_queued_requests",))  # the simulated instances never refuse a request
     F.add_workload_flags(p, helps={"num_requests": "number of requests (default 1000 unless --duration "
@@ -213,6 +215,7 @@ def simulate(spec: ClusterSpec, specs: list[W.RequestSpec], slo: M.SLO, desc: st
     by_request = {h.index: h for h in res.handoffs}
     splits = {t.index: t for t in res.splits}
     summary.update({
+        "preemptions": preemptions(res.instances),
         "simulated_time_s": res.simulated_time_s, "wall_time_s": wall,
         "speedup": res.simulated_time_s / wall if wall > 0 else None, "num_events": res.num_events,
         "instances": res.instances, "timelines": res.timelines,
@@ -280,6 +283,24 @@ def _computed_names(s: W.RequestSpec, block_size: int, unique: bytes) -> list[by
 
     names = spec_block_names(s, block_size, unique)
     return names[:(s.prompt_len + s.output_len - 1) // block_size] if s.answer_segments else names
+def rate_meaning(args: argparse.Namespace) -> str:
+    """What a probe's rate is, in words (the capacity search's report and summary say it)."""
+    if not args.trace:
+        return (f"the mean rate of {args.workload}'s arrivals"
+                + (f" over --duration {args.duration:g} s" if args.duration is not None else ""))
+    if args.duration is None:
+        return "the whole trace's mean arrival rate (its gaps' pattern kept, rescaled)"
+    return (f"the mean arrival rate of the requests replayed: the trace's first rate x {args.duration:g} s arrivals, "
+            f"rescaled to that rate within the {args.duration:g} s window (their gaps' pattern kept)")
+
+
+def preemptions(instances: list[dict[str, Any]]) -> dict[str, int]:
+    """Every instance's preemptions by what they did: swapped out, or recomputed; ``swap_fallbacks``:
+    those that wanted to swap (``--preemption-mode swap``) and recomputed, the host pool full."""
+    total = sum(i.get("num_preemptions", 0) for i in instances)
+    swap = sum(i.get("num_swap_preemptions", 0) for i in instances)
+    return {"total": total, "swap": swap, "recompute": total - swap,
+            "swap_fallbacks": sum(i.get("num_swap_fallbacks", 0) for i in instances)}
 
 
 def _record(r: M.RequestRecord, instance: int, handoff: Handoff | None = None,
@@ -305,11 +326,17 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
     spec = cluster_spec(args)
     arch, hw, blocks, max_len = resolve(spec)  # fail on a bad model/hardware/memory before the workload
     check_roles(spec)
+    swap_warn = swap_warning(spec)
+    if swap_warn:
+        print(f"{PROG}: warning: {swap_warn}", file=sys.stderr)
     F.check_capacity_flags(args)
-    if args.capacity_search:  # one base workload (at 1 req/s, or the trace's times) rescaled per probe
+    if args.capacity_search:  # one base workload (at 1 req/s, or the whole trace at its times) rescaled per probe
         if args.num_requests is None and args.duration is not None and not args.trace:
             args.num_requests = int(args.search_high * args.duration * 1.5) + 16
-        specs = workload(args, None if args.trace else 1.0)
+        if args.trace:  # each probe takes the window its rate brings (window_at_rate), not the trace's first D s
+            specs = W.make_requests(F.workload_options(args, rate=None, duration_s=None))
+        else:
+            specs = workload(args, 1.0)
     else:
         specs = workload(args, args.rate)
     layout = spec.layout
@@ -328,19 +355,22 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
         info.update({"pairs": layout.pairs(), "split_params": asdict(split_params(spec, blocks * spec.block_size)),
                      "split_length": spec.split_length, "link": hc.link.to_dict(),
                      "kv_layers_per_chunk": hc.layers_per_chunk, "kv_stream_tokens": spec.kv_stream_tokens})
+    if swap_warn:
+        info["swap_warning"] = swap_warn
     if spec.kv_pressure in ("migrate", "drop"):
         info["pressure_link"] = pressure_link(spec, hw).to_dict()
     search_report = None
     if args.capacity_search:
         search = F.capacity_search(args)
+        at_rate_of = W.window_at_rate if args.trace else W.specs_at_rate
         while (rate := search.next_rate()) is not None:
-            at_rate = W.specs_at_rate(specs, rate, args.duration)
+            at_rate = at_rate_of(specs, rate, args.duration)
             out = simulate(spec, at_rate, slo, f"rate {rate:.3g}", not args.no_progress, args.timeline_points)
             search.record(rate, out["slo_attainment"] or 0.0, {k: out[k] for k in ("ttft_ms", "tpot_ms")})
             print(f"  rate {rate:8.3g} req/s: attainment {100 * (out['slo_attainment'] or 0):5.1f}%", file=sys.stderr)
-        search_report = search.report()
+        search_report = {**search.report(), "rate_means": rate_meaning(args)}
         rate = search.capacity or args.search_low
-        specs = W.specs_at_rate(specs, rate, args.duration)
+        specs = at_rate_of(specs, rate, args.duration)
     result = simulate(spec, specs, slo, "sim", not args.no_progress, args.timeline_points)
     result["instance_stats"] = result["instances"]  # per instance (info's "instances" is their number)
     result.update(info)
@@ -380,6 +410,13 @@ def format_summary(r: dict[str, Any]) -> str:
              f"  goodput {f(r['goodput']['request_throughput'], '.2f')} req/s",
              f"simulated {r['simulated_time_s']:.1f} s in {r['wall_time_s']:.2f} s wall: "
              f"{f(r['speedup'], '.0f')}x faster than real time ({r['num_events']} events)"]
+    pre = r.get("preemptions")
+    if pre and pre["total"]:
+        lines.append(f"preemptions: {pre['total']} ({pre['swap']} swapped out, {pre['recompute']} recomputed"
+                     + (f", {pre['swap_fallbacks']} of them wanted to swap but the swap space was full"
+                        if pre["swap_fallbacks"] else "") + ")")
+    if r.get("swap_warning"):
+        lines.append(f"warning: {r['swap_warning']}")
     kp = r.get("kv_pressure")
     if kp:
         counts = ", ".join(f"{v} {k}" for k, v in sorted(kp["counts"].items())) or "no throttle"
@@ -413,9 +450,14 @@ def format_summary(r: dict[str, Any]) -> str:
                      + (f" (with its host tier {100 * pc['lru_hit_rate_pool_and_host_as_routed']:.1f}%)" if host else "")
                      + f"; one LRU of all pools {100 * pc['lru_hit_rate_pool_combined']:.1f}%"
                      + (f" (with the host tiers {100 * pc['lru_hit_rate_pool_and_host_combined']:.1f}%)" if host else ""))
+    wl = r.get("workload") or {}
+    if wl.get("span_s"):
+        lines.append(f"workload: {wl['num_requests']} requests arriving over {wl['span_s']:.1f} s, a mean "
+                     f"{f(wl.get('mean_rate'), '.3g')} req/s")
     cs = r.get("capacity_search")
     if cs:
-        lines.append(f"capacity at {cs['target_attainment']:.0%} attainment: {f(cs['capacity_rps'], '.3g')} req/s")
+        lines.append(f"capacity at {cs['target_attainment']:.0%} attainment: {f(cs['capacity_rps'], '.3g')} req/s"
+                     + (f" ({cs['rate_means']})" if cs.get("rate_means") else ""))
     return "\n".join(lines)
 
 

@@ -307,6 +307,21 @@ def specs_at_rate(base: Sequence[RequestSpec], rate: float, duration_s: float | 
     return out
 
 
+def window_at_rate(base: Sequence[RequestSpec], rate: float, duration_s: float | None) -> list[RequestSpec]:
+    """A trace window whose mean rate is ``rate``: the first ``floor(rate x duration_s) + 1``
+    requests of ``base`` (fewer when it runs out), rescaled so that their mean rate ``(n-1)/span``
+    is exactly ``rate`` (the pattern of their gaps kept), so they span at most ``duration_s``.
+    Rescaling the whole trace and cutting it at ``duration_s`` instead gives the window the mean
+    rate of whatever part of the trace lands in it, not ``rate``. No ``duration_s``: the whole
+    trace at ``rate`` (:func:`specs_at_rate`)."""
+    if duration_s is None or math.isinf(rate):
+        return specs_at_rate(base, rate, duration_s)
+    if rate <= 0:
+        raise WorkloadError(f"rate must be > 0, got {rate}")
+    k = min(len(base), int(math.floor(rate * duration_s)) + 1)
+    return specs_at_rate(list(base)[:k], rate, None)
+
+
 def make_requests(opts: WorkloadOptions, tokenizer: TokenizerLike | None = None) -> list[RequestSpec]:
     """Lengths and arrivals (prompts only for ``alpaca-real``), sorted by arrival."""
     n, dur = opts.num_requests, opts.duration_s
@@ -579,5 +594,5 @@ __all__ = [
     "gamma_arrivals", "length_stats", "load_alpaca", "load_length_set", "load_trace", "lognormal_lengths",
     "make_requests", "materialize", "mean_rate", "parse_azure_timestamp", "rescale_to_rate", "speed_up",
     "synthetic_lengths", "WORKLOAD_NAMES", "MOONCAKE_BLOCK_TOKENS", "MAX_SHAPE_LEN", "default_dataset_path",
-    "default_traces_dir", "specs_at_rate", "Segment",
+    "default_traces_dir", "specs_at_rate", "window_at_rate", "Segment",
 ]
