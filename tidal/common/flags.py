@@ -189,8 +189,10 @@ CLUSTER_FLAGS: tuple[Flag, ...] = (
     _flag("--prefill-batching", default=None,
           help="batching policy of the prefill instances with --mode disaggregate (default: --batching, which the "
                "decode instances run), e.g. bucket (BucketServe Sec. III)"),
-    _flag("--router", default="least-outstanding", choices=["round-robin", "least-outstanding", "kv-aware", "llumnix"],
-          help="how the dispatcher picks an instance for a new request"),
+    _flag("--router", default="least-outstanding",
+          choices=["round-robin", "least-outstanding", "kv-aware", "llumnix", "llumnix-group"],
+          help="how the dispatcher picks an instance for a new request (llumnix-group: tidal's ablation of llumnix, "
+               "a KunServe group takes a request only while its prefill queue per member is the shortest)"),
     _flag("--backend", default="process", choices=["process", "ray"],
           help="workers as local processes, or as Ray actors (pip install -e '.[ray]')"),
     _flag("--ray-address", default=None, help="Ray cluster to join (default: start a local Ray)"),
