@@ -53,7 +53,7 @@ class StaticPipelineHandler(PressureHandler):
                 self.execs[m.index] = grp
                 sim.instances[m.index] = grp if m.index == grp.index else m
         sim.monitor.on_groups([g.group for g in self.groups])
-        for i, inst in enumerate(sim.instances):
+        for inst in sim.instances:
             sim.monitor.on_status(inst, 0.0)  # type: ignore[arg-type]  (live status)
 
     def can_step(self, inst: SimInstance) -> bool:
