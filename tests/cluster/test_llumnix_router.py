@@ -4,7 +4,7 @@ compute did not."""
 
 from __future__ import annotations
 
-from tidal.cluster.router import KVAwareRouter, LlumnixRouter, RouteRequest, build_router
+from tidal.cluster.router import KVAwareRouter, LlumnixGroupRouter, LlumnixRouter, RouteRequest, build_router
 
 
 class Load:
@@ -51,16 +51,20 @@ def test_a_merged_group_holding_many_requests_draws_fewer():
 
 
 def test_a_group_with_a_prefill_queue_yields_to_an_instance_without_one():
-    """A group whose pool grew five-fold (the weights it dropped) but whose compute only doubled:
-    by freeness alone it would take every arrival of a burst and queue them for its prefill while
-    the singles' queues stay empty; with its queue per member longer than the shortest, it does not."""
+    """llumnix-group (tidal's ablation): a group whose pool grew five-fold (the weights it dropped)
+    but whose compute only doubled: by freeness alone (llumnix, the paper's dispatcher) it takes
+    every arrival of a burst and queues them for its prefill while the singles' queues stay empty;
+    with its queue per member longer than the shortest, llumnix-group does not send it more."""
     group = Load(150, 7000, total=13800)
     group.group, group.num_queued = (6, 3), 4  # 2 a member
     singles = [Load(60, 270, total=2685) for _ in range(6)]
     for s in singles:
         s.num_queued = 0
-    assert LlumnixRouter().route(REQ, [group, *singles]) == 1  # the freest single, not the group
+    assert LlumnixGroupRouter().route(REQ, [group, *singles]) == 1  # the freest single, not the group
+    assert LlumnixRouter().route(REQ, [group, *singles]) == 0  # plain freeness: the group
     group.num_queued = 0  # its queue drained: its freeness counts again
-    assert LlumnixRouter().route(REQ, [group, *singles]) == 0
-    # instances without the attributes (no groups, no queue counts) route by freeness alone, as before
-    assert LlumnixRouter().route(REQ, [Load(150, 7000, total=13800), *[Load(60, 270) for _ in range(6)]]) == 0
+    assert LlumnixGroupRouter().route(REQ, [group, *singles]) == 0
+    # instances without the attributes (no groups, no queue counts) route by freeness alone
+    plain = [Load(150, 7000, total=13800), *[Load(60, 270) for _ in range(6)]]
+    assert LlumnixGroupRouter().route(REQ, plain) == LlumnixRouter().route(REQ, plain) == 0
+    assert build_router("llumnix-group").name == "llumnix-group"

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from tidal.experiments import kunserve_regime as R
+from tidal.experiments import kunserve_runs as K
 from tidal.experiments import kunserve_timelines as TL
-from tidal.experiments import sim_kunserve as K
 
 
 def fluid_queue(capacity: float, instances: int = 2, dt: float = 0.5):
@@ -37,12 +37,12 @@ def test_the_probe_says_when_nothing_keeps_up():
 
 
 def test_the_simulated_probe_finds_a_rate_it_keeps_up_with_and_more_it_does_not():
-    p = R.probe_capacity(lambda r, d: K.probe_timelines("longbench", 0, "llumnix", r, d), 4.0, 30.0, 3)
+    p = R.probe_capacity(lambda r, d: K.probe_timelines("a", "longbench", 0, "llumnix", r, d), 4.0, 30.0, 3)
     cap = p["capacity"]
     assert [t["keeps_up"] for t in p["probes"]] == [t["rate"] <= cap for t in p["probes"]]
-    ok = K.probe_timelines("longbench", 1, "llumnix", 0.85 * cap, 45.0)  # other arrivals, a longer run
+    ok = K.probe_timelines("a", "longbench", 1, "llumnix", 0.85 * cap, 45.0)  # other arrivals, a longer run
     assert R.keeps_up(ok, 0.85 * cap, 45.0)[0]
-    over = K.probe_timelines("longbench", 1, "llumnix", 1.7 * cap, 45.0)
+    over = K.probe_timelines("a", "longbench", 1, "llumnix", 1.7 * cap, 45.0)
     assert not R.keeps_up(over, 1.7 * cap, 45.0)[0]
 
 
@@ -53,6 +53,32 @@ def test_the_mean_rate_keeps_every_window_under_the_share_of_capacity():
     assert windows.max() == pytest.approx(peak) and peak <= 0.85 * 40.0
     assert windows.max() > windows.mean() * 1.5  # the bursts remain: the mean is well under the peak
     assert R.window_rates(gen(rate * 1.05), 300.0).max() > 0.85 * 40.0  # a little more breaks it
+
+
+def test_the_demand_search_brackets_then_bisects_to_the_highest_rate_within_the_share():
+    """The paper's 60 % rule on a demand that grows as rate / 10 (crossing 60 % at 6 req/s): up 1.5x
+    from 2 until over, then halves the bracket until it is 3 % wide; every probe is kept."""
+    s = R.DemandSearch(2.0)
+    while (rate := s.next_rate()) is not None:
+        s.record(rate, rate / 10)
+    out = s.result()
+    lo, hi = out["bracket"]
+    assert lo <= 6.0 < hi and (hi - lo) / hi <= R.SEARCH_TOLERANCE and out["rate"] == lo
+    rates = [p["rate"] for p in out["probes"]]  # sorted by rate
+    assert rates[:3] == [2.0, 3.0, 4.5] and 6.75 in rates and rates == sorted(rates)
+    assert all(p["within"] == (p["mean_kv_demand"] <= 0.6) for p in out["probes"]) and out["share"] == 0.6
+    down = R.DemandSearch(10.0, max_probes=4)  # over the share from the start: it shrinks 1.5x
+    while (rate := down.next_rate()) is not None:
+        down.record(rate, rate / 10)
+    assert [p["rate"] for p in down.result()["probes"]] == pytest.approx(sorted([10.0, 10 / 1.5, 10 / 1.5**2,
+                                                                                  (10 / 1.5 + 10 / 1.5**2) / 2]))
+    never = R.DemandSearch(1.0, max_probes=2)
+    while (rate := never.next_rate()) is not None:
+        never.record(rate, 0.9)
+    with pytest.raises(R.RegimeError, match="at or under 60% of the pool"):
+        never.result()
+    with pytest.raises(ValueError):
+        R.DemandSearch(0.0)
 
 
 def _azure_csv(path, times):

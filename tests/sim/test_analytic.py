@@ -75,10 +75,10 @@ def test_smollm2_matches_the_shape_the_engine_loads_from_gguf():
 
 
 def test_registries_have_the_agreed_names_and_unknown_names_list_the_valid_ones():
-    assert set(HARDWARE) == {"a100-40g", "a100-80g", "a800-80g", "h100-80g", "h200", "cpu"}
+    assert set(HARDWARE) == {"a100-40g", "a100-80g", "a800-80g", "h100-80g", "h800-80g", "h200", "cpu"}
     assert set(MODELS) == {"smollm2-135m", "llama-2-7b", "llama-2-13b", "llama-65b", "llama-3-8b", "llama-3-70b", "opt-13b",
                            "qwen-2.5-14b", "qwen-2.5-32b", "qwen-2.5-72b"}
-    with pytest.raises(ValueError, match="a100-40g, a100-80g, a800-80g, h100-80g, h200, cpu"):
+    with pytest.raises(ValueError, match="a100-40g, a100-80g, a800-80g, h100-80g, h800-80g, h200, cpu"):
         get_hardware("v100")
     with pytest.raises(ValueError, match="valid names: smollm2-135m, llama-2-7b"):
         get_model("gpt-5")
@@ -88,6 +88,10 @@ def test_registries_have_the_agreed_names_and_unknown_names_list_the_valid_ones(
                                                                         a100.memory_bytes)
     assert a800.interconnect_bandwidth == 200e9 == a100.interconnect_bandwidth * 2 / 3
     assert get_hardware("cpu").kv_budget_bytes == DEFAULT_CPU_KV_MEMORY
+    h800, h100 = get_hardware("h800-80g"), get_hardware("h100-80g")  # an H100 SXM whose NVLink is 200 GB/s a way
+    assert (h800.peak_flops, h800.mem_bandwidth, h800.memory_bytes) == (h100.peak_flops, h100.mem_bandwidth,
+                                                                        h100.memory_bytes)
+    assert h800.interconnect_bandwidth == 200e9 < h100.interconnect_bandwidth
 
 
 # ------------------------------------------------------------------ the model, by hand

@@ -10,10 +10,14 @@ shared by the simulator and the multi-instance runtime.
 - ``cache-aware``: where a request's prefix is cached and the load is light
   (:mod:`tidal.cluster.cache_router`).
 - ``llumnix``: Llumnix's freeness, those free blocks per outstanding request (its F = (M - sum V)
-  / B: how many more decode steps the batch can take before memory runs out). A KunServe group,
-  whose pool grew by the weights it dropped but whose compute did not, looks free to ``kv-aware``
-  until its pool is as full as the others and takes a burst it cannot prefill in time; per
-  request it looks only as free as it is.
+  / B: how many more decode steps the batch can take before memory runs out). KunServe's
+  dispatcher "incorporates the load-balancing design from Llumnix" (Sec. 3): this is it. A
+  KunServe group, whose pool grew by the weights it dropped but whose compute did not, looks free
+  to ``kv-aware`` until its pool is as full as the others and takes a burst it cannot prefill in
+  time; per request it looks only as free as it is.
+- ``llumnix-group``: tidal's rule on top of ``llumnix``, not the paper's (added after seeing
+  KunServe's P99 TTFT, so it is reported as an ablation): a pipeline group takes a new request only
+  while its prefill queue per member is the shortest there is.
 """
 
 from __future__ import annotations
@@ -105,24 +109,37 @@ def queue_per_member(inst: InstanceLoad) -> float:
     return getattr(inst, "num_queued", 0) / members(inst)
 
 
+def freeness(req: RouteRequest, inst: InstanceLoad) -> float:
+    """Llumnix's F = (M - sum V) / B: free blocks after the queue and this request, per outstanding
+    request; an overloaded instance (F < 0) ranks lower the more it holds."""
+    need = -(-(req.prompt_len + 1) // inst.block_size)
+    free = inst.num_free_blocks - inst.queued_block_demand - need
+    b = max(inst.num_outstanding, 1)
+    return free / b if free >= 0 else free * b
+
+
 class LlumnixRouter(Router):
     name = "llumnix"
 
     def route(self, req: RouteRequest, instances: Sequence[InstanceLoad]) -> int:
+        return min(range(len(instances)), key=lambda i: (-freeness(req, instances[i]), instances[i].num_outstanding, i))
+
+
+class LlumnixGroupRouter(Router):
+    """tidal's ablation (not KunServe's): Llumnix's freeness, except that a pipeline group whose
+    prefill queue per member is longer than the shortest queue there is takes no new request (its
+    pool grew by the weights it dropped, its compute only k-fold)."""
+
+    name = "llumnix-group"
+
+    def route(self, req: RouteRequest, instances: Sequence[InstanceLoad]) -> int:
         shortest = min(queue_per_member(x) for x in instances)
 
-        def freeness(i: int) -> tuple[bool, float, int, int]:
+        def key(i: int) -> tuple[bool, float, int, int]:
             inst = instances[i]
-            need = -(-(req.prompt_len + 1) // inst.block_size)
-            free = inst.num_free_blocks - inst.queued_block_demand - need
-            b = max(inst.num_outstanding, 1)
-            # Llumnix's F = free / B; an overloaded instance (F < 0) ranks lower the more it holds
-            f = free / b if free >= 0 else free * b
-            # a KunServe group's pool grew by the weights it dropped, its compute only k-fold: it
-            # takes a request only while its prefill queue per member is the shortest there is
             busy_group = members(inst) > 1 and queue_per_member(inst) > shortest
-            return (busy_group, -f, inst.num_outstanding, i)
-        return min(range(len(instances)), key=freeness)
+            return (busy_group, -freeness(req, inst), inst.num_outstanding, i)
+        return min(range(len(instances)), key=key)
 
 
 def _cache_aware() -> Router:
@@ -137,6 +154,7 @@ ROUTERS: dict[str, Callable[[], Router]] = {
     KVAwareRouter.name: KVAwareRouter,
     LlumnixRouter.name: LlumnixRouter,
     "cache-aware": _cache_aware,
+    LlumnixGroupRouter.name: LlumnixGroupRouter,
 }
 
 

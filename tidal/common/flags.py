@@ -214,10 +214,12 @@ CLUSTER_FLAGS: tuple[Flag, ...] = (
           help="batching policy of the prefill instances with --mode disaggregate (default: --batching, which the "
                "decode instances run), e.g. bucket (BucketServe Sec. III)"),
     _flag("--router", default="least-outstanding",
-          choices=["round-robin", "least-outstanding", "kv-aware", "llumnix", "cache-aware"],
-          help="how the dispatcher picks an instance for a new request; cache-aware: the least predicted TTFT from "
-               "each instance's queued prefill work, its decodes and the prompt tokens it would compute after the "
-               "prefix it holds cached (from its reports), unless the instances' loads are too far apart"),
+          choices=["round-robin", "least-outstanding", "kv-aware", "llumnix", "llumnix-group", "cache-aware"],
+          help="how the dispatcher picks an instance for a new request (llumnix-group: tidal's ablation of llumnix, "
+               "a KunServe group takes a request only while its prefill queue per member is the shortest; "
+               "cache-aware: the least predicted TTFT from each instance's queued prefill work, its decodes and the "
+               "prompt tokens it would compute after the prefix it holds cached (from its reports), unless the "
+               "instances' loads are too far apart)"),
     _flag("--backend", default="process", choices=["process", "ray"],
           help="workers as local processes, or as Ray actors (pip install -e '.[ray]')"),
     _flag("--ray-address", default=None, help="Ray cluster to join (default: start a local Ray)"),

@@ -1,7 +1,8 @@
 """KunServe on this CPU: 2 real instances with a KV budget small enough to throttle, under bursts.
 
-The run is set in the memory-bound regime of Sec. 2.2, as the simulated one is
-(:mod:`tidal.experiments.kunserve_regime`), by :func:`resolve`: (1) the compute capacity of the 2
+The run is set in the memory-bound regime of Sec. 2.2, as the simulated shrunken-pool sensitivity
+row is (:mod:`tidal.experiments.kunserve_regime`; a CPU's KV budget has no "0.9 of the GPU" to
+take the paper's regime from), by :func:`resolve`: (1) the compute capacity of the 2
 instances with a pool that never throttles (``probe_kv_cache_memory``), measured as the
 throughput-saturating rate (``probe_requests`` sent at once: completed requests per second);
 (2) the highest mean rate whose busiest ``window_s`` window of the very arrivals ``tidal bench

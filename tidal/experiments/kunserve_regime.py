@@ -1,6 +1,15 @@
-"""The memory-bound regime of ``tidal bench sim-kunserve``: its arrivals, its rate and its KV pool.
+"""The regimes of ``tidal bench sim-kunserve``: its arrivals, its rate and its KV pool.
 
-KunServe's premise (Sec. 2.2) is a burst that overflows *memory* while compute keeps up: "the
+**The paper's regime** (the headline): the default pool (0.9 of each GPU, Sec. 5.1) and the rate
+by the paper's own rule, "ensure that the average memory demand is lower than 60% of the total
+memory during the entire evaluation of the trace" (Sec. 5.1): :class:`DemandSearch` finds the
+highest mean rate whose vLLM run keeps its time-mean KV demand (in use plus the queue's need,
+Sec. 2.2's count) at or under 60 % of the pool, by bracketing and bisection over the burst pattern
+below. The compute capacity (step 1 below) is measured beside it, so a rate the compute cannot
+keep up with is shown as such: above the highest steady rate the probe saw kept up with, compute
+saturates before the 60 % rule binds.
+
+**The shrunken pool** (a sensitivity row, the regime tidal ran before): KunServe's premise (Sec. 2.2) is a burst that overflows *memory* while compute keeps up: "the
 increase comes from the queuing delays of waiting for sufficient memory to be freed up", with
 "the overall HBM provisioned for KVCache ... 2.1x higher than the average requirement". So the
 run is set up in three steps, none of them tuned to any system's result:
@@ -30,6 +39,9 @@ from typing import Any
 import numpy as np
 
 WINDOW_S, RATE_SHAPE, BURSTINESS = 20.0, 2.0, 0.5
+DEMAND_SHARE = 0.6  # Sec. 5.1: the average memory demand lower than 60 % of the total memory
+SEARCH_TOLERANCE = 0.03  # the demand search stops when its bracket is this narrow (relative)
+SEARCH_PROBES = 10
 CAPACITY_SHARE = 0.85  # every burst window at or under this share of the compute capacity
 POOL_OVER_MEAN = 2.0  # pool / mean KV in use (Sec. 2.2: mean in use about half; Fig. 2's setup: 2.1x)
 UNLIMITED_BLOCKS = 1 << 22  # per instance: 67M tokens of KV, never full in these runs
@@ -138,6 +150,57 @@ def rate_under_capacity(capacity: float, gen: Any, duration_s: float | None, sha
     raise RegimeError(f"no mean rate keeps every {window_s:g} s window under {limit:.3g} req/s")
 
 
+# ---------------------------------------------------------------- the paper's rule (Sec. 5.1)
+class DemandSearch:
+    """The highest mean rate at which vLLM's time-mean KV demand stays at or under ``share`` of
+    the pool. ``next_rate()`` names the rate to try (None: done), ``record(rate, demand)`` takes
+    what the run measured: from ``initial`` the rate grows (or shrinks) 1.5x until the rule is
+    bracketed, then the bracket is bisected until ``(hi - lo) / hi <= tolerance``, at most
+    ``max_probes`` runs. Pure: the caller runs the simulator."""
+
+    def __init__(self, initial: float, share: float = DEMAND_SHARE, tolerance: float = SEARCH_TOLERANCE,
+                 max_probes: int = SEARCH_PROBES):
+        if not initial > 0 or not share > 0 or not tolerance > 0 or max_probes < 1:
+            raise ValueError("a demand search needs initial > 0, share > 0, tolerance > 0 and max_probes >= 1")
+        self.initial, self.share, self.tolerance, self.max_probes = initial, share, tolerance, max_probes
+        self.lo, self.hi = 0.0, math.inf
+        self.probes: list[dict[str, Any]] = []
+
+    @property
+    def done(self) -> bool:
+        return self.next_rate() is None
+
+    def next_rate(self) -> float | None:
+        if not self.probes:
+            return self.initial
+        if len(self.probes) >= self.max_probes:
+            return None
+        if math.isinf(self.hi):
+            return max(p["rate"] for p in self.probes) * 1.5
+        if self.lo == 0:
+            return min(p["rate"] for p in self.probes) / 1.5
+        if (self.hi - self.lo) / self.hi <= self.tolerance:
+            return None
+        return (self.lo + self.hi) / 2
+
+    def record(self, rate: float, demand: float, **details: Any) -> None:
+        ok = demand <= self.share
+        self.probes.append({"rate": rate, "mean_kv_demand": demand, "within": ok, **details})
+        if ok:
+            self.lo = max(self.lo, rate)
+        else:
+            self.hi = min(self.hi, rate)
+
+    def result(self) -> dict[str, Any]:
+        if self.lo == 0:
+            raise RegimeError(f"no rate tried kept vLLM's mean KV demand at or under {self.share:.0%} of the pool "
+                              f"(lowest tried {min(p['rate'] for p in self.probes):.3g} req/s)")
+        return {"rate": self.lo, "bracket": [self.lo, None if math.isinf(self.hi) else self.hi],
+                "share": self.share, "tolerance": self.tolerance, "probes": sorted(self.probes, key=lambda p: p["rate"]),
+                "rule": f"the highest mean rate at which vLLM's time-mean KV demand (in use + the queue's need) is at "
+                        f"most {self.share:.0%} of the pool (Sec. 5.1)"}
+
+
 # ---------------------------------------------------------------- the capacity probe
 def queue_growth(timelines: list[dict[str, Any]], start: float, end: float) -> float:
     """How much the cluster's waiting queue (summed over instances) grew between the middle and
@@ -208,6 +271,6 @@ def pool_blocks(mean_blocks: float) -> int:
     return max(1, int(round(POOL_OVER_MEAN * mean_blocks)))
 
 
-__all__ = ["ARRIVALS", "CAPACITY_SHARE", "POOL_OVER_MEAN", "RegimeError", "arrivals", "azure_arrivals",
+__all__ = ["ARRIVALS", "CAPACITY_SHARE", "DEMAND_SHARE", "POOL_OVER_MEAN", "DemandSearch", "RegimeError", "arrivals", "azure_arrivals",
            "azure_trace_path", "bursty_arrivals", "keeps_up", "kv_in_use", "pool_blocks", "probe_capacity",
            "queue_growth", "rate_under_capacity", "window_rates"]

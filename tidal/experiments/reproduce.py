@@ -264,7 +264,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "kunserve, dynaserve; default: on, off with --quick)")
     p.add_argument("--real-json", default=None, metavar="PATH",
                    help="dynaserve: the real column from a recorded `python benchmarks/dynaserve_serve.py` run's "
-                        "JSON instead of running it again (about 7 minutes a layout here)")
+                        "JSON instead of running it again (about 7 minutes a layout here); kunserve: from a recorded "
+                        "kunserve_real.json")
     p.add_argument("--no-plots", action="store_true", help="write no figures")
     p.add_argument("--no-progress", action="store_true", help="no progress lines")
     p.set_defaults(func=run)

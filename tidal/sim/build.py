@@ -82,6 +82,8 @@ class ClusterSpec:
     kv_pressure: str | None = None  # preempt | migrate | drop (tidal.sim.pressure); None: no handler
     lookahead: bool = True  # drop: Fig. 11's cost-balanced microbatches (False: token counts)
     restore_threshold: float = 0.5  # drop: Sec. 4.4's restore rule
+    pipeline_parallel: int = 1  # > 1: every this many instances run as one pipeline from the start (vLLM + PP)
+    pipeline_stage_gap_s: float = 0.0  # a pipeline's idle time per stage per microbatch (tidal.sim.pipeline)
     split_kv_aware: bool = False  # mode split: the planner's predictor obeys each instance's KV pool
     step_jitter: str = "off"  # off | fitted: step-time tails (tidal.sim.jitter); planners see the mean model
     jitter_params: JitterParams | None = None  # with step_jitter fitted: these instead of jitter.FITTED
@@ -111,6 +113,12 @@ class ClusterSpec:
             raise ConfigError(f"kv_stream_lead must be >= 0, got {self.kv_stream_lead}")
         if self.cost_model == "profiled" and not self.profile:
             raise ConfigError("the profiled cost model needs a profile file (write one with `tidal profile`)")
+        if self.pipeline_parallel < 1:
+            raise ConfigError(f"pipeline_parallel must be >= 1, got {self.pipeline_parallel}")
+        if self.pipeline_stage_gap_s < 0:
+            raise ConfigError(f"pipeline_stage_gap_s must be >= 0, got {self.pipeline_stage_gap_s}")
+        if self.pipeline_parallel > 1 and (self.kv_pressure not in (None, "preempt") or self.mode != "colocate"):
+            raise ConfigError("pipeline parallel instances preempt on their own (kv_pressure preempt) and colocate")
         if self.kv_pressure is not None:
             try:
                 check_pressure_mode(self.kv_pressure, self.instances, get_model(self.model).num_layers
@@ -182,13 +190,14 @@ def pressure_link(spec: ClusterSpec, hw: HardwareSpec) -> LinkSpec:
 def pressure_config(spec: ClusterSpec, arch: ModelArch, hw: HardwareSpec, cost_model: CostModel) -> PressureConfig:
     from tidal.sim.pipeline import chunk_cost_for
 
-    assert spec.kv_pressure is not None
     model = ModelMemory(arch.num_layers, arch.params_per_layer() * spec.dtype_bytes,
                         arch.kv_bytes_per_token(spec.dtype_bytes))
-    return PressureConfig(spec.kv_pressure, pressure_link(spec, hw), model, arch.hidden_size * spec.dtype_bytes,
+    return PressureConfig(spec.kv_pressure or "preempt", pressure_link(spec, hw), model,
+                          arch.hidden_size * spec.dtype_bytes,
                           chunk_cost_for(cost_model, spec.scheduler.max_num_batched_tokens), tp=spec.tp,
                           layers_per_chunk=spec.layers_per_chunk, lookahead=spec.lookahead,
-                          restore_threshold=spec.restore_threshold, overhead_s=hw.step_overhead_s)
+                          restore_threshold=spec.restore_threshold, overhead_s=hw.step_overhead_s,
+                          stage_gap_s=spec.pipeline_stage_gap_s)
 
 
 def check_policy_args(spec: ClusterSpec) -> None:
@@ -269,7 +278,11 @@ def build_simulator(spec: ClusterSpec, requests: Sequence[RequestSpec],
         return _split_simulator(spec, instances, requests, grid, handoff_config(spec, arch, hw), max_len)
     handoff = handoff_config(spec, arch, hw) if layout.disaggregated else None
     pressure: PressureHandler | None = None
-    if spec.kv_pressure is not None:
+    if spec.pipeline_parallel > 1:  # vLLM + PP: pipelines from the start (tidal.sim.static_pipeline)
+        from tidal.sim.static_pipeline import StaticPipelineHandler
+
+        pressure = StaticPipelineHandler(pressure_config(spec, arch, hw, cost_model), spec.pipeline_parallel)
+    elif spec.kv_pressure is not None:
         pressure = build_pressure(pressure_config(spec, arch, hw, cost_model))
     return ClusterSimulator(instances, build_router(spec.router), requests, max_model_len=max_len, layout=layout,
                             handoff=handoff, recorder=recorder, timeline_interval=spec.timeline_interval_s,

@@ -14,6 +14,12 @@ PCIe bandwidth (KV swap to host memory). Sources:
 - H100 SXM5: NVIDIA H100 Tensor Core GPU datasheet: 989 TFLOPS bf16 dense (1,979 is with
   sparsity), 3.35 TB/s HBM3, NVLink 4 900 GB/s bidirectional = 450 GB/s per direction,
   PCIe 5.0 x16 (64 GB/s raw, ~50 GB/s effective).
+- H800 SXM5 80GB: the export variant of the H100 SXM5 (NVIDIA H800 Tensor Core GPU datasheet,
+  2023): the H100's 989 TFLOPS bf16 dense and 80 GB HBM3 at 3.35 TB/s, NVLink cut to 400 GB/s
+  bidirectional = 200 GB/s per direction (KunServe's Table 2 lists its cluster B's NVLink as
+  300 GB/s one way; the datasheet's figure is used), PCIe 5.0. KunServe's cluster B (Table 2) is 2
+  servers of 8 H800, 400 Gbps RDMA between them (``ib-ndr``); Qwen-2.5-72B runs TP 4 (Table 1).
+  Its memory total is taken as the H100 80GB's nvidia-smi total (the same HBM3; no H800 at hand).
 - H200 SXM: NVIDIA H200 datasheet: the H100's compute (989 TFLOPS bf16 dense), 141 GB HBM3e at
   4.8 TB/s, the same NVLink 4 and PCIe 5.0.
 
@@ -136,6 +142,11 @@ HARDWARE: dict[str, HardwareSpec] = {
         name="h100-80g", memory_bytes=81559 * MiB, peak_flops=989e12, mem_bandwidth=3.35e12,
         interconnect_bandwidth=450e9, host_bandwidth=50e9, compute_efficiency=0.6,
         note="NVIDIA H100 SXM5 80GB HBM3, NVLink 4, PCIe 5.0", **_GPU_COMMON),
+    "h800-80g": HardwareSpec(
+        name="h800-80g", memory_bytes=81559 * MiB, peak_flops=989e12, mem_bandwidth=3.35e12,
+        interconnect_bandwidth=200e9, host_bandwidth=50e9, compute_efficiency=0.6,
+        note="NVIDIA H800 SXM5 80GB: H100 SXM5 compute and HBM3, NVLink 400 GB/s bidirectional, PCIe 5.0",
+        **_GPU_COMMON),
     "h200": HardwareSpec(
         name="h200", memory_bytes=143771 * MiB, peak_flops=989e12, mem_bandwidth=4.8e12,
         interconnect_bandwidth=450e9, host_bandwidth=50e9, compute_efficiency=0.6,

@@ -15,6 +15,12 @@ overhead, plus the overhead: each stage launches its own step), activations cros
 boundary on the link. The step takes :func:`tidal.cluster.pressure.pipeline_period`: the
 microbatches circulate (a decode waits for its previous token), so the busiest stage or the
 slowest microbatch's trip through all stages sets the pace, whichever is slower (Fig. 8).
+
+``stage_gap_s`` (default 0) is idle time a stage spends per microbatch besides its work: the
+hand-offs between stages, each stage's scheduling of the next microbatch, what a real pipeline
+does not overlap. It is not a measured kernel: the KunServe experiment calibrates it so that the
+simulated bubbles match the paper's measured ones (Sec. 5.3: 21.9 % without lookahead, 8.3 %
+with), a sensitivity row beside the default cost (:mod:`tidal.experiments.kunserve_pipeline_fit`).
 """
 
 from __future__ import annotations
@@ -120,7 +126,8 @@ class PipelineCostModel:
                 stage.append(f * (t - o) + o)
             biggest = max(biggest, sum(s.tokens for s in mb))
         transfer = self.cfg.link.chunk_time(biggest * self.cfg.hidden_bytes, self.cfg.tp)
-        period = pipeline_period(stages, transfer)
+        gap = self.cfg.stage_gap_s  # idle, so in the period and not in the stages' work
+        period = pipeline_period([[c + gap for c in st] for st in stages] if gap else stages, transfer)
         self.steps += 1
         self.microbatches += len(mbs)
         self.busy_s += sum(sum(s) for s in stages)

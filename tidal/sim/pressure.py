@@ -45,6 +45,7 @@ class PressureConfig:
     lookahead: bool = True  # False: token-count microbatches (Sarathi / vLLM pipelines)
     restore_threshold: float = 0.5
     overhead_s: float = 0.0  # the hardware's fixed per-step cost (each pipeline stage pays it)
+    stage_gap_s: float = 0.0  # a pipeline stage's idle time per microbatch (tidal.sim.pipeline.PipelineCostModel)
 
 
 class Call(Event):
