@@ -72,6 +72,7 @@ SWAP = 64 << 30  # host bytes per instance for swapped-out KV (DistServe swaps d
 ENGINES = ("varlen", "padded")
 SHORT = 8  # the prefill-bound layout's outputs are this many times shorter
 SEEDS = (0, 1, 2)
+QUICK_SEEDS = (0,)  # --quick: one seed (the tests check the runs, not the verdicts)
 MARGIN = 0.02  # a ratio must clear 1 + this on every seed (reproduce.MARGIN's 2 %)
 MARGIN_PAST_BRACKET = 0.02  # a capacity ratio must clear the searches' bracket by this much more
 SEARCH = {"alpaca": (1.0, 64.0), "mixed": (0.1, 8.0)}  # client-rate range of the capacity search
@@ -209,6 +210,7 @@ def reproduce(args: argparse.Namespace, progress: Progress) -> Report:
     from tidal.experiments.bucketserve_overhead import breakdown_run
 
     quick = args.quick
+    seeds = QUICK_SEEDS if quick else SEEDS
     jobs = 1 if quick else usable_cores()
     n_off = 160 if quick else 600
     batches = [16, 64] if quick else [8, 16, 32, 64]
@@ -216,21 +218,21 @@ def reproduce(args: argparse.Namespace, progress: Progress) -> Report:
     rates = {"alpaca": [4, 16, 32] if quick else [2, 4, 8, 16, 24, 32, 48],
              "mixed": [0.5, 1.5, 3] if quick else [0.25, 0.5, 1, 1.5, 2, 3, 4]}
     datasets = ["mixed"] if quick else ["alpaca", "mixed"]
-    data: dict[str, Any] = {"seeds": list(SEEDS), "offline": {}, "offline_seeds": {}, "prefill_bound": {},
+    data: dict[str, Any] = {"seeds": list(seeds), "offline": {}, "offline_seeds": {}, "prefill_bound": {},
                             "online": {}, "capacity": {}, "fig6": {}}
 
     # Fig. 5a: offline throughput (every request at t = 0) against the max batch size (seed 0), and
     # at the largest batch on every seed (the claims)
     calls, keys = [], []
-    for seed in SEEDS:
+    for seed in seeds:
         specs = workload("mixed", n_off, seed, None)
-        for b in batches if seed == SEEDS[0] else batches[-1:]:
+        for b in batches if seed == seeds[0] else batches[-1:]:
             for name, kw in each(b):
                 calls.append((kw, specs, b))
                 keys.append((seed, b, name))
     progress(f"offline: {len(calls)} runs")
     for (seed, b, name), r in zip(keys, run_all(_offline_point, calls, jobs), strict=True):
-        if seed == SEEDS[0]:
+        if seed == seeds[0]:
             data["offline"].setdefault(name, []).append(r)
         if b == batches[-1]:
             data["offline_seeds"].setdefault(name, []).append(r)
@@ -238,7 +240,7 @@ def reproduce(args: argparse.Namespace, progress: Progress) -> Report:
     # the same offline run on a prefill-bound layout: 1 prefill + 3 decode, outputs SHORT x shorter
     calls, keys = [], []
     for ds in datasets:
-        for seed in SEEDS:
+        for seed in seeds:
             # 600 requests even when quick (a run is seconds): with fewer, Alg. 1 keeps one bucket (low load)
             specs = [replace(x, output_len=max(1, x.output_len // SHORT)) for x in workload(ds, 600, seed, None)]
             for name, kw in each(batches[-1], prefill_instances=1):
@@ -270,7 +272,7 @@ def reproduce(args: argparse.Namespace, progress: Progress) -> Report:
     # the claims' capacity: a bisection on the client's rate, every system, every seed
     calls, keys = [], []
     for ds in datasets:
-        for seed in SEEDS:
+        for seed in seeds:
             base = workload(ds, n_on, seed + 1, 1.0)
             for name, kw in each(64):
                 calls.append((kw, base, *SEARCH[ds], quick))
@@ -283,17 +285,17 @@ def reproduce(args: argparse.Namespace, progress: Progress) -> Report:
     calls, keys = [], []
     for ds in datasets:
         kw = systems(64)[BUCKET]
-        for seed in SEEDS:
+        for seed in seeds:
             base = workload(ds, n_on, seed + 1, 1.0)
             for r in FIG6_RATES[ds]:
                 calls.append((kw, [replace(x, arrival_s=x.arrival_s / r) for x in base]))
                 keys.append((ds, seed, r))
     progress(f"Fig. 6: {len(calls)} timed runs")
     for (ds, seed, r), got in zip(keys, run_all(breakdown_run, calls, jobs), strict=True):
-        seeds = data["fig6"].setdefault(ds, {"seeds": []})["seeds"]
-        if not seeds or seeds[-1]["seed"] != seed:
-            seeds.append({"seed": seed, "runs": []})
-        seeds[-1]["runs"].append({"client_rps": r, **got})
+        per = data["fig6"].setdefault(ds, {"seeds": []})["seeds"]
+        if not per or per[-1]["seed"] != seed:
+            per.append({"seed": seed, "runs": []})
+        per[-1]["runs"].append({"client_rps": r, **got})
 
     if runs_real(args):
         data["real_offline"] = real_offline(12 if quick else 24, 8, 2, progress)

@@ -17,8 +17,8 @@ The runs (each a command of its own, its JSON in ``--output``):
 - ``jitter_fit.json``: ``tidal bench calibrate-jitter``, the testbed's fit to Table 1, read for the
   setup's words (written by the full run when absent).
 
-``--quick``: Mini Reasoning on 14B only, three systems, three seeds, 30 s windows of at most 80
-requests, 3 probes. ``--reuse-sim`` reads the three run JSONs already in ``--output`` instead of
+``--quick``: Mini Reasoning on 14B only, three systems, one seed, 40 s windows of at most 200
+requests, 3 probes (the tests check the runs, not the verdicts). ``--reuse-sim`` reads the three run JSONs already in ``--output`` instead of
 running them again (hours on two cores; each records the command that wrote it). Without ``--quick``
 (or with ``--real``) the three layouts also run on 2 real CPU instances of the default model
 (:mod:`tidal.experiments.dynaserve_real`) on Mini Reasoning's shape; ``--real-json`` reads a recorded
@@ -68,8 +68,8 @@ FULL = ["--models", "qwen-2.5-14b", "--workloads", "hybrid,mini-reasoning,burstg
 FULL_GRID = ["--models", "qwen-2.5-32b,qwen-2.5-72b", "--workloads", "burstgpt,azure-code,arxiv,mini-reasoning",
              "--systems", "coloc-256,coloc-512,coloc-2048,disagg,dynaserve-load,dynaserve", "--seeds", "3",
              "--step-jitter", "fitted", "--window", "120", "--num-requests", "1000", "--max-probes", "8"]
-QUICK = ["--workloads", "mini-reasoning", "--systems", "coloc-512,disagg,dynaserve-load", "--seeds", "3",
-         "--step-jitter", "fitted", "--num-requests", "80", "--window", "30", "--max-probes", "3", "--rate-low", "1",
+QUICK = ["--workloads", "mini-reasoning", "--systems", "coloc-512,disagg,dynaserve-load", "--seeds", "1",
+         "--step-jitter", "fitted", "--num-requests", "200", "--window", "40", "--max-probes", "3", "--rate-low", "1",
          "--rate-high", "16"]
 FIG10_SYSTEMS = ("coloc-256", "coloc-512", "coloc-2048", "disagg", D.HEADLINE, "dynaserve")
 FIG10_STARTS = (0.0, 480.0, 960.0)  # three 42-minute windows of the hour-long trace (module docstring)

@@ -57,6 +57,7 @@ PF, CH = "prefill-first", "chunked"
 STATIC_PF, STATIC_CH = "vLLM v0 prefill-first, cap 256", "vLLM chunked, cap 256"
 MEM_PF, MEM_CH = "memory on prefill-first (B_max 1024)", "memory on chunked (B_max 1024)"
 SEEDS = (0, 1, 2)
+QUICK_SEEDS = (0,)  # --quick: one seed (the tests check the runs, not the verdicts)
 MARGIN = 0.02  # a ratio must clear 1 + this on every seed (reproduce.MARGIN's 2 %)
 MARGIN_PAST_BRACKET = 0.02  # a capacity ratio must clear the searches' bracket by this much more
 FIG4_RATES = (3.0, 4.0, 4.5, 5.0, 5.5, 6.0, 6.5, 7.0, 8.0, 9.0)  # around the paper's 5.4 and 6.6 qps
@@ -197,15 +198,16 @@ def capacity_search(kw: dict[str, Any], base: list[RequestSpec], quick: bool) ->
 
 def reproduce(args: argparse.Namespace, progress: Progress) -> Report:
     quick = args.quick
+    seeds = QUICK_SEEDS if quick else SEEDS
     jobs = 1 if quick else usable_cores()
-    data: dict[str, Any] = {"seeds": list(SEEDS), "v0_budget": {m: v0_budget(m) for m in ("llama-65b", "llama-3-70b")},
+    data: dict[str, Any] = {"seeds": list(seeds), "v0_budget": {m: v0_budget(m) for m in ("llama-65b", "llama-3-70b")},
                             "table_i": [], "table_ii": [], "fig4": None}
     rows_i = [TABLE_I[0], TABLE_I[2]] if quick else TABLE_I
     calls, keys = [], []
     for row in rows_i:
         n = min(300, row.requests) if quick else row.requests
         for tp in TPS:
-            for seed in SEEDS:
+            for seed in seeds:
                 specs = workload(row, n, seed, None)
                 for name, kw in table_i_systems(row.model, tp).items():
                     calls.append((kw, specs))
@@ -215,7 +217,7 @@ def reproduce(args: argparse.Namespace, progress: Progress) -> Report:
     for row in rows_i:
         for tp in TPS:
             per = [{name: r for (rw, t, s, name, _), r in zip(keys, got, strict=True) if rw == row and t == tp and s == seed}
-                   for seed in SEEDS]
+                   for seed in seeds]
             n = next(k[4] for k in keys if k[0] == row)
             data["table_i"].append({"row": row.__dict__, "tp": tp, "requests": n, "seeds": per})
             progress(f"Table I {row.model} {row.prompt:g}/{row.output:g} TP{tp}: memory/static (prefill-first) "
@@ -225,7 +227,7 @@ def reproduce(args: argparse.Namespace, progress: Progress) -> Report:
     bases: dict[tuple[int, int], list[RequestSpec]] = {}
     for i, row in enumerate(rows_ii):
         n = 300 if quick else 1000
-        for seed in SEEDS:
+        for seed in seeds:
             bases[i, seed] = workload(row, n, seed + 1, 1.0)
             for name, kw in table_ii_systems(row.model, row.scheduling).items():
                 calls.append((kw, bases[i, seed], quick))
@@ -236,22 +238,22 @@ def reproduce(args: argparse.Namespace, progress: Progress) -> Report:
     # memory+sla against sla at one rate (sla's capacity on that seed): the same run, or not
     same_calls, same_keys = [], []
     for i, row in enumerate(rows_ii):
-        for seed in SEEDS:
+        for seed in seeds:
             rate = found[i, seed, "sla"]["capacity_qps"] or 1.0
             for name in ("sla", "memory+sla"):
                 same_calls.append((table_ii_systems(row.model, row.scheduling)[name], _at_rate(bases[i, seed], rate)))
                 same_keys.append((i, seed, name, rate))
     same_got = run_all(run_at, same_calls, jobs)
     for i, row in enumerate(rows_ii):
-        seeds = []
-        for seed in SEEDS:
+        rows = []
+        for seed in seeds:
             res = {name: found[i, seed, name] for name in table_ii_systems(row.model, row.scheduling)}
             same = {k[2]: {**r, "rate": k[3]} for k, r in zip(same_keys, same_got, strict=True)
                     if k[0] == i and k[1] == seed}
-            seeds.append({"seed": seed, "results": res, "same_rate": same})
-        data["table_ii"].append({"row": row.__dict__, "requests": len(bases[i, SEEDS[0]]), "seeds": seeds})
+            rows.append({"seed": seed, "results": res, "same_rate": same})
+        data["table_ii"].append({"row": row.__dict__, "requests": len(bases[i, seeds[0]]), "seeds": rows})
         progress(f"Table II {row.model} {row.prompt:g}/{row.output:g}: capacities "
-                 + "; ".join(f"{n}: {[s['results'][n]['capacity_qps'] for s in seeds]}" for n in seeds[0]["results"]))
+                 + "; ".join(f"{n}: {[s['results'][n]['capacity_qps'] for s in rows]}" for n in rows[0]["results"]))
     if not quick:
         data["fig4"] = fig4(progress, jobs)
     report = Report("pang", "Pang et al.: memory-aware and SLA-constrained dynamic batch size",
