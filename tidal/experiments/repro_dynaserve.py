@@ -5,21 +5,23 @@ disaggregation (PD Disagg.), two instances of Qwen-2.5-14B (one A100-80G each), 
 
 The runs (each a command of its own, its JSON in ``--output``):
 
-- ``dynaserve_sim.json``: ``tidal bench sim-dynaserve`` on 14B, every workload of Fig. 9 and the
-  hybrid of Table 2, at full fidelity (240 s windows of at most 2,000 requests a probe, 10 probes,
-  a 4 % bracket), three seeds: PD Coloc. at 256, 512 and 2,048-token chunks, PD Disagg., and
-  DynaServe with the paper's load placement (the claims' DynaServe), fixed roles and tidal's
-  TTFT-guarded placement (labelled);
-- ``dynaserve_grid.json``: the same on 32B (TP 2, the paper's 2P2D) and 72B (TP 4, 4P4D), Fig. 8's
-  rows, with fewer requests (120 s windows of at most 1,000, 8 probes), three seeds;
+- ``dynaserve_sim.json``: ``tidal bench sim-dynaserve`` on 14B, Mini Reasoning (Fig. 9) and the hybrid
+  of Table 2, at full fidelity (240 s windows of at most 2,000 requests a probe, 10 probes, a 4 %
+  bracket), three seeds: PD Coloc. at 256, 512 and 2,048-token chunks, PD Disagg., and DynaServe
+  with the paper's load placement (the claims' DynaServe), fixed roles and tidal's TTFT-guarded
+  placement (labelled);
+- ``dynaserve_fig9.json``: the same on 14B's other workloads of Fig. 9 (BurstGPT, Azure Code, arXiv
+  summarization), DynaServe with the paper's placement only;
+- ``dynaserve_grid.json``: 32B (TP 2, the paper's 2P2D) and 72B (TP 4, 4P4D), Fig. 8's rows, with
+  fewer requests (120 s windows of at most 1,000, 8 probes), three seeds;
 - ``dynaserve_extra.json``: why fixed roles load alpha (Mini Reasoning), the real-time replay (Fig.
   10) and the SLO-aware batching ablation (Fig. 11) (:mod:`tidal.experiments.dynaserve_extra`);
 - ``jitter_fit.json``: ``tidal bench calibrate-jitter``, the testbed's fit to Table 1, read for the
   setup's words (written by the full run when absent).
 
 ``--quick``: Mini Reasoning on 14B only, three systems, one seed, 40 s windows of at most 200
-requests, 3 probes (the tests check the runs, not the verdicts). ``--reuse-sim`` reads the three run JSONs already in ``--output`` instead of
-running them again (hours on two cores; each records the command that wrote it). Without ``--quick``
+requests, 3 probes (the tests check the runs, not the verdicts). ``--reuse-sim`` reads the run JSONs
+already in ``--output`` instead of running them again (hours on two cores; each records the command that wrote it). Without ``--quick``
 (or with ``--real``) the three layouts also run on 2 real CPU instances of the default model
 (:mod:`tidal.experiments.dynaserve_real`) on Mini Reasoning's shape; ``--real-json`` reads a recorded
 run of them instead.
@@ -61,13 +63,20 @@ WHY_WL = {
     "arxiv": "arXiv summarization is long-input (~2,588 in, ~291 out)",
     "burstgpt": "BurstGPT is balanced (~642 in, ~262 out)",
 }
-SIM, GRID, EXTRA, FIT = "dynaserve_sim.json", "dynaserve_grid.json", "dynaserve_extra.json", "jitter_fit.json"
-FULL = ["--models", "qwen-2.5-14b", "--workloads", "hybrid,mini-reasoning,burstgpt,azure-code,arxiv",
+SIM, FIG9, GRID = "dynaserve_sim.json", "dynaserve_fig9.json", "dynaserve_grid.json"
+EXTRA, FIT = "dynaserve_extra.json", "jitter_fit.json"
+# the rate range: up to 16 req/s, the paper's highest QPS for 14B on two GPUs (Table 3); a capacity
+# at its top is a bound and is said so
+FULL = ["--models", "qwen-2.5-14b", "--workloads", "hybrid,mini-reasoning",
         "--systems", "coloc-256,coloc-512,coloc-2048,disagg,dynaserve-load,dynaserve,dynaserve-place",
-        "--seeds", "3", "--step-jitter", "fitted"]
+        "--seeds", "3", "--step-jitter", "fitted", "--rate-high", "16"]
+FULL_FIG9 = ["--models", "qwen-2.5-14b", "--workloads", "burstgpt,azure-code,arxiv",
+             "--systems", "coloc-256,coloc-512,coloc-2048,disagg,dynaserve-load", "--seeds", "3", "--step-jitter",
+             "fitted", "--rate-high", "16"]
 FULL_GRID = ["--models", "qwen-2.5-32b,qwen-2.5-72b", "--workloads", "burstgpt,azure-code,arxiv,mini-reasoning",
-             "--systems", "coloc-256,coloc-512,coloc-2048,disagg,dynaserve-load,dynaserve", "--seeds", "3",
-             "--step-jitter", "fitted", "--window", "120", "--num-requests", "1000", "--max-probes", "8"]
+             "--systems", "coloc-256,coloc-512,coloc-2048,disagg,dynaserve-load", "--seeds", "3",
+             "--step-jitter", "fitted", "--window", "120", "--num-requests", "1000", "--max-probes", "8",
+             "--rate-high", "16"]
 QUICK = ["--workloads", "mini-reasoning", "--systems", "coloc-512,disagg,dynaserve-load", "--seeds", "1",
          "--step-jitter", "fitted", "--num-requests", "200", "--window", "40", "--max-probes", "3", "--rate-low", "1",
          "--rate-high", "16"]
@@ -113,14 +122,16 @@ def reproduce(args: argparse.Namespace, log: Progress) -> Report:
     from tidal.sim.jitter import FITTED
 
     sim = _run_or_reuse(args, SIM, QUICK if args.quick else FULL, log)
+    fig9 = None if args.quick else _run_or_reuse(args, FIG9, FULL_FIG9, log)
     grid = None if args.quick else _run_or_reuse(args, GRID, FULL_GRID, log)
     fit = _fit(args, log)
-    extra = None if args.quick else _extra(args, sim, log)
+    extra = None if args.quick else _extra(args, sim, fig9, log)
+    runs = {name: d for name, d in ((SIM, sim), (FIG9, fig9), (GRID, grid)) if d is not None}
     report = Report(
         "dynaserve", "DynaServe: split micro-requests vs colocation vs P/D disaggregation (Sec. 6, Fig. 8-11, "
-                     "Tables 1-2)", _setup_text(sim, grid, fit, FITTED), args.quick, data=_slim(sim, grid, extra, fit))
+                     "Tables 1-2)", _setup_text(runs, fit, FITTED), args.quick, data=_slim(runs, extra, fit))
     if not args.no_plots:
-        report.figures = _plots(sim, grid, extra, args.output)
+        report.figures = _plots(runs, extra, args.output)
     recorded, real = getattr(args, "real_json", None), None
     if recorded:
         real = _recorded_real(recorded)
@@ -132,9 +143,7 @@ def reproduce(args: argparse.Namespace, log: Progress) -> Report:
                else f"run by this command, as `{real['command']}` runs it")
         report.setup += f" Real column: {how}."
     report.claims.append(C.table1_claim(fit))
-    for data in (sim, grid):
-        if data is None:
-            continue
+    for data in runs.values():
         for model, by_wl in data["results"].items():
             for wl in by_wl:
                 cells = _real_cells(real, wl)
@@ -157,19 +166,25 @@ def reproduce(args: argparse.Namespace, log: Progress) -> Report:
     return report
 
 
-def _setup_text(sim: dict[str, Any], grid: dict[str, Any] | None, fit: dict[str, Any] | None, fitted: Any) -> str:
+def _setup_text(runs: dict[str, dict[str, Any]], fit: dict[str, Any] | None, fitted: Any) -> str:
+    sim = runs[SIM]
     s = sim["setup"]
-    cells = ", ".join(f"{m} x {', '.join(ws)}" for m, ws in sim["results"].items())
     text = (f"Simulated on 2 x {s['hardware']} instances ({C.fit_text(fit, fitted)}), Poisson arrivals, seeds "
-            f"{', '.join(str(x) for x in s['seeds'])} (each its own requests, arrivals and step tails). 14B "
-            f"({s['window_s']:g} s windows of at most {s['num_requests']} requests a probe, {s['max_probes']} probes, "
-            f"a {s['tolerance']:.0%} bracket): {cells} (`dynaserve_sim.json`).")
-    if grid is not None:
-        g = grid["setup"]
-        gcells = ", ".join(f"{m} (TP {g['tp'][m]}) x {', '.join(ws)}" for m, ws in grid["results"].items())
-        text += (f" Fewer requests ({g['window_s']:g} s windows of at most {g['num_requests']}, {g['max_probes']} "
-                 f"probes): {gcells} (`dynaserve_grid.json`); the jitter was fitted on one A100 of 14B and is applied "
-                 f"as is to the tensor-parallel instances. The hybrid (Table 2) is 14B only, as in the paper.")
+            f"{', '.join(str(x) for x in s['seeds'])} (each its own requests, arrivals and step tails), capacity "
+            f"searched from {s['rate_low']:g} to {s['rate_high']:g} req/s (the paper's highest QPS for 14B, Table 3; a "
+            f"capacity at either end is a bound and is said so).")
+    for name, d in runs.items():
+        g = d["setup"]
+        cells = ", ".join(f"{m} (TP {g['tp'][m]}) x {', '.join(ws)}" for m, ws in d["results"].items())
+        systems = ", ".join(g["systems"])
+        text += (f" `{name}`: {cells}; {systems}; {g['window_s']:g} s windows of at most {g['num_requests']} requests "
+                 f"a probe, {g['max_probes']} probes, a {g['tolerance']:.0%} bracket"
+                 + (" (fewer requests than the 14B runs: two cores' time)" if g["num_requests"] < s["num_requests"]
+                    else "") + ".")
+    if GRID in runs:
+        text += (" The step jitter was fitted on one A100 of 14B and is applied as is to the tensor-parallel "
+                 "instances. The hybrid (Table 2) is 14B only, as in the paper; Fig. 9's capacities are 14B only, "
+                 "Fig. 8's goodput rows all three models.")
     text += (f" Capacity is the paper's (Sec. 6.3): the highest sustained rate (no growing queue) at which >= "
              f"{s['target']:.0%} of the requests keep their own P99 TBT within {s['tbt_slo_ms']:g} ms; the TTFT-guarded "
              f"capacity (median TTFT <= {s['ttft_p50_ms']:g} ms) is in the JSON. DynaServe in the claims is the "
@@ -183,7 +198,8 @@ def _setup_text(sim: dict[str, Any], grid: dict[str, Any] | None, fit: dict[str,
     return text
 
 
-def _extra(args: argparse.Namespace, sim: dict[str, Any], log: Progress) -> dict[str, Any]:
+def _extra(args: argparse.Namespace, sim: dict[str, Any], fig9: dict[str, Any] | None, log: Progress
+           ) -> dict[str, Any]:
     """The runs beyond the grid (:mod:`tidal.experiments.dynaserve_extra`), at rates the grid measured."""
     from tidal.common.results import command_line
     from tidal.experiments import dynaserve_extra as X
@@ -217,7 +233,7 @@ def _extra(args: argparse.Namespace, sim: dict[str, Any], log: Progress) -> dict
     out["fig10"] = {"trace": X.REPLAY_TRACE, "headline": D.HEADLINE, "coloc": coloc, "windows": windows,
                     "rate_mean": first["num_requests"] / X.WINDOW_S, "input_mean": first["input_mean"],
                     "output_mean": first["output_mean"]}
-    bg = rows.get("burstgpt", {}).get("systems", {}).get(D.HEADLINE)
+    bg = (fig9 or sim)["results"].get(model, {}).get("burstgpt", {}).get("systems", {}).get(D.HEADLINE)
     if bg:
         calls = [(model, "burstgpt", name, r["paper"]["capacity_rps"], r["seed"], st["window_s"], st["num_requests"])
                  for r in bg if r["paper"]["capacity_rps"] for name in (D.HEADLINE, "dynaserve-noslo")]
@@ -329,21 +345,19 @@ def _real_why(real: dict[str, Any], wl: str) -> str:
     return text
 
 
-def _slim(sim: dict[str, Any], grid: dict[str, Any] | None, extra: dict[str, Any] | None,
-          fit: dict[str, Any] | None) -> dict[str, Any]:
-    """Per cell and system the per-seed capacities and goodput, and the ratios (the runs' own JSON,
-    next to this one, have every probe)."""
+def _slim(runs: dict[str, dict[str, Any]], extra: dict[str, Any] | None, fit: dict[str, Any] | None
+          ) -> dict[str, Any]:
+    """Per run, cell and system the per-seed capacities and goodput (the runs' own JSON, next to this
+    one, have every probe)."""
     def slim(data: dict[str, Any]) -> dict[str, Any]:
-        return {"setup": data["setup"], "command": data["command"], "ratios_paper": data["ratios_paper"],
+        return {"setup": data["setup"], "command": data["command"],
                 "results": {m: {wl: {"workload": res["workload"], "systems": {
                     k: [{"seed": r["seed"], "capacity_rps": r["capacity_rps"], "bracket": r["bracket"],
                          "paper_capacity_rps": r["paper"]["capacity_rps"], "paper_bracket": r["paper"]["bracket"],
                          "max_goodput": r["paper"]["max_goodput"]} for r in rows]
                     for k, rows in res["systems"].items()}} for wl, res in by_wl.items()}
                     for m, by_wl in data["results"].items()}}
-    out = {"sim": slim(sim)}
-    if grid is not None:
-        out["grid"] = slim(grid)
+    out: dict[str, Any] = {name.removesuffix(".json").removeprefix("dynaserve_"): slim(d) for name, d in runs.items()}
     if extra is not None:
         out["extra_command"] = extra.get("command")
     if fit is not None:
@@ -352,10 +366,10 @@ def _slim(sim: dict[str, Any], grid: dict[str, Any] | None, extra: dict[str, Any
     return out
 
 
-def _plots(sim: dict[str, Any], grid: dict[str, Any] | None, extra: dict[str, Any] | None, out_dir: str) -> list[str]:
-    files = [os.path.basename(p) for p in D._plots(sim, os.path.join(out_dir, SIM))]
-    if grid is not None:
-        files += [os.path.basename(p) for p in D._plots(grid, os.path.join(out_dir, GRID))]
+def _plots(runs: dict[str, dict[str, Any]], extra: dict[str, Any] | None, out_dir: str) -> list[str]:
+    files = []
+    for name, d in runs.items():
+        files += [os.path.basename(p) for p in D._plots(d, os.path.join(out_dir, name))]
     if extra is not None:
         from tidal.experiments.dynaserve_plots import plot_extra
 

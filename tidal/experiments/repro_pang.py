@@ -205,7 +205,7 @@ def reproduce(args: argparse.Namespace, progress: Progress) -> Report:
     rows_i = [TABLE_I[0], TABLE_I[2]] if quick else TABLE_I
     calls, keys = [], []
     for row in rows_i:
-        n = min(300, row.requests) if quick else row.requests
+        n = min(400, row.requests) if quick else row.requests
         for tp in TPS:
             for seed in seeds:
                 specs = workload(row, n, seed, None)
