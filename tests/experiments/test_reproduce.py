@@ -54,10 +54,11 @@ def test_bucketserve_quick_directions(tmp_path):
     for name in on:
         att = [p["attainment"] for p in on[name]["points"]]
         assert att[0] > att[-1]
-    # the claims' capacity: a bisection per system and seed, its bracket recorded
+    # the claims' capacity (--quick: read off the sweep), its resolution recorded
     cap = r["data"]["capacity"]["mixed"]
-    for runs in cap.values():
-        assert len(runs) == len(r["data"]["seeds"]) and all(c["bracket"] >= 0 for c in runs)
+    for name, runs in cap.items():
+        assert len(runs) == len(r["data"]["seeds"]) and runs[0]["bracket"] > 0
+        assert runs[0]["capacity_server_rps"] == on[name]["capacity_server_rps"]
     claims = {c["claim"]: c for c in r["claims"]}
     off_uellm = claims["offline throughput: BucketServe over UELLM (Fig. 5a, high load)"]
     assert off_uellm["verdict"] == "holds" and len(off_uellm["per_seed"]) == len(r["data"]["seeds"])
@@ -70,11 +71,23 @@ def test_bucketserve_quick_directions(tmp_path):
             assert min(c["per_seed"]) > 1 + c["margin"] and c["margin"] > c["tolerance"]
     # Fig. 6: the latency breakdown and the bucket policy's own time, by bucket count
     f6 = r["data"]["fig6"]["mixed"]["seeds"][0]["runs"]
-    assert [x["client_rps"] for x in f6] == [0.5, 1.0, 2.0]
+    assert [x["client_rps"] for x in f6] == [1.0]  # --quick: one rate
     for x in f6:
         assert x["prefill_s"] > 0 and x["decode_s"] > 0 and x["overhead_s_total"] > 0 and x["policy_steps"] > 0
         assert sum(v["steps"] for v in x["by_buckets"].values()) == x["policy_steps"]
     assert any(c.startswith("Fig. 6b (mixed)") for c in claims) and "bucketserve_fig6.png" in r["figures"]
+
+
+def test_bucketserve_capacity_is_a_bisection_with_its_bracket():
+    from tidal.experiments.repro_bucketserve import capacity_search, systems, workload
+
+    c = capacity_search(systems(16)[BUCKET], workload("alpaca", 40, 1, 1.0), 1.0, 64.0, quick=True)
+    assert 2 <= len(c["probes"]) <= 4 and c["note"]
+    lo, hi = c["capacity_client_rps"], c["first_failing_rps"]
+    if lo is not None and hi is not None and hi > lo:
+        assert c["bracket"] == pytest.approx(hi / lo - 1.0)
+    assert all(p["attainment"] >= 0.8 for p in c["probes"] if p["rate"] == lo)  # the capacity's own probe passed
+    assert all(p["attainment"] < 0.8 for p in c["probes"] if p["rate"] == hi)
 
 
 def test_bucketserve_real_engine_run_computes_the_padding_and_finishes_everything():

@@ -40,7 +40,8 @@ def _seeds(rs: list[float | None]) -> list[float]:
 def capacity_claim(label: str, r: dict[str, Any], paper: str, why: str, real: str, base: str) -> Claim:
     """One capacity ratio (``seed_ratios``'s entry for a baseline) as a claim."""
     tol = r["tolerance"]
-    bound = " (a bound: a side met no searched rate on some seed)" if any(r.get("bound", [])) else ""
+    bound = (" (a bound: on some seed a side's capacity is at an end of the searched range)"
+             if any(r.get("bound", [])) else "")
     sim = (f"{fmt_rates(r['technique'])} vs {fmt_rates(r['baseline'])} req/s ({r['system']}), per seed; "
            f"searches' widest bracket {tol:.1%}{bound}")
     return Claim(f"{label}: capacity, DynaServe above {BASE_NAMES[base]}", paper, sim, False, why, real,
@@ -139,6 +140,7 @@ def replay_claims(fig10: dict[str, Any], real: str) -> list[Claim]:
                  for w in rows]
         n = len(rows[0]["systems"][name]["goodput_per_interval"]) if rows else 0
         starts = ", ".join(f"{w['start_s'] / 60:g}" for w in rows)
+        win, step = fig10.get("window_s", 2520.0) / 60, fig10.get("interval_s", 360.0) / 60
         out.append(Claim(
             f"Fig. 10 (real-time replay, 14B): goodput over the window, DynaServe above {BASE_NAMES[base]}",
             "DynaServe's goodput the highest in every 6-minute interval (Fig. 10); PD Disagg. above PD Coloc. from "
@@ -146,11 +148,11 @@ def replay_claims(fig10: dict[str, Any], real: str) -> list[Claim]:
             f"{fmt_tok(tech)} vs {fmt_tok(b)} tok/s ({name}) per window; DynaServe ahead in "
             f"{', '.join(str(x) for x in leads)} of {n} intervals",
             False,
-            f"BurstGPT's timed trace is not here: 42-minute windows of the Azure 2023 conversation trace (its own "
-            f"arrival times and lengths, {fig10['rate_mean']:.1f} req/s, {fig10['input_mean']:.0f} / "
-            f"{fig10['output_mean']:.0f} tokens), starting at minutes {starts} "
-            f"(the windows overlap: the trace is one hour); goodput every 6 minutes: tokens emitted in it by requests "
-            f"whose own P99 TBT met 100 ms; PD Coloc.'s chunk tuned on these windows ({fig10['coloc']})",
+            f"BurstGPT's timed trace is not here: {win:g}-minute windows of the Azure 2023 conversation trace (its "
+            f"own arrival times and lengths, {fig10['rate_mean']:.1f} req/s, {fig10['input_mean']:.0f} / "
+            f"{fig10['output_mean']:.0f} tokens in the first), starting at minutes {starts} (the windows overlap: the "
+            f"trace is one hour); goodput every {step:g} minutes: tokens emitted in it by requests whose own P99 TBT "
+            f"met 100 ms; PD Coloc.'s chunk the better of 256 and 2,048 on these windows ({fig10['coloc']})",
             real, per_seed=_seeds([t / x if t and x else None for t, x in zip(tech, b, strict=True)]), margin=MARGIN))
     return out
 

@@ -54,8 +54,10 @@ def alpha_beta(model: str, workload: str, rate: float, seed: int, window: float,
     return out
 
 
-def replay_specs(traces_dir: str | None, start_s: float, window_s: float = WINDOW_S) -> list[W.RequestSpec]:
-    """The trace's requests that arrive in ``[start_s, start_s + window_s)`` of its own clock, from 0."""
+def replay_specs(traces_dir: str | None, start_s: float, window_s: float | None = None) -> list[W.RequestSpec]:
+    """The trace's requests that arrive in ``[start_s, start_s + window_s)`` of its own clock, from 0
+    (default: :data:`WINDOW_S`)."""
+    window_s = WINDOW_S if window_s is None else window_s
     rows = W.load_trace(_trace_path(traces_dir))
     t0 = rows[0].time_s + start_s
     return [W.RequestSpec(r.time_s - t0, r.input_len, max(1, r.output_len)) for r in rows
@@ -66,10 +68,11 @@ def _trace_path(traces_dir: str | None) -> str:
     return os.path.join(traces_dir or W.default_traces_dir(), REPLAY_TRACE)
 
 
-def interval_goodput(records: list[Any], tbt_s: float, window_s: float = WINDOW_S,
+def interval_goodput(records: list[Any], tbt_s: float, window_s: float | None = None,
                      interval_s: float = INTERVAL_S) -> list[float]:
-    """Per interval of the window: output tokens emitted in it by requests that met the TBT SLO
-    (their own P99 gap, the paper's rule), per second."""
+    """Per interval of the window (default :data:`WINDOW_S`): output tokens emitted in it by requests
+    that met the TBT SLO (their own P99 gap, the paper's rule), per second."""
+    window_s = WINDOW_S if window_s is None else window_s
     n = int(round(window_s / interval_s))
     tokens = [0] * n
     for rec in records:

@@ -35,21 +35,22 @@ def plot_extra(extra: dict[str, Any], out_dir: str) -> list[str]:
     f10 = extra.get("fig10")
     if f10:
         wins = f10["windows"]
+        step = f10.get("interval_s", 360.0) / 60
         fig, axes = plt.subplots(1, len(wins), figsize=(4.5 * len(wins), 3.6), squeeze=False)
         for ax, win in zip(axes[0], wins, strict=True):
-            for name in (f10["coloc"], "disagg", f10["headline"], "dynaserve"):
+            for name in (f10["coloc"], "disagg", f10["headline"]):
                 per = win["systems"][name]["goodput_per_interval"]
-                ax.plot([6 * (i + 1) for i in range(len(per))], per, marker="o", label=name,
+                ax.plot([step * (i + 1) for i in range(len(per))], per, marker="o", label=name,
                         linewidth=1.8 if name == f10["headline"] else 1.0)
             ax2 = ax.twinx()
-            ax2.bar([6 * (i + 1) for i in range(len(win["input_per_interval"]))], win["input_per_interval"],
-                    width=4, color="gray", alpha=0.15)
+            ax2.bar([step * (i + 1) for i in range(len(win["input_per_interval"]))], win["input_per_interval"],
+                    width=0.6 * step, color="gray", alpha=0.15)
             ax2.set_ylabel("mean prompt (tokens)", fontsize=7)
             ax.set_xlabel("minute")
             ax.set_ylabel("goodput (tok/s)")
             ax.set_title(f"window from minute {win['start_s'] / 60:g}", fontsize=9)
             ax.legend(fontsize=7)
-        fig.suptitle(f"Fig. 10: real-time replay ({f10['trace']}), 14B, goodput every 6 minutes", fontsize=9)
+        fig.suptitle(f"Fig. 10: real-time replay ({f10['trace']}), 14B, goodput every {step:g} minutes", fontsize=9)
         fig.tight_layout()
         files.append("dynaserve_fig10.png")
         fig.savefig(os.path.join(out_dir, files[-1]), dpi=100)

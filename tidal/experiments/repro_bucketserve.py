@@ -194,6 +194,17 @@ def capacity_search(kw: dict[str, Any], base: list[RequestSpec], low: float, hig
             "note": search.note, "probes": [{"rate": p.rate, "attainment": p.attainment} for p in search.probes]}
 
 
+def sweep_capacity(points: list[dict[str, Any]]) -> dict[str, Any]:
+    """A capacity read off a sweep (``capacity_from_sweep``), its resolution the relative step between
+    the two swept points around the crossing (the whole grid's widest step when it never crosses)."""
+    pts = sorted(points, key=lambda p: p["server_rps"])
+    cap = capacity_from_sweep([(p["server_rps"], p["attainment"]) for p in pts], TARGET)
+    steps = [b["server_rps"] / a["server_rps"] - 1 for a, b in zip(pts, pts[1:], strict=False) if a["server_rps"] > 0]
+    around = [b["server_rps"] / a["server_rps"] - 1 for a, b in zip(pts, pts[1:], strict=False)
+              if cap is not None and a["server_rps"] > 0 and a["server_rps"] <= cap <= b["server_rps"]]
+    return {"capacity_server_rps": cap, "bracket": max(around or steps or [0.0])}
+
+
 def _sweep_point(kw: dict[str, Any], specs: list[RequestSpec], rate: float) -> dict[str, Any]:
     s = run_busy(kw, specs, SLO_)
     return {"client_rps": rate, "server_rps": server_rps(s), "attainment": s["slo_attainment"] or 0.0,
@@ -269,9 +280,10 @@ def reproduce(args: argparse.Namespace, progress: Progress) -> Report:
             v["capacity_server_rps"] = capacity_from_sweep([(p["server_rps"], p["attainment"]) for p in v["points"]],
                                                            TARGET)
 
-    # the claims' capacity: a bisection on the client's rate, every system, every seed
+    # the claims' capacity: a bisection on the client's rate, every system, every seed (--quick: read
+    # off seed 0's sweep, its bracketing step the resolution)
     calls, keys = [], []
-    for ds in datasets:
+    for ds in datasets if not quick else []:
         for seed in seeds:
             base = workload(ds, n_on, seed + 1, 1.0)
             for name, kw in each(64):
@@ -280,6 +292,10 @@ def reproduce(args: argparse.Namespace, progress: Progress) -> Report:
     progress(f"capacity searches: {len(calls)}")
     for (ds, seed, name), c in zip(keys, run_all(capacity_search, calls, jobs), strict=True):
         data["capacity"].setdefault(ds, {}).setdefault(name, []).append({"seed": seed, **c})
+    if quick:
+        for ds, by in data["online"].items():
+            for name, v in by.items():
+                data["capacity"].setdefault(ds, {})[name] = [{"seed": seeds[0], **sweep_capacity(v["points"])}]
 
     # Fig. 6: BucketServe's latency breakdown and bucketing overhead at three client rates, every seed
     calls, keys = [], []
@@ -287,7 +303,7 @@ def reproduce(args: argparse.Namespace, progress: Progress) -> Report:
         kw = systems(64)[BUCKET]
         for seed in seeds:
             base = workload(ds, n_on, seed + 1, 1.0)
-            for r in FIG6_RATES[ds]:
+            for r in FIG6_RATES[ds][1:2] if quick else FIG6_RATES[ds]:
                 calls.append((kw, [replace(x, arrival_s=x.arrival_s / r) for x in base]))
                 keys.append((ds, seed, r))
     progress(f"Fig. 6: {len(calls)} timed runs")
