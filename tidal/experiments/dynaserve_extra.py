@@ -27,12 +27,16 @@ import numpy as np
 
 from tidal import workload as W
 from tidal.experiments.dynaserve_stats import attains, token_times
-from tidal.experiments.sim_dynaserve import SYSTEMS, WORKLOADS, run_probe
+from tidal.experiments.sim_dynaserve import COLOC, HEADLINE, SYSTEMS, WORKLOADS, run_probe
 
 INTERVAL_S = 360.0  # Fig. 10: "we measure average goodput every 6 minutes"
 WINDOW_S = 42 * 60.0  # Fig. 10: "spans 42 minutes"
 REPLAY_TRACE = "azure2023_conv.csv"  # BurstGPT's timed trace is not available here (module docstring)
 CDF_MS = np.arange(0.0, 401.0, 5.0)  # Fig. 11's TBT axis, ms
+# Fig. 10's systems: PD Coloc. at both ends of the paper's tuning range, PD Disagg., DynaServe (the
+# paper's placement; a 42-minute split run is the costly one on two cores)
+FIG10_SYSTEMS = ("coloc-256", "coloc-2048", "disagg", HEADLINE)
+FIG10_STARTS = (0.0, 480.0, 960.0)  # three 42-minute windows of the hour-long trace (they overlap)
 
 
 def alpha_beta(model: str, workload: str, rate: float, seed: int, window: float, num_requests: int,
@@ -69,10 +73,11 @@ def _trace_path(traces_dir: str | None) -> str:
 
 
 def interval_goodput(records: list[Any], tbt_s: float, window_s: float | None = None,
-                     interval_s: float = INTERVAL_S) -> list[float]:
-    """Per interval of the window (default :data:`WINDOW_S`): output tokens emitted in it by requests
-    that met the TBT SLO (their own P99 gap, the paper's rule), per second."""
+                     interval_s: float | None = None) -> list[float]:
+    """Per interval of the window (default :data:`WINDOW_S`, :data:`INTERVAL_S`): output tokens emitted
+    in it by requests that met the TBT SLO (their own P99 gap, the paper's rule), per second."""
     window_s = WINDOW_S if window_s is None else window_s
+    interval_s = INTERVAL_S if interval_s is None else interval_s
     n = int(round(window_s / interval_s))
     tokens = [0] * n
     for rec in records:
@@ -126,5 +131,52 @@ def ablation(model: str, workload: str, system: str, rate: float, seed: int, win
             "paper_attainment": p["paper_attainment"], "tbt_p99_ms": p["tbt_p99_ms"]}
 
 
-__all__ = ["CDF_MS", "INTERVAL_S", "REPLAY_TRACE", "WINDOW_S", "ablation", "alpha_beta", "interval_goodput",
-           "interval_inputs", "replay", "replay_specs"]
+def run_fig10(jobs: int = 1, model: str = "qwen-2.5-14b", traces_dir: str | None = None) -> dict[str, Any]:
+    """Fig. 10: every system of :data:`FIG10_SYSTEMS` over every window of :data:`FIG10_STARTS` (a
+    window is a seed), on ``jobs`` processes; PD Coloc.'s chunk is the one with the better median goodput."""
+    from tidal.common.results import command_line
+    from tidal.experiments.parallel import run_all
+
+    calls = [(model, name, start, k, traces_dir) for k, start in enumerate(FIG10_STARTS) for name in FIG10_SYSTEMS]
+    got = run_all(replay, calls, jobs)
+    windows = []
+    for k, start in enumerate(FIG10_STARTS):
+        systems = {g["system"]: g for g in got if g["start_s"] == start}
+        windows.append({"start_s": start, "seed": k, "systems": systems,
+                        "input_per_interval": interval_inputs(traces_dir, start)})
+    coloc = max((n for n in COLOC if n in FIG10_SYSTEMS),
+                key=lambda n: sorted(w["systems"][n]["goodput"] for w in windows)[len(windows) // 2])
+    first = windows[0]["systems"][HEADLINE]
+    return {"command": command_line("python -m tidal.experiments.dynaserve_extra"), "trace": REPLAY_TRACE,
+            "model": model, "headline": HEADLINE, "coloc": coloc, "windows": windows, "window_s": WINDOW_S,
+            "interval_s": INTERVAL_S, "rate_mean": first["num_requests"] / WINDOW_S,
+            "input_mean": first["input_mean"], "output_mean": first["output_mean"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tidal.experiments.dynaserve_extra --output FILE [--jobs N]``: Fig. 10's replay alone
+    (``tidal reproduce dynaserve`` runs it too, and reads this file with ``--reuse-sim``)."""
+    import argparse
+
+    from tidal.common import flags as F
+    from tidal.common.results import write_json
+
+    p = argparse.ArgumentParser(prog="python -m tidal.experiments.dynaserve_extra", description=main.__doc__)
+    p.add_argument("--output", required=True)
+    p.add_argument("--jobs", type=F.positive_int, default=1)
+    args = p.parse_args(argv)
+    out = run_fig10(args.jobs)
+    write_json(out, args.output)
+    for w in out["windows"]:
+        print(f"window from minute {w['start_s'] / 60:g}: " + ", ".join(
+            f"{n} {v['goodput']:.0f} tok/s" for n, v in w["systems"].items()), flush=True)
+    print(f"wrote {args.output}")
+    return 0
+
+
+__all__ = ["CDF_MS", "FIG10_STARTS", "FIG10_SYSTEMS", "INTERVAL_S", "REPLAY_TRACE", "WINDOW_S", "ablation",
+           "alpha_beta", "interval_goodput", "interval_inputs", "main", "replay", "replay_specs", "run_fig10"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -14,8 +14,9 @@ The runs (each a command of its own, its JSON in ``--output``):
   summarization), DynaServe with the paper's placement only;
 - ``dynaserve_grid.json``: 32B (TP 2, the paper's 2P2D) and 72B (TP 4, 4P4D), Fig. 8's rows, with
   fewer requests (120 s windows of at most 1,000, 8 probes), three seeds;
-- ``dynaserve_extra.json``: why fixed roles load alpha (Mini Reasoning), the real-time replay (Fig.
-  10) and the SLO-aware batching ablation (Fig. 11) (:mod:`tidal.experiments.dynaserve_extra`);
+- ``dynaserve_extra.json``: why fixed roles load alpha (Mini Reasoning) and the SLO-aware batching
+  ablation (Fig. 11), at rates the runs above measured; ``dynaserve_fig10.json``: the real-time replay
+  (Fig. 10) (:mod:`tidal.experiments.dynaserve_extra`);
 - ``jitter_fit.json``: ``tidal bench calibrate-jitter``, the testbed's fit to Table 1, read for the
   setup's words (written by the full run when absent).
 
@@ -64,7 +65,7 @@ WHY_WL = {
     "burstgpt": "BurstGPT is balanced (~642 in, ~262 out)",
 }
 SIM, FIG9, GRID = "dynaserve_sim.json", "dynaserve_fig9.json", "dynaserve_grid.json"
-EXTRA, FIT = "dynaserve_extra.json", "jitter_fit.json"
+EXTRA, FIG10, FIT = "dynaserve_extra.json", "dynaserve_fig10.json", "jitter_fit.json"
 # the rate range: up to 16 req/s, the paper's highest QPS for 14B on two GPUs (Table 3); a capacity
 # at its top is a bound and is said so
 FULL = ["--models", "qwen-2.5-14b", "--workloads", "hybrid,mini-reasoning",
@@ -80,10 +81,6 @@ FULL_GRID = ["--models", "qwen-2.5-32b,qwen-2.5-72b", "--workloads", "burstgpt,a
 QUICK = ["--workloads", "mini-reasoning", "--systems", "coloc-512,disagg,dynaserve-load", "--seeds", "1",
          "--step-jitter", "fitted", "--num-requests", "200", "--window", "40", "--max-probes", "3", "--rate-low", "1",
          "--rate-high", "16"]
-# Fig. 10's systems: PD Coloc. at both ends of the paper's tuning range, PD Disagg., DynaServe (the
-# paper's placement; a 42-minute split run is the costly one on two cores)
-FIG10_SYSTEMS = ("coloc-256", "coloc-2048", "disagg", D.HEADLINE)
-FIG10_STARTS = (0.0, 480.0, 960.0)  # three 42-minute windows of the hour-long trace (module docstring)
 
 
 def _bench_argv(args: argparse.Namespace, base: list[str]) -> list[str]:
@@ -222,21 +219,7 @@ def _extra(args: argparse.Namespace, sim: dict[str, Any], fig9: dict[str, Any] |
                   st["num_requests"]) for r in mr if r["paper"]["capacity_rps"]]
         log(f"where the sequences go (Mini Reasoning): {len(calls)} seeds x 4 runs")
         out["alpha_beta"] = run_all(X.alpha_beta, calls, jobs)
-    calls = [(model, name, start, k) for k, start in enumerate(FIG10_STARTS) for name in FIG10_SYSTEMS]
-    log(f"Fig. 10 replay: {len(calls)} runs of 42 minutes")
-    got = run_all(X.replay, calls, jobs)
-    windows = []
-    for k, start in enumerate(FIG10_STARTS):
-        systems = {g["system"]: g for g in got if g["start_s"] == start}
-        windows.append({"start_s": start, "seed": k, "systems": systems,
-                        "input_per_interval": X.interval_inputs(None, start)})
-    coloc = max((n for n in D.COLOC if n in FIG10_SYSTEMS),
-                key=lambda n: sorted(w["systems"][n]["goodput"] for w in windows)[len(windows) // 2])
-    first = windows[0]["systems"][D.HEADLINE]
-    out["fig10"] = {"trace": X.REPLAY_TRACE, "headline": D.HEADLINE, "coloc": coloc, "windows": windows,
-                    "window_s": X.WINDOW_S, "interval_s": X.INTERVAL_S,
-                    "rate_mean": first["num_requests"] / X.WINDOW_S, "input_mean": first["input_mean"],
-                    "output_mean": first["output_mean"]}
+    out["fig10"] = _fig10(args, jobs, log)
     bg = (fig9 or sim)["results"].get(model, {}).get("burstgpt", {}).get("systems", {}).get(D.HEADLINE)
     if bg:
         calls = [(model, "burstgpt", name, r["paper"]["capacity_rps"], r["seed"], st["window_s"], st["num_requests"])
@@ -249,6 +232,22 @@ def _extra(args: argparse.Namespace, sim: dict[str, Any], fig9: dict[str, Any] |
         out["fig11"] = {"workload": "burstgpt", "cdf_ms": list(map(float, X.CDF_MS)), "seeds": seeds}
     write_json(out, path)
     return out
+
+
+def _fig10(args: argparse.Namespace, jobs: int, log: Progress) -> dict[str, Any]:
+    """Fig. 10's replay (``dynaserve_fig10.json``, ``python -m tidal.experiments.dynaserve_extra``: it
+    needs none of the other runs, so it can run beside them); reused with ``--reuse-sim``."""
+    from tidal.experiments import dynaserve_extra as X
+
+    path = os.path.join(args.output, FIG10)
+    if getattr(args, "reuse_sim", False) and os.path.exists(path):
+        log(f"reusing {path} (written by its own command)")
+        with open(path) as f:
+            return json.load(f)
+    log(f"Fig. 10 replay: {len(X.FIG10_STARTS) * len(X.FIG10_SYSTEMS)} runs of {X.WINDOW_S / 60:g} minutes")
+    got = X.run_fig10(jobs)
+    write_json(got, path)
+    return got
 
 
 def _run_real(sim: dict[str, Any], log: Progress) -> dict[str, Any]:
