@@ -55,19 +55,84 @@ def test_sustained_means_a_queue_that_does_not_grow():
     assert not B.sustained(recs(lambda i: 0.0, first=False))  # the last ones never started
 
 
-def test_ratios_take_the_better_colocation_chunk():
-    rows = {"coloc-512": {"capacity_rps": 4.0, "max_goodput": 900.0},
-            "coloc-2048": {"capacity_rps": 1.0, "max_goodput": 1000.0},
-            "disagg": {"capacity_rps": 5.0, "max_goodput": None},
-            "dynaserve": {"capacity_rps": 6.0, "max_goodput": 1500.0}}
-    r = B.ratios(rows)
-    assert r["capacity_rps"] == {"coloc": "coloc-512", "vs_coloc": 1.5, "vs_disagg": 1.2}
-    assert r["max_goodput"] == {"coloc": "coloc-2048", "vs_coloc": 1.5, "vs_disagg": None}
-    # the paper's definition reads each row's ``paper`` fields
-    for n, cap in (("coloc-512", 2.0), ("coloc-2048", 4.0), ("disagg", 8.0), ("dynaserve", 6.0)):
-        rows[n]["paper"] = {"capacity_rps": cap, "max_goodput": None}
-    r = B.ratios(rows, definition="paper")
-    assert r["capacity_rps"] == {"coloc": "coloc-2048", "vs_coloc": 1.5, "vs_disagg": 0.75}
+def _row(cap, good=None, bracket=0.0, paper=None):
+    p = paper if paper is not None else cap
+    return {"capacity_rps": cap, "max_goodput": good, "bracket": bracket,
+            "paper": {"capacity_rps": p, "max_goodput": good, "bracket": bracket}}
+
+
+def test_seed_ratios_take_the_tuned_chunk_per_workload_and_the_widest_bracket():
+    rows = {"coloc-512": [_row(4.0, 900.0, 0.03), _row(4.4, 950.0)],
+            "coloc-2048": [_row(1.0, 1000.0), _row(None, 1100.0)],
+            "disagg": [_row(5.0, None, 0.04), _row(5.5, 800.0)],
+            "dynaserve-load": [_row(6.0, 1500.0, 0.02), _row(5.5, 1650.0)]}
+    # the tuned chunk is one chunk for every seed: the best median over the seeds
+    assert B.tuned_coloc(rows, "capacity_rps") == "coloc-512" and B.tuned_coloc(rows, "max_goodput") == "coloc-2048"
+    r = B.seed_ratios(rows, "dynaserve-load", "paper", rate_low=0.25, rate_high=32.0)
+    cap = r["capacity_rps"]
+    assert cap["coloc"]["system"] == "coloc-512" and cap["coloc"]["per_seed"] == pytest.approx([1.5, 5.5 / 4.4])
+    assert cap["coloc"]["tolerance"] == pytest.approx(0.03) and cap["disagg"]["tolerance"] == pytest.approx(0.04)
+    # Table 1's chunk met no searched rate on seed 1: the ratio is a bound (>= 5.5 / 0.25)
+    assert cap["coloc_2048"]["per_seed"] == pytest.approx([6.0, 22.0]) and cap["coloc_2048"]["bound"] == [False, True]
+    good = r["max_goodput"]
+    assert good["coloc"]["per_seed"] == pytest.approx([1.5, 1.5]) and good["disagg"]["per_seed"][0] is None
+    assert good["best"]["per_seed"] == pytest.approx([1.5, 1650.0 / 1100.0])
+    # the TTFT-guarded definition reads the top-level fields
+    rows["dynaserve-load"][0]["capacity_rps"] = 2.0
+    assert B.seed_ratios(rows, "dynaserve-load", "ttft")["capacity_rps"]["coloc"]["per_seed"][0] == pytest.approx(0.5)
+
+
+def test_capacity_ratios_and_brackets():
+    from tidal.experiments.dynaserve_stats import bracket, cap_ratio
+
+    assert bracket(4.0, 4.2) == pytest.approx(0.05) and bracket(None, 1.0) == 0.0 and bracket(4.0, None) == 0.0
+    assert cap_ratio(6.0, 3.0, 0.25) == (2.0, False)
+    assert cap_ratio(6.0, None, 0.25) == (24.0, True) and cap_ratio(None, 2.0, 0.25) == (0.125, True)
+    assert cap_ratio(None, None, 0.25) == (None, False)
+
+
+def test_split_tokens_count_where_each_decode_ran():
+    """Alpha samples s - P + 1 tokens of a split at s >= P; a split that leaves beta nothing runs the
+    request's real output on alpha however short the prediction was; s = 0 is all on beta."""
+    from types import SimpleNamespace
+
+    from tidal.experiments.dynaserve_stats import split_tokens
+    from tidal.workload import RequestSpec
+
+    def t(i, alpha, s, handoff, pred=100, prompt=10, **kw):
+        return SimpleNamespace(index=i, alpha=alpha, beta=1 - alpha, split=s, prompt_len=prompt,
+                               predicted_output=pred, handoff=handoff, finished_on_alpha=kw.get("fin", False),
+                               stayed_on_alpha=False)
+
+    specs = [RequestSpec(0.0, 10, 100), RequestSpec(0.0, 10, 300), RequestSpec(0.0, 10, 100), RequestSpec(0.0, 10, 50)]
+    got = split_tokens([t(0, 0, 49, True), t(1, 1, 109, False), t(2, 0, 0, False), t(3, 1, 89, True, fin=True)],
+                       specs, 2)
+    # 0: alpha 40 on instance 0, beta 60 on 1; 1: whole on alpha (instance 1), all 300; 2: all on beta (1);
+    # 3: ended on alpha (instance 1) before its split: all 50
+    assert got["by_instance"] == [40, 60 + 300 + 100 + 50]
+    assert got["actual_by_role"] == {"alpha": 40 + 300 + 50, "beta": 60 + 100}
+    assert got["planned_by_role"] == {"alpha": 40 + 100 + 0 + 80, "beta": 60 + 0 + 100 + 20}
+    assert got["whole_on_alpha_past_prediction"] == 1 and got["predicted_output_mean"] == 100
+
+
+def test_load_placement_puts_alphas_on_both_instances_and_fixed_roles_on_instance_0():
+    from tidal import workload as W
+    from tidal.sim.build import build_simulator
+
+    base = W.make_requests(W.WorkloadOptions(num_requests=40, rate=1.0, seed=0, **B.WORKLOADS["mini-reasoning"]))
+    specs = W.specs_at_rate(base, 2.0, 20.0)
+    alphas = {}
+    for name in ("dynaserve", "dynaserve-load", "dynaserve-place"):
+        spec = B.cluster_spec("qwen-2.5-14b", B.SYSTEMS[name], 0.1, 2.0, step_jitter="fitted")
+        assert (spec.split is None) == (name == "dynaserve")
+        if spec.split is not None:  # Alg. 1 has no TTFT target: only tidal's variant sets one
+            assert spec.split.flip_roles and (spec.split.ttft_target_s is None) == (name == "dynaserve-load")
+        res = build_simulator(spec, specs).run()
+        alphas[name] = {t.alpha for t in res.splits}
+        assert all(r.success for r in res.records)
+    assert alphas["dynaserve"] == {0} and alphas["dynaserve-load"] == {0, 1}
+    with pytest.raises(ValueError, match="placement"):
+        B.System("split", "slo-compose", 2048, placement="round-robin")
 
 
 def test_bench_runs_end_to_end(tmp_path, capsys):
@@ -77,7 +142,7 @@ def test_bench_runs_end_to_end(tmp_path, capsys):
                    "--max-probes", "3", "--step-jitter", "fitted", "--output", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())
-    rows = r["results"]["qwen-2.5-14b"]["mini-reasoning"]["systems"]
+    rows = {k: v[0] for k, v in r["results"]["qwen-2.5-14b"]["mini-reasoning"]["systems"].items()}  # one seed
     assert set(rows) == {"coloc-512", "disagg", "dynaserve"}
     for row in rows.values():
         assert 1 <= len(row["probes"]) <= 6 and all(p["num_requests"] <= 40 for p in row["probes"])
@@ -87,10 +152,13 @@ def test_bench_runs_end_to_end(tmp_path, capsys):
                                                  and paper["at_capacity"]["paper_attainment"] >= 0.99)
         rates = [p["rate"] for p in row["probes"]]
         assert len(rates) == len(set(rates))  # the two searches share their probes
-    assert any("splits" in p for p in rows["dynaserve"]["probes"])
+    split = [p for p in rows["dynaserve"]["probes"] if "splits" in p]
+    assert split and all(len(p["instances"]) == 2 for p in split)
+    tok = split[0]["splits"]["tokens"]  # fixed roles: instance 0 is every alpha
+    assert tok["by_instance"][0] == tok["actual_by_role"]["alpha"] and tok["by_instance"][1] == tok["actual_by_role"]["beta"]
     assert r["plots"] and r["plots"][0].endswith(".png")
     text = capsys.readouterr().out
-    assert "dynaserve capacity, TTFT-guarded:" in text and "dynaserve capacity, paper's" in text
+    assert "dynaserve capacity, TTFT-guarded, per seed:" in text and "dynaserve capacity, paper's" in text
     assert r["setup"]["step_jitter"] == "fitted"
     assert cli_main(["bench", "sim-dynaserve", "--workloads", "nope", "--output", str(out)]) == 2
 

@@ -16,6 +16,9 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from tidal.experiments.server_proc import run_client, serve, stop
 from tidal.workload.requests import SHAPES
@@ -62,7 +65,8 @@ def run_layout(workload: str, layout: str, setup: RealSetup, out_json: str,
     """One layout's capacity search on one workload: its server, the load; the row of the table."""
     name, flags = LAYOUTS[layout]
     max_in, max_out = setup.lengths(workload)
-    proc, url, server_log = serve(flags, setup.engine_flags())
+    steps = os.path.splitext(out_json)[0] + ".steps.jsonl"  # every worker step report: the row's profile
+    proc, url, server_log = serve([*flags, "--step-log", steps], setup.engine_flags())
     try:
         cmd = [sys.executable, "-m", "tidal.cli", "bench", "serve", "--base-url", url, "--workload", workload,
                "--max-input-len", str(max_in), "--max-output-len", str(max_out),
@@ -84,6 +88,13 @@ def run_layout(workload: str, layout: str, setup: RealSetup, out_json: str,
         os.unlink(server_log)
     splits = [q["placement"] for q in r["requests"] if q.get("placement")]
     search = r["capacity_search"]
+    profile = step_profile(steps) if os.path.exists(steps) else None
+    if os.path.exists(steps):
+        os.unlink(steps)
+    if profile is not None and splits:
+        predicted = [s["predicted_output"] for s in splits if s.get("predicted_output") is not None]
+        profile["predicted_output_mean"] = float(np.mean(predicted)) if predicted else None
+        profile["output_len"] = max_out
     return {"workload": workload, "lengths": [max_in, max_out], "layout": layout, "system": name,
             "capacity_rps": search["capacity_rps"], "search_note": search.get("note"),
             "goodput_tok_s": r["goodput"]["output_throughput"], "attainment": r["slo_attainment"],
@@ -95,7 +106,32 @@ def run_layout(workload: str, layout: str, setup: RealSetup, out_json: str,
             "probe_failures": [{"rate": q["rate"], "unfinished": q["summary"]["failed"],
                                 "finished": q["summary"]["completed"],
                                 "by_metric": q["summary"].get("slo_attainment_by_metric")}
-                               for q in search["probes"] if "summary" in q]}
+                               for q in search["probes"] if "summary" in q],
+            "profile": profile}
+
+
+def step_profile(path: str) -> dict[str, Any]:
+    """Where a layout's time went, from its step log (``tidal serve --step-log``): per instance the
+    steps, the time-mean running sequences, the seconds per sequence of its decode-only steps, and
+    the spread (p10 / p50 / p90) of its mixed steps (a prefill chunk beside decodes), in seconds."""
+    by: dict[int, list[dict[str, Any]]] = {}
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                d = json.loads(line)
+                by.setdefault(int(d["instance"]), []).append(d)
+    out: dict[str, Any] = {"instances": {}}
+    for i, steps in sorted(by.items()):
+        decode = [s for s in steps if s["decodes"] and not s["prefill_tokens"]]
+        mixed = [s["step_s"] for s in steps if s["decodes"] and s["prefill_tokens"]]
+        busy = sum(s["step_s"] for s in steps)
+        out["instances"][str(i)] = {
+            "steps": len(steps), "busy_s": busy,
+            "mean_running": float(np.average([s["running"] for s in steps], weights=[s["step_s"] or 1e-9 for s in steps])),
+            "decode_s_per_seq": (sum(s["step_s"] for s in decode) / sum(s["decodes"] for s in decode)) if decode else None,
+            "mixed_steps": len(mixed),
+            "mixed_s": [float(np.percentile(mixed, q)) for q in (10, 50, 90)] if mixed else None}
+    return out
 
 
 def run(workloads: list[str], layouts: list[str], setup: RealSetup, stem: str,

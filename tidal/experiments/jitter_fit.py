@@ -17,7 +17,7 @@ instances preempt (219 / 1467 colocated: p50 TBT 80 ms, p99 359 ms, against the 
 (their log-normal spread per step), ``mixed_s`` (seconds each decode of a mixed step adds),
 ``recv_bw`` (the 1P1D decode instance's blocking KV receive, bytes/s) and the testbed's prefill
 attention (``attn_compute_efficiency``, ``attn_self_factor``), chosen by ``--search`` one term at a
-time over :data:`GRID` (:func:`search`) to minimize the mean relative error over the 18 figures (6
+time over :data:`GRID` (:func:`search`) to minimize the mean relative error over Table 1's figures (6
 setups x p50, p99, throughput; the largest is reported beside it), on these baselines only (never
 on DynaServe's own results). ``--params`` evaluates one set instead; ``--step-jitter off`` the mean
 model. Every run is deterministic given ``--seed``.
@@ -125,7 +125,7 @@ def _score(ev: dict[str, Any]) -> tuple[float, float]:
 def search(start: JitterParams, seed: int, scale: float, passes: int = 2, log: Any = print,
            jobs: int = 1) -> tuple[JitterParams, list[dict[str, Any]]]:
     """Coordinate descent over :data:`GRID`: each term in turn takes the grid value with the least
-    mean relative error over the 18 figures (the largest breaks ties), the others held; ``passes``
+    mean relative error over Table 1's figures (the largest breaks ties), the others held; ``passes``
     sweeps, or fewer when a sweep changes nothing. Returns the best and every evaluation."""
     seen: dict[JitterParams, dict[str, Any]] = {}
 

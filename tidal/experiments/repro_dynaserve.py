@@ -1,16 +1,31 @@
-"""DynaServe (Sec. 6, Fig. 8-9, Table 2) in the simulator: serving capacity and goodput of split
-micro-requests (DynaServe) against colocation with chunked prefill (PD Coloc., its chunk tuned)
-and 1P1D disaggregation (PD Disagg.), two A100-80G instances of Qwen-2.5-14B.
+"""DynaServe (Sec. 6, Fig. 8-11, Tables 1-2) in the simulator: serving capacity and goodput of split
+micro-requests (DynaServe) against colocation with chunked prefill (PD Coloc.) and P/D
+disaggregation (PD Disagg.), two instances of Qwen-2.5-14B (one A100-80G each), 32B (two) and 72B
+(four), on the paper's workloads, several seeds each.
 
-It runs :mod:`tidal.experiments.sim_dynaserve` (``tidal bench sim-dynaserve``: capacity = the highest
-Poisson rate at which 99 % of the requests keep their own P99 TBT within 100 ms and the median
-TTFT within 2 s, found by search) and reads the claims off its JSON. The full run takes the
-paper's hybrid workload (Table 2) and Mini Reasoning (Fig. 9) with the bench's own windows and
-search; ``--quick`` Mini Reasoning only, three systems, 40 s windows of at most 200 requests per
-probe, 3 probes. Both on the testbed fitted to the paper's Table 1 baselines (``--step-jitter
-fitted``, :mod:`tidal.sim.jitter`). Without ``--quick`` (or with ``--real``) the three layouts also run on 2 real CPU
-instances of the default model (:mod:`tidal.experiments.dynaserve_real`), on the shape of each simulated
-workload that has one; ``--real-json`` reads a recorded run of them instead.
+The runs (each a command of its own, its JSON in ``--output``):
+
+- ``dynaserve_sim.json``: ``tidal bench sim-dynaserve`` on 14B, Mini Reasoning (Fig. 9) and the hybrid
+  of Table 2, at full fidelity (240 s windows of at most 2,000 requests a probe, 10 probes, a 4 %
+  bracket), three seeds: PD Coloc. at 256, 512 and 2,048-token chunks, PD Disagg., and DynaServe
+  with the paper's load placement (the claims' DynaServe), fixed roles and tidal's TTFT-guarded
+  placement (labelled);
+- ``dynaserve_fig9.json``: the same on 14B's other workloads of Fig. 9 (BurstGPT, Azure Code, arXiv
+  summarization), DynaServe with the paper's placement only;
+- ``dynaserve_grid.json``: 32B (TP 2, the paper's 2P2D) and 72B (TP 4, 4P4D), Fig. 8's rows, with
+  fewer requests (120 s windows of at most 1,000, 8 probes), three seeds;
+- ``dynaserve_extra.json``: why fixed roles load alpha (Mini Reasoning) and the SLO-aware batching
+  ablation (Fig. 11), at rates the runs above measured; ``dynaserve_fig10.json``: the real-time replay
+  (Fig. 10) (:mod:`tidal.experiments.dynaserve_extra`);
+- ``jitter_fit.json``: ``tidal bench calibrate-jitter``, the testbed's fit to Table 1, read for the
+  setup's words (written by the full run when absent).
+
+``--quick``: Mini Reasoning on 14B only, three systems, one seed, 40 s windows of at most 200
+requests, 3 probes (the tests check the runs, not the verdicts). ``--reuse-sim`` reads the run JSONs
+already in ``--output`` instead of running them again (hours on two cores; each records the command that wrote it). Without ``--quick``
+(or with ``--real``) the three layouts also run on 2 real CPU instances of the default model
+(:mod:`tidal.experiments.dynaserve_real`) on Mini Reasoning's shape; ``--real-json`` reads a recorded
+run of them instead.
 """
 
 from __future__ import annotations
@@ -22,13 +37,13 @@ import tempfile
 from typing import Any
 
 from tidal.common.machine import usable_cores
+from tidal.common.results import write_json
+from tidal.experiments import dynaserve_claims as C
 from tidal.experiments import sim_dynaserve as D
 from tidal.experiments.reproduce import (
-    Claim,
     Progress,
     Report,
     beats,
-    fmt_rate,
     fmt_ratio,
     ratio,
     run_bench,
@@ -40,88 +55,207 @@ REAL = ("not run here: Qwen-2.5-14B does not fit this 2-core CPU; the same three
 # the simulated workloads whose shape the real run can serve (lengths scaled down): Mini Reasoning's
 REAL_SHAPES = {"mini-reasoning": "dynaserve-219-1467"}
 REAL_NO_SHAPE = "not run on the real engine: only Mini Reasoning's shape is (a 2-core CPU's time)"
-WHY_REAL = ("real: a 135M model on 1 CPU thread per instance, not vLLM on A100s; PD Coloc. there is one chunk "
-            "size (256 tokens) with the same slo-compose local policy as the other two. Profiled from the workers' "
-            "step reports (`tidal serve --step-log`): alpha is instance 0 of the only pair, so it runs every new "
-            "prompt's prefill beside its decodes, and such a mixed step takes 0.3-0.7 s here, a gap over the TBT SLO "
-            "for every request decoding on it; the length predictor starts cold (276 tokens predicted for 367), so part "
-            "of the decode stays on alpha, whose decode steps cost ~30 ms a sequence against beta's ~22; a 1P1D prefill "
-            "instance, idle most of the time, leaves its core to the decode instance")
-WHY = ("the A100 analytic cost model with the testbed fitted to the paper's own baselines stands in for vLLM on "
-       "A100s (`--step-jitter fitted`: Table 1's colocation and 1P1D runs give the prefill attention, 70 % of peak "
-       "with a causal self factor of 1.15, the host jitter, the mixed-step interference and 1P1D's blocking KV "
-       "receive; all 18 of its figures within 15 %, `tidal bench calibrate-jitter`; never fitted to DynaServe's "
-       "own results)")
+WHY = "the A100 analytic cost model with the testbed fitted to the paper's own baselines stands in for vLLM on A100s"
 WHY_WL = {
-    "hybrid": ("On the hybrid (prefill-bound: ~1,340 tokens in, ~69 out) colocation with 256-token chunks keeps "
-               "nearly every request within the TBT SLO even with Table 1's tails (Table 1 measured colocation at "
-               "2,048-token chunks, whose mixed steps are what break the SLO there), so its capacity is its queue "
-               "growing: a split moves work, it removes none. Split's own losses: a request split inside its prompt "
-               "runs its prefill on alpha, then on beta (TTFT), and beta's steps lengthen where hand-offs land"),
-    "mini-reasoning": ("On Mini Reasoning (decode-heavy: 219 tokens in, 1,467 out) every layout's capacity is where "
-                       "the host tails, which grow with the decode batch, put more than 1 % of the requests over the "
-                       "100 ms TBT SLO; at the rates where colocation still keeps every request within it, split's "
-                       "p99 TBT is longer (the probes' TBT p99 in `dynaserve_sim.json`)"),
+    "hybrid": "the hybrid is prefill-bound (~1,340 tokens in, ~69 out): a split moves work, it removes none",
+    "mini-reasoning": "Mini Reasoning is decode-heavy (219 in, 1,467 out): every layout's capacity is where the host "
+                      "tails, which grow with the decode batch, put over 1 % of the requests past the TBT SLO",
+    "azure-code": "Azure Code is prefill-heavy (~2,048 in, ~28 out)",
+    "arxiv": "arXiv summarization is long-input (~2,588 in, ~291 out)",
+    "burstgpt": "BurstGPT is balanced (~642 in, ~262 out)",
 }
-# the bench's own windows (240 s, at most 2000 requests) and search (10 probes, 4 % bracket)
-FULL = ["--workloads", "hybrid,mini-reasoning", "--systems", "coloc-256,coloc-512,coloc-2048,disagg,dynaserve",
-        "--step-jitter", "fitted"]
-QUICK = ["--workloads", "mini-reasoning", "--systems", "coloc-512,disagg,dynaserve", "--step-jitter", "fitted",
-         "--num-requests", "200",
-         "--window", "40", "--max-probes", "3", "--rate-low", "1", "--rate-high", "16"]
+SIM, FIG9, GRID = "dynaserve_sim.json", "dynaserve_fig9.json", "dynaserve_grid.json"
+EXTRA, FIG10, FIT = "dynaserve_extra.json", "dynaserve_fig10.json", "jitter_fit.json"
+# the rate range: up to 16 req/s, the paper's highest QPS for 14B on two GPUs (Table 3); a capacity
+# at its top is a bound and is said so
+FULL = ["--models", "qwen-2.5-14b", "--workloads", "hybrid,mini-reasoning",
+        "--systems", "coloc-256,coloc-512,coloc-2048,disagg,dynaserve-load,dynaserve,dynaserve-place",
+        "--seeds", "3", "--step-jitter", "fitted", "--rate-high", "16"]
+FULL_FIG9 = ["--models", "qwen-2.5-14b", "--workloads", "burstgpt,azure-code,arxiv",
+             "--systems", "coloc-256,coloc-512,coloc-2048,disagg,dynaserve-load", "--seeds", "3", "--step-jitter",
+             "fitted", "--rate-high", "16"]
+FULL_GRID = ["--models", "qwen-2.5-32b,qwen-2.5-72b", "--workloads", "burstgpt,azure-code,arxiv,mini-reasoning",
+             "--systems", "coloc-256,coloc-512,coloc-2048,disagg,dynaserve-load", "--seeds", "3",
+             "--step-jitter", "fitted", "--window", "120", "--num-requests", "1000", "--max-probes", "8",
+             "--rate-high", "16"]
+QUICK = ["--workloads", "mini-reasoning", "--systems", "coloc-512,disagg,dynaserve-load", "--seeds", "1",
+         "--step-jitter", "fitted", "--num-requests", "200", "--window", "40", "--max-probes", "3", "--rate-low", "1",
+         "--rate-high", "16"]
 
 
-def _bench_argv(args: argparse.Namespace) -> list[str]:
-    argv = ["bench", "sim-dynaserve", *(QUICK if args.quick else [*FULL, "--jobs", str(usable_cores())])]
+def _bench_argv(args: argparse.Namespace, base: list[str]) -> list[str]:
+    argv = ["bench", "sim-dynaserve", *base]
+    if not args.quick:
+        argv += ["--jobs", str(usable_cores())]
     if args.no_progress:  # otherwise the bench's own lines (one per probe) show the progress
         argv.append("--no-progress")
-    if args.no_plots:
-        argv.append("--no-plots")
+    argv.append("--no-plots")  # drawn here, from the JSON (a reused run too)
     return argv
 
 
+def _run_or_reuse(args: argparse.Namespace, name: str, base: list[str], log: Progress) -> dict[str, Any]:
+    path = os.path.join(args.output, name)
+    if getattr(args, "reuse_sim", False) and os.path.exists(path):
+        log(f"reusing {path} (written by its own command)")
+        with open(path) as f:
+            return json.load(f)
+    return run_bench(D.add_parser, _bench_argv(args, base), path, log)
+
+
+def _fit(args: argparse.Namespace, log: Progress) -> dict[str, Any] | None:
+    """The testbed's Table 1 fit: ``jitter_fit.json`` in ``--output``; a full run writes it when absent."""
+    from tidal.experiments import jitter_fit as J
+
+    path = os.path.join(args.output, FIT)
+    if not os.path.exists(path):
+        if args.quick:
+            return None
+        argv = ["bench", "calibrate-jitter", "--jobs", str(usable_cores())]
+        bench = run_bench(J.add_parser, argv, path, log)
+        return bench
+    with open(path) as f:
+        return json.load(f)
+
+
 def reproduce(args: argparse.Namespace, log: Progress) -> Report:
-    data = run_bench(D.add_parser, _bench_argv(args), os.path.join(args.output, "dynaserve_sim.json"), log)
-    s = data["setup"]
-    cost = ("the testbed fitted to the paper's Table 1 baselines" if s.get("step_jitter") == "fitted"
-            else "the mean cost model")
+    from tidal.sim.jitter import FITTED
+
+    sim = _run_or_reuse(args, SIM, QUICK if args.quick else FULL, log)
+    fig9 = None if args.quick else _run_or_reuse(args, FIG9, FULL_FIG9, log)
+    grid = None if args.quick else _run_or_reuse(args, GRID, FULL_GRID, log)
+    fit = _fit(args, log)
+    extra = None if args.quick else _extra(args, sim, fig9, log)
+    runs = {name: d for name, d in ((SIM, sim), (FIG9, fig9), (GRID, grid)) if d is not None}
     report = Report(
-        "dynaserve", "DynaServe: split micro-requests vs colocation vs 1P1D (Sec. 6, Fig. 9, Table 2)",
-        f"Simulated: {', '.join(data['results'])} on {s['instances']} x {s['hardware']} ({cost}), Poisson arrivals, "
-        f"{s['window_s']:g} s windows of at most {s['num_requests']} requests per probe; two capacities: the paper's "
-        f"(highest sustained rate with >= {s['target']:.0%} of requests at P99 TBT <= {s['tbt_slo_ms']:g} ms) and the "
-        f"TTFT-guarded one (the same and median TTFT <= {s['ttft_p50_ms']:g} ms); PD Coloc. = the best of its chunks ({', '.join(n for n in s['systems'] if n in D.COLOC)}). "
-        f"Runs `tidal bench sim-dynaserve` (its JSON: `dynaserve_sim.json`).",
-        args.quick, data=_slim(data), figures=[os.path.basename(p) for p in data.get("plots", [])])
+        "dynaserve", "DynaServe: split micro-requests vs colocation vs P/D disaggregation (Sec. 6, Fig. 8-11, "
+                     "Tables 1-2)", _setup_text(runs, fit, FITTED), args.quick, data=_slim(runs, extra, fit))
+    if not args.no_plots:
+        report.figures = _plots(runs, extra, args.output)
     recorded, real = getattr(args, "real_json", None), None
     if recorded:
         real = _recorded_real(recorded)
     elif runs_real(args):
-        real = _run_real(data, log)
+        real = _run_real(sim, log)
     if real is not None:
         report.data["real"] = real
         how = (f"recorded earlier by `{real['command']}` (read from {recorded})" if recorded
                else f"run by this command, as `{real['command']}` runs it")
         report.setup += f" Real column: {how}."
-    for model, by_wl in data["results"].items():
-        for wl, res in by_wl.items():
-            cells = _real_cells(real, wl)
-            why = f"{WHY}. {WHY_WL[wl]}" if wl in WHY_WL else WHY
-            why = f"{why}; {WHY_REAL}" if real is not None and wl in REAL_SHAPES else why
-            report.claims += _claims(model, wl, res["systems"], data["ratios"][model][wl].get("dynaserve", {}), cells,
-                                     why)
-            paper = data.get("ratios_paper", {}).get(model, {}).get(wl, {}).get("dynaserve")
-            if paper is not None:
-                report.claims += _paper_claims(model, wl, res["systems"], paper, why)
+    report.claims.append(C.table1_claim(fit))
+    for data in runs.values():
+        for model, by_wl in data["results"].items():
+            for wl in by_wl:
+                cells = _real_cells(real, wl)
+                why = f"{WHY}; {WHY_WL.get(wl, '')}".rstrip("; ")
+                if real is not None and wl in REAL_SHAPES:
+                    why += f"; {_real_why(real, wl)}"
+                st, res = data["setup"], data["results"][model][wl]["systems"]
+                ratios = {d: D.seed_ratios(res, d, "paper", st["rate_low"], st["rate_high"]) for d in D.DYNA if d in res}
+                report.claims += C.cell_claims(model, wl, ratios.get(D.HEADLINE, {}), why, cells,
+                                               capacity_figure=model == "qwen-2.5-14b")
+                if wl in ("hybrid", "mini-reasoning"):
+                    report.claims += C.variant_claims(model, wl, ratios, why, REAL_NO_SHAPE)
+    if extra is not None:
+        if extra.get("alpha_beta"):
+            report.claims.append(C.why_claim(extra["alpha_beta"], REAL_NO_SHAPE))
+        if extra.get("fig10"):
+            report.claims += C.replay_claims(extra["fig10"], REAL_NO_SHAPE)
+        if extra.get("fig11"):
+            report.claims.append(C.ablation_claim(extra["fig11"], REAL_NO_SHAPE))
     return report
 
 
-def _run_real(data: dict[str, Any], log: Progress) -> dict[str, Any]:
+def _setup_text(runs: dict[str, dict[str, Any]], fit: dict[str, Any] | None, fitted: Any) -> str:
+    sim = runs[SIM]
+    s = sim["setup"]
+    text = (f"Simulated on 2 x {s['hardware']} instances ({C.fit_text(fit, fitted)}), Poisson arrivals, seeds "
+            f"{', '.join(str(x) for x in s['seeds'])} (each its own requests, arrivals and step tails), capacity "
+            f"searched from {s['rate_low']:g} to {s['rate_high']:g} req/s (the paper's highest QPS for 14B, Table 3; a "
+            f"capacity at either end is a bound and is said so).")
+    for name, d in runs.items():
+        g = d["setup"]
+        cells = ", ".join(f"{m} (TP {g['tp'][m]}) x {', '.join(ws)}" for m, ws in d["results"].items())
+        systems = ", ".join(g["systems"])
+        text += (f" `{name}`: {cells}; {systems}; {g['window_s']:g} s windows of at most {g['num_requests']} requests "
+                 f"a probe, {g['max_probes']} probes, a {g['tolerance']:.0%} bracket"
+                 + (" (fewer requests than the 14B runs: two cores' time)" if g["num_requests"] < s["num_requests"]
+                    else "") + ".")
+    if GRID in runs:
+        text += (" The step jitter was fitted on one A100 of 14B and is applied as is to the tensor-parallel "
+                 "instances. The hybrid (Table 2) is 14B only, as in the paper; Fig. 9's capacities are 14B only, "
+                 "Fig. 8's goodput rows all three models.")
+    text += (f" Capacity is the paper's (Sec. 6.3): the highest sustained rate (no growing queue) at which >= "
+             f"{s['target']:.0%} of the requests keep their own P99 TBT within {s['tbt_slo_ms']:g} ms; the TTFT-guarded "
+             f"capacity (median TTFT <= {s['ttft_p50_ms']:g} ms) is in the JSON. DynaServe in the claims is the "
+             f"paper's placement (`dynaserve-load`: Alg. 1 on both orientations of the pair, the one with the least "
+             f"predicted max(T_alpha, T_beta), no TTFT target); fixed roles (`dynaserve`) and tidal's TTFT-guarded "
+             f"placement (`dynaserve-place`) are labelled rows. PD Coloc. 'tuned' is the chunk (256, 512 or 2,048) "
+             f"with the highest median capacity on the workload; PD Coloc. at 2,048 (Table 1's chunk) is its own row, "
+             f"since which chunk the paper's tuned one was decides the claim. Verdicts (`judge`): per seed, a capacity "
+             f"ratio must clear its searches' widest bracket plus {C.MARGIN_PAST_BRACKET:.0%}, a goodput ratio "
+             f"{C.MARGIN:.0%}.")
+    return text
+
+
+def _extra(args: argparse.Namespace, sim: dict[str, Any], fig9: dict[str, Any] | None, log: Progress
+           ) -> dict[str, Any]:
+    """The runs beyond the grid (:mod:`tidal.experiments.dynaserve_extra`), at rates the grid measured."""
+    from tidal.common.results import command_line
+    from tidal.experiments import dynaserve_extra as X
+    from tidal.experiments.parallel import run_all
+
+    path = os.path.join(args.output, EXTRA)
+    if getattr(args, "reuse_sim", False) and os.path.exists(path):
+        log(f"reusing {path}")
+        with open(path) as f:
+            return json.load(f)
+    model, jobs = "qwen-2.5-14b", usable_cores()
+    rows = sim["results"].get(model, {})
+    st = sim["setup"]
+    out: dict[str, Any] = {"command": command_line("tidal reproduce")}
+    mr = rows.get("mini-reasoning", {}).get("systems", {}).get("dynaserve")
+    if mr:
+        calls = [("qwen-2.5-14b", "mini-reasoning", r["paper"]["capacity_rps"], r["seed"], st["window_s"],
+                  st["num_requests"]) for r in mr if r["paper"]["capacity_rps"]]
+        log(f"where the sequences go (Mini Reasoning): {len(calls)} seeds x 4 runs")
+        out["alpha_beta"] = run_all(X.alpha_beta, calls, jobs)
+    out["fig10"] = _fig10(args, jobs, log)
+    bg = (fig9 or sim)["results"].get(model, {}).get("burstgpt", {}).get("systems", {}).get(D.HEADLINE)
+    if bg:
+        calls = [(model, "burstgpt", name, r["paper"]["capacity_rps"], r["seed"], st["window_s"], st["num_requests"])
+                 for r in bg if r["paper"]["capacity_rps"] for name in (D.HEADLINE, "dynaserve-noslo")]
+        log(f"Fig. 11 ablation: {len(calls)} runs")
+        got = run_all(X.ablation, calls, jobs)
+        seeds = []
+        for i in range(0, len(got), 2):
+            seeds.append({"seed": got[i]["seed"], "rate": got[i]["rate"], "with": got[i], "without": got[i + 1]})
+        out["fig11"] = {"workload": "burstgpt", "cdf_ms": list(map(float, X.CDF_MS)), "seeds": seeds}
+    write_json(out, path)
+    return out
+
+
+def _fig10(args: argparse.Namespace, jobs: int, log: Progress) -> dict[str, Any]:
+    """Fig. 10's replay (``dynaserve_fig10.json``, ``python -m tidal.experiments.dynaserve_extra``: it
+    needs none of the other runs, so it can run beside them); reused with ``--reuse-sim``."""
+    from tidal.experiments import dynaserve_extra as X
+
+    path = os.path.join(args.output, FIG10)
+    if getattr(args, "reuse_sim", False) and os.path.exists(path):
+        log(f"reusing {path} (written by its own command)")
+        with open(path) as f:
+            return json.load(f)
+    log(f"Fig. 10 replay: {len(X.FIG10_STARTS) * len(X.FIG10_SYSTEMS)} runs of {X.WINDOW_S / 60:g} minutes")
+    got = X.run_fig10(jobs)
+    write_json(got, path)
+    return got
+
+
+def _run_real(sim: dict[str, Any], log: Progress) -> dict[str, Any]:
     """The three layouts on 2 real CPU instances, on the shape of every simulated workload that has one."""
     from tidal.experiments import dynaserve_real as R
 
     setup = R.RealSetup()
-    shapes = sorted({REAL_SHAPES[wl] for by_wl in data["results"].values() for wl in by_wl if wl in REAL_SHAPES})
+    shapes = sorted({REAL_SHAPES[wl] for by_wl in sim["results"].values() for wl in by_wl if wl in REAL_SHAPES})
     with tempfile.TemporaryDirectory(prefix="tidal-dynaserve-real-") as tmp:  # each run's records: not kept
         rows = R.run(shapes, list(R.LAYOUTS), setup, os.path.join(tmp, "run"), log)
     command = f"python benchmarks/dynaserve_serve.py --workloads {','.join(shapes)}"
@@ -143,12 +277,18 @@ def _recorded_real(path: str) -> dict[str, Any]:
     return {"setup": st, "rows": rec["rows"], "command": rec["command"], "machine": rec.get("machine")}
 
 
+def _real_rows(real: dict[str, Any] | None, wl: str) -> dict[str, dict[str, Any]]:
+    if real is None:
+        return {}
+    return {r["layout"]: r for r in real["rows"] if r["workload"] == REAL_SHAPES.get(wl)}
+
+
 def _real_cells(real: dict[str, Any] | None, wl: str) -> tuple[str, str, str]:
     """The real column of the three claims of workload ``wl`` (capacity vs PD Coloc., vs PD Disagg.,
     goodput), or why there is none."""
     if real is None:
         return REAL, REAL, REAL
-    by = {r["layout"]: r for r in real["rows"] if r["workload"] == REAL_SHAPES.get(wl)}
+    by = _real_rows(real, wl)
     if not by:
         return REAL_NO_SHAPE, REAL_NO_SHAPE, REAL_NO_SHAPE
     st = real["setup"]
@@ -166,7 +306,7 @@ def _real_cells(real: dict[str, Any] | None, wl: str) -> tuple[str, str, str]:
     def cap_cell(base: dict[str, Any]) -> str:
         gain = ratio(split["capacity_rps"], base["capacity_rps"])
         holds = beats(split["capacity_rps"], base["capacity_rps"])
-        return (f"{cap(split)} vs {cap(base)} rps: {fmt_ratio(gain)} ({where}) "
+        return (f"{cap(split)} vs {cap(base)} rps: {fmt_ratio(gain)} ({where}; one run, fixed roles) "
                 f"(direction holds: {'yes' if holds else '**no**'})")
 
     holds = beats(split["goodput_tok_s"], coloc["goodput_tok_s"]) and beats(split["goodput_tok_s"],
@@ -177,72 +317,67 @@ def _real_cells(real: dict[str, Any] | None, wl: str) -> tuple[str, str, str]:
     return cap_cell(coloc), cap_cell(disagg), good
 
 
-def _claims(model: str, wl: str, rows: dict[str, Any], r: dict[str, Any],
-            real: tuple[str, str, str] = (REAL, REAL, REAL), why: str = WHY) -> list[Claim]:
-    cap = {k: v["capacity_rps"] for k, v in rows.items()}
-    good = {k: v["max_goodput"] for k, v in rows.items()}
-    coloc_name, coloc = r["capacity_rps"]["coloc"], None
-    if coloc_name:
-        coloc = cap[coloc_name]
-    paper_cap = "1.15-3.07x PD Coloc., 1.09-1.67x PD Disagg. (Sec. 1, Fig. 9)"
-    if wl == "hybrid":
-        paper_cap += "; Table 2: 4.6 / 5.9 / 7.4 rps"
-    out = [
-        Claim(f"{model} {wl}: capacity, DynaServe above tuned PD Coloc.", paper_cap,
-              f"{fmt_rate(cap.get('dynaserve'))} vs {fmt_rate(coloc)} rps ({coloc_name}): "
-              f"{fmt_ratio(r['capacity_rps']['vs_coloc'])}", beats(cap.get("dynaserve"), coloc), why, real[0]),
-        Claim(f"{model} {wl}: capacity, DynaServe above PD Disagg. (1P1D)", paper_cap,
-              f"{fmt_rate(cap.get('dynaserve'))} vs {fmt_rate(cap.get('disagg'))} rps: "
-              f"{fmt_ratio(r['capacity_rps']['vs_disagg'])}", beats(cap.get("dynaserve"), cap.get("disagg")), why,
-              real[1]),
-    ]
-    g_coloc = r["max_goodput"]["coloc"]
-    out.append(Claim(
-        f"{model} {wl}: goodput, DynaServe above PD Coloc. and PD Disagg.",
-        "up to 1.91x PD Coloc. and 1.61x PD Disagg. (Fig. 8)" + ("; Table 2: 316 / 399 / 474 tok/s" if wl == "hybrid"
-                                                                  else ""),
-        f"{_tok(good.get('dynaserve'))} vs {_tok(good.get(g_coloc) if g_coloc else None)} ({g_coloc}) and "
-        f"{_tok(good.get('disagg'))} tok/s (the highest over the probes that kept up)",
-        beats(good.get("dynaserve"), good.get(g_coloc) if g_coloc else None) and beats(good.get("dynaserve"),
-                                                                                        good.get("disagg")),
-        why, real[2]))
+def _real_why(real: dict[str, Any], wl: str) -> str:
+    """The real run in words, every figure from its JSON (rows and, where recorded, the step-log profile)."""
+    by = _real_rows(real, wl)
+    if not by:
+        return ""
+    sp = by["split"]
+    text = (f"real: the default model on 1 CPU thread per instance, not vLLM on A100s; PD Coloc. there is one chunk "
+            f"size ({real['setup'].get('max_num_batched_tokens', 256)} tokens) with the same "
+            f"{real['setup']['batching']} local policy as the other two; the split run split "
+            f"{(sp.get('split_fraction') or 0):.0%} of its requests (fixed roles), {sp.get('kv_mb_per_request') or 0:.1f} "
+            f"MB of KV a request; P99 TBT at capacity {by['colocate']['tbt_p99_ms']:.0f} / "
+            f"{by['disaggregate']['tbt_p99_ms']:.0f} / {sp['tbt_p99_ms']:.0f} ms (PD Coloc. / PD Disagg. / split)")
+    prof = sp.get("profile")
+    if prof:
+        inst = prof["instances"]
+        a, b = inst.get("0", {}), inst.get("1", {})
+        if a.get("mixed_s"):
+            text += (f"; its step log: alpha (instance 0) ran {a['mixed_steps']} mixed steps of "
+                     f"{a['mixed_s'][0]:.2f}-{a['mixed_s'][2]:.2f} s (p10-p90)")
+        if a.get("decode_s_per_seq") and b.get("decode_s_per_seq"):
+            text += (f", decode steps {1e3 * a['decode_s_per_seq']:.0f} ms a sequence on alpha against "
+                     f"{1e3 * b['decode_s_per_seq']:.0f} on beta, {a['mean_running']:.1f} vs {b['mean_running']:.1f} "
+                     f"running")
+        if prof.get("predicted_output_mean") is not None:
+            text += (f"; the length predictor predicted {prof['predicted_output_mean']:.0f} tokens on average for "
+                     f"{prof['output_len']}")
+    else:
+        text += "; no step-log profile was recorded in this run's JSON"
+    return text
+
+
+def _slim(runs: dict[str, dict[str, Any]], extra: dict[str, Any] | None, fit: dict[str, Any] | None
+          ) -> dict[str, Any]:
+    """Per run, cell and system the per-seed capacities and goodput (the runs' own JSON, next to this
+    one, have every probe)."""
+    def slim(data: dict[str, Any]) -> dict[str, Any]:
+        return {"setup": data["setup"], "command": data["command"],
+                "results": {m: {wl: {"workload": res["workload"], "systems": {
+                    k: [{"seed": r["seed"], "capacity_rps": r["capacity_rps"], "bracket": r["bracket"],
+                         "paper_capacity_rps": r["paper"]["capacity_rps"], "paper_bracket": r["paper"]["bracket"],
+                         "max_goodput": r["paper"]["max_goodput"]} for r in rows]
+                    for k, rows in res["systems"].items()}} for wl, res in by_wl.items()}
+                    for m, by_wl in data["results"].items()}}
+    out: dict[str, Any] = {name.removesuffix(".json").removeprefix("dynaserve_"): slim(d) for name, d in runs.items()}
+    if extra is not None:
+        out["extra_command"] = extra.get("command")
+    if fit is not None:
+        out["jitter_fit"] = {"command": fit["command"], "max_abs_rel_err": fit["fit"]["max_abs_rel_err"],
+                             "mean_abs_rel_err": fit["fit"]["mean_abs_rel_err"], "params": fit["fit"]["params"]}
     return out
 
 
-PAPER_DEF = ("the paper's capacity (Sec. 6.3): >= 99 % of requests at P99 TBT <= the SLO, the rate sustained "
-             "(the last quarter's median TTFT at most 2x the first quarter's + 1 s: no growing queue), no TTFT bound")
-REAL_PAPER_DEF = "the real run reports the TTFT-guarded capacity only"
+def _plots(runs: dict[str, dict[str, Any]], extra: dict[str, Any] | None, out_dir: str) -> list[str]:
+    files = []
+    for name, d in runs.items():
+        files += [os.path.basename(p) for p in D._plots(d, os.path.join(out_dir, name))]
+    if extra is not None:
+        from tidal.experiments.dynaserve_plots import plot_extra
+
+        files += plot_extra(extra, out_dir)
+    return files
 
 
-def _paper_claims(model: str, wl: str, rows: dict[str, Any], r: dict[str, Any], why: str) -> list[Claim]:
-    """The two capacity claims under the paper's own definition (``paper`` fields of each row)."""
-    cap = {k: v.get("paper", {}).get("capacity_rps") for k, v in rows.items()}
-    coloc_name = r["capacity_rps"]["coloc"]
-    coloc = cap.get(coloc_name) if coloc_name else None
-    paper_cap = "1.15-3.07x PD Coloc., 1.09-1.67x PD Disagg. (Sec. 1, Fig. 9)" + (
-        "; Table 2: 4.6 / 5.9 / 7.4 rps" if wl == "hybrid" else "")
-    return [
-        Claim(f"{model} {wl}: capacity by the paper's definition, DynaServe above tuned PD Coloc.", paper_cap,
-              f"{fmt_rate(cap.get('dynaserve'))} vs {fmt_rate(coloc)} rps ({coloc_name}): "
-              f"{fmt_ratio(r['capacity_rps']['vs_coloc'])}", beats(cap.get("dynaserve"), coloc),
-              f"{PAPER_DEF}; {why}", REAL_PAPER_DEF),
-        Claim(f"{model} {wl}: capacity by the paper's definition, DynaServe above PD Disagg. (1P1D)", paper_cap,
-              f"{fmt_rate(cap.get('dynaserve'))} vs {fmt_rate(cap.get('disagg'))} rps: "
-              f"{fmt_ratio(r['capacity_rps']['vs_disagg'])}", beats(cap.get("dynaserve"), cap.get("disagg")),
-              f"{PAPER_DEF}; {why}", REAL_PAPER_DEF),
-    ]
-
-
-def _tok(x: float | None) -> str:
-    return "none" if x is None else f"{x:,.0f}"
-
-
-def _slim(data: dict[str, Any]) -> dict[str, Any]:
-    """Capacity, goodput and ratios (the bench's own JSON, next to this one, has every probe)."""
-    return {"setup": data["setup"], "ratios": data["ratios"], "ratios_paper": data.get("ratios_paper", {}), "results": {
-        m: {wl: {"workload": res["workload"],
-                 "systems": {k: {**{kk: v[kk] for kk in ("capacity_rps", "goodput_at_capacity", "max_goodput")},
-                                 "paper_capacity_rps": v.get("paper", {}).get("capacity_rps")}
-                             for k, v in res["systems"].items()}}
-            for wl, res in by_wl.items()}
-        for m, by_wl in data["results"].items()}}
+__all__ = ["REAL", "REAL_NO_SHAPE", "REAL_SHAPES", "reproduce"]

@@ -98,8 +98,8 @@ def testbed(hw: HardwareSpec, params: JitterParams) -> HardwareSpec:
 
 
 # fitted by `tidal bench calibrate-jitter --search` to DynaServe's Table 1 (colocation and 1P1D,
-# Qwen-2.5-14B on 2 x A100-80G): all 18 figures within 15 % (largest 13.7 %, mean 5.2 %); see that
-# module for the fit. The testbed's attention: 70 % of peak (FlashAttention-2's forward reaches about
+# Qwen-2.5-14B on 2 x A100-80G); the fit's errors are what `tidal bench calibrate-jitter --output
+# docs/results/jitter_fit.json` writes (read by `tidal reproduce dynaserve`), not restated here. The testbed's attention: 70 % of peak (FlashAttention-2's forward reaches about
 # that on an A100) and a causal self factor of 1.15 (the masked blocks skipped, the diagonal ones
 # paid); an 8K prompt's KV receive stops a 1P1D decode instance 29 ms (recv_bw 55 GB/s).
 FITTED = JitterParams(seq_s=30e-6, sigma=1.2, mixed_s=0.45e-3, recv_bw=55e9, attn_compute_efficiency=0.7,

@@ -15,6 +15,8 @@ position embeddings (2050 x hidden, ~10M parameters, not counted).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from tidal.config import ModelArch
 
 
@@ -49,7 +51,7 @@ MODELS: dict[str, ModelArch] = {
     # meta-llama/Llama-2-7b-hf, Llama-2-13b-hf
     "llama-2-7b": _llama2("llama-2-7b", 4096, 11008, 32, 32),
     "llama-2-13b": _llama2("llama-2-13b", 5120, 13824, 40, 40),
-    "llama-65b": _llama2("llama-65b", 8192, 22016, 80, 64),  # LLaMA-1 65B (MHA; its context is 2048)
+    "llama-65b": replace(_llama2("llama-65b", 8192, 22016, 80, 64), max_position_embeddings=2048),  # LLaMA-1 65B (MHA)
     # meta-llama/Meta-Llama-3-8B, Meta-Llama-3-70B
     "llama-3-8b": _llama3("llama-3-8b", 4096, 14336, 32, 32),
     "llama-3-70b": _llama3("llama-3-70b", 8192, 28672, 80, 64),
