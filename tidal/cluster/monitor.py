@@ -66,6 +66,7 @@ class InstanceStatus:
     # the block names its pools gained and lost since its last report (only when the front end asks)
     queued_prefill_tokens: int = 0
     cache_delta: CacheDelta | None = None
+    num_free_host_blocks: int = 0  # room in its host pool (swap; --kv-pressure auto prices a swap with it)
 
 
 _STATUS_FIELDS = tuple(f.name for f in fields(InstanceStatus))

@@ -69,6 +69,9 @@ class Scheduler:
         watermark: float = 0.01,
     ):
         self.config = config
+        # how a victim gives up its blocks; starts as configured, a cluster decision may switch it
+        # (--kv-pressure auto: tidal.cluster.pressure.auto) -- a swap falls back to recompute without host room
+        self.preemption_mode = config.preemption_mode
         self.kv = kv
         self.policy = policy or SchedulingPolicy()
         self._passive = is_passive(self.policy)
@@ -246,7 +249,7 @@ class Scheduler:
         self.running.remove(victim)
         victim.num_preemptions += 1
         self.num_preemptions += 1
-        if self.config.preemption_mode == "swap":
+        if self.preemption_mode == "swap":
             moves = self.kv.swap_out(victim.request_id)
             if moves is not None:
                 swap_out.extend(moves)

@@ -76,7 +76,8 @@ class EngineCore:
         block_bytes = kv_block_bytes(arch, cc.block_size, self.kv_dtype, len(layer_ids))
         num_blocks = num_kv_blocks(config, self.device, arch, block_bytes, self.max_model_len, self.dtype, graphs)
         # one host pool: swapped-out requests (swap mode) and the prefix cache's host tier share it
-        num_host = ((cc.swap_space if sc.preemption_mode == "swap" else 0) + cc.kv_offloading_size) // block_bytes
+        swap = cc.swap_space if sc.preemption_mode == "swap" or sc.swap_pool else 0
+        num_host = (swap + cc.kv_offloading_size) // block_bytes
         self.kv_cache = PagedKVCache(arch, layer_ids, num_blocks, cc.block_size, self.kv_dtype, self.device, num_host,
                                      scratch_block=graphs)
         self.kv_manager = KVCacheManager(num_blocks, cc.block_size, num_host, enable_caching=cc.enable_prefix_caching,
