@@ -15,7 +15,7 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 class ProtocolError(RuntimeError):
@@ -123,8 +123,15 @@ class ResetPrefixCache:
     """Forget every cached prefix block (``POST /reset_prefix_cache``); blocks in use stay."""
 
 
+@dataclass(frozen=True)
+class Preemption:
+    """``--kv-pressure auto``: preempt by ``mode`` (recompute or swap) from now on."""
+
+    mode: str
+
+
 COMMANDS = (Add, Reserve, Import, KVChunk, Finish, Stay, Abort, Migrate, Group, Ungroup, Restore, Shutdown,
-            ResetPrefixCache)
+            ResetPrefixCache, Preemption)
 
 
 # ---------------------------------------------------------------- replies (worker -> front end)

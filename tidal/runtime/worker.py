@@ -188,7 +188,8 @@ class Worker:
         return {P.Add: self.on_add, P.Reserve: self.on_reserve, P.Finish: self.on_finish, P.Stay: self.on_stay,
                 P.Abort: self.on_abort, P.Import: self.on_import, P.KVChunk: self.on_kv, P.Migrate: self.on_migrate,
                 P.Group: self.on_group, P.Ungroup: lambda _: self.ungroup(), P.Restore: self.on_restore,
-                P.Shutdown: self.on_shutdown, P.ResetPrefixCache: lambda _: self.engine.reset_prefix_cache()}
+                P.Shutdown: self.on_shutdown, P.ResetPrefixCache: lambda _: self.engine.reset_prefix_cache(),
+                P.Preemption: self.on_preemption}
 
     def on_add(self, cmd: Any) -> None:
         from tidal.core.scheduler import RequestRejected
@@ -262,6 +263,10 @@ class Worker:
 
     def on_migrate(self, cmd: Any) -> None:
         self.migrate(cmd.request_id)
+
+    def on_preemption(self, cmd: Any) -> None:
+        """``--kv-pressure auto`` chose recompute or swap for this instance (a swap without host room recomputes)."""
+        self.engine.scheduler.preemption_mode = cmd.mode
 
     def on_group(self, cmd: Any) -> None:
         """KunServe Sec. 4.1-4.2: become the head or a stage of a pipeline group."""

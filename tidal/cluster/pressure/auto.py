@@ -154,6 +154,34 @@ class AutoPressure:
         touched = [i for g in plan.changed for i in g] if isinstance(plan, DropPlan) else list(plan.group)
         self.chooser.forget(touched)
 
+    def on_failure(self, index: int, now: float) -> tuple[int, ...]:
+        """KunServe Sec. 4.4: ``index`` failed; its group dissolves and its members start new episodes."""
+        g = self.kun.on_failure(index, now)
+        self.chooser.forget(g)
+        return g
+
+    # KunServe's controller, as its executors read it
+    @property
+    def pending(self) -> Plan | None:
+        return self.kun.pending
+
+    @property
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        return self.kun.groups
+
+    @property
+    def base_blocks(self) -> dict[int, int]:
+        return self.kun.base_blocks
+
+    def withdraw(self, plan: Plan | None) -> None:
+        self.kun.withdraw(plan)
+
+    def group_of(self, index: int) -> tuple[int, ...]:
+        return self.kun.group_of(index)
+
+    def note(self, kind: str, now: float, instances: tuple[int, ...], **details: Any) -> None:
+        self.kun.note(kind, now, instances, **details)
+
     def migrations(self, now: float, running: Mapping[int, Sequence[tuple[str, int]]],
                    leaving: Mapping[int, int] | None = None, incoming: Mapping[int, int] | None = None
                    ) -> list[Migration]:

@@ -41,9 +41,9 @@ class AutoParams:
         if self.hold_s < 0:
             raise ValueError(f"auto hold_s must be >= 0, got {self.hold_s}")
         bad = [t for t in self.techniques if t not in TECHNIQUES]
-        if bad or "recompute" not in self.techniques:
-            raise ValueError(f"auto techniques must include recompute and be among {', '.join(TECHNIQUES)}; "
-                             f"got {', '.join(self.techniques)}")
+        if bad or not self.techniques or len(set(self.techniques)) != len(self.techniques):
+            raise ValueError(f"auto techniques must be some of {', '.join(TECHNIQUES)}, each once; "
+                             f"got {', '.join(self.techniques) or 'none'}")
 
     def to_dict(self) -> dict[str, Any]:
         return {"margin": self.margin, "hold_s": self.hold_s, "techniques": list(self.techniques)}
