@@ -183,6 +183,19 @@ class Scheduler:
                     return
         self.running.append(req)
 
+    def recompute_swapped(self) -> list[str]:
+        """Every swapped-out request gives up its host copy and waits to recompute, first in the
+        queue, in the order it would have come back (the layers this instance holds change: a
+        KunServe group's stages would lack their layers of that copy). Returns their ids."""
+        out = [r.request_id for r in self.swapped]
+        for req in reversed(self.swapped):
+            self.kv.free(req.request_id)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
+        self.swapped.clear()
+        return out
+
     def drain_reached_pause(self) -> list[str]:
         """Requests that reached their ``pause_at`` (DynaServe's alpha micro-request is done) and
         were paused, holding their KV, since the last call; oldest first."""

@@ -108,7 +108,8 @@ class AutoCoordinator(PressureLog):
         self.mig = MigrateCoordinator(llm)
         self.auto: AutoPressure | None = None
         self.choices: list[AutoChoice] | None = None  # every choice whole, when a test asks (a list to append to)
-        self.modes_sent: dict[int, str] = {}  # the preemption mode each worker was told (recompute until told)
+        self.initial_mode = llm.config.scheduler.preemption_mode  # what a worker preempts by until told
+        self.modes_sent: dict[int, str] = {}  # the preemption mode each worker runs, where it was told or changed
 
     @property
     def decisions(self) -> Any:
@@ -143,7 +144,7 @@ class AutoCoordinator(PressureLog):
         ready = not self._changing() and not self.mig.moving and now >= self.drop.no_restore_until
         for c in auto.onsets(now, _Running(llm), ready):
             mode = auto.preemption_mode(c.index)
-            if self.modes_sent.get(c.index, "recompute") != mode:
+            if self.modes_sent.get(c.index, self.initial_mode) != mode:
                 llm.send(c.index, Preemption(mode))
                 self.modes_sent[c.index] = mode
         if self.mig.moving:  # a migration in flight: no change of groups until it lands
@@ -154,17 +155,23 @@ class AutoCoordinator(PressureLog):
             self.mig.tick(now)
 
     # the replies, to the coordinator that started what they answer
-    def on_grouped(self, *args: Any) -> None:
-        self.drop.on_grouped(*args)
+    # a worker whose layers are dropped preempts by recompute, and as configured once whole again
+    # (tidal.engine.pool): what it was told is void
+    def on_grouped(self, i: int, *args: Any) -> None:
+        self.modes_sent[i] = "recompute"
+        self.drop.on_grouped(i, *args)
 
     def on_exchange_done(self, *args: Any) -> None:
         self.drop.on_exchange_done(*args)
 
-    def on_ungrouped(self, *args: Any) -> None:
-        self.drop.on_ungrouped(*args)
+    def on_ungrouped(self, i: int, *args: Any) -> None:
+        self.modes_sent.pop(i, None)
+        self.drop.on_ungrouped(i, *args)
 
-    def on_restored(self, *args: Any) -> None:
-        self.drop.on_restored(*args)
+    def on_restored(self, i: int, role: str, *args: Any) -> None:
+        if role != "refused":
+            self.modes_sent.pop(i, None)
+        self.drop.on_restored(i, role, *args)
 
     def on_failure(self, i: int, now: float) -> None:
         self.modes_sent.pop(i, None)  # a restarted worker preempts as configured

@@ -274,6 +274,7 @@ class Worker:
         from tidal.runtime.peer import PeerLost
 
         spec, e = cmd.spec, self.engine
+        e.scheduler.recompute_swapped()  # their host copies would lack the layers the group's other stages hold
         try:
             pieces = self.leave_group()
             if spec.head == self.cfg.index:

@@ -106,7 +106,8 @@ class AutoPressure:
         drop = (self._drop_option(t) if drop_ready else
                 DropOption(why_not="a change of groups or a migration is under way", blocked=True))
         return Episode(t.index, max(0, t.shortage_blocks), getattr(st, "queued_prefill_tokens", 0), st.num_waiting,
-                       tuple(running), getattr(st, "num_free_host_blocks", 0), peers, rec.recent_step_s or 0.0, drop)
+                       tuple(running), getattr(st, "num_free_host_blocks", 0), peers, rec.recent_step_s or 0.0, drop,
+                       alone=not grouped)
 
     def _room(self, r: InstanceRecord) -> int:
         st = r.status
@@ -194,8 +195,10 @@ class AutoPressure:
         return self.migration.decide(now, sources, leaving, incoming, alone)
 
     def preemption_mode(self, index: int) -> str:
-        """The scheduler's preemption mode for instance ``index``'s response: swap, else recompute."""
-        return "swap" if self.mode.get(index) == "swap" else "recompute"
+        """The scheduler's preemption mode for instance ``index``'s response: swap, else recompute (a
+        pipeline group always recomputes)."""
+        alone = len(self.monitor.instances[index].group) <= 1
+        return "swap" if self.mode.get(index) == "swap" and alone else "recompute"
 
     def snapshot(self) -> dict[str, Any]:
         """For ``/admin/state`` and the dashboard: each instance's response, counts, the latest choices."""

@@ -143,6 +143,7 @@ class Episode:
     peer_room: tuple[int, ...]  # blocks each peer a request may migrate to can take
     step_s: float  # the instance's step time, as the monitor measures it
     drop: DropOption = field(default_factory=DropOption)
+    alone: bool = True  # False: a pipeline group, whose KV is spread over its stages (no swap, no migration)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -215,6 +216,8 @@ def predict_recompute(e: Episode, p: Prices) -> Prediction:
 
 
 def predict_swap(e: Episode, p: Prices) -> Prediction:
+    if not e.alone:
+        return Prediction("swap", math.inf, note="a pipeline group does not swap: a copy here lacks its stages' layers")
     vs = _victims(e.running, e.shortage_blocks)
     room, swapped, rest = e.host_free_blocks, [], []
     for v in vs:  # the scheduler swaps while the host pool holds a victim, else recomputes it
@@ -234,6 +237,8 @@ def predict_swap(e: Episode, p: Prices) -> Prediction:
 
 
 def predict_migrate(e: Episode, p: Prices) -> Prediction:
+    if not e.alone:
+        return Prediction("migrate", math.inf, note="a pipeline group's requests do not migrate")
     room = list(e.peer_room)
     moved: list[Victim] = []
     freed = 0
