@@ -154,8 +154,8 @@ def test_an_onset_is_chosen_from_the_monitor_and_logged():
     assert e.peer_room == (59, 59)  # free less the 1 % watermark
     assert e.drop.members == 2 and e.drop.freed_blocks == 8 * 2560 // 256  # one copy of the layers
     assert made == [c] and auto.mode == {0: c.choice} and replay(c).choice == c.choice
-    assert [d.kind for d in log] == ["choose"] and log[0].details["choice"] == c.choice
-    assert set(log[0].details["predicted_s"]) == {"recompute", "swap", "migrate", "drop"}
+    assert [d.kind for d in log] == ["throttle", "choose"] and log[1].details["choice"] == c.choice
+    assert set(log[1].details["predicted_s"]) == {"recompute", "swap", "migrate", "drop"}
     # the episode goes on while throttled (and hold_s after): no new choice
     assert auto.onsets(1.5, {0: list(RUNNING)}) == [] and auto.onsets(3.0, {0: list(RUNNING)}) == []
     mon.on_status(_monitor(free0=60, waiting0=0).instances[0].status, 3.2)  # the throttle clears

@@ -70,6 +70,7 @@ class AutoPressure:
         requests in its scheduler's preemption order; ``drop_ready``: False while the shell is
         executing a change of groups (a drop is not possible now)."""
         throttles = self.detector.scan(self.monitor)
+        self.kun._note_throttles(throttles, now)  # the onset's throttle is logged before its choice
         hot = {i for t in throttles for i in t.members}
         made = []
         ready = drop_ready and self.kun.pending is None
