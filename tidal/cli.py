@@ -140,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
         length_error,
         reproduce,
         sim_accuracy,
+        sim_auto,
         sim_dynaserve,
         sim_kunserve,
         sim_policies,
@@ -153,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim_accuracy.add_parser(bsub)
     sim_policies.add_parser(bsub)
     sim_prefix.add_parser(bsub)
+    sim_auto.add_parser(bsub)
     sim_dynaserve.add_parser(bsub)
     sim_kunserve.add_parser(bsub)
     kv_transfer.add_parser(bsub)

@@ -196,6 +196,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # token budget of one step (chunked prefill)
     long_prefill_token_threshold: int = 0  # 0 = a single prefill may take the whole budget
     preemption_mode: str = "recompute"
+    # keep the host pool for swap (swap_space) even while preempting by recompute: a cluster decision
+    # (--kv-pressure auto) switches an instance's preemption mode at run time (Scheduler.preemption_mode)
+    swap_pool: bool = False
     scheduling: str = "chunked"  # one of SCHEDULING_MODES
     # the prefill chunks of a step run as a padded rectangle (every row as long as the longest), as
     # an engine without variable-length attention batches prompts (BucketServe Sec. II's padding)

@@ -42,7 +42,8 @@ class ClusterConfig:
     start_timeout_s: float = 900.0
     # each step of a request's move (reserve, transfer, free: tidal.cluster.moves) before it falls back
     move_timeout_s: float = 120.0
-    kv_pressure: str = "preempt"  # preempt | drop (KunServe: tidal.runtime.pressure) | migrate (tidal.runtime.migrate)
+    # preempt | drop (KunServe: tidal.runtime.pressure) | migrate (tidal.runtime.migrate) | auto (tidal.runtime.auto)
+    kv_pressure: str = "preempt"
     # Ray: the workers' placement group (one bundle per instance) and what each bundle holds
     ray_placement: str = "spread"  # spread | strict-spread | pack | strict-pack (Ray's strategies)
     num_gpus_per_instance: float = 0.0
@@ -110,8 +111,10 @@ class ServingConfig:
         resolved once for all, the instance's threads)."""
         e, blocks = self.engine, self.cluster.kv_blocks
         cache = e.cache if blocks is None or index is None else dataclasses.replace(e.cache, num_blocks_override=blocks[index])
-        return dataclasses.replace(e, model=dataclasses.replace(e.model, **model), cache=cache,
-                                   scheduler=role_scheduler(e.scheduler, role, self.cluster.prefill_batching))
+        sched = role_scheduler(e.scheduler, role, self.cluster.prefill_batching)
+        if self.cluster.kv_pressure == "auto":  # it may switch a worker to swap: every worker keeps its host pool
+            sched = dataclasses.replace(sched, swap_pool=True)
+        return dataclasses.replace(e, model=dataclasses.replace(e.model, **model), cache=cache, scheduler=sched)
 
 
 __all__ = ["BACKENDS", "TRANSPORTS", "ClusterConfig", "ServingConfig"]

@@ -251,9 +251,11 @@ PRESSURE_FLAGS: tuple[Flag, ...] = (
     _flag("--kv-pressure", default="preempt", choices=list(PRESSURE_MODES),
           help="what throttled instances (their queue's KV does not fit) do: preempt (the scheduler's "
                "--preemption-mode alone), migrate (Llumnix-like: running requests move with their KV "
-               "to the instance with the most room) or drop (KunServe: a pair drops half its layers "
-               "each, grows its KV pools and serves as one pipeline); migrate and drop need "
-               "--instances >= 2 and --mode colocate"),
+               "to the instance with the most room), drop (KunServe: a pair drops half its layers "
+               "each, grows its KV pools and serves as one pipeline) or auto (each throttle onset takes "
+               "the one of recompute, swap, migrate and drop the cost model predicts serves the queue "
+               "soonest, with hysteresis; its choices are on /admin/state and /dashboard); migrate, drop "
+               "and auto need --instances >= 2 and --mode colocate"),
 )
 
 

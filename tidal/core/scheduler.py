@@ -69,6 +69,9 @@ class Scheduler:
         watermark: float = 0.01,
     ):
         self.config = config
+        # how a victim gives up its blocks; starts as configured, a cluster decision may switch it
+        # (--kv-pressure auto: tidal.cluster.pressure.auto) -- a swap falls back to recompute without host room
+        self.preemption_mode = config.preemption_mode
         self.kv = kv
         self.policy = policy or SchedulingPolicy()
         self._passive = is_passive(self.policy)
@@ -182,6 +185,19 @@ class Scheduler:
                     return
         self.running.append(req)
 
+    def recompute_swapped(self) -> list[str]:
+        """Every swapped-out request gives up its host copy and waits to recompute, first in the
+        queue, in the order it would have come back (the layers this instance holds change: a
+        KunServe group's stages would lack their layers of that copy). Returns their ids."""
+        out = [r.request_id for r in self.swapped]
+        for req in reversed(self.swapped):
+            self.kv.free(req.request_id)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
+        self.swapped.clear()
+        return out
+
     def drain_reached_pause(self) -> list[str]:
         """Requests that reached their ``pause_at`` (DynaServe's alpha micro-request is done) and
         were paused, holding their KV, since the last call; oldest first."""
@@ -248,7 +264,7 @@ class Scheduler:
         self.running.remove(victim)
         victim.num_preemptions += 1
         self.num_preemptions += 1
-        if self.config.preemption_mode == "swap":
+        if self.preemption_mode == "swap":
             moves = self.kv.swap_out(victim.request_id)
             if moves is not None:
                 swap_out.extend(moves)

@@ -75,8 +75,9 @@ class EngineCore:
                   and self.model.is_first and self.model.is_last)
         block_bytes = kv_block_bytes(arch, cc.block_size, self.kv_dtype, len(layer_ids))
         num_blocks = num_kv_blocks(config, self.device, arch, block_bytes, self.max_model_len, self.dtype, graphs)
-        # one host pool: swapped-out requests (swap mode only) and the prefix cache's host tier share it
-        num_swap = cc.swap_space // block_bytes if sc.preemption_mode == "swap" else 0
+        # one host pool: swapped-out requests (swap mode, or any mode --kv-pressure auto may switch to swap)
+        # and the prefix cache's host tier share it
+        num_swap = cc.swap_space // block_bytes if sc.preemption_mode == "swap" or sc.swap_pool else 0
         num_host = num_swap + cc.kv_offloading_size // block_bytes
         self.swap_warning = swap_space_warning(num_swap, cc.block_size, self.max_model_len, cc.swap_space) \
             if sc.preemption_mode == "swap" else None

@@ -238,7 +238,7 @@ class LLMEngine:
     def set_stage_link(self, link: Any, cost: Any = None, min_tokens: int = 1) -> None:
         """Become the head of a group (``link`` to the tail; None: run alone again). ``cost``: Eq. 1
         coefficients for the lookahead microbatches (Sec. 4.3); None runs one microbatch."""
-        if link is not None and self.kv_cache.num_host_blocks:
+        if link is not None and (self.scheduler.preemption_mode == "swap" or self.scheduler.swapped):
             raise ValueError("a pipeline group does not swap (the host pool holds only this stage's layers)")
         self.runner.link, self.runner.mb_cost, self.runner.mb_min_tokens = link, cost, min_tokens
 

@@ -51,9 +51,15 @@ class PoolResizer:
             raise ValueError(f"layers {ids} are not all present here (present: {sorted(present)})")
         if len(ids) == len(present):
             raise ValueError("an instance keeps at least one decoder layer")
-        if kv_cache.num_host_blocks:
-            raise ValueError("layers cannot be dropped with a host KV pool (swap preemption or --kv-offloading-size: "
-                             "the host pool is per layer)")
+        if kv_cache.num_host_blocks and self.core.kv_manager.host_tier:
+            raise ValueError("layers cannot be dropped with --kv-offloading-size: the host tier's cached blocks "
+                             "hold every layer's KV")
+        # a host pool for swap stays, for the layers kept; what it holds would lack the dropped layers, so the
+        # swapped-out requests recompute, and the instance preempts by recompute while layers are dropped (its
+        # requests' KV is spread over the group's stages: a swap copy here would lack the others' layers)
+        sched = self.core.scheduler
+        sched.recompute_swapped()
+        sched.preemption_mode = "recompute"
         mem = self.pool_bytes  # before the drop: it includes the dropped layers' KV
         for i in ids:
             self.dropped_weight_bytes[i] = model.drop_layers([i])
@@ -104,6 +110,8 @@ class PoolResizer:
             core.model.restore_layers(ids, core.checkpoint.weights())
         for i in ids:
             del self.dropped_weight_bytes[i]
+        if not self.dropped_weight_bytes:  # whole again: it preempts as configured
+            core.scheduler.preemption_mode = core.config.scheduler.preemption_mode
         return kv_manager.num_blocks
 
     def resize_pool(self, num_blocks: int) -> None:

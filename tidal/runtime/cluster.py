@@ -98,9 +98,9 @@ class ClusterLLM(HandoffFront):
             self.backend.shutdown()
             raise ConfigError("--kv-transport shm moves KV only between processes of one machine, and the Ray "
                               "cluster has several: use --kv-transport ray")
-        if cluster.kv_pressure == "drop" and not self.backend.single_machine:
+        if cluster.kv_pressure in ("drop", "auto") and not self.backend.single_machine:
             self.backend.shutdown()  # (KunServe's members stream activations and KV over local sockets)
-            raise ConfigError("--kv-pressure drop links a pipeline group's members over sockets of one machine, "
+            raise ConfigError(f"--kv-pressure {cluster.kv_pressure} links a pipeline group's members over sockets of one machine, "
                               "and the Ray cluster has several: use --kv-pressure migrate or preempt")
         self._step_log = StepLog(cluster.step_log) if cluster.step_log else None
         self.ctx = zmq.Context()
@@ -171,17 +171,9 @@ class ClusterLLM(HandoffFront):
         return addr
 
     def _pressure(self) -> Any:
-        mode = self.cluster.kv_pressure
-        if mode == "migrate":  # the Llumnix-like baseline
-            from tidal.runtime.migrate import MigrateCoordinator
+        from tidal.runtime.pressure import build_coordinator
 
-            return MigrateCoordinator(self)
-        if mode != "drop":
-            return None
-        from tidal.runtime.pressure import DropCoordinator, model_memory
-
-        dtype_bytes = {"float32": 4}.get(self.dtype, 2)
-        return DropCoordinator(self, model_memory(self.engine.arch, dtype_bytes))
+        return build_coordinator(self.cluster.kv_pressure, self, self.dtype)
 
     def _make_backend(self) -> Any:
         from tidal.runtime.backend import ProcessBackend, RayBackend

@@ -240,4 +240,21 @@ class DropCoordinator(PressureLog):
                 "restoring": self.restoring is not None, "microbatch_cost": self.microbatch_cost}
 
 
-__all__ = ["DropCoordinator", "PressureLog", "model_memory"]
+def build_coordinator(mode: str, llm: Any, dtype: str) -> PressureLog | None:
+    """The coordinator of ``--kv-pressure mode`` (None for preempt: the workers' schedulers alone)."""
+    if mode == "migrate":  # the Llumnix-like baseline
+        from tidal.runtime.migrate import MigrateCoordinator
+
+        return MigrateCoordinator(llm)
+    if mode not in ("drop", "auto"):
+        return None
+    dtype_bytes = {"float32": 4}.get(dtype, 2)
+    model = model_memory(llm.engine.arch, dtype_bytes)
+    if mode == "auto":  # each throttle onset chooses recompute, swap, migrate or drop
+        from tidal.runtime.auto import AutoCoordinator
+
+        return AutoCoordinator(llm, model, dtype_bytes)
+    return DropCoordinator(llm, model)
+
+
+__all__ = ["DropCoordinator", "PressureLog", "build_coordinator", "model_memory"]

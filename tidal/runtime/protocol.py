@@ -128,8 +128,15 @@ class ResetPrefixCache:
     """Forget every cached prefix block (``POST /reset_prefix_cache``); blocks in use stay."""
 
 
+@dataclass(frozen=True)
+class Preemption:
+    """``--kv-pressure auto``: preempt by ``mode`` (recompute or swap) from now on."""
+
+    mode: str
+
+
 COMMANDS = (Add, Reserve, Import, KVChunk, Finish, Stay, Abort, Migrate, Group, Ungroup, Restore, Shutdown,
-            ResetPrefixCache)
+            ResetPrefixCache, Preemption)
 
 
 # ---------------------------------------------------------------- replies (worker -> front end)

@@ -106,7 +106,8 @@ def instance_status(engine: Any, index: int, step_time_s: float | None = None) -
                           prefix_hits=sched.prefix_hits, prefix_host_hits=sched.prefix_host_hits,
                           num_cached_blocks=kv.num_cached_blocks, queued_prefill_tokens=sched.queued_prefill_tokens(),
                           cache_delta=kv.drain_delta() if kv.pool.log is not None else None,
-                          num_swap_preemptions=sched.num_swap_preemptions, num_swap_fallbacks=sched.num_swap_fallbacks)
+                          num_swap_preemptions=sched.num_swap_preemptions, num_swap_fallbacks=sched.num_swap_fallbacks,
+                          num_free_host_blocks=kv.host_pool.num_free)
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
@@ -203,7 +204,8 @@ class Worker:
         return {P.Add: self.on_add, P.Reserve: self.on_reserve, P.Finish: self.on_finish, P.Stay: self.on_stay,
                 P.Abort: self.on_abort, P.Import: self.on_import, P.KVChunk: self.on_kv, P.Migrate: self.on_migrate,
                 P.Group: self.on_group, P.Ungroup: lambda _: self.ungroup(), P.Restore: self.on_restore,
-                P.Shutdown: self.on_shutdown, P.ResetPrefixCache: lambda _: self.engine.reset_prefix_cache()}
+                P.Shutdown: self.on_shutdown, P.ResetPrefixCache: lambda _: self.engine.reset_prefix_cache(),
+                P.Preemption: self.on_preemption}
 
     def on_add(self, cmd: Any) -> None:
         from tidal.core.scheduler import RequestRejected
@@ -284,12 +286,17 @@ class Worker:
     def on_migrate(self, cmd: Any) -> None:
         self.migrate(cmd.request_id)
 
+    def on_preemption(self, cmd: Any) -> None:
+        """``--kv-pressure auto`` chose recompute or swap for this instance (a swap without host room recomputes)."""
+        self.engine.scheduler.preemption_mode = cmd.mode
+
     def on_group(self, cmd: Any) -> None:
         """KunServe Sec. 4.1-4.2: become the head or a stage of a pipeline group."""
         from tidal.runtime.group import GroupHead, GroupTail
         from tidal.runtime.peer import PeerLost
 
         spec, e = cmd.spec, self.engine
+        e.scheduler.recompute_swapped()  # their host copies would lack the layers the group's other stages hold
         try:
             pieces = self.leave_group()
             if spec.head == self.cfg.index:

@@ -195,6 +195,15 @@ class _EngineCollector:
             for inst in c["instances"]:
                 g.add_metric([self.model_name, str(inst["index"])], float(kp["dropped_layers"].get(str(inst["index"]), 0)))
             yield g
+            auto = kp.get("auto")
+            if isinstance(auto, dict):  # --kv-pressure auto: the responses its throttle onsets took
+                from tidal.cluster.pressure import TECHNIQUES
+
+                ch = CounterMetricFamily("tidal:kv_pressure_auto_choices", "Responses --kv-pressure auto chose at "
+                                         "throttle onsets.", labels=["model_name", "technique"])
+                for t in TECHNIQUES:
+                    ch.add_metric([self.model_name, t], float(auto["choices_total"].get(t, 0)))
+                yield ch
 
 
 class ServerMetrics:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tidal.cluster.decisions import Decision
 from tidal.cluster.dispatch import ClusterLayout, check_role_policies, role_scheduler
@@ -79,11 +79,12 @@ class ClusterSpec:
     kv_stream_tokens: int = 16  # mode split: KV goes to beta each time this many tokens are computed
     kv_stream_lead: int | None = None  # mode split: ... once alpha is within this many tokens of s (None: always)
     seed_profile: bool = False  # seed slo-compose's profile table with the cost model on a grid (an offline profile)
-    kv_pressure: str | None = None  # preempt | migrate | drop (tidal.sim.pressure); None: no handler
+    kv_pressure: str | None = None  # preempt | migrate | drop | auto (tidal.sim.pressure); None: no handler
     lookahead: bool = True  # drop: Fig. 11's cost-balanced microbatches (False: token counts)
     restore_threshold: float = 0.5  # drop: Sec. 4.4's restore rule
     pipeline_parallel: int = 1  # > 1: every this many instances run as one pipeline from the start (vLLM + PP)
     pipeline_stage_gap_s: float = 0.0  # a pipeline's idle time per stage per microbatch (tidal.sim.pipeline)
+    auto_params: Any = None  # auto: tidal.cluster.pressure.AutoParams (None: the defaults)
     split_kv_aware: bool = False  # mode split: the planner's predictor obeys each instance's KV pool
     step_jitter: str = "off"  # off | fitted: step-time tails (tidal.sim.jitter); planners see the mean model
     jitter_params: JitterParams | None = None  # with step_jitter fitted: these instead of jitter.FITTED
@@ -197,7 +198,8 @@ def pressure_config(spec: ClusterSpec, arch: ModelArch, hw: HardwareSpec, cost_m
                           chunk_cost_for(cost_model, spec.scheduler.max_num_batched_tokens), tp=spec.tp,
                           layers_per_chunk=spec.layers_per_chunk, lookahead=spec.lookahead,
                           restore_threshold=spec.restore_threshold, overhead_s=hw.step_overhead_s,
-                          stage_gap_s=spec.pipeline_stage_gap_s)
+                          stage_gap_s=spec.pipeline_stage_gap_s,
+                          host_bytes_per_s=hw.host_bandwidth * spec.tp, auto_params=spec.auto_params)
 
 
 def check_policy_args(spec: ClusterSpec) -> None:
@@ -251,7 +253,9 @@ def build_simulator(spec: ClusterSpec, requests: Sequence[RequestSpec],
     layout = spec.layout
     check_policy_args(spec)
     block_bytes = spec.block_size * arch.kv_bytes_per_token(spec.dtype_bytes)  # all tp shards
-    host_blocks = swap_blocks(spec, arch) + spec.kv_offloading_size // block_bytes  # one host pool: swap, cache tier
+    # --kv-pressure auto may switch any instance to swap: every instance keeps its host pool
+    swap = spec.swap_space if spec.scheduler.preemption_mode == "swap" or spec.kv_pressure == "auto" else 0
+    host_blocks = (swap + spec.kv_offloading_size) // block_bytes  # one host pool: swap and the cache's tier
     caching = spec.enable_prefix_caching
     cost_model = make_cost_model(spec, arch, hw)  # stateless: the instances share it
     # the steps' times, with their tails; the planners' offline profiles (the grid) see the mean model

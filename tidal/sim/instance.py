@@ -163,6 +163,10 @@ class SimInstance:
     def queued_prefill_tokens(self) -> int:
         return self.scheduler.queued_prefill_tokens()
 
+    @property
+    def num_free_host_blocks(self) -> int:
+        return self.kv.host_pool.num_free
+
     # ---- requests and steps ----
     def add_request(self, req: Request) -> None:
         """Raises :class:`tidal.core.scheduler.RequestRejected` if it can never run here."""

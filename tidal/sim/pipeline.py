@@ -168,6 +168,9 @@ class GroupInstance(SimInstance):
                             max_num_batched_tokens=config.max_num_batched_tokens * k)
         super().__init__(lead.index, group_cfg, group_blocks(members, layers, cfg), lead.block_size, cost,
                          lead.max_model_len, num_host_blocks=host, enable_caching=lead.kv.enable_caching)
+        # its requests' KV is spread over the stages: a group preempts by recompute, as the engine's do
+        # (tidal.engine.pool: a swap copy on one stage would lack the others' layers)
+        self.scheduler.preemption_mode = "recompute"
         self.members = list(members)
         self.layers = {m.index: layers[m.index] for m in members}
         self.pipeline = cost

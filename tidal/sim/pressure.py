@@ -5,6 +5,7 @@
   ``--preemption-mode swap``); the handler only watches, so throttles show on the timeline.
 - ``migrate``: the Llumnix-like baseline (:mod:`tidal.sim.migrate`).
 - ``drop``: KunServe (:mod:`tidal.sim.kunserve`).
+- ``auto``: each throttle onset chooses one of recompute, swap, migrate, drop (:mod:`tidal.sim.auto`).
 
 A handler is told of every step end (``after_step``) and may keep an instance from starting
 its next step (``can_step``: an instance drains before its layers change). The decisions come
@@ -46,6 +47,8 @@ class PressureConfig:
     restore_threshold: float = 0.5
     overhead_s: float = 0.0  # the hardware's fixed per-step cost (each pipeline stage pays it)
     stage_gap_s: float = 0.0  # a pipeline stage's idle time per microbatch (tidal.sim.pipeline.PipelineCostModel)
+    host_bytes_per_s: float = 0.0  # device <-> host (swap) of an instance, all its GPUs (auto prices a swap)
+    auto_params: Any = None  # --kv-pressure auto: its AutoParams (None: the defaults)
 
 
 class Call(Event):
@@ -158,6 +161,10 @@ def build_pressure(cfg: PressureConfig) -> PressureHandler:
         from tidal.sim.kunserve import DropHandler
 
         return DropHandler(cfg)
+    if cfg.mode == "auto":
+        from tidal.sim.auto import AutoHandler
+
+        return AutoHandler(cfg)
     raise ValueError(f"unknown --kv-pressure {cfg.mode!r}")
 
 

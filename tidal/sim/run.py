@@ -153,8 +153,8 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     layout = F.cluster_layout(args)
     if args.kv_layers_per_chunk < 0 or args.kv_tokens_per_chunk < 0:
         raise ConfigError("--kv-layers-per-chunk and --kv-tokens-per-chunk must be >= 0 (0: all in one chunk)")
-    if args.link and layout.mode == "colocate" and args.kv_pressure not in ("migrate", "drop"):
-        raise ConfigError("--link needs --mode disaggregate or split, or --kv-pressure migrate/drop")
+    if args.link and layout.mode == "colocate" and args.kv_pressure not in ("migrate", "drop", "auto"):
+        raise ConfigError("--link needs --mode disaggregate or split, or --kv-pressure migrate/drop/auto")
     split_flags = {"max_probes": args.split_probes, "margin": args.split_margin,
                    "epsilon_s": None if args.split_epsilon_ms is None else args.split_epsilon_ms / 1000.0}
     split_flags = {k: v for k, v in split_flags.items() if v is not None}
@@ -357,7 +357,7 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
                      "kv_layers_per_chunk": hc.layers_per_chunk, "kv_stream_tokens": spec.kv_stream_tokens})
     if swap_warn:
         info["swap_warning"] = swap_warn
-    if spec.kv_pressure in ("migrate", "drop"):
+    if spec.kv_pressure in ("migrate", "drop", "auto"):
         info["pressure_link"] = pressure_link(spec, hw).to_dict()
     search_report = None
     if args.capacity_search:

@@ -1,9 +1,12 @@
 """Handling KV memory pressure across instances (pure): throttle detection, KunServe's drop plan,
-lookahead microbatches, restore and autoscale, and the Llumnix-like migration baseline.
+lookahead microbatches, restore and autoscale, the Llumnix-like migration baseline, and
+``--kv-pressure auto``: the response each throttle onset calls for, predicted and chosen.
 
 The paper is ``../shared/papers/kunserve.md``; each module cites the section it follows.
 """
 
+from tidal.cluster.pressure.auto import AutoPressure
+from tidal.cluster.pressure.choose import AutoChoice, AutoChooser, AutoParams
 from tidal.cluster.pressure.controller import KunServeController, Plan
 from tidal.cluster.pressure.drop_plan import (
     DropPlan,
@@ -37,6 +40,7 @@ from tidal.cluster.pressure.lookahead import (
     token_microbatches,
 )
 from tidal.cluster.pressure.migrate import Migration, MigrationController, plan_migrations
+from tidal.cluster.pressure.predict import TECHNIQUES, DropOption, Episode, Prediction, Prices, Victim
 from tidal.cluster.pressure.record import ControllerDecision, DecisionRecorder, PressureView
 from tidal.cluster.pressure.restore import (
     RESTORE_THRESHOLD,
@@ -49,7 +53,8 @@ from tidal.cluster.pressure.restore import (
 from tidal.cluster.pressure.throttle import ADMISSION_WATERMARK, Throttle, ThrottleDetector, demand_bytes
 
 __all__ = [
-    "ADMISSION_WATERMARK", "AutoscaleSignal", "ChunkCost", "ControllerDecision", "DecisionRecorder", "DropPlan",
+    "ADMISSION_WATERMARK", "AutoChoice", "AutoChooser", "AutoParams", "AutoPressure", "DropOption", "Episode",
+    "Prediction", "Prices", "TECHNIQUES", "Victim", "AutoscaleSignal", "ChunkCost", "ControllerDecision", "DecisionRecorder", "DropPlan",
     "DropPlanner", "KINDS", "KVMove", "KunServeController", "Layers", "Merge", "Microbatch", "Migration",
     "MigrationController", "ModelMemory", "PRESSURE_MODES", "Plan", "PressureDecision", "PressureView",
     "RESTORE_THRESHOLD", "Recorder", "RestorePlan", "RestorePolicy", "Span", "Throttle", "ThrottleDetector",

@@ -19,6 +19,7 @@ reported pools.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from tidal.cluster.monitor import GlobalMonitor
@@ -35,7 +36,9 @@ class KunServeController:
     def __init__(self, monitor: GlobalMonitor, model: ModelMemory, *, planner: DropPlanner | None = None,
                  detector: ThrottleDetector | None = None, restore: RestorePolicy | None = None,
                  autoscale: AutoscaleSignal | None = None, recorder: Recorder | None = None,
-                 decisions: DecisionRecorder | None = None):
+                 decisions: DecisionRecorder | None = None, gate: Callable[[Throttle], bool] | None = None):
+        """``gate``: which throttles a drop may answer (``--kv-pressure auto`` chose a drop for them);
+        None: every throttle (KunServe's own rule)."""
         if len(monitor.instances) < 2:
             raise ValueError("KunServe drops layers that a peer holds: it needs at least 2 instances")
         if model.num_layers < 2:
@@ -46,6 +49,8 @@ class KunServeController:
         self.restore_policy = restore or RestorePolicy()
         self.autoscale = autoscale or AutoscaleSignal()
         self.recorder, self.decisions = recorder, decisions
+        self.gate = gate
+        self.gated: tuple[int, ...] | None = None  # the throttles the last drop was asked for, with a gate
         self.base_blocks = {r.index: r.status.num_blocks for r in monitor.instances}
         self.groups: tuple[tuple[int, ...], ...] = tuple((r.index,) for r in monitor.instances)
         self.layers: dict[int, Layers] = {r.index: (0, model.num_layers) for r in monitor.instances}
@@ -64,11 +69,15 @@ class KunServeController:
         return throttles
 
     def decide(self, now: float) -> Plan | None:
+        self.gated = None
         throttles = self.observe(now)
         if self.pending is not None:
             return None
-        if throttles:
-            return self._drop(throttles, now)
+        if throttles:  # no restore while any instance is throttled
+            if self.gate is not None:
+                throttles = [t for t in throttles if self.gate(t)]
+                self.gated = tuple(t.index for t in throttles)
+            return self._drop(throttles, now) if throttles else None
         for g in self.groups:
             if len(g) > 1:
                 st = self.monitor.instances[g[0]].status

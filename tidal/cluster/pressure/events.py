@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: the ``--kv-pressure`` choices: what an instance does when its KV cannot hold its queue
-PRESSURE_MODES = ("preempt", "migrate", "drop")
+PRESSURE_MODES = ("preempt", "migrate", "drop", "auto")
 KINDS = ("throttle", "drop", "exchange", "exchange-done", "restore", "restore-done", "migrate",
-         "autoscale")
+         "autoscale", "choose")
 
 Recorder = Callable[["PressureDecision"], None]
 
@@ -45,7 +45,8 @@ def check_pressure_mode(mode: str, instances: int, num_layers: int | None = None
                         disaggregated: bool = False) -> None:
     """One-line ``ValueError`` for a ``--kv-pressure`` the cluster cannot run: ``drop`` needs at
     least two instances (a group replaces dropped layers by a peer's copy, Sec. 3) and a model
-    with at least two layers (a pipeline of two stages); ``migrate`` needs a peer to move to."""
+    with at least two layers (a pipeline of two stages); ``migrate`` needs a peer to move to;
+    ``auto`` chooses among all of them, so it needs what ``drop`` needs."""
     if mode not in PRESSURE_MODES:
         raise ValueError(f"--kv-pressure must be one of {', '.join(PRESSURE_MODES)}; got {mode!r}")
     if mode == "preempt":
@@ -55,9 +56,10 @@ def check_pressure_mode(mode: str, instances: int, num_layers: int | None = None
     if instances < 2:
         raise ValueError(f"--kv-pressure {mode} needs at least 2 instances (got {instances}): "
                          + ("dropped layers must have a copy on a peer" if mode == "drop"
-                            else "requests migrate to a peer"))
-    if mode == "drop" and num_layers is not None and num_layers < 2:
-        raise ValueError(f"--kv-pressure drop needs a model whose layers can be split into pipeline stages; "
+                            else "requests migrate to a peer" if mode == "migrate"
+                            else "it chooses among migrating to a peer and dropping layers a peer holds"))
+    if mode in ("drop", "auto") and num_layers is not None and num_layers < 2:
+        raise ValueError(f"--kv-pressure {mode} needs a model whose layers can be split into pipeline stages; "
                          f"this one has {num_layers} layer")
 
 

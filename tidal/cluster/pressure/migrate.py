@@ -12,7 +12,7 @@ bytes over the link, the request stalls meanwhile) and frees the source's blocks
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from tidal.cluster.monitor import GlobalMonitor
@@ -30,15 +30,18 @@ class Migration:
 
 def plan_migrations(monitor: GlobalMonitor, running: Mapping[int, Sequence[tuple[str, int]]],
                     leaving: Mapping[int, int] | None = None, incoming: Mapping[int, int] | None = None,
-                    detector: ThrottleDetector | None = None) -> list[Migration]:
+                    detector: ThrottleDetector | None = None,
+                    destinations: Collection[int] | None = None) -> list[Migration]:
     """``running``: per instance its running requests that may move, as (id, blocks held);
-    ``leaving`` / ``incoming``: blocks already migrating out of / into each instance."""
+    ``leaving`` / ``incoming``: blocks already migrating out of / into each instance;
+    ``destinations``: the instances a request may go to (None: any that takes requests)."""
     detector = detector or ThrottleDetector()
     leaving, incoming = dict(leaving or {}), dict(incoming or {})
     throttled = detector.scan(monitor)
     hot = {t.index for t in throttled}
     room = {r.index: r.status.num_free_blocks - r.status.queued_block_demand - detector.reserve(r.status.num_blocks)
-            - incoming.get(r.index, 0) for r in monitor.routable() if r.index not in hot}
+            - incoming.get(r.index, 0) for r in monitor.routable()
+            if r.index not in hot and (destinations is None or r.index in destinations)}
     out: list[Migration] = []
     for t in throttled:
         need = t.hol_blocks - (t.free_blocks - t.reserve_blocks) - leaving.get(t.index, 0)
@@ -63,8 +66,9 @@ class MigrationController:
         self.monitor, self.detector, self.recorder = monitor, detector or ThrottleDetector(), recorder
 
     def decide(self, now: float, running: Mapping[int, Sequence[tuple[str, int]]],
-               leaving: Mapping[int, int] | None = None, incoming: Mapping[int, int] | None = None) -> list[Migration]:
-        moves = plan_migrations(self.monitor, running, leaving, incoming, self.detector)
+               leaving: Mapping[int, int] | None = None, incoming: Mapping[int, int] | None = None,
+               destinations: Collection[int] | None = None) -> list[Migration]:
+        moves = plan_migrations(self.monitor, running, leaving, incoming, self.detector, destinations)
         if self.recorder is not None:
             for m in moves:
                 self.recorder(PressureDecision("migrate", now, (m.src, m.dst),

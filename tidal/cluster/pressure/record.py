@@ -52,6 +52,7 @@ class ControllerDecision:
     layers: dict[int, Layers]
     base_blocks: dict[int, int]
     plan: Plan
+    only: tuple[int, ...] | None = None  # --kv-pressure auto: the throttled instances the drop was asked for
 
     @property
     def kind(self) -> str:
@@ -64,7 +65,7 @@ class ControllerDecision:
         return {"kind": self.kind, "now": self.now, "groups": [list(g) for g in self.groups],
                 "views": [{"index": v.index, "used": v.used_blocks, "blocks": v.num_blocks,
                            "queued": v.queued_block_demand, "hol": v.hol_block_demand} for v in self.views],
-                **self.plan.to_dict()}
+                **({"only": list(self.only)} if self.only is not None else {}), **self.plan.to_dict()}
 
 
 DecisionRecorder = Callable[[ControllerDecision], None]
@@ -80,7 +81,7 @@ def pressure_views(monitor: GlobalMonitor) -> tuple[PressureView, ...]:
 def capture(ctl: KunServeController, now: float, plan: Plan) -> ControllerDecision:
     """The record of ``plan``, made by ``ctl`` just now (its state is still the one it decided on)."""
     return ControllerDecision(now, pressure_views(ctl.monitor), ctl.groups, dict(ctl.layers), dict(ctl.base_blocks),
-                              plan)
+                              plan, ctl.gated)
 
 
 def monitor_of(views: tuple[PressureView, ...]) -> GlobalMonitor:
@@ -97,6 +98,9 @@ def replay(decision: ControllerDecision, model: ModelMemory, **controller: Any) 
     defaults) on a monitor rebuilt from the decision's views and state."""
     from tidal.cluster.pressure.controller import KunServeController
 
+    if decision.only is not None:  # the drop was asked for these throttles only (--kv-pressure auto's gate)
+        only = set(decision.only)
+        controller.setdefault("gate", lambda t: t.index in only)
     ctl = KunServeController(monitor_of(decision.views), model, **controller)
     ctl.base_blocks = dict(decision.base_blocks)
     ctl.groups, ctl.layers = decision.groups, dict(decision.layers)

@@ -115,7 +115,7 @@
         if ((nb.num_merges || 0) > (ob.num_merges || 0)) event(who + "buckets merged: now " + nb.buckets.length + " buckets");
       }
     }
-    // KunServe (--kv-pressure drop): throttles, drops, KV exchanges, restores, as the front end logged them
+    // --kv-pressure migrate / drop / auto: throttles, choices, drops, KV exchanges, restores, as the front end logged them
     const kp = (st.cluster && st.cluster.kv_pressure) || null, okp = (prev.cluster && prev.cluster.kv_pressure) || null;
     if (kp && okp) {
       const seen = new Set((okp.events || []).map((e) => e.kind + "@" + e.time));
@@ -123,7 +123,7 @@
         if (seen.has(e.kind + "@" + e.time)) continue;
         const extra = Object.entries(e).filter(([k]) => !["kind", "time", "instances"].includes(k))
           .map(([k, v]) => k + "=" + JSON.stringify(v)).join(" ");
-        event("KunServe " + e.kind + " on instance(s) " + (e.instances || []).join(", ") + (extra ? "  " + extra.slice(0, 160) : ""));
+        event("kv-pressure " + kp.mode + ": " + e.kind + " on instance(s) " + (e.instances || []).join(", ") + (extra ? "  " + extra.slice(0, 160) : ""));
       }
     }
     const s = st.stats, p = prev.stats;
@@ -165,12 +165,25 @@
     fill("buckets", brows);
     $("buckets-note").hidden = brows.length > 0;
     fill("policy", prows);
+    renderAuto(st);
     events(st, insts);
     prev = st;
     const t = Date.now() / 1000;
     hist.push({ t: t, insts: insts, running: s.num_requests_running, waiting: s.num_requests_waiting });
     while (hist.length > KEEP) hist.shift();
     drawGauges(t);
+  }
+
+  // --kv-pressure auto: each instance's response now, and the latest choices with their predicted seconds
+  function renderAuto(st) {
+    const kp = st.cluster && st.cluster.kv_pressure, auto = kp && kp.auto;
+    $("auto-section").hidden = !auto;
+    if (!auto) return;
+    text("auto-modes", Object.entries(auto.modes).map(([i, m]) => "instance " + i + ": " + m).join(", ") || "no throttle yet");
+    const sec = (v) => (v === null || v === undefined ? "-" : v.toFixed(3));
+    fill("auto-choices", auto.choices.slice().reverse().map((c) => row([
+      c.time.toFixed(2), c.index, c.choice, sec(c.predicted_s.recompute), sec(c.predicted_s.swap),
+      sec(c.predicted_s.migrate), sec(c.predicted_s.drop), c.reason])));
   }
 
   function perInstance(key, scale) {

@@ -1,0 +1,204 @@
+"""``--kv-pressure auto``'s pure decision: predictions worked by hand, the choice and its hysteresis,
+the record and its replay, and the controller over a monitor (gate, episodes, migrations)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tidal.cluster.monitor import GlobalMonitor, InstanceStatus
+from tidal.cluster.pressure import (
+    AutoChoice,
+    AutoChooser,
+    AutoParams,
+    AutoPressure,
+    ChunkCost,
+    DropOption,
+    DropPlan,
+    Episode,
+    ModelMemory,
+    PressureDecision,
+    Prices,
+    Victim,
+    check_pressure_mode,
+)
+from tidal.cluster.pressure.choose import decide, replay
+from tidal.cluster.pressure.predict import drain_steps, predict
+
+# a prompt token costs 1 ms (Eq. 1's beta), nothing else; a block is 16 tokens x 16 bytes = 256 bytes; host and
+# instance links move 256 kB/s, so a block crosses in 1 ms; an activation is 8 bytes a token
+PRICES = Prices(ChunkCost(0.0, 1e-3, 0.0), token_budget=100, step_overhead_s=0.0, kv_bytes_per_token=16,
+                block_size=16, host_bytes_per_s=256e3, link_bytes_per_s=256e3, link_latency_s=0.0,
+                chunks_per_request=1, hidden_bytes=8)
+RUNNING = (Victim(64, 4, True, 10), Victim(32, 2, True, 100))  # preemption order: the first goes first
+
+
+def episode(peers=(), drop=DropOption(), host=100, running=RUNNING) -> Episode:
+    return Episode(0, shortage_blocks=4, queued_tokens=100, queued_requests=1, running=running,
+                   host_free_blocks=host, peer_room=tuple(peers), step_s=0.01, drop=drop)
+
+
+def test_prefill_is_eq1_over_the_chunks_and_a_step_overhead_each():
+    p = Prices(ChunkCost(2e-6, 1e-3, 5e-3), 100, 0.01, 16, 16, 1.0, 1.0, 0.0)
+    # one prompt of 250 tokens in chunks 100, 100, 50: Eq. 1 per chunk after its prefix, three steps
+    chunks = ChunkCost(2e-6, 1e-3, 5e-3).chunk(0, 100) + ChunkCost(2e-6, 1e-3, 5e-3).chunk(100, 100) \
+        + ChunkCost(2e-6, 1e-3, 5e-3).chunk(200, 50)
+    assert p.prefill_s(250) == pytest.approx(chunks + 3 * 0.01)
+    assert p.prefill_s(0) == 0.0
+
+
+def test_memory_drains_as_requests_finish_net_of_the_others_growth():
+    # 4 blocks finish after 10 steps while the other grew 10 tokens (< 1 block): 3.4 net < 4; both done at 100
+    assert drain_steps(RUNNING, 4, 16) == 100
+    assert drain_steps(RUNNING, 3, 16) == 10
+    assert drain_steps(RUNNING, 0, 16) == 0
+    assert drain_steps(RUNNING, 99, 16) == 100  # never enough: when the last one ends
+
+
+def test_each_response_predicted_by_hand():
+    pr = predict(episode(), PRICES)
+    # recompute: wait 100 steps x 10 ms for the memory, the queue's 100 tokens, the first victim's 64 again
+    assert pr["recompute"].seconds == pytest.approx(1.0 + 0.1 + 0.064)
+    # swap: the same wait and queue, the victim's 4 blocks out and back (2 x 4 ms) instead of its re-prefill
+    assert pr["swap"].seconds == pytest.approx(1.0 + 0.1 + 0.008)
+    # no peer: a migration moves nothing and is a recompute; no drop plan: a drop cannot run
+    assert pr["migrate"].seconds == pytest.approx(pr["recompute"].seconds) and pr["migrate"].note
+    assert math.isinf(pr["drop"].seconds)
+    # a peer with 10 blocks takes both decoding requests (2, then 4 blocks: 6 >= 4), 96 tokens' KV over the link
+    pr = predict(episode(peers=(10,)), PRICES)
+    assert pr["migrate"].terms["moved"] == 2 and pr["migrate"].seconds == pytest.approx(96 * 16 / 256e3 + 0.1)
+    # a drop into a pair whose freed weights cover the shortage: the group's 200 queued tokens on 2 instances, one
+    # group step whose microbatch crosses one stage boundary (100 tokens x 8 bytes)
+    drop = DropOption(members=2, freed_blocks=50, queued_tokens=200, queued_requests=2)
+    pr = predict(episode(peers=(10,), drop=drop), PRICES)
+    assert pr["drop"].seconds == pytest.approx(0.2 / 2 + 100 * 8 / 256e3)
+
+
+def test_the_least_predicted_response_is_chosen_and_ties_go_to_the_simpler():
+    assert decide(episode(), PRICES, None, AutoParams()).choice == "swap"
+    assert decide(episode(peers=(10,)), PRICES, None, AutoParams()).choice == "migrate"
+    drop = DropOption(members=2, freed_blocks=50, queued_tokens=200, queued_requests=2)
+    assert decide(episode(peers=(10,), drop=drop), PRICES, None, AutoParams()).choice == "drop"
+    # no host room: swap is a recompute, migrate too (no peer): the tie goes to recompute
+    c = decide(episode(host=0), PRICES, None, AutoParams())
+    assert c.choice == "recompute" and c.predictions["swap"].seconds == c.predictions["recompute"].seconds
+
+
+def test_a_new_episode_keeps_the_last_choice_unless_the_best_is_margin_faster():
+    drop = DropOption(members=2, freed_blocks=50, queued_tokens=200, queued_requests=2)
+    e = episode(peers=(10,), drop=drop)  # drop 0.103 s, migrate 0.106 s: within 20 %
+    kept = decide(e, PRICES, "migrate", AutoParams(margin=0.2))
+    assert kept.choice == "migrate" and "hysteresis" in kept.reason
+    assert decide(e, PRICES, "migrate", AutoParams(margin=0.0)).choice == "drop"
+    # recompute (1.164 s) against migrate (0.106 s): far more than 20 % slower, left
+    assert decide(episode(peers=(10,)), PRICES, "recompute", AutoParams()).choice == "migrate"
+    # a previous choice that cannot run now (inf) is always left
+    assert decide(episode(), PRICES, "drop", AutoParams()).choice == "swap"
+
+
+def test_a_recorded_choice_replays_from_its_json():
+    drop = DropOption(members=2, freed_blocks=50, queued_tokens=200, queued_requests=2)
+    for e, prev in ((episode(), None), (episode(peers=(10,), drop=drop), "migrate"), (episode(host=0), "swap")):
+        c = decide(e, PRICES, prev, AutoParams(), now=3.5)
+        back = AutoChoice.from_dict(json.loads(json.dumps(c.to_dict())))
+        again = replay(back)
+        assert again.choice == c.choice and again.reason == c.reason
+        assert {k: v.seconds for k, v in again.predictions.items()} == {k: v.seconds for k, v in c.predictions.items()}
+
+
+def test_an_episode_lasts_while_throttled_and_hold_s_after():
+    ch = AutoChooser(AutoParams(hold_s=2.0))
+    assert not ch.in_episode(0, 0.0)
+    ch.choose(0.0, episode(), PRICES)
+    ch.throttled([0], 1.0)
+    assert ch.in_episode(0, 2.9) and not ch.in_episode(0, 3.1)
+    ch.forget([0])
+    assert not ch.in_episode(0, 1.5)
+
+
+def test_bad_parameters_and_modes():
+    with pytest.raises(ValueError, match="margin"):
+        AutoParams(margin=1.0)
+    with pytest.raises(ValueError, match="some of"):
+        AutoParams(techniques=("swap", "hope"))
+    with pytest.raises(ValueError, match="some of"):
+        AutoParams(techniques=())
+    with pytest.raises(ValueError, match="at least 2 instances"):
+        check_pressure_mode("auto", 1)
+    with pytest.raises(ValueError, match="pipeline stages"):
+        check_pressure_mode("auto", 2, num_layers=1)
+
+
+# ---------------------------------------------------------------------------- over a monitor
+M8 = ModelMemory(num_layers=8, layer_bytes=2560, kv_bytes_per_token=16)  # a layer's weights: 10 blocks
+
+
+def _monitor(free0=2, waiting0=1):
+    # instance 0: 100 blocks, 2 free, one request of 150 tokens queued needing 10 blocks; 1 and 2 have room
+    st0 = InstanceStatus(0, 100, free0, 16, 5, waiting0, 10 * waiting0, 0.02, 0, 10 * waiting0,
+                         queued_prefill_tokens=150 * waiting0, num_free_host_blocks=40)
+    return GlobalMonitor([st0, InstanceStatus(1, 100, 60, 16, 2, 0, 0, 0.02, 0, 0),
+                          InstanceStatus(2, 100, 60, 16, 2, 0, 0, 0.02, 0, 0)])
+
+
+def test_an_onset_is_chosen_from_the_monitor_and_logged():
+    log: list[PressureDecision] = []
+    made: list[AutoChoice] = []
+    mon = _monitor()
+    auto = AutoPressure(mon, M8, PRICES, recorder=log.append, choices=made.append)
+    [c] = auto.onsets(1.0, {0: list(RUNNING)})
+    e = c.episode
+    assert (e.index, e.shortage_blocks, e.queued_tokens, e.host_free_blocks, e.step_s) == (0, 9, 150, 40, 0.02)
+    assert e.peer_room == (59, 59)  # free less the 1 % watermark
+    assert e.drop.members == 2 and e.drop.freed_blocks == 8 * 2560 // 256  # one copy of the layers
+    assert made == [c] and auto.mode == {0: c.choice} and replay(c).choice == c.choice
+    assert [d.kind for d in log] == ["throttle", "choose"] and log[1].details["choice"] == c.choice
+    assert set(log[1].details["predicted_s"]) == {"recompute", "swap", "migrate", "drop"}
+    # the episode goes on while throttled (and hold_s after): no new choice
+    assert auto.onsets(1.5, {0: list(RUNNING)}) == [] and auto.onsets(3.0, {0: list(RUNNING)}) == []
+    mon.on_status(_monitor(free0=60, waiting0=0).instances[0].status, 3.2)  # the throttle clears
+    assert auto.onsets(3.2, {}) == []
+    mon.on_status(_monitor().instances[0].status, 4.0)  # back within hold_s of the last seen: the same episode
+    assert auto.onsets(4.0, {0: list(RUNNING)}) == []
+    mon.on_status(_monitor(free0=60, waiting0=0).instances[0].status, 4.5)
+    auto.onsets(4.5, {})
+    mon.on_status(_monitor().instances[0].status, 9.0)
+    [again] = auto.onsets(9.0, {0: list(RUNNING)})
+    assert again.previous == c.choice
+
+
+def test_kunserve_drops_only_for_the_throttles_auto_gave_to_drop():
+    mon = _monitor()
+    decisions: list = []
+    auto = AutoPressure(mon, M8, PRICES, decisions=decisions.append)
+    auto.onsets(1.0, {0: list(RUNNING)})
+    auto.mode[0] = "migrate"
+    assert auto.decide(1.0) is None  # throttled, but not given to drop (and no restore while throttled)
+    auto.mode[0] = "drop"
+    plan = auto.decide(1.1)
+    assert isinstance(plan, DropPlan) and 0 in plan.changed[0]
+    assert decisions[-1].only == (0,)
+    from tidal.cluster.pressure.record import replay as replay_plan
+
+    assert replay_plan(decisions[-1], M8) == plan  # the gate is part of the record
+    auto.applied(plan, 1.2)
+    assert not auto.chooser.in_episode(0, 1.3)  # a new shape: its next throttle is an onset
+
+
+def test_migrations_only_from_migrate_instances_to_instances_running_alone():
+    mon = _monitor()
+    auto = AutoPressure(mon, M8, PRICES)
+    auto.onsets(1.0, {0: list(RUNNING)})
+    running = {0: [("a", 4), ("b", 6)]}
+    auto.mode[0] = "swap"
+    assert auto.migrations(1.0, running) == []
+    auto.mode[0] = "migrate"
+    moves = auto.migrations(1.0, running)
+    assert moves and {m.src for m in moves} == {0} and {m.dst for m in moves} <= {1, 2}
+    mon.on_groups(((0,), (1, 2)))  # 1 and 2 now run as a pipeline group: no migration goes there
+    assert auto.migrations(1.0, running) == []
+    assert auto.preemption_mode(0) == "recompute"
+    auto.mode[0] = "swap"
+    assert auto.preemption_mode(0) == "swap"

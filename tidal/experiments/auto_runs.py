@@ -1,0 +1,101 @@
+"""One simulator run of ``tidal bench sim-auto`` and what is kept of it (module-level, so that
+``--jobs`` can run them in processes of their own).
+
+The cluster is KunServe's (Sec. 5.1, cluster A; :mod:`tidal.experiments.sim_kunserve`'s constants):
+Qwen-2.5-14B on 8 A800-80GB instances, 200 Gb/s RDMA between them, the default KV pool (0.9 of each
+GPU), chunked prefill of 2,048 tokens, Llumnix's dispatcher, 64 GiB of host memory per instance for
+swapped-out KV. The systems differ only in ``--kv-pressure`` (and the preemption mode):
+``recompute`` (vLLM), ``swap`` (InferCept-like), ``migrate`` (Llumnix-like), ``drop`` (KunServe) and
+``auto`` (tidal: each throttle onset chooses one of the four).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tidal.experiments import kunserve_regime as R
+from tidal.experiments.auto_trace import Phase, phase_of
+from tidal.experiments.sim_kunserve import (
+    HARDWARE,
+    INSTANCES,
+    LINK,
+    MAX_NUM_BATCHED_TOKENS,
+    MAX_NUM_SEQS,
+    MODEL,
+    SWAP_SPACE,
+    mean_demand,
+)
+from tidal.metrics import SLO, summarize
+from tidal.workload import RequestSpec
+
+ROUTER = "llumnix"
+SYSTEMS: dict[str, dict[str, str]] = {
+    "recompute": {"kv_pressure": "preempt", "preemption_mode": "recompute", "label": "vLLM (preempt: recompute)"},
+    "swap": {"kv_pressure": "preempt", "preemption_mode": "swap", "label": "InferCept-like (preempt: swap)"},
+    "migrate": {"kv_pressure": "migrate", "preemption_mode": "recompute", "label": "Llumnix-like (migrate)"},
+    "drop": {"kv_pressure": "drop", "preemption_mode": "recompute", "label": "KunServe (drop)"},
+    "auto": {"kv_pressure": "auto", "preemption_mode": "recompute", "label": "tidal auto (chooses per onset)"},
+}
+FIXED = ("recompute", "swap", "migrate", "drop")
+# our choice, set before any run: a request meets its SLO with its first token within 10 s (a 15K-token
+# prompt alone takes ~2 s here) and at most 200 ms a token after it
+SLO_DEF = SLO(ttft_s=10.0, tpot_s=0.2)
+
+
+def slim(s: dict[str, Any]) -> dict[str, Any]:
+    """What the page reads of a summary."""
+    def g(d: dict[str, Any], k: str) -> float | None:
+        return (d or {}).get(k)
+    return {"requests": s["num_requests"], "completed": s["completed"], "lost": s["failed"],
+            "ttft_p50_ms": g(s["ttft_ms"], "p50"), "ttft_p99_ms": g(s["ttft_ms"], "p99"),
+            "tpot_p50_ms": g(s["tpot_ms"], "p50"), "tpot_p99_ms": g(s["tpot_ms"], "p99"),
+            "goodput_tok_s": s["goodput"]["output_throughput"], "slo_attainment": s["slo_attainment"]}
+
+
+def simulate(system: str, specs: Sequence[RequestSpec], phases: Sequence[Phase] | None = None,
+             timeline_interval: float = 1.0, keep_timelines: bool = False) -> dict[str, Any]:
+    """``system`` on ``specs``: its whole-run and per-phase summaries, its KV demand, its pressure
+    events' counts and, for ``auto``, every choice as (time, instance, choice)."""
+    from tidal.config import SchedulerConfig
+    from tidal.sim.build import ClusterSpec, build_simulator
+
+    cfg = SYSTEMS[system]
+    sched = SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+                            preemption_mode=cfg["preemption_mode"])
+    spec = ClusterSpec(model=MODEL, hardware=HARDWARE, instances=INSTANCES, router=ROUTER, scheduler=sched,
+                       swap_space=SWAP_SPACE if system in ("swap", "auto") else 0, kv_pressure=cfg["kv_pressure"],
+                       link=LINK, timeline_interval_s=timeline_interval)
+    t0 = time.perf_counter()
+    res = build_simulator(spec, list(specs)).run()
+    out: dict[str, Any] = {"system": system, "wall_s": time.perf_counter() - t0, "whole": slim(summarize(res.records,
+                                                                                                       slo=SLO_DEF))}
+    if phases:
+        by: dict[str, list] = {p.name: [] for p in phases}
+        for r, s in zip(res.records, specs, strict=True):
+            by[phase_of(list(phases), s.arrival_s)].append(r)
+        out["phases"] = {p.name: slim(summarize(by[p.name], duration_s=p.end_s - p.start_s, slo=SLO_DEF))
+                         for p in phases}
+    out["mean_kv_demand"] = mean_demand(res.timelines)
+    out["num_preemptions"] = sum(i["num_preemptions"] for i in res.instances)
+    p = res.pressure or {}
+    out["pressure_counts"] = p.get("counts", {})
+    if system == "auto":
+        out["choice_counts"] = p.get("choice_counts", {})
+        out["choices"] = [[round(c["time"], 3), c["index"], c["choice"]] for c in p.get("choices", [])]
+        out["choice_reasons"] = [c["reason"] for c in p.get("choices", [])][:40]
+    if keep_timelines:
+        out["timelines"] = res.timelines
+    return out
+
+
+def probe(specs: Sequence[RequestSpec], rate: float, duration_s: float) -> dict[str, Any]:
+    """The rate search's run: the ``recompute`` baseline alone on one phase (or dataset)."""
+    r = simulate("recompute", specs, timeline_interval=duration_s / 300, keep_timelines=True)
+    ok, growth = R.keeps_up(r["timelines"], rate, duration_s)
+    return {"mean_kv_demand": r["mean_kv_demand"], "keeps_up": ok, "queue_growth": growth,
+            "ttft_p99_ms": r["whole"]["ttft_p99_ms"]}
+
+
+__all__ = ["FIXED", "ROUTER", "SLO_DEF", "SYSTEMS", "probe", "simulate", "slim"]
