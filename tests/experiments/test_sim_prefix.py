@@ -45,3 +45,39 @@ def test_sim_prefix_runs_every_setup_and_writes_the_page(tmp_path, capsys):
     text = page.read_text()
     assert "| cache-aware | 2 |" in text and "What the routing comparison shows" in text
     assert "prefix_routing_trace.png" in text and (out / "prefix_routing_trace.png").exists()
+
+
+def test_workloads_split_keeps_a_conversation_spec_whole():
+    from tidal.experiments.sim_prefix import split_workloads
+
+    assert split_workloads("trace,conversation:system=1000,turns_mean=5,think=10") == [
+        "trace", "conversation:system=1000,turns_mean=5,think=10"]
+    assert split_workloads("conversation,trace") == ["conversation", "trace"]
+
+
+def _run(p99_off, p99_on, cap_off, cap_on, hit_lo, hit_ca, p99_lo, p99_ca, cap_lo, cap_ca, seed):
+    def at(p99, hit=None):
+        return {"ttft_ms": {"p99": p99}, "prefix_cache": None if hit is None else {"hit_rate": hit}}
+
+    return {"workload": f"conv (seed {seed})", "family": "conv", "seed": seed, "trace_rate": 4.0,
+            "caching": [{"setup": "off", "at_trace_rate": at(p99_off), "capacity": {"capacity_rps": cap_off}},
+                        {"setup": "pool", "at_trace_rate": at(p99_on, 0.5), "capacity": {"capacity_rps": cap_on}}],
+            "routing": {"rates": [2.0, 4.0], "routers": {
+                "least-outstanding": {"sweep": [at(1, 0.1), at(p99_lo, hit_lo)], "capacity": {"capacity_rps": cap_lo}},
+                "cache-aware": {"sweep": [at(1, 0.1), at(p99_ca, hit_ca)], "capacity": {"capacity_rps": cap_ca}}}}}
+
+
+def test_claims_are_judged_per_seed_at_the_workloads_own_rate():
+    from tidal.experiments.prefix_claims import claims
+
+    res = {"workloads": [_run(1000, 100, 2.0, 4.0, 0.6, 0.9, 500, 200, 4.0, 4.0, 0),
+                         _run(1000, 990, 2.0, None, 0.6, 0.9, 500, 600, 4.0, 4.1, 1)]}
+    got = {c["claim"]: c for c in claims(res, tolerance=0.05)}
+    ttft = got["prefix caching (pools alone) lowers P99 TTFT at the workload's own rate"]
+    assert ttft["per_seed"] == [10.0, round(1000 / 990, 4)] and ttft["verdict"] == "tie"  # seed 1 inside the margin
+    assert got["prefix caching (pools alone) raises the capacity at the SLO"]["verdict"] == "n/a"  # seed 1: no capacity
+    hit = got["cache-aware routing hits more prompt tokens than least-outstanding at the workload's own rate"]
+    assert hit["per_seed"] == [1.5, 1.5] and hit["verdict"] == "holds"  # read at 4/s, not the sweep's 2/s
+    assert got["cache-aware routing lowers P99 TTFT at the workload's own rate"]["verdict"] == "tie"
+    # a 2.5 % gain on one seed does not clear a 5 % capacity bracket
+    assert got["cache-aware routing raises the capacity at the SLO"]["verdict"] == "tie"

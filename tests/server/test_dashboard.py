@@ -161,9 +161,9 @@ def test_dashboard_shows_kunserve_drop_exchange_and_restore(tmp_path):
             def logged() -> str:
                 return d.execute_script("return document.getElementById('events').textContent")
 
-            wait_for(lambda: "KunServe drop on instance(s) " in logged(), 30, "the drop on the page")
-            wait_for(lambda: "KunServe restore-done" in logged(), 120, "the restore on the page")
-            assert "KunServe exchange-done" in logged()
+            wait_for(lambda: "kv-pressure drop: drop on instance(s) " in logged(), 30, "the drop on the page")
+            wait_for(lambda: "kv-pressure drop: restore-done" in logged(), 120, "the restore on the page")
+            assert "kv-pressure drop: exchange-done" in logged()
             assert any(a != "all" and b != "all" for a, b in layers_seen), layers_seen  # e.g. [0, 15) / [15, 30)
             wait_for(lambda: [r[-1] for r in table(d, "instances")] == ["all", "all"], 30, "all layers back")
             screenshot(d, tmp_path / "dashboard_kunserve.png")

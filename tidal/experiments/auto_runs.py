@@ -17,13 +17,10 @@ from typing import Any
 
 from tidal.experiments import kunserve_regime as R
 from tidal.experiments.auto_trace import Phase, phase_of
-from tidal.experiments.sim_kunserve import (
-    HARDWARE,
-    INSTANCES,
-    LINK,
+from tidal.experiments.kunserve_runs import (
+    CLUSTERS,
     MAX_NUM_BATCHED_TOKENS,
     MAX_NUM_SEQS,
-    MODEL,
     SWAP_SPACE,
     mean_demand,
 )
@@ -31,6 +28,8 @@ from tidal.metrics import SLO, summarize
 from tidal.workload import RequestSpec
 
 ROUTER = "llumnix"
+_A = CLUSTERS["a"]  # KunServe's cluster A: the 14B model on 8 A800s, one a GPU (the paper's setup)
+MODEL, HARDWARE, INSTANCES, LINK = _A.model, _A.hardware, _A.instances, _A.link
 SYSTEMS: dict[str, dict[str, str]] = {
     "recompute": {"kv_pressure": "preempt", "preemption_mode": "recompute", "label": "vLLM (preempt: recompute)"},
     "swap": {"kv_pressure": "preempt", "preemption_mode": "swap", "label": "InferCept-like (preempt: swap)"},

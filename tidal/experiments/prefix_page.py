@@ -41,6 +41,9 @@ def summary_lines(res: dict[str, Any]) -> list[str]:
                              + ", ".join(f"{rate:g}/s: hit {_pct((s.get('prefix_cache') or {}).get('hit_rate'))} "
                                          f"p99 TTFT {_ms(s['ttft_ms'], 'p99')} ms"
                                          for rate, s in zip(routing["rates"], d["sweep"], strict=True)))
+    for c in res.get("claims") or []:
+        lines.append(f"claim {c['workload']}: {c['claim']}: "
+                     + ", ".join("-" if r is None else f"{r:.2f}x" for r in c["per_seed"]) + f" -> {c['verdict']}")
     return lines
 
 
@@ -133,10 +136,28 @@ def write_page(res: dict[str, Any], path: str, figures: list[str], out_dir: str)
          f"{res['model']} on {res['instances']} x {res['hardware']}, {res['kv_blocks_per_instance']:,} KV blocks of "
          f"16 tokens an instance. SLO: {res['slo']} (ms; tbt: a request's P99 gap) for {res['target']:.0%} of the "
          f"requests. {res['wall_time_s']:.0f} s of simulation.", ""]
+    L += claims_table(res.get("claims") or [])
     for w in res["workloads"]:
         L += _section(w, [f for f in figures if _slug(w["workload"]) in f], rel)
     with open(path, "w", encoding="utf-8") as fh:
         fh.write("\n".join(L))
+
+
+def claims_table(claims: list[dict[str, Any]]) -> list[str]:
+    """The judged claims: per-seed ratios and the verdict (holds: every seed clears the margin; fails:
+    every seed on the wrong side; tie otherwise; n/a: a side has no figure, e.g. no capacity)."""
+    if not claims:
+        return []
+    L = ["## Claims, judged per seed", "",
+         f"A verdict holds when every seed's ratio clears 1 + {claims[0]['margin']:g} (and a capacity's margin is wider "
+         "than its search's bracket), fails when every seed is below 1, and is a tie otherwise; n/a when a side has "
+         "no figure (no rate met the SLO).", "",
+         "| workload | claim | ratio | per seed | verdict |", "|---|---|---|---|---|"]
+    for c in claims:
+        seeds = ", ".join("-" if r is None else f"{r:.2f}x" for r in c["per_seed"])
+        v = c["verdict"] if c["verdict"] == "holds" else f"**{c['verdict']}**"
+        L.append(f"| {c['workload']} | {c['claim']} | {c['ratio']} | {seeds} | {v} |")
+    return L + [""]
 
 
 def _section(res: dict[str, Any], figures: list[str], rel: str) -> list[str]:
@@ -201,4 +222,4 @@ def _section(res: dict[str, Any], figures: list[str], rel: str) -> list[str]:
     return L
 
 
-__all__ = ["summary_lines", "write_page", "write_plots"]
+__all__ = ["claims_table", "summary_lines", "write_page", "write_plots"]

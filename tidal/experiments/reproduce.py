@@ -39,6 +39,9 @@ REAL_NOT_RUN = ("not run: the real engine here is a shared 2-core CPU, where non
 VERDICTS = ("holds", "fails", "tie", "n/a")
 
 
+MARGIN_PAST_BRACKET = 0.02  # a capacity ratio must clear its search's bracket by this much more
+
+
 def judge(per_seed: Sequence[float] | None, margin: float = 0.02, tolerance: float = 0.0,
           identical: bool = False) -> str:
     """A claim's verdict from its per-seed ratios (technique over baseline, > 1 = the paper's way).

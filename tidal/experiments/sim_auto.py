@@ -59,7 +59,7 @@ def phase_search(phase: str, duration_s: float, max_len: int, traces_dir: str | 
 
 
 def dataset_search(dataset: str, duration_s: float, probes: int) -> dict[str, Any]:
-    from tidal.experiments.sim_kunserve import workload
+    from tidal.experiments.kunserve_runs import workload
 
     def run(rate: float) -> dict[str, Any]:
         return AR.probe(workload(dataset, duration_s, rate, 0), rate, duration_s)
@@ -73,7 +73,7 @@ def trace_run(system: str, rates: dict[str, float], duration_s: float, seed: int
 
 
 def dataset_run(system: str, dataset: str, rate: float, duration_s: float, seed: int) -> dict[str, Any]:
-    from tidal.experiments.sim_kunserve import workload
+    from tidal.experiments.kunserve_runs import workload
 
     return AR.simulate(system, workload(dataset, duration_s, rate, seed))
 

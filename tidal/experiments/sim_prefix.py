@@ -14,6 +14,10 @@ default ``../shared/traces/mooncake_synthetic.jsonl``), with Qwen-2.5-14B on 8 x
   the SLO: TTFT p50/p99, ITL p99, attainment, hit rate, the busiest instance's work over the mean
   (busy time), and each router's capacity.
 
+The trace is one fixed replay; a conversation workload runs once per seed of ``--seeds`` (each draws
+its own conversations), and every claim (:mod:`tidal.experiments.prefix_claims`) is judged on its
+per-seed ratios by the reproductions' shared rule.
+
 A rate is the trace's arrivals rescaled (``specs_at_rate``), so every rate replays the same requests
 in the same order. Prompts longer than the model's context less their output are clipped (Mooncake's
 trace has prompts past 32K tokens; Qwen-2.5-14B's context is 32K). Writes one JSON, PNG plots and,
@@ -56,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conversation-rate", type=float, default=4.0,
                    help="the conversation workload's own start rate (conversations/s), its 'trace rate'")
     p.add_argument("--conversation-requests", type=int, default=3000, help="turns of the conversation workload")
+    p.add_argument("--seeds", type=int, default=3,
+                   help="seeds of a conversation workload (each draws its own conversations; every claim is judged "
+                        "per seed); the trace is one fixed replay")
     p.add_argument("--model", default="qwen-2.5-14b")
     p.add_argument("--hardware", default="a100-80g")
     p.add_argument("--instances", type=int, default=8)
@@ -141,15 +148,35 @@ def working_set_gib(specs: list[W.RequestSpec], cfg: dict[str, Any]) -> float:
     return len(names) * per_block / cfg["instances"] / GIB
 
 
-def load_workload(name: str, args: argparse.Namespace, max_len: int) -> tuple[str, list[W.RequestSpec], float]:
-    """(label, requests, their own rate) of one workload of ``--workloads``."""
+def split_workloads(text: str) -> list[str]:
+    """``--workloads``' items: a piece ``key=value`` (no ``:``) continues the workload spec before it
+    (``trace,conversation:system=1000,turns_mean=5`` is two workloads)."""
+    out: list[str] = []
+    for piece in (p.strip() for p in text.split(",")):
+        if not piece:
+            continue
+        if out and "=" in piece and ":" not in piece and out[-1] != "trace":
+            out[-1] += "," + piece
+        else:
+            out.append(piece)
+    return out
+
+
+def load_workloads(name: str, args: argparse.Namespace,
+                   max_len: int) -> list[tuple[str, list[W.RequestSpec], float, int | None]]:
+    """(label, requests, their own rate, seed) of one workload of ``--workloads``: the trace once (a fixed
+    replay), a conversation workload once a seed."""
     if name == "trace":
         specs = load_trace(args, max_len)
-        return os.path.basename(args.trace or DEFAULT_TRACE), specs, W.mean_rate([s.arrival_s for s in specs]) or 1.0
-    specs = W.make_requests(W.WorkloadOptions(workload=name, num_requests=args.conversation_requests,
-                                              rate=args.conversation_rate, max_input_len=max_len // 2,
-                                              max_output_len=max_len // 4))
-    return name, specs, args.conversation_rate
+        return [(os.path.basename(args.trace or DEFAULT_TRACE), specs,
+                 W.mean_rate([s.arrival_s for s in specs]) or 1.0, None)]
+    out = []
+    for seed in range(max(1, args.seeds)):
+        specs = W.make_requests(W.WorkloadOptions(workload=name, num_requests=args.conversation_requests,
+                                                  rate=args.conversation_rate, max_input_len=max_len // 2,
+                                                  max_output_len=max_len // 4, seed=seed))
+        out.append((f"{name} (seed {seed})", specs, args.conversation_rate, seed))
+    return out
 
 
 def load_trace(args: argparse.Namespace, max_len: int) -> list[W.RequestSpec]:
@@ -178,10 +205,15 @@ def run_experiment(args: argparse.Namespace, log) -> dict[str, Any]:
     out: dict[str, Any] = {"model": args.model, "hardware": args.hardware, "instances": args.instances,
                            "kv_blocks_per_instance": blocks, "slo": args.slo, "target": args.target, "workloads": []}
     t0 = time.perf_counter()
-    for name in [w for w in args.workloads.split(",") if w]:
-        label, specs, rate = load_workload(name, args, max_len)
-        log(f"{label}: {len(specs)} requests at {rate:.2f}/s")
-        out["workloads"].append(run_workload(args, log, slo, base_cfg, label, specs, rate, t0))
+    for name in split_workloads(args.workloads):
+        for label, specs, rate, seed in load_workloads(name, args, max_len):
+            log(f"{label}: {len(specs)} requests at {rate:.2f}/s")
+            w = run_workload(args, log, slo, base_cfg, label, specs, rate, t0)
+            w.update({"family": name, "seed": seed})
+            out["workloads"].append(w)
+    from tidal.experiments.prefix_claims import claims
+
+    out["claims"] = claims(out, args.search_tolerance)
     out["wall_time_s"] = time.perf_counter() - t0
     return out
 
