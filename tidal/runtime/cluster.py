@@ -59,6 +59,7 @@ from tidal.engine.async_engine import EngineDeadError, InstanceUnavailableError,
 from tidal.engine.llm_engine import RequestSnapshot, dtype_name
 from tidal.engine.outputs import RequestOutput
 from tidal.runtime import protocol as P
+from tidal.runtime.failover import START_ATTEMPTS, FailoverFront
 from tidal.runtime.handoffs import HandoffFront
 from tidal.runtime.kv_transfer import build_transport, unlink_segments
 from tidal.runtime.outbox import Outbox
@@ -69,10 +70,9 @@ from tidal.runtime.worker import WorkerConfig
 
 MOVE_LOG = 4096  # the latest moves kept (ClusterLLM.move_records)
 log = logging.getLogger("tidal.cluster")
-START_ATTEMPTS = 3  # a worker that dies this many times in a row before it is ready is not restarted
 
 
-class ClusterLLM(HandoffFront):
+class ClusterLLM(FailoverFront, HandoffFront):
     def __init__(self, config: ServingConfig, *, splitter: Any = None):
         """``config``: the whole tree, validated when it was built (each role's policy, the
         pressure mode against the layout); only what needs the model's shape is checked here."""
@@ -420,53 +420,6 @@ class ClusterLLM(HandoffFront):
         h = self.handles[i]
         return None if h is None else h.pid
 
-    def recompute(self, t: Tracked, src: int, abort: bool = True) -> None:
-        if abort:
-            self.send(src, P.Abort(t.wid))
-        self.monitor.on_finish(src, t.rid)
-        self.failover(t)
-
-    def failover(self, t: Tracked) -> None:
-        self.drop_handoff(t)
-        if self.splitter is not None:
-            self.splitter.on_finish(t.rid, None)  # its planned parts are void; it runs whole now
-        # a new id on the workers: outputs of the old run still in flight from a live instance (one
-        # that was told to abort it) must not reach the client twice
-        self.by_wid.pop(t.wid, None)
-        t.wid = f"{t.rid}~{t.failovers + 1}"
-        self.by_wid[t.wid] = t
-        t.failovers += 1
-        self.num_failovers += 1
-        if t.params.n > 1 and t.delivered:  # its sequences' text went out: a re-run would repeat it
-            self._give_up(t, "an instance failed under an n > 1 request whose output had begun; retry the request")
-            return
-        t.instance = -1
-        if not self._place(t, fresh=self._fresh(t)):
-            self.parked[t.rid] = (t, self.now())  # placed when an instance is back (_unpark)
-
-    @staticmethod
-    def _fresh(t: Tracked) -> bool:
-        """Nothing of ``t`` reached the client: it starts anew (an ``add``), else it continues (an ``import``)."""
-        return not t.tokens and t.text_sent == 0 and not t.delivered
-
-    def _give_up(self, t: Tracked, why: str) -> None:
-        self._deliver(t, InstanceUnavailableError(why))
-        self.requests.pop(t.rid, None)
-        self.by_wid.pop(t.wid, None)
-        self.parked.pop(t.rid, None)
-
-    def _unpark(self, now: float) -> None:
-        """Place the parked re-runs, oldest first, while an instance takes them; those parked longer
-        than ``start_timeout_s``, or while nothing will come back, fail (a 503 the client may retry)."""
-        for rid, (t, since) in list(self.parked.items()):
-            if self._place(t, fresh=self._fresh(t)):
-                del self.parked[rid]
-                continue
-            coming = self.cluster.restart and any(h is not None for h in self.handles)
-            if not coming or now - since > self.cluster.start_timeout_s:
-                self._give_up(t, f"the instance serving this request failed and none was back within "
-                                 f"{now - since:.0f} s; retry the request")
-
     # ---------------------------------------------------------------- I/O thread
     def _deliver(self, t: Tracked, item: Any) -> None:
         t.loop.call_soon_threadsafe(t.queue.put_nowait, item)
@@ -587,12 +540,6 @@ class ClusterLLM(HandoffFront):
             self.monitor.on_finish(i, t.rid)
             self._deliver(t, RequestRejected(r.message, param=r.param))
 
-    def _on_fatal(self, i: int, r: P.Fatal, now: float) -> None:
-        """The worker failed (it exits after saying so): counted and failed over like a death."""
-        log.error("worker %d failed: %s\n%s", i, r.error, r.traceback)
-        if self.handles[i] is not None:
-            self._on_worker_death(i, f"it failed: {r.error}")
-
     def _on_output(self, i: int, out: RequestOutput) -> None:
         t = self.by_wid.get(out.request_id)
         if t is None:
@@ -620,36 +567,6 @@ class ClusterLLM(HandoffFront):
                 self.splitter.on_finish(t.rid, len(t.tokens) if len(out.outputs) == 1 else None)
         self._deliver(t, out)
 
-    def _on_worker_death(self, i: int, why: str) -> None:
-        if not self.monitor.instances[i].alive and self.handles[i] is None:
-            return
-        log.warning("instance %d died (%s); re-running its requests elsewhere", i, why)
-        if not self.monitor.instances[i].alive:
-            self.unready_deaths[i] += 1
-        self.num_failures += 1
-        if self.pressure is not None:  # KunServe Sec. 4.4: its pipeline group dissolves
-            self.pressure.on_failure(i, self.now())
-        lost = self.monitor.on_failure(i)
-        if self.splitter is not None:
-            self.splitter.on_failure(i)
-        self.handles[i].join(1)
-        self.handles[i] = None
-        self.generation[i] += 1
-        affected = [t for t in self.requests.values()
-                    if t.rid in lost or t.instance == i
-                    or (t.handoff is not None and i in (t.handoff.src, t.handoff.dst))]
-        for t in affected:  # a move touching the dead instance ends as its machine says (it may stay)
-            if not self.on_instance_failed(t, i, self.now()):
-                self.failover(t)
-        if self.unready_deaths[i] >= START_ATTEMPTS:  # it cannot start (its error is in the log above)
-            log.error("instance %d died %d times before it was ready; not restarting it", i, self.unready_deaths[i])
-            if not self._ready.is_set():  # the cluster is starting: start() fails with this
-                self.dead = EngineDeadError(f"instance {i} died {self.unready_deaths[i]} times before it was ready "
-                                            f"({why}); its error is in the log above")
-                self._ready.set()
-        elif self.cluster.restart and not self._stop.is_set():
-            self.handles[i] = self.backend.start(self._worker_config(i))
-            self.num_restarts += 1
 
 
-__all__ = ["ClusterConfig", "ClusterLLM", "ServingConfig"]
+__all__ = ["START_ATTEMPTS", "ClusterConfig", "ClusterLLM", "ServingConfig"]
