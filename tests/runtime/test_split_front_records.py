@@ -73,7 +73,8 @@ def test_an_alpha_part_streams_its_kv_every_16_tokens_and_at_its_split_point():
     decode step: a step-by-step stream made thousands of tiny shared-memory chunks a request."""
     from collections import deque
 
-    from tidal.runtime.worker import STREAM_TOKENS, Worker, _Export
+    from tidal.runtime.kv_moves import STREAM_TOKENS, _Export
+    from tidal.runtime.worker import Worker
 
     state = {"upto": 55, "reached": []}
     transfer = SimpleNamespace(layer_ids=list(range(30)), computed_tokens=lambda rid: state["upto"],
