@@ -34,7 +34,7 @@ def instances(url: str) -> list[dict]:
     with urllib.request.urlopen(f"{url}/admin/state", timeout=30) as r:
         state = json.load(r)
     keep = ("index", "dispatched", "prefix_queries", "prefix_hits")
-    return [{k: d.get(k) for k in keep} for d in state["stats"]["cluster"]["instances"]]
+    return [{k: d.get(k) for k in keep} for d in state["cluster"]["instances"]]
 
 
 def main() -> int:

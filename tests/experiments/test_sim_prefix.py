@@ -59,12 +59,15 @@ def _run(p99_off, p99_on, cap_off, cap_on, hit_lo, hit_ca, p99_lo, p99_ca, cap_l
     def at(p99, hit=None):
         return {"ttft_ms": {"p99": p99}, "prefix_cache": None if hit is None else {"hit_rate": hit}}
 
+    def cap(rps):  # a search that found a failing rate above its capacity (or none passing)
+        return {"capacity_rps": rps, "first_failing_rps": (rps or 0.1) * 1.05}
+
     return {"workload": f"conv (seed {seed})", "family": "conv", "seed": seed, "trace_rate": 4.0,
-            "caching": [{"setup": "off", "at_trace_rate": at(p99_off), "capacity": {"capacity_rps": cap_off}},
-                        {"setup": "pool", "at_trace_rate": at(p99_on, 0.5), "capacity": {"capacity_rps": cap_on}}],
+            "caching": [{"setup": "off", "at_trace_rate": at(p99_off), "capacity": cap(cap_off)},
+                        {"setup": "pool", "at_trace_rate": at(p99_on, 0.5), "capacity": cap(cap_on)}],
             "routing": {"rates": [2.0, 4.0], "routers": {
-                "least-outstanding": {"sweep": [at(1, 0.1), at(p99_lo, hit_lo)], "capacity": {"capacity_rps": cap_lo}},
-                "cache-aware": {"sweep": [at(1, 0.1), at(p99_ca, hit_ca)], "capacity": {"capacity_rps": cap_ca}}}}}
+                "least-outstanding": {"sweep": [at(1, 0.1), at(p99_lo, hit_lo)], "capacity": cap(cap_lo)},
+                "cache-aware": {"sweep": [at(1, 0.1), at(p99_ca, hit_ca)], "capacity": cap(cap_ca)}}}}
 
 
 def test_claims_are_judged_per_seed_at_the_workloads_own_rate():
@@ -81,3 +84,8 @@ def test_claims_are_judged_per_seed_at_the_workloads_own_rate():
     assert got["cache-aware routing lowers P99 TTFT at the workload's own rate"]["verdict"] == "tie"
     # a 2.5 % gain on one seed does not clear a 5 % capacity bracket
     assert got["cache-aware routing raises the capacity at the SLO"]["verdict"] == "tie"
+    # a search that passed the top of its range found a bound, not a capacity: no ratio
+    for w in res["workloads"]:
+        w["routing"]["routers"]["cache-aware"]["capacity"]["first_failing_rps"] = None
+    assert {c["claim"]: c for c in claims(res, 0.05)}["cache-aware routing raises the capacity at the SLO"][
+        "verdict"] == "n/a"

@@ -109,8 +109,7 @@ def write_page(res: dict[str, Any], path: str, figures: list[str]) -> None:
          "recorded each step.", "",
          "## Setup", "",
          f"{st['model']} on {st['instances']} x {st['hardware']} ({st['link']} between instances), dispatcher "
-         f"`{st['router']}` (main's: Llumnix's freeness with tidal's group-queue rule, issue 50's labelled "
-         f"ablation), chunked prefill of {st['max_num_batched_tokens']} tokens, the default KV pool (0.9 of each "
+         f"`{st['router']}` (Llumnix's freeness, KunServe's dispatcher), chunked prefill of {st['max_num_batched_tokens']} tokens, the default KV pool (0.9 of each "
          f"GPU), 64 GiB of host memory per instance for swap. SLO for goodput: {st['slo']} (ms; our choice, set "
          f"before any run). Seeds: {st['seeds']} (trace windows and draws).", ""]
     tr = res.get("trace")
@@ -188,8 +187,8 @@ def write_page(res: dict[str, Any], path: str, figures: list[str]) -> None:
               + f". Events: {real['events_total']}.", ""]
     L += ["## What this does not show", "",
           "- The code phase is synthetic (published statistics): the shared traces hold no code service.",
-          "- The dispatcher is main's `llumnix`, which includes tidal's group-queue rule (issue 50 makes plain "
-          "freeness the headline); every system here uses the same one.",
+          "- Every system here uses the same dispatcher, `llumnix` (Llumnix's freeness); cache- or "
+          "pressure-aware routing is not part of the choice.",
           "- The prediction leaves out what is off the queue's path: the stall of requests whose KV moves, a "
           "pipeline's longer decode steps (TPOT), a restore's weight load, and arrivals after the onset.", ""]
     with open(path, "w", encoding="utf-8") as f:

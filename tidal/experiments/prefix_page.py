@@ -22,7 +22,9 @@ def _cap(c: dict[str, Any] | None) -> str:
     if not c:
         return "-"
     v = c.get("capacity_rps")
-    return "none in range" if v is None else f"{v:.2f}"
+    if v is None:
+        return "none in range"
+    return f">= {v:.2f} (the range's top)" if c.get("first_failing_rps") is None else f"{v:.2f}"
 
 
 def summary_lines(res: dict[str, Any]) -> list[str]:
@@ -75,7 +77,8 @@ def routing_checks(res: dict[str, Any], base: str = "least-outstanding", mine: s
                        f" attainment): P99 TTFT {pm:,.0f} ms against {pb:,.0f} ms ({pm / pb:.2f}x); "
                        f"{lost} requests failed in the two runs")
     cb, cm = (b["capacity"] or {}).get("capacity_rps"), (m["capacity"] or {}).get("capacity_rps")
-    if cb and cm:
+    bounded = all((c["capacity"] or {}).get("first_failing_rps") is not None for c in (b, m))
+    if cb and cm and bounded:
         out.append(f"capacity {cm:.2f} against {cb:.2f}/s: {cm / cb:.2f}x")
     else:
         out.append(f"capacity: {base} {_cap(b['capacity'])}, {mine} {_cap(m['capacity'])} (req/s)")
@@ -182,6 +185,15 @@ def _section(res: dict[str, Any], figures: list[str], rel: str) -> list[str]:
                      f"{_pct(pc.get('unbounded_hit_rate'))} | {_ms(r['ttft_ms'], 'p50')} / {_ms(r['ttft_ms'], 'p99')} | "
                      f"{_cap(row['capacity'])} |")
         L.append("")
+        if caching[0].get("sweep"):
+            rates = res["caching_rates"]
+            L += ["Across the routing study's rates (least-outstanding routing): hit rate / P99 TTFT (ms) / attainment.",
+                  "", "| setup | " + " | ".join(f"{r:g}/s" for r in rates) + " |", "|---|" + "---|" * len(rates)]
+            for row in caching:
+                L.append(f"| {row['setup']} | " + " | ".join(
+                    f"{_pct((s.get('prefix_cache') or {}).get('hit_rate'))} / {_ms(s['ttft_ms'], 'p99')} / "
+                    f"{_pct(s.get('slo_attainment'))}" for s in row["sweep"]) + " |")
+            L.append("")
     routing = res.get("routing")
     if routing:
         L += ["### Routing (prefix caching on, a host tier of "

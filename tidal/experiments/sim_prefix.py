@@ -43,6 +43,7 @@ PROG = "tidal bench sim-prefix"
 DEFAULT_TRACE = "mooncake_synthetic.jsonl"
 DEFAULT_CONVERSATION = "conversation:system=1000,turns_mean=5,think=10"
 GIB = 1024**3
+CAPACITY_HIGH = 8.0  # the capacity searches run from 1/32 to this many times the workload's own rate
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -229,6 +230,9 @@ def run_workload(args: argparse.Namespace, log, slo: M.SLO, base_cfg: dict[str, 
     def done(what):
         return lambda i, r: log(f"  [{time.perf_counter() - t0:6.0f} s] {label}: {what(i)}")
 
+    rates = ([float(x) for x in args.rates.split(",")] if args.rates
+             else [round(trace_rate * f, 3) for f in (1 / 8, 1 / 4, 1 / 2, 3 / 4, 1, 3 / 2)])
+    high = trace_rate * CAPACITY_HIGH
     if "caching" in parts:
         setups = [("off", {"enable_prefix_caching": False}), ("pool", {})]
         setups += [(f"host {t} GiB" if t != "ws" else f"host {tier_bytes(t, ws) // GIB} GiB (working set)",
@@ -236,22 +240,24 @@ def run_workload(args: argparse.Namespace, log, slo: M.SLO, base_cfg: dict[str, 
         cfgs = [{**base_cfg, "router": "least-outstanding", **extra} for _, extra in setups]
         at_trace = run_all(simulate, [(c, specs, slo) for c in cfgs], args.jobs,
                            done(lambda i: f"caching {setups[i][0]}: at its own rate"))
-        caps = run_all(_capacity, [(c, specs, slo, args.target, trace_rate / 32, trace_rate * 2, args.search_tolerance)
+        calls = [(c, W.specs_at_rate(specs, rate, None), slo) for c in cfgs for rate in rates]
+        sweep = run_all(simulate, calls, args.jobs,
+                        done(lambda i: f"caching {setups[i // len(rates)][0]} at {rates[i % len(rates)]}/s"))
+        caps = run_all(_capacity, [(c, specs, slo, args.target, trace_rate / 32, high, args.search_tolerance)
                                    for c in cfgs], args.jobs, done(lambda i: f"caching {setups[i][0]}: capacity"))
+        out["caching_rates"] = rates
         out["caching"] = [{"setup": name, "config": {k: v for k, v in c.items() if k in ("kv_offloading_size",
                                                                                           "enable_prefix_caching")},
-                           "at_trace_rate": r, "capacity": cap}
-                          for (name, _), c, r, cap in zip(setups, cfgs, at_trace, caps, strict=True)]
+                           "at_trace_rate": r, "sweep": sweep[k * len(rates):(k + 1) * len(rates)], "capacity": cap}
+                          for k, ((name, _), c, r, cap) in enumerate(zip(setups, cfgs, at_trace, caps, strict=True))]
     if "routing" in parts:
         routers = [r for r in args.routers.split(",") if r]
         tier = tier_bytes(args.routing_tier, ws)
-        rates = ([float(x) for x in args.rates.split(",")] if args.rates
-                 else [round(trace_rate * f, 3) for f in (1 / 8, 1 / 4, 1 / 2, 3 / 4, 1, 3 / 2)])
         cfgs = [{**base_cfg, "router": r, "kv_offloading_size": tier} for r in routers]
         calls = [(c, W.specs_at_rate(specs, rate, None), slo) for c in cfgs for rate in rates]
         sweep = run_all(simulate, calls, args.jobs,
                         done(lambda i: f"routing {routers[i // len(rates)]} at {rates[i % len(rates)]}/s"))
-        caps = run_all(_capacity, [(c, specs, slo, args.target, trace_rate / 32, trace_rate * 2, args.search_tolerance)
+        caps = run_all(_capacity, [(c, specs, slo, args.target, trace_rate / 32, high, args.search_tolerance)
                                    for c in cfgs], args.jobs, done(lambda i: f"routing {routers[i]}: capacity"))
         out["routing"] = {"host_tier_gib": tier / GIB, "rates": rates,
                           "routers": {r: {"sweep": sweep[k * len(rates):(k + 1) * len(rates)], "capacity": caps[k]}
