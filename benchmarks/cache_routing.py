@@ -22,8 +22,7 @@ import urllib.request
 
 from conversation_cache import WORKLOAD, bench
 
-from tidal.common.machine import describe, machine_info
-from tidal.common.results import command_line, run_stamp, write_json
+from tidal.common.results import write_figures
 from tidal.experiments.server_proc import serve, stop
 
 ROUTERS = ("least-outstanding", "cache-aware")
@@ -74,20 +73,14 @@ def main() -> int:
         *[[f"requests on the busiest instance, {r}", busiest(r)] for r in ROUTERS],
         ["requests completed, least-outstanding / cache-aware", f"{lo['completed']} / {ca['completed']}"],
     ]
-    result = {"benchmark": "cache-aware routing: multi-turn conversations on 2 instances",
-              "title": "Cache-aware routing against least-outstanding, multi-turn conversations on 2 instances",
-              "command": command_line("python benchmarks/cache_routing.py"), "machine": machine_info(),
-              "figures": figures, **run_stamp(),
-              "notes": "Each turn resends the history with the answers the server gave; two 2-instance servers of "
-                       "the default model (one thread an instance) ran one after the other on the same machine.",
-              "raw": {r: {**{x: runs[r].get(x) for x in ("ttft_ms", "itl_ms", "output_throughput", "completed",
-                                                          "failed", "cached_prompt_share")},
-                          "instances": per_instance[r]} for r in ROUTERS}}
-    write_json(result, args.output)
-    print(f"\nmachine: {describe(machine_info())}")
-    for name, value in figures:
-        print(f"  {name}: {value}")
-    print(f"wrote {args.output}")
+    write_figures(args.output, "cache-aware routing: multi-turn conversations on 2 instances",
+                  "Cache-aware routing against least-outstanding, multi-turn conversations on 2 instances",
+                  "python benchmarks/cache_routing.py", figures,
+                  "Each turn resends the history with the answers the server gave; two 2-instance servers of the "
+                  "default model (one thread an instance) ran one after the other on the same machine.",
+                  {r: {**{x: runs[r].get(x) for x in ("ttft_ms", "itl_ms", "output_throughput", "completed",
+                                                      "failed", "cached_prompt_share")},
+                       "instances": per_instance[r]} for r in ROUTERS})
     return 0
 
 

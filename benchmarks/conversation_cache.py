@@ -20,8 +20,7 @@ import subprocess
 import sys
 import tempfile
 
-from tidal.common.machine import describe, machine_info
-from tidal.common.results import command_line, run_stamp, write_json
+from tidal.common.results import write_figures
 from tidal.experiments.server_proc import serve, stop
 
 WORKLOAD = "conversation:system=300,turns=3,user=100,answer=64,think=1"
@@ -69,19 +68,12 @@ def main() -> int:
         ["output tok/s, on / off", f"{on['output_throughput']:.1f} / {off['output_throughput']:.1f}"],
         ["requests completed, on / off", f"{on['completed']} / {off['completed']}"],
     ]
-    result = {"benchmark": "prefix caching: multi-turn conversations",
-              "title": "Multi-turn conversations with prefix caching on and off",
-              "command": command_line("python benchmarks/conversation_cache.py"), "machine": machine_info(),
-              "figures": figures, **run_stamp(),
-              "notes": "Each turn resends the history with the answers the server gave; the servers ran one after "
-                       "the other on the same machine, the default model.",
-              "raw": {k: {x: v.get(x) for x in ("ttft_ms", "tpot_ms", "output_throughput", "completed", "failed",
-                                                  "cached_prompt_share")} for k, v in runs.items()}}
-    write_json(result, args.output)
-    print(f"\nmachine: {describe(machine_info())}")
-    for name, value in figures:
-        print(f"  {name}: {value}")
-    print(f"wrote {args.output}")
+    write_figures(args.output, "prefix caching: multi-turn conversations",
+                  "Multi-turn conversations with prefix caching on and off", "python benchmarks/conversation_cache.py",
+                  figures, "Each turn resends the history with the answers the server gave; the servers ran one after "
+                           "the other on the same machine, the default model.",
+                  {k: {x: v.get(x) for x in ("ttft_ms", "tpot_ms", "output_throughput", "completed", "failed",
+                                             "cached_prompt_share")} for k, v in runs.items()})
     return 0
 
 

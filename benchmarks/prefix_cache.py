@@ -25,8 +25,7 @@ import time
 
 import httpx
 
-from tidal.common.machine import describe, machine_info
-from tidal.common.results import command_line, run_stamp, write_json
+from tidal.common.results import write_figures
 from tidal.experiments.server_proc import serve, stop
 
 QUESTIONS = ["What is the capital of France?", "Name three prime numbers.", "How far is the Moon?",
@@ -125,19 +124,12 @@ def main() -> int:
          f"{on['metrics']['prefix_cache_hits']:.0f} / {on['metrics']['prefix_cache_queries']:.0f}"],
         ["tidal:prefix_cache_queries (tokens), caching off", f"{off['metrics']['prefix_cache_queries']:.0f}"],
     ]
-    result = {"benchmark": "prefix caching: TTFT of a shared long prefix",
-              "title": f"Prefix caching: TTFT with a {n_prefix}-token shared prefix, cached against recomputed",
-              "command": command_line("python benchmarks/prefix_cache.py"), "machine": machine_info(),
-              "figures": figures, **run_stamp(),
-              "notes": (f"Default model, one request at a time, one output token, {args.repeats} repeats x "
-                        f"{args.followers} followers; each repeat starts from an empty cache. TTFT measured by "
-                        "the client (send to first streamed token)."),
-              "raw": {"on": on, "off": off}}
-    write_json(result, args.output)
-    print(f"\nmachine: {describe(machine_info())}")
-    for name, value in figures:
-        print(f"  {name}: {value}")
-    print(f"wrote {args.output}")
+    write_figures(args.output, "prefix caching: TTFT of a shared long prefix",
+                  f"Prefix caching: TTFT with a {n_prefix}-token shared prefix, cached against recomputed",
+                  "python benchmarks/prefix_cache.py", figures,
+                  f"Default model, one request at a time, one output token, {args.repeats} repeats x "
+                  f"{args.followers} followers; each repeat starts from an empty cache. TTFT measured by the client "
+                  "(send to first streamed token).", {"on": on, "off": off})
     return 0
 
 

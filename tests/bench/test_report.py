@@ -122,6 +122,17 @@ def test_figures_and_sim_records(tmp_path):
     assert current == {"fig2.json", "sim.json"}  # "marked" would be current (a benchmark of its own) unmarked
 
 
+def test_a_written_figures_record_is_on_the_page(tmp_path, capsys):
+    from tidal.common.results import write_figures
+
+    rec = write_figures(str(tmp_path / "bench.json"), "prefix caching: a test", "A test of figures",
+                        "python benchmarks/x.py", [["TTFT cached / uncached", 0.036]], "a note", {"on": [1.0]})
+    assert "  TTFT cached / uncached: 0.036" in capsys.readouterr().out
+    (run,) = R.load_runs(str(tmp_path))
+    assert run.kind == "figures" and run.data == rec and rec["command"].startswith("python benchmarks/x.py")
+    assert "| TTFT cached / uncached | 0.036 |" in R.render_page([run])
+
+
 @pytest.mark.parametrize("content, message", [
     ("{not json", "not readable JSON"),
     ('{"command": "x"}', "neither a `tidal bench offline` report"),

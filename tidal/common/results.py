@@ -105,6 +105,23 @@ def run_stamp() -> dict[str, Any]:
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "tidal": info}
 
 
+def write_figures(path: str, benchmark: str, title: str, prog: str, figures: list[list[Any]], notes: str,
+                  raw: Any) -> dict[str, Any]:
+    """A benchmark's record of named figures (``[name, value]`` rows; ``tidal bench report`` renders it):
+    the command that ran it (``prog`` plus its arguments), this machine, the date and commit; written
+    to ``path`` and printed."""
+    from tidal.common.machine import describe, machine_info
+
+    record = {"benchmark": benchmark, "title": title, "command": command_line(prog), "machine": machine_info(),
+              "figures": figures, **run_stamp(), "notes": notes, "raw": raw}
+    write_json(record, path)
+    print(f"\nmachine: {describe(record['machine'])}")
+    for name, value in figures:
+        print(f"  {name}: {value}")
+    print(f"wrote {path}")
+    return record
+
+
 def load_eq1(path: str) -> tuple[float, float, float]:
     """(alpha, beta, gamma) of the profile at ``path`` (written by ``tidal profile``); ValueError
     (one line) when the file is not one or has no Eq. 1 fit."""
@@ -119,4 +136,4 @@ def load_eq1(path: str) -> tuple[float, float, float]:
     return float(eq1["alpha"]), float(eq1["beta"]), float(eq1["gamma"])
 
 
-__all__ = ["Plotter", "command_line", "jsonable", "load_eq1", "run_stamp", "write_json", "write_result"]
+__all__ = ["Plotter", "command_line", "jsonable", "load_eq1", "run_stamp", "write_json", "write_result", "write_figures"]
