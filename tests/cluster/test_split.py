@@ -16,6 +16,7 @@ from tidal.cluster.split import (
     pairs,
     replay,
     split_parts,
+    with_cached,
 )
 from tidal.cluster.split_predict import ExecutionPredictor, MicroRequest
 from tidal.config import ConfigError
@@ -388,6 +389,39 @@ def test_flip_roles_puts_alpha_on_the_less_loaded_instance():
         dec = planner.plan("r", 2000, 300, None, predicted_output=250, candidates=[(0, 1)])
         assert dec.pair == want
         assert planner.orientations([(0, 1)]) == (((0, 1), (1, 0)) if flip else ((0, 1),))
+
+
+def test_a_cached_prefix_shortens_only_the_part_that_starts_the_request():
+    alpha, beta = split_parts(3000, 200, 1000)  # split inside the prompt
+    assert with_cached(alpha, 768) == MicroRequest("", 232, 768, 0)
+    assert with_cached(alpha, 5000) == MicroRequest("", 1, 999, 0)  # the engine's hit stays short of s
+    assert with_cached(beta, 768) == beta  # beta starts from alpha's KV, not from position 0
+    whole, _ = split_parts(3000, 200, 3200)  # all on alpha: its last prompt token is still computed
+    assert with_cached(whole, 4096) == MicroRequest("", 1, 2999, 200)
+    assert with_cached(None, 100) is None and with_cached(alpha, 0) == alpha
+
+
+def test_with_a_cache_view_alpha_goes_where_the_prefix_is_unless_load_says_otherwise():
+    def decide(cached, busy_1=0):
+        records = []
+        pl = SplitPlanner(SplitParams(token_budget=2048, max_num_seqs=64, flip_roles=True), linear,
+                          recorder=records.append)
+        pl.load_ledger(0, [MicroRequest("w0", 400, 0, 50)])
+        pl.load_ledger(1, [MicroRequest("w1", 400, 0, 50)] + [MicroRequest(f"q{i}", 4000, 0, 300) for i in range(busy_1)])
+        dec = pl.plan("r", 6000, 300, None, predicted_output=250, candidates=[(0, 1)], cached=cached)
+        return dec, records[0], pl
+
+    dec, rec, _ = decide(None)
+    assert dec.pair == (0, 1)  # equal loads, nothing known of caches: the lower index is alpha
+    dec, rec, pl = decide({0: 0, 1: 5120})  # instance 1 holds the first 5,120 prompt tokens
+    assert dec.pair == (1, 0) and dec.alpha is not None and dec.alpha.context == 5120
+    assert pl.ledger(1)[-1] == dec.alpha  # the ledger holds the part less its cached prefix
+    assert dict(rec.cached) == {1: 5120}
+    again = replay(rec, linear, pl.params)  # the view is part of the record: the same decision comes back
+    assert (again.pair, again.split, again.t_alpha, again.t_beta) == (dec.pair, dec.split, dec.t_alpha, dec.t_beta)
+    dec, _, pl = decide({0: 0, 1: 5120}, busy_1=8)  # instance 1 is far behind: load wins over the cache,
+    mine = [m for m in pl.ledger(1) if m.request_id == "r"]  # which gives it next to nothing of the request
+    assert len(mine) == 1 and mine[0].prefill_tokens + mine[0].decode_tokens < 50
 
 
 def test_a_ttft_target_keeps_the_prefill_unsplit_when_a_split_is_too_slow():

@@ -89,3 +89,37 @@ def test_conversations_stay_where_their_history_is_cached(make_engine, smol_toke
     assert len({where[f"c{k}t0"] for k in range(CONVERSATIONS)}) == 2  # both instances took conversations
     assert all(d.request.cached for d in log)  # the router saw each instance's cached prefix
     assert [replay(d, ClusterLayout(2), "cache-aware") for d in log] == [d.choice for d in log]
+
+
+def test_split_mode_places_alpha_where_the_history_is_cached(make_engine, smol_tokenizer):
+    """``--mode split --router cache-aware``: the workers' cache reports reach DynaServe's planner,
+    which starts most later turns past a cached prefix; every greedy answer equals one engine's."""
+    from tidal.runtime.cluster import ClusterConfig, ClusterLLM, ServingConfig
+
+    turns = user_turns(smol_tokenizer)
+    want = reference_answers(make_engine, turns)
+    llm = ClusterLLM(ServingConfig(EngineConfig.from_kwargs(**ENGINE),
+                                   ClusterConfig(layout=ClusterLayout(2, "split"), router="cache-aware",
+                                                 threads_per_instance=1)))
+    planner = llm.split.planner
+    records = []
+    planner.recorder = records.append
+    pids: list[int] = []
+    try:
+        llm.start()
+        pids = [h.pid for h in llm.handles if h is not None]
+
+        async def run():
+            return await asyncio.gather(*[converse(llm, k, conv) for k, conv in enumerate(turns)])
+
+        assert asyncio.run(run()) == want
+        settle(llm)
+        no_leak(llm)
+        assert llm.stats["prefix_cache_hits"] > 0
+    finally:
+        llm.shutdown()
+        wait_gone(pids)
+    assert planner.params.flip_roles  # --split-placement load, the default
+    later = [r for r in records if not r.decision.request_id.endswith("t0")]
+    starts = [(r.decision.alpha or r.decision.beta).context for r in later]
+    assert sum(c > 0 for c in starts) >= 0.5 * len(later), starts  # placed past a prefix the view showed

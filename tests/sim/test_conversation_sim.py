@@ -132,3 +132,30 @@ def test_sim_cli_runs_a_conversation_workload(tmp_path, capsys):
                  "--output", str(tmp_path / "bad.json")])
     err = capsys.readouterr().err
     assert code == 2 and "turns" in err and len(err.strip().splitlines()) == 1
+
+
+def test_split_placement_by_cache_predicts_the_hit_the_engine_gets():
+    """``--mode split --router cache-aware``: the planner sees each instance's cached prefix of a turn
+    (the monitor's views); the part it places first is predicted to start where the engine's hit
+    ends (within a block: the engine hits whole blocks), and a turn goes where its history is."""
+    from tidal.cluster.split import SplitParams
+
+    specs = _conv("conversation:system=400,turns=3-6,user=300,answer=200,think=1.5", 120, rate=3.0, seed=1)
+    spec = _spec(instances=2, mode="split", router="cache-aware", split=SplitParams(flip_roles=True))
+    sim = build_simulator(spec, specs)
+    records = []
+    sim.planner.recorder = records.append
+    res = sim.run()
+    assert all(r.success for r in res.records) and len(records) == len(specs)
+    index = {rid: i for i, rid in enumerate(sim.ids)}
+    seen = 0
+    for rec in records:
+        d = rec.decision
+        first = d.alpha if d.alpha is not None else d.beta
+        got = res.records[index[d.request_id]].cached_tokens
+        assert 0 <= first.context - got < spec.block_size, (d, got)
+        if first.context:
+            seen += 1
+            where = d.pair[0] if d.alpha is not None else d.pair[1]
+            assert dict(rec.cached)[where] >= first.context  # the view it decided on
+    assert seen > 40  # most later turns start past a cached prefix

@@ -196,7 +196,9 @@ def test_sim_cli_split_writes_splits_kv_bytes_and_plots(tmp_path, capsys):
     r = json.loads(out.read_text())
     assert r["mode"] == "split" and r["pairs"] == [[0, 1]] and r["split_params"]["max_probes"] == 4
     assert r["completed"] == 60 and r["splits"]["count"] == 60
-    assert all(q["split"] is not None and q["pair"] == [0, 1] and 0 <= q["phi"] <= 1 for q in r["requests"])
+    # --split-placement load (the default): either instance of the pair may be a request's alpha
+    assert all(q["split"] is not None and sorted(q["pair"]) == [0, 1] and 0 <= q["phi"] <= 1 for q in r["requests"])
+    assert r["split_params"]["flip_roles"] is True
     moved = [q for q in r["requests"] if q["handoff_ms"] is not None]
     assert moved and all(q["kv_bytes"] > 0 and q["split_probes"] <= 4 for q in moved)
     assert r["splits"]["kv_bytes_total"] == sum(q["kv_bytes"] for q in r["requests"])
@@ -204,9 +206,21 @@ def test_sim_cli_split_writes_splits_kv_bytes_and_plots(tmp_path, capsys):
     assert "splits:" in capsys.readouterr().out
 
 
+def test_fixed_split_placement_keeps_every_alpha_on_instance_0(tmp_path):
+    out = tmp_path / "fixed.json"
+    rc = sim_run.main(["--model", "qwen-2.5-14b", "--instances", "2", "--mode", "split", "--split-placement", "fixed",
+                       "--workload", "burstgpt", "--num-requests", "30", "--rate", "4", "--output", str(out),
+                       "--no-progress", "--no-plots"])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["split_params"]["flip_roles"] is False
+    assert all(q["pair"] == [0, 1] for q in r["requests"])
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--mode", "split", "--instances", "3"], "needs an even number >= 2, got 3"),
     (["--instances", "2", "--split-probes", "3"], "--split-* flags need --mode split"),
+    (["--instances", "2", "--split-placement", "fixed"], "--split-placement needs --mode split"),
 ])
 def test_bad_split_arguments_give_one_line(tmp_path, capsys, argv, needle):
     rc = sim_run.main([*argv, "--model", "llama-2-7b", "--workload", "alpaca", "--num-requests", "5",

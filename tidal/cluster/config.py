@@ -24,6 +24,7 @@ TRANSPORTS = ("shm", "ray")
 
 
 RAY_PLACEMENTS = ("spread", "strict-spread", "pack", "strict-pack")
+SPLIT_PLACEMENTS = ("load", "fixed")
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class ClusterConfig:
     # each instance's KV pool in blocks, for instances of unequal memory (default: the engine's own sizing)
     kv_blocks: tuple[int, ...] | None = None
     step_log: str | None = None  # a file: one JSON line per worker step report (profiling a layout)
+    split_placement: str = "load"  # --mode split: load (DynaServe Sec. 3.1: either of a pair is alpha) | fixed
 
     def __post_init__(self) -> None:
         if self.kv_blocks is not None and (len(self.kv_blocks) != self.layout.instances
@@ -62,6 +64,9 @@ class ClusterConfig:
             raise ConfigError(f"--num-gpus-per-instance must be >= 0, got {self.num_gpus_per_instance}")
         if self.num_gpus_per_instance and self.backend != "ray":
             raise ConfigError("--num-gpus-per-instance reserves GPUs for Ray actors: it needs --backend ray")
+        if self.split_placement not in SPLIT_PLACEMENTS:
+            raise ConfigError(f"--split-placement must be one of {', '.join(SPLIT_PLACEMENTS)}; got "
+                              f"{self.split_placement!r}")
         if self.router not in ROUTERS:
             raise ConfigError(f"router must be one of {', '.join(ROUTERS)}; got {self.router!r}")
         if self.backend not in BACKENDS:

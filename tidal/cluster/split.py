@@ -25,7 +25,10 @@ Pairs (Sec. 6.1: "1 GPU each for r^alpha and r^beta"): instance ``2k`` is the al
 the beta of pair ``k`` (:func:`pairs`), unless ``SplitParams.flip_roles``: then each request's
 alpha is whichever instance of a pair gives the least predicted max(T_alpha, T_beta) (Sec. 3.1:
 the scheduler "routes the partitioned micro-requests to executors based on current system load
-and latency SLOs").
+and latency SLOs"). With a cache view (``cached``: the prompt tokens each instance holds in its
+prefix cache, from the front end's monitor under ``--router cache-aware``) the part that starts a
+request computes only past its instance's cached prefix (:func:`with_cached`), so the prediction
+favours placing alpha where the prefix is.
 
 **TTFT** (``SplitParams.ttft_target_s``; Alg. 1 balances load only, and a split inside the prompt
 runs the prefill on alpha and then on beta, one after the other): each probe also predicts the
@@ -44,7 +47,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -75,6 +78,19 @@ def split_parts(prompt_len: int, predicted_output: int, s: int, request_id: str 
         return MicroRequest(request_id, s, 0, 0), MicroRequest(request_id, P - s, s, D)
     a = s - P + 1  # alpha samples the first token at the end of the prompt, then one per decode
     return MicroRequest(request_id, P, 0, a), MicroRequest(request_id, 0, s, D - a)
+
+
+def with_cached(part: MicroRequest | None, cached: int) -> MicroRequest | None:
+    """``part`` on an instance that holds the first ``cached`` prompt tokens' KV in its prefix cache:
+    a part that starts at KV position 0 computes only past them. The engine's hit stops at least one
+    token short of where the part's prefill ends (the last prompt token is computed to sample, and
+    alpha's hit stays short of its split point), so at most ``prefill_tokens - 1`` are skipped."""
+    if part is None or part.context or cached <= 0:
+        return part
+    hit = min(cached, part.prefill_tokens - 1)
+    if hit <= 0:
+        return part
+    return MicroRequest(part.request_id, part.prefill_tokens - hit, hit, part.decode_tokens)
 
 
 # ============================================================================ output length
@@ -197,6 +213,7 @@ class SplitRecord:
     candidates: tuple[tuple[int, int], ...]
     ledgers: tuple[tuple[int, tuple[MicroRequest, ...]], ...]
     budgets: tuple[tuple[int, int], ...] = ()  # each candidate instance's pass budget (recent steps)
+    cached: tuple[tuple[int, int], ...] = ()  # prompt tokens each candidate instance holds cached (none: no view)
 
 
 def pairs(num_instances: int) -> list[tuple[int, int]]:
@@ -312,9 +329,11 @@ class SplitPlanner:
         return list(self._ledger(instance).parts)
 
     # ---------------------------------------------------------------- Alg. 1
-    def search(self, prompt_len: int, predicted_output: int, pair: tuple[int, int], request_id: str = ""
-               ) -> tuple[Probe, int, bool, tuple[Probe, ...]]:
-        """Alg. 1 lines 1-10 on the pair's current ledgers: (best probe, probes run, cold start, all probes)."""
+    def search(self, prompt_len: int, predicted_output: int, pair: tuple[int, int], request_id: str = "",
+               cached: Mapping[int, int] | None = None) -> tuple[Probe, int, bool, tuple[Probe, ...]]:
+        """Alg. 1 lines 1-10 on the pair's current ledgers: (best probe, probes run, cold start, all probes).
+        ``cached``: the prompt tokens each instance holds in its prefix cache (the part that starts
+        the request there computes only past them: :func:`with_cached`)."""
         a, b = pair
         P, D = prompt_len, predicted_output
         L = P + D
@@ -323,7 +342,7 @@ class SplitPlanner:
 
         def probe(phi: Fraction) -> Probe:
             s = -((-phi.numerator * L) // phi.denominator)  # SPLIT at s = ceil(phi L) (Sec. 3.1), exactly
-            alpha, beta = split_parts(P, D, s, request_id)
+            alpha, beta = self._parts(P, D, s, pair, request_id, cached)
             # Alg. 1 line 6, PREDICT: each instance's total time with the new part behind its ledger
             ta, fa = pa.times_with(ta_tl, alpha)
             tb, fb = pb.times_with(tb_tl, beta)
@@ -385,6 +404,19 @@ class SplitPlanner:
         assert best is not None
         return best, len(trace), False, tuple(trace)
 
+    @staticmethod
+    def _parts(prompt_len: int, predicted_output: int, s: int, pair: tuple[int, int], request_id: str,
+               cached: Mapping[int, int] | None) -> tuple[MicroRequest | None, MicroRequest | None]:
+        """:func:`split_parts` on ``pair`` (alpha, beta), the first part less its instance's cached prefix."""
+        alpha, beta = split_parts(prompt_len, predicted_output, s, request_id)
+        if cached:
+            a, b = pair
+            if alpha is not None:
+                alpha = with_cached(alpha, cached.get(a, 0))
+            else:
+                beta = with_cached(beta, cached.get(b, 0))
+        return alpha, beta
+
     def live_pairs(self, candidates: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
         return [p for p in candidates if p[0] not in self.failed and p[1] not in self.failed]
 
@@ -396,13 +428,15 @@ class SplitPlanner:
         return tuple(dict.fromkeys(o for a, b in candidates for o in ((a, b), (b, a))))
 
     def choose_pair(self, prompt_len: int, predicted_output: int, candidates: Sequence[tuple[int, int]],
-                    request_id: str = "") -> tuple[int, int] | None:
+                    request_id: str = "", cached: Mapping[int, int] | None = None) -> tuple[int, int] | None:
         """The live pair whose best split has the least predicted max(T_alpha, T_beta); ties: the
-        lowest index. None when no pair is alive."""
+        lowest index. None when no pair is alive. With ``cached`` (and ``flip_roles``) an instance
+        holding the prompt's prefix is predicted to finish its part sooner as alpha, so the
+        request's alpha goes where the prefix is unless load says otherwise."""
         best, best_t = None, (math.inf, math.inf)
         target = self.params.ttft_target_s
         for pr in self.live_pairs(self.orientations(candidates)):
-            p, _, _, _ = self.search(prompt_len, predicted_output, pr, request_id)
+            p, _, _, _ = self.search(prompt_len, predicted_output, pr, request_id, cached)
             # with a TTFT target: a placement that meets it first, then (past it) the lower TTFT
             late = max(p.ttft - target, 0.0) if target is not None else 0.0
             t = (late, max(p.t_alpha, p.t_beta))
@@ -412,16 +446,18 @@ class SplitPlanner:
 
     def plan(self, request_id: str, prompt_len: int, max_tokens: int, pair: tuple[int, int] | None = None,
              now: float = 0.0, predicted_output: int | None = None,
-             candidates: Sequence[tuple[int, int]] | None = None) -> SplitDecision:
+             candidates: Sequence[tuple[int, int]] | None = None,
+             cached: Mapping[int, int] | None = None) -> SplitDecision:
         """Alg. 1 for one arriving request on ``pair`` (or, with ``pair=None``, on the best of
         ``candidates``), then COMMIT (line 11): its parts join the pair's ledgers.
-        ``predicted_output`` overrides the length predictor (an oracle, or a replay)."""
+        ``predicted_output`` overrides the length predictor (an oracle, or a replay); ``cached``:
+        the prompt tokens each instance holds cached (the front end's cache view; :meth:`search`)."""
         if request_id in self._owners:
             raise ValueError(f"split planner: request {request_id!r} is already planned")
         D = predicted_output if predicted_output is not None else self.lengths.predict(prompt_len, max_tokens)
         cands = tuple(candidates) if candidates is not None else (() if pair is None else (pair,))
         if pair is None:
-            pair = self.choose_pair(prompt_len, D, cands, request_id)
+            pair = self.choose_pair(prompt_len, D, cands, request_id, cached)
             if pair is None:
                 raise ValueError("split planner: no live pair to place the request on")
         elif not cands:
@@ -429,14 +465,15 @@ class SplitPlanner:
         insts = sorted({i for c in cands for i in c})
         views = tuple((i, self.ledger(i)) for i in insts)
         budgets = tuple((i, self._budget[i]) for i in insts if i in self._budget)
-        best, n, cold, trace = self.search(prompt_len, D, pair, request_id)
-        alpha, beta = split_parts(prompt_len, D, best.split, request_id)
+        best, n, cold, trace = self.search(prompt_len, D, pair, request_id, cached)
+        alpha, beta = self._parts(prompt_len, D, best.split, pair, request_id, cached)
         dec = SplitDecision(request_id, pair, prompt_len, D, best.split, best.phi, n, best.t_alpha, best.t_beta,
                             cold, alpha, beta, trace)
         self._commit(dec)
         self.num_decisions += 1
         if self.recorder is not None:
-            self.recorder(SplitRecord(dec, now, max_tokens, cands, views, budgets))
+            known = tuple((i, cached[i]) for i in insts if cached and cached.get(i))
+            self.recorder(SplitRecord(dec, now, max_tokens, cands, views, budgets, known))
         return dec
 
     def _commit(self, dec: SplitDecision) -> None:
@@ -524,9 +561,10 @@ def replay(record: SplitRecord, step_time: StepTimeModel, params: SplitParams) -
     d = record.decision
     chosen = d.pair if len(record.candidates) <= 1 else None
     return planner.plan(d.request_id, d.prompt_len, record.max_tokens, chosen, record.now,
-                        predicted_output=d.predicted_output, candidates=record.candidates)
+                        predicted_output=d.predicted_output, candidates=record.candidates,
+                        cached=dict(record.cached) or None)
 
 
 __all__ = ["DEFAULT_OUTPUT_ESTIMATE", "ExecutionPredictor", "LengthPredictor", "MicroRequest", "Probe",
            "SplitDecision", "SplitParams", "SplitPlanner", "SplitRecord", "StepTimeModel", "pairs", "replay",
-           "split_parts"]
+           "split_parts", "with_cached"]

@@ -210,6 +210,10 @@ CLUSTER_FLAGS: tuple[Flag, ...] = (
                "request's KV to a decode instance (BucketServe); split: pairs of instances share each "
                "request, split at the token the planner picks (DynaServe)"),
     _flag("--prefill-instances", type=int, default=0, help="prefill instances with --mode disaggregate"),
+    _flag("--split-placement", default=None, choices=["load", "fixed"],
+          help="--mode split: which instance of a pair is a request's alpha. load (the default, DynaServe Sec. 3.1): "
+               "either, by the least predicted max(T_alpha, T_beta), with --router cache-aware also counting the "
+               "prefix each holds cached; fixed: instance 2k of pair k always"),
     _flag("--prefill-batching", default=None,
           help="batching policy of the prefill instances with --mode disaggregate (default: --batching, which the "
                "decode instances run), e.g. bucket (BucketServe Sec. III)"),
@@ -356,8 +360,17 @@ def serving_config(args: argparse.Namespace) -> Any:
                             threads_per_instance=args.threads_per_instance, transport=transport,
                             kv_pressure=args.kv_pressure, ray_placement=args.ray_placement,
                             num_gpus_per_instance=args.num_gpus_per_instance,
-                            step_log=getattr(args, "step_log", None))
+                            step_log=getattr(args, "step_log", None),
+                            split_placement=split_placement(args))
     return ServingConfig(EngineConfig.from_kwargs(**engine_kwargs(args)), cluster)
+
+
+def split_placement(args: argparse.Namespace) -> str:
+    """``--split-placement`` (default ``load``); given without ``--mode split`` it is an error."""
+    given = getattr(args, "split_placement", None)
+    if given is not None and args.mode != "split":
+        raise ConfigError("--split-placement needs --mode split")
+    return given or "load"
 
 
 def cluster_layout(args: argparse.Namespace) -> Any:

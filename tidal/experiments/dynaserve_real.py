@@ -28,7 +28,9 @@ LAYOUTS = {
     "colocate": ("PD Coloc.", ["--instances", "2", "--threads-per-instance", "1"]),
     "disaggregate": ("PD Disagg. (1P1D)", ["--instances", "2", "--mode", "disaggregate", "--prefill-instances", "1",
                                            "--threads-per-instance", "1"]),
-    "split": ("DynaServe (split)", ["--instances", "2", "--mode", "split", "--threads-per-instance", "1"]),
+    # fixed roles, as the recorded run (docs/results/dynaserve_real.json) ran before --split-placement load was the default
+    "split": ("DynaServe (split)", ["--instances", "2", "--mode", "split", "--split-placement", "fixed",
+                                    "--threads-per-instance", "1"]),
 }
 
 

@@ -242,7 +242,8 @@ def _split_simulator(spec: ClusterSpec, instances: list[SimInstance], requests: 
     planner = SplitPlanner(split_params(spec, instances[0].num_blocks * spec.block_size), grid)
     return SplitSimulator(instances, planner, requests, handoff, max_model_len=max_len, length_mode=spec.split_length,
                           stream_tokens=spec.kv_stream_tokens, stream_lead=spec.kv_stream_lead,
-                          timeline_interval=spec.timeline_interval_s)
+                          timeline_interval=spec.timeline_interval_s,
+                          cache_aware=spec.enable_prefix_caching and spec.router == "cache-aware")
 
 
 def build_simulator(spec: ClusterSpec, requests: Sequence[RequestSpec],

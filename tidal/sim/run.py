@@ -98,7 +98,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--jitter-seed", type=int, default=0, help="the tails' own random stream")
     s.add_argument("--kv-stream-tokens", type=F.positive_int, default=16,
                    help="alpha pushes a request's KV to beta each time this many tokens are computed (Sec. 4.3)")
-    F.add_cluster_flags(p, only=("instances", "mode", "prefill_instances", "prefill_batching", "router"),
+    F.add_cluster_flags(p, only=("instances", "mode", "prefill_instances", "prefill_batching", "router",
+                                 "split_placement"),
                         choices={"mode": MODES},
                         helps={"mode": "colocate; disaggregate (BucketServe P/D); split (DynaServe: every request split "
                                        "at a token on a pair of instances)"})
@@ -161,6 +162,7 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
     if not layout.split and (split_flags or args.split_length or args.kv_stream_lead is not None
                              or args.split_kv_aware):
         raise ConfigError("--split-* flags need --mode split")
+    placement = F.split_placement(args)  # --split-placement (an error without --mode split)
     if args.no_lookahead and args.kv_pressure != "drop":
         raise ConfigError("--no-lookahead needs --kv-pressure drop")
     return ClusterSpec(
@@ -172,7 +174,8 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         enable_prefix_caching=cache.enable_prefix_caching, kv_offloading_size=int(cache.kv_offloading_size),
         mode=layout.mode, prefill_instances=layout.prefill_instances, prefill_batching=args.prefill_batching,
         link=args.link, layers_per_chunk=args.kv_layers_per_chunk, tokens_per_chunk=args.kv_tokens_per_chunk,
-        split=SplitParams(**split_flags) if layout.split else None, split_length=args.split_length or "max-tokens",
+        split=SplitParams(**split_flags, flip_roles=placement == "load") if layout.split else None,
+        split_length=args.split_length or "max-tokens",
         kv_stream_tokens=args.kv_stream_tokens, kv_stream_lead=args.kv_stream_lead, seed_profile=args.seed_profile,
         kv_pressure=args.kv_pressure, lookahead=not args.no_lookahead, split_kv_aware=args.split_kv_aware,
         step_jitter=args.step_jitter, jitter_seed=args.jitter_seed)

@@ -51,7 +51,7 @@ from tidal.cluster.split_predict import MicroRequest
 from tidal.core.request import Request
 from tidal.core.validation import RequestRejected, check_context
 from tidal.metrics import distribution
-from tidal.sim.instance import SimInstance, sim_request
+from tidal.sim.instance import SimInstance, sim_names, sim_request
 from tidal.sim.loop import Event
 from tidal.sim.pd import HandoffConfig
 from tidal.sim.simulator import ClusterSimulator, SimResult, _Landed
@@ -99,7 +99,10 @@ class SplitSimulator(ClusterSimulator):
                  handoff: HandoffConfig, max_model_len: int | None = None, request_ids: Sequence[str] | None = None,
                  length_mode: str = "max-tokens", stream_tokens: int = 16, stream_lead: int | None = None,
                  timeline_interval: float = 0.0,
-                 recorder: Callable[[SplitRecord], None] | None = None):
+                 recorder: Callable[[SplitRecord], None] | None = None, cache_aware: bool = False):
+        """``cache_aware`` (``--router cache-aware`` with prefix caching; the instances track their
+        cached names): the planner sees each instance's cached prefix of a prompt, so a request's
+        alpha goes where its prefix is unless load says otherwise (:meth:`SplitPlanner.choose_pair`)."""
         from tidal.cluster.router import build_router
 
         if length_mode not in LENGTH_MODES:
@@ -110,6 +113,7 @@ class SplitSimulator(ClusterSimulator):
         super().__init__(instances, build_router("round-robin"), specs, max_model_len=max_model_len,
                          request_ids=request_ids, layout=layout, handoff=handoff, timeline_interval=timeline_interval)
         self.planner, self.pairs = planner, layout.pairs()
+        self.cache_aware = cache_aware
         if stream_lead is not None and stream_lead < 0:
             raise ValueError(f"stream_lead must be >= 0, got {stream_lead}")
         self.length_mode, self.stream_tokens, self.stream_lead = length_mode, stream_tokens, stream_lead
@@ -139,15 +143,23 @@ class SplitSimulator(ClusterSimulator):
             max_tokens = (self.max_model_len or 1 << 30) - spec.prompt_len
         elif self.length_mode == "oracle":
             predicted = spec.output_len
+        names, cached = None, None
+        if self.instances[0].kv.enable_caching:
+            names = sim_names(rid, spec, self.instances[0].kv.block_size)
+            if self.cache_aware:  # alpha where the prefix is (the monitor's cache views, as the runtime's)
+                self._sync_cache_views()
+                prompt_names = tuple(names[:(spec.prompt_len - 1) // self.instances[0].kv.block_size])
+                cached = {k: rec_.cached_tokens(prompt_names) for k, rec_ in enumerate(self.monitor.instances)}
         dec = self.planner.plan(rid, spec.prompt_len, max_tokens, None, now, predicted_output=predicted,
-                                candidates=self.pairs)
+                                candidates=self.pairs, cached=cached)
         a, b = dec.pair
         for inst in (a, b):
             self.load_timeline["t"].append(now)
             self.load_timeline["instance"].append(inst)
             self.load_timeline["load_s"].append(dec.t_alpha if inst == a else dec.t_beta)
         first = a if dec.alpha is not None else b
-        req = sim_request(rid, spec, now, self.instances[first].kv.block_size, self.instances[first].kv.enable_caching)
+        req = sim_request(rid, spec, now, self.instances[first].kv.block_size, self.instances[first].kv.enable_caching,
+                          names)
         if dec.handoff:
             req.pause_at = dec.split
         try:
