@@ -63,7 +63,18 @@ class RayNodes:
                 "--dashboard-agent-listen-port", str(free_port()), "--dashboard-agent-grpc-port", str(free_port()),
                 "--runtime-env-agent-port", str(free_port()), "--metrics-export-port", str(free_port())]
 
-    def _start(self, name: str, args: list[str]) -> None:
+    def _start(self, name: str, args: list[str], attempts: int = 2) -> None:
+        """Start node ``name``; a raylet that exits before it registers (Ray waits a fixed 30 s for
+        the head to register it, too short on a busy 2-core machine) is started once more."""
+        for left in range(attempts - 1, -1, -1):
+            try:
+                self._start_once(name, args)
+                return
+            except RuntimeError:
+                if left == 0 or self.nodes[name].poll() is None:
+                    raise
+
+    def _start_once(self, name: str, args: list[str]) -> None:
         log = os.path.join(self.tmp, f"{name}.log")
         self.logs[name] = log
         cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--num-cpus", str(self.num_cpus),

@@ -58,52 +58,16 @@ async def converse(llm, k: int, conv: list[list[int]]) -> list[list[int]]:
     return answers
 
 
-def test_conversations_stay_where_their_history_is_cached(make_engine, smol_tokenizer):
+def serve_conversations(make_engine, smol_tokenizer, layout: ClusterLayout, attach) -> None:
+    """Two real cache-aware workers in ``layout`` run the conversations (``attach(llm)`` first hooks
+    a recorder); every greedy answer equals one engine's, the cache hits, nothing is left behind."""
     from tidal.runtime.cluster import ClusterConfig, ClusterLLM, ServingConfig
 
     turns = user_turns(smol_tokenizer)
     want = reference_answers(make_engine, turns)
     llm = ClusterLLM(ServingConfig(EngineConfig.from_kwargs(**ENGINE),
-                                   ClusterConfig(layout=ClusterLayout(2), router="cache-aware", threads_per_instance=1)))
-    log: list[Decision] = []
-    llm.dispatcher.recorder = log.append
-    pids: list[int] = []
-    try:
-        llm.start()
-        pids = [h.pid for h in llm.handles if h is not None]
-
-        async def run():
-            return await asyncio.gather(*[converse(llm, k, conv) for k, conv in enumerate(turns)])
-
-        assert asyncio.run(run()) == want
-        settle(llm)
-        no_leak(llm)
-        st = llm.stats
-        assert st["prefix_cache_hits"] > 0
-    finally:
-        llm.shutdown()
-        wait_gone(pids)
-    where = {d.request_id: d.choice for d in log}
-    follow = [where[f"c{k}t{j}"] == where[f"c{k}t{j - 1}"] for k in range(CONVERSATIONS) for j in range(1, TURNS)]
-    assert sum(follow) >= 0.9 * len(follow), where
-    assert len({where[f"c{k}t0"] for k in range(CONVERSATIONS)}) == 2  # both instances took conversations
-    assert all(d.request.cached for d in log)  # the router saw each instance's cached prefix
-    assert [replay(d, ClusterLayout(2), "cache-aware") for d in log] == [d.choice for d in log]
-
-
-def test_split_mode_places_alpha_where_the_history_is_cached(make_engine, smol_tokenizer):
-    """``--mode split --router cache-aware``: the workers' cache reports reach DynaServe's planner,
-    which starts most later turns past a cached prefix; every greedy answer equals one engine's."""
-    from tidal.runtime.cluster import ClusterConfig, ClusterLLM, ServingConfig
-
-    turns = user_turns(smol_tokenizer)
-    want = reference_answers(make_engine, turns)
-    llm = ClusterLLM(ServingConfig(EngineConfig.from_kwargs(**ENGINE),
-                                   ClusterConfig(layout=ClusterLayout(2, "split"), router="cache-aware",
-                                                 threads_per_instance=1)))
-    planner = llm.split.planner
-    records = []
-    planner.recorder = records.append
+                                   ClusterConfig(layout=layout, router="cache-aware", threads_per_instance=1)))
+    attach(llm)
     pids: list[int] = []
     try:
         llm.start()
@@ -119,7 +83,35 @@ def test_split_mode_places_alpha_where_the_history_is_cached(make_engine, smol_t
     finally:
         llm.shutdown()
         wait_gone(pids)
-    assert planner.params.flip_roles  # --split-placement load, the default
+
+
+def test_conversations_stay_where_their_history_is_cached(make_engine, smol_tokenizer):
+    log: list[Decision] = []
+
+    def attach(llm):
+        llm.dispatcher.recorder = log.append
+
+    serve_conversations(make_engine, smol_tokenizer, ClusterLayout(2), attach)
+    where = {d.request_id: d.choice for d in log}
+    follow = [where[f"c{k}t{j}"] == where[f"c{k}t{j - 1}"] for k in range(CONVERSATIONS) for j in range(1, TURNS)]
+    assert sum(follow) >= 0.9 * len(follow), where
+    assert len({where[f"c{k}t0"] for k in range(CONVERSATIONS)}) == 2  # both instances took conversations
+    assert all(d.request.cached for d in log)  # the router saw each instance's cached prefix
+    assert [replay(d, ClusterLayout(2), "cache-aware") for d in log] == [d.choice for d in log]
+
+
+def test_split_mode_places_alpha_where_the_history_is_cached(make_engine, smol_tokenizer):
+    """``--mode split --router cache-aware``: the workers' cache reports reach DynaServe's planner,
+    which starts most later turns past a cached prefix; every greedy answer equals one engine's."""
+    records = []
+    planners = []
+
+    def attach(llm):
+        planners.append(llm.split.planner)
+        llm.split.planner.recorder = records.append
+
+    serve_conversations(make_engine, smol_tokenizer, ClusterLayout(2, "split"), attach)
+    assert planners[0].params.flip_roles  # --split-placement load, the default
     later = [r for r in records if not r.decision.request_id.endswith("t0")]
     starts = [(r.decision.alpha or r.decision.beta).context for r in later]
     assert sum(c > 0 for c in starts) >= 0.5 * len(later), starts  # placed past a prefix the view showed
