@@ -218,15 +218,16 @@ def test_kunserve_real_cell_reads_the_real_rows():
         floor, "vLLM (preempt: recompute)")
 
 
-def test_kunserve_readme_line_is_the_recorded_results():
-    """README's KunServe line quotes docs/results/kunserve.json's figures (the line the reproduce run wrote)."""
+@pytest.mark.parametrize("paper", ["kunserve", "dynaserve"])
+def test_readme_line_is_the_recorded_results(paper):
+    """README's line of a paper quotes docs/results/<paper>.json's figures (the line the reproduce run wrote)."""
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parents[2]
-    rec = json.loads((root / "docs/results/kunserve.json").read_text())
+    rec = json.loads((root / f"docs/results/{paper}.json").read_text())
     line = rec["data"].get("readme_line")
     if line is None:
-        pytest.skip("docs/results/kunserve.json predates the README line")
+        pytest.skip(f"docs/results/{paper}.json predates the README line")
     readme = " ".join((root / "README.md").read_text().split())
     assert " ".join(line.split()) in readme
 
@@ -383,3 +384,29 @@ def test_judge_needs_every_seed_past_the_margin_and_a_margin_past_the_tolerance(
     assert Claim("c", "p", "s", holds=False, why="w").verdict == "fails"
     with pytest.raises(ValueError):
         Claim("c", "p", "s", holds=True, why="w", verdict="maybe")
+
+
+def test_dynaserve_readme_line_reads_its_figures_off_the_claims():
+    from tidal.experiments.dynaserve_claims import readme_line
+    from tidal.experiments.reproduce import Claim
+
+    def claim(name, seeds):
+        return Claim(name, "", "", False, "", per_seed=seeds, margin=0.05)
+
+    claims = [claim("qwen-2.5-14b hybrid: capacity, DynaServe above tuned PD Coloc.", [0.9, 1.0, 1.1]),
+              claim("qwen-2.5-14b burstgpt: capacity, DynaServe above tuned PD Coloc.", [1.2, 1.3, 1.4]),
+              claim("qwen-2.5-14b hybrid: capacity, DynaServe above PD Disagg.", [1.3, 1.4, 1.5]),
+              claim("qwen-2.5-72b arxiv: goodput, DynaServe above tuned PD Coloc.", [2.0, 2.1, 2.2]),
+              claim("qwen-2.5-14b hybrid [fixed roles (instance 0 is every request's alpha)]: capacity, DynaServe "
+                    "above tuned PD Coloc.", [0.7, 0.8, 0.9])]
+    fit = {"fit": {"rows": [{"rel_err": {"a": 0.1, "b": -0.2}}], "max_abs_rel_err": 0.2}}
+    real = {"rows": [{"layout": "split", "capacity_rps": 1.0}, {"layout": "colocate", "capacity_rps": 2.0},
+                     {"layout": "disaggregate", "capacity_rps": 0.5}]}
+    line = readme_line(claims, fit, real)
+    assert "(1 of its 2 figures within 15 %, the largest 20%" in line
+    assert ("capacity 1.00-1.30x tuned colocation (medians over its workloads' seeds, seeds 0.90-1.40x; 1 of 2 hold), "
+            "overlapping the paper's 1.15-3.07x") in line
+    assert "1.40-1.40x 1P1D" in line and "overlapping the paper's 1.09-1.67x" in line
+    assert "goodput 2.10-2.10x tuned colocation" in line and "larger than the paper's up to 1.91x" in line
+    assert "with fixed roles (one instance every request's alpha) 0.80-0.80x tuned colocation" in line
+    assert line.endswith("capacity 2.00x 1P1D and 0.50x colocation.")

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from tidal.experiments.reproduce import MARGIN_PAST_BRACKET, Claim
+from tidal.experiments.reproduce import MARGIN_PAST_BRACKET, Claim, claims_range, vs_paper
 
 MARGIN = 0.02  # beyond rounding and noise (reproduce.MARGIN's 2 %)
 PAPER_CAP = "1.15-3.07x PD Coloc., 1.09-1.67x PD Disagg. (Sec. 1, Fig. 9; 14B on average 2.37x and 1.37x)"
@@ -208,10 +208,43 @@ def table1_claim(fit: dict[str, Any] | None) -> Claim:
                  "the technique: no verdict", "not run (a calibration)", verdict="n/a")
 
 
+def readme_line(claims: list[Claim], fit: dict[str, Any] | None, real: dict[str, Any] | None) -> str:
+    """The README's DynaServe line, every figure from this run's claims and JSON (``data.readme_line``)."""
+    head = [c for c in claims if "[" not in c.claim]  # the paper's placement; the labelled variants carry "["
+    out = "on the simulated testbed fitted to the paper's Table 1 baselines"
+    if fit is not None:
+        errs = [abs(e) for r in fit["fit"]["rows"] for e in r["rel_err"].values()]
+        out += (f" ({sum(e <= 0.15 for e in errs)} of its {len(errs)} figures within 15 %, the largest "
+                f"{fit['fit']['max_abs_rel_err']:.0%}: docs/results/jitter_fit.json)")
+    out += ", with the paper's placement by load and by the paper's metric"
+    for contains, name, plo, phi in (("capacity, DynaServe above tuned PD Coloc.", "tuned colocation", 1.15, 3.07),
+                                     ("capacity, DynaServe above PD Disagg.", "1P1D", 1.09, 1.67)):
+        r = claims_range(head, "qwen-2.5-14b", contains)
+        if r:
+            lo, hi, slo, shi, k, m = r
+            out += (f", Qwen-2.5-14B capacity {lo:.2f}-{hi:.2f}x {name} (medians over its workloads' seeds, "
+                    f"seeds {slo:.2f}-{shi:.2f}x; {k} of {m} hold), {vs_paper(lo, hi, plo, phi)} {plo:.2f}-{phi:.2f}x")
+    good = claims_range(head, "", "goodput, DynaServe above tuned PD Coloc.")
+    if good:
+        lo, hi, slo, shi, k, m = good
+        out += (f"; goodput {lo:.2f}-{hi:.2f}x tuned colocation over 14B, 32B and 72B (seeds {slo:.2f}-{shi:.2f}x; "
+                f"{k} of {m} hold), {vs_paper(lo, hi, 1.0, 1.91)} up to 1.91x")
+    fixed = claims_range([c for c in claims if "[fixed roles" in c.claim], "", "capacity")
+    if fixed:
+        out += f"; with fixed roles (one instance every request's alpha) {fixed[0]:.2f}-{fixed[1]:.2f}x tuned colocation"
+    if real is not None:
+        rows = {r["layout"]: r for r in real["rows"]}
+        sp, co, di = (rows.get(k, {}).get("capacity_rps") for k in ("split", "colocate", "disaggregate"))
+        if sp and co and di:
+            out += (f"; on 2 CPU instances (one run, fixed roles) capacity {sp / di:.2f}x 1P1D and {sp / co:.2f}x "
+                    f"colocation")
+    return out + "."
+
+
 def median(xs: list[float | None]) -> float | None:
     v = [x for x in xs if x is not None]
     return float(np.median(v)) if v else None
 
 
 __all__ = ["MARGIN", "MARGIN_PAST_BRACKET", "ablation_claim", "capacity_claim", "cell_claims", "fit_text",
-           "goodput_claim", "median", "replay_claims", "table1_claim", "variant_claims", "why_claim"]
+           "goodput_claim", "median", "readme_line", "replay_claims", "table1_claim", "variant_claims", "why_claim"]

@@ -21,7 +21,7 @@ from tidal.experiments.kunserve_runs import (
     VLLM,
     VLLM_PP,
 )
-from tidal.experiments.reproduce import Claim, beats, fmt_ratio
+from tidal.experiments.reproduce import Claim, beats, claims_range, fmt_ratio, vs_paper
 
 REAL = ("not run here: the paper's model (14B) does not fit this 2-core CPU; the same policies on 2 real "
         "CPU instances of the default model run without --quick (or with --real)")
@@ -282,29 +282,11 @@ def extreme_claims(ex: dict[str, Any]) -> list[Claim]:
 
 
 # ---------------------------------------------------------------- the README's line
-def _range(claims: list[Claim], prefix: str, contains: str) -> tuple[float, float, float, float, int, int] | None:
-    """(lowest and highest median ratio, lowest and highest seed, holds, claims) of the claims named so."""
-    cs = [c for c in claims if c.claim.startswith(prefix) and contains in c.claim and c.per_seed]
-    if not cs:
-        return None
-    meds = [statistics.median(c.per_seed) for c in cs]
-    seeds = [x for c in cs for x in c.per_seed]
-    return min(meds), max(meds), min(seeds), max(seeds), sum(c.verdict == "holds" for c in cs), len(cs)
-
-
-def _vs_paper(lo: float, hi: float, plo: float, phi: float) -> str:
-    if hi < plo:
-        return "smaller than the paper's"
-    if lo > phi:
-        return "larger than the paper's"
-    return "overlapping the paper's"
-
-
 def readme_line(claims: list[Claim], a: dict[str, Any], b: dict[str, Any] | None, real: dict[str, Any] | None) -> str:
     """The README's KunServe line, every figure from this run's claims and JSON."""
     n = len(a["setup"]["seeds"])
     head = [c for c in claims if "P99 TTFT, KunServe (drop) below" in c.claim]
-    small = _range([c for c in head if not c.claim.startswith("72B")], "", "P99 TTFT, KunServe (drop) below")
+    small = claims_range([c for c in head if not c.claim.startswith("72B")], "", "P99 TTFT, KunServe (drop) below")
     bound = [ds for ds, d in a["datasets"].items() if d["regime"]["compute_bound"]]
     out = ("in the paper's regime (the default pool, the rate by its 60 % rule"
            + (f"; compute saturates first on {', '.join(bound)}" if bound else "") + ")")
@@ -312,13 +294,13 @@ def readme_line(claims: list[Claim], a: dict[str, Any], b: dict[str, Any] | None
         lo, hi, slo, shi, k, m = small
         out += (f", simulated P99 TTFT {lo:.2f}-{hi:.2f}x lower than vLLM, vLLM + PP, swapping and migration with "
                 f"Qwen-2.5-14B (medians over {n} seeds, seeds {slo:.2f}-{shi:.2f}x; {k} of {m} claims hold), "
-                f"{_vs_paper(lo, hi, 12.7, 72.2)} 12.7-72.2x")
-    big = _range(head, "72B", "P99 TTFT")
+                f"{vs_paper(lo, hi, 12.7, 72.2)} 12.7-72.2x")
+    big = claims_range(head, "72B", "P99 TTFT")
     if big:
         lo, hi, slo, shi, k, m = big
         out += (f"; {lo:.2f}-{hi:.2f}x with Qwen-2.5-72B at TP 4 (seeds {slo:.2f}-{shi:.2f}x; {k} of {m} hold), "
-                f"{_vs_paper(lo, hi, 8.4, 11.9)} 8.4-11.9x")
-    sh = _range(claims, "", "with the shrunken pool")
+                f"{vs_paper(lo, hi, 8.4, 11.9)} 8.4-11.9x")
+    sh = claims_range(claims, "", "with the shrunken pool")
     if sh:
         out += f"; with tidal's former shrunken pool {sh[0]:.2f}-{sh[1]:.2f}x over the best baseline"
     if real is not None:

@@ -162,6 +162,8 @@ def reproduce(args: argparse.Namespace, log: Progress) -> Report:
             report.claims += C.replay_claims(extra["fig10"], REAL_NO_SHAPE)
         if extra.get("fig11"):
             report.claims.append(C.ablation_claim(extra["fig11"], REAL_NO_SHAPE))
+    if not args.quick:
+        report.data["readme_line"] = C.readme_line(report.claims, fit, real)
     return report
 
 

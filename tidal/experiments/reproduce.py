@@ -186,6 +186,29 @@ def fmt_ratio(r: float | None) -> str:
     return "n/a" if r is None else f"{r:.2f}x"
 
 
+def claims_range(claims: Sequence[Claim], prefix: str, contains: str
+                 ) -> tuple[float, float, float, float, int, int] | None:
+    """(lowest and highest median ratio, lowest and highest seed, claims that hold, claims) of the
+    claims whose name starts with ``prefix`` and contains ``contains`` (a README line's figures)."""
+    import statistics
+
+    cs = [c for c in claims if c.claim.startswith(prefix) and contains in c.claim and c.per_seed]
+    if not cs:
+        return None
+    meds = [statistics.median(c.per_seed) for c in cs if c.per_seed]
+    seeds = [x for c in cs for x in (c.per_seed or [])]
+    return min(meds), max(meds), min(seeds), max(seeds), sum(c.verdict == "holds" for c in cs), len(cs)
+
+
+def vs_paper(lo: float, hi: float, paper_lo: float, paper_hi: float) -> str:
+    """How a measured range ``lo``-``hi`` stands against the paper's (never put beside it unsaid)."""
+    if hi < paper_lo:
+        return "smaller than the paper's"
+    if lo > paper_hi:
+        return "larger than the paper's"
+    return "overlapping the paper's"
+
+
 def fmt_rate(x: float | None) -> str:
     """A capacity (req/s) in a claim; "none" when no rate met the SLO."""
     return "none" if x is None else f"{x:.2f}"
