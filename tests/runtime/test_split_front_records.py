@@ -44,7 +44,8 @@ def test_a_step_report_carries_the_prefill_chunks_prefix():
 
 def _coordinator() -> SplitCoordinator:
     cluster = SimpleNamespace(config=SimpleNamespace(scheduler=SimpleNamespace(max_num_batched_tokens=512,
-                                                                               max_num_seqs=64)))
+                                                                               max_num_seqs=64)),
+                              cluster=SimpleNamespace(split_placement="load"), cache_routing=False)
     return SplitCoordinator(cluster)  # type: ignore[arg-type]
 
 

@@ -44,7 +44,7 @@ class FixedSplits:
     def __init__(self):
         self.calls: list[tuple] = []
 
-    def plan(self, request_id, prompt_len, max_tokens, pair, now, candidates):
+    def plan(self, request_id, prompt_len, max_tokens, pair, now, candidates, cached=None):
         from tidal.cluster.split import split_parts
 
         kind = KINDS[int(request_id[1:]) % len(KINDS)]

@@ -191,7 +191,13 @@ class ClusterLLM(FailoverFront, HandoffFront):
         return WorkerConfig(i, role, engine, self.cmd_addresses[i],
                             self.out_address, self.cluster.transport, self.cluster.layers_per_chunk,
                             self.cluster.tokens_per_chunk, self.generation[i], transport_tag=self.transport_tag,
-                            report_cache=self.cluster.router == "cache-aware" and self.config.cache.enable_prefix_caching)
+                            report_cache=self.cache_routing)
+
+    @property
+    def cache_routing(self) -> bool:
+        """``--router cache-aware`` with prefix caching: the workers report their cached blocks and the
+        front end places requests by the monitor's cache views."""
+        return self.cluster.router == "cache-aware" and self.config.cache.enable_prefix_caching
 
     def now(self) -> float:
         return time.monotonic() - self._t0
@@ -371,7 +377,7 @@ class ClusterLLM(FailoverFront, HandoffFront):
             if placed is not None:
                 return placed
         names = ()
-        if self.cluster.router == "cache-aware" and self.config.cache.enable_prefix_caching:  # where its prefix lives
+        if self.cache_routing:  # where its prefix lives
             names = tuple(block_hashes(t.prompt_ids + t.tokens, self.config.cache.block_size, t.params.cache_salt))
         req = RouteRequest(t.rid, len(t.prompt_ids) + len(t.tokens), t.params.max_tokens or 0, names)
         i = self.dispatcher.dispatch(req, self.now())

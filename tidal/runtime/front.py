@@ -11,15 +11,20 @@ from tidal.cluster.dispatch import ClusterLayout
 from tidal.cluster.monitor import GlobalMonitor
 from tidal.cluster.moves import Command, MoveKind
 from tidal.config import EngineConfig
-from tidal.runtime.records import Tracked
+from tidal.runtime.records import ClusterConfig, Tracked
 
 
 class Front(Protocol):
     config: EngineConfig
+    cluster: ClusterConfig
     layout: ClusterLayout
     monitor: GlobalMonitor
     requests: dict[str, Tracked]  # by the client's request id
     by_wid: dict[str, Tracked]  # by the id its current run has on the workers
+
+    @property
+    def cache_routing(self) -> bool:
+        """The workers report their cached blocks; the monitor keeps a cache view per instance."""
 
     @property
     def ready(self) -> bool:

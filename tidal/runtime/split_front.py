@@ -39,9 +39,8 @@ class SplitCoordinator:
         sc = self.c.config.scheduler
         self.step_table = ProfileTable()
         # DynaServe Sec. 3.1: with --split-placement load (the default) either instance of a pair may be alpha
-        flip = getattr(getattr(self.c, "cluster", None), "split_placement", "load") == "load"
         return SplitPlanner(SplitParams(token_budget=sc.max_num_batched_tokens, max_num_seqs=sc.max_num_seqs,
-                                        flip_roles=flip), self.step_table.predict)
+                                        flip_roles=self.c.cluster.split_placement == "load"), self.step_table.predict)
 
     def record_step(self, status: Any) -> None:
         """A worker's step report (DynaServe Alg. 2 line 1 RECORD, with the prefill chunks' own
@@ -64,8 +63,7 @@ class SplitCoordinator:
         """With ``--router cache-aware`` and prefix caching: the prompt tokens each instance holds cached
         (the monitor's views, from the workers' reports), for the planner's placement; else None."""
         c = self.c
-        cluster = getattr(c, "cluster", None)  # the ClusterConfig (a test's stand-in front may have none)
-        if cluster is None or cluster.router != "cache-aware" or not c.config.cache.enable_prefix_caching:
+        if not c.cache_routing:
             return None
         from tidal.core.block_hash import block_hashes
 
@@ -80,9 +78,8 @@ class SplitCoordinator:
         if not pairs or t.params.n > 1:  # a hand-off moves one sequence: n > 1 runs whole
             return None
         max_tokens = t.params.max_tokens or max(1, c.max_model_len - len(t.prompt_ids))
-        cached = self.cached(t)
-        view = {} if cached is None else {"cached": cached}  # a test's planner may take no cache view
-        d = self.planner.plan(t.rid, len(t.prompt_ids), max_tokens, None, c.now(), candidates=pairs, **view)
+        d = self.planner.plan(t.rid, len(t.prompt_ids), max_tokens, None, c.now(), candidates=pairs,
+                              cached=self.cached(t))
         alpha, beta = d.pair
         s = d.split
         whole = beta if d.alpha is None else (alpha if d.beta is None else None)

@@ -235,6 +235,12 @@ def split_params(spec: ClusterSpec, kv_pool_tokens: int | None = None) -> SplitP
                    kv_capacity_tokens=kv)
 
 
+def cache_routed(spec: ClusterSpec) -> bool:
+    """``--router cache-aware`` with prefix caching: the instances track their cached block names and
+    the front end places requests by them."""
+    return spec.enable_prefix_caching and spec.router == "cache-aware"
+
+
 def _split_simulator(spec: ClusterSpec, instances: list[SimInstance], requests: Sequence[RequestSpec],
                      grid: ProfileGrid, handoff: HandoffConfig, max_len: int) -> ClusterSimulator:
     from tidal.sim.split import SplitSimulator
@@ -242,8 +248,7 @@ def _split_simulator(spec: ClusterSpec, instances: list[SimInstance], requests: 
     planner = SplitPlanner(split_params(spec, instances[0].num_blocks * spec.block_size), grid)
     return SplitSimulator(instances, planner, requests, handoff, max_model_len=max_len, length_mode=spec.split_length,
                           stream_tokens=spec.kv_stream_tokens, stream_lead=spec.kv_stream_lead,
-                          timeline_interval=spec.timeline_interval_s,
-                          cache_aware=spec.enable_prefix_caching and spec.router == "cache-aware")
+                          timeline_interval=spec.timeline_interval_s, cache_aware=cache_routed(spec))
 
 
 def build_simulator(spec: ClusterSpec, requests: Sequence[RequestSpec],
@@ -267,7 +272,7 @@ def build_simulator(spec: ClusterSpec, requests: Sequence[RequestSpec],
                     enable_caching=caching, host_tier=caching and spec.kv_offloading_size > 0)
         for i, role in enumerate(layout.roles())
     ]
-    if caching and spec.router == "cache-aware":  # the router reads where each prefix is cached
+    if cache_routed(spec):  # the router (or the split planner) reads where each prefix is cached
         for inst in instances:
             inst.kv.track_names()
     grid = None
