@@ -410,3 +410,19 @@ def test_dynaserve_readme_line_reads_its_figures_off_the_claims():
     assert "goodput 2.10-2.10x tuned colocation" in line and "(seeds 2.00-2.20x; 1 of 1 hold)" in line
     assert "with fixed roles (one instance every request's alpha) 0.80-0.80x tuned colocation" in line
     assert line.endswith("capacity 2.00x 1P1D and 0.50x colocation.")
+
+
+def test_bucketserve_fig6b_is_not_judged_without_growth_in_the_buckets():
+    """Fig. 6b says the bucketing time stays stable as the buckets grow: a run whose load kept one
+    bucket count cannot show that (n/a, never holds); two counts are judged on their per-seed ratios."""
+    from tidal.experiments.repro_bucketserve import MIN_STEPS, _fig6_claims
+
+    def fig6(counts):
+        run = {"client_rps": 1.0, "prefill_s": 1.0, "decode_s": 9.0, "overhead_s_per_request": 1e-6,
+               "prefill_step_s": 0.1, "by_buckets": {str(k): {"median_s": 1e-6, "steps": MIN_STEPS} for k in counts}}
+        return {"x": {"seeds": [{"seed": s, "runs": [run]} for s in range(3)]}}
+
+    one = {c.claim: c for c in _fig6_claims(fig6([1]))}["Fig. 6b (x): bucketing time per step stays small as the buckets grow"]
+    two = {c.claim: c for c in _fig6_claims(fig6([1, 4]))}["Fig. 6b (x): bucketing time per step stays small as the buckets grow"]
+    assert one.verdict == "n/a" and "n/a" in one.why and len(one.per_seed) == 3
+    assert two.verdict == "holds" and min(two.per_seed) > 1 + two.margin
