@@ -10,7 +10,7 @@ import pytest
 
 from tidal.cli import main
 from tidal.experiments.repro_bucketserve import BUCKET, DIST, UELLM
-from tidal.experiments.reproduce import beats, capacity_from_sweep, write_results_md
+from tidal.experiments.reproduce import Claim, beats, capacity_from_sweep, write_results_md
 
 
 def _run(paper: str, out) -> dict:
@@ -218,7 +218,7 @@ def test_kunserve_real_cell_reads_the_real_rows():
         floor, "vLLM (preempt: recompute)")
 
 
-@pytest.mark.parametrize("paper", ["kunserve", "dynaserve"])
+@pytest.mark.parametrize("paper", ["bucketserve", "kunserve", "dynaserve"])
 def test_readme_line_is_the_recorded_results(paper):
     """README's line of a paper quotes docs/results/<paper>.json's figures (the line the reproduce run wrote)."""
     import pathlib
@@ -426,3 +426,24 @@ def test_bucketserve_fig6b_is_not_judged_without_growth_in_the_buckets():
     two = {c.claim: c for c in _fig6_claims(fig6([1, 4]))}["Fig. 6b (x): bucketing time per step stays small as the buckets grow"]
     assert one.verdict == "n/a" and "n/a" in one.why and len(one.per_seed) == 3
     assert two.verdict == "holds" and min(two.per_seed) > 1 + two.margin
+
+
+def test_bucketserve_readme_line_reads_its_figures_off_the_claims():
+    from tidal.experiments.repro_bucketserve import readme_line
+
+    def c(name, per):
+        return Claim(name, "", "", False, "", per_seed=per)
+
+    cs = [c("offline throughput: BucketServe over UELLM (Fig. 5a, high load)", [4.5, 4.8, 4.7]),
+          c("offline throughput: BucketServe over DistServe (Fig. 5a)", [0.97, 0.99, 0.98]),
+          c("where bucketing pays: a prefill-bound 1 + 3 layout, alpaca, outputs / 8 (offline)", [1.4, 1.5, 1.6]),
+          c("where bucketing pays: a prefill-bound 1 + 3 layout, mixed, outputs / 8 (offline)", [1.2, 1.7, 1.6]),
+          c("capacity at 80 % SLO attainment, alpaca (Fig. 5c): BucketServe over DistServe", [1.0, 1.0, 1.0]),
+          c("capacity at 80 % SLO attainment, alpaca (Fig. 5c): BucketServe over UELLM", [6.0, 6.3, 5.6])]
+    real = {"BucketServe (bucket)": {"tok_s": 60.0}, UELLM: {"tok_s": 25.0}}
+    line = readme_line(cs, real)
+    assert line.startswith("offline throughput 4.70x (seeds 4.50-4.80x; holds) a padded static batch, "
+                           "larger than the paper's 3.58x, in the simulator and 2.40x on the real engine (one run)")
+    assert "capacity at 80 % SLO attainment 6.00x (seeds 5.60-6.30x; holds) UELLM-like" in line
+    assert "1.50-1.60x (seeds 1.20-1.70x; 2 of 2 hold) where prefill binds" in line
+    assert "layout 0.98x (seeds 0.97-0.99x; fails) offline and 1.00x (seeds 1.00x; tie) capacity" in line
