@@ -20,3 +20,49 @@ def test_run_all_keeps_the_order_and_runs_elsewhere_with_jobs():
     assert {pid for _, pid in here} == {os.getpid()}
     assert os.getpid() not in {pid for _, pid in there}  # spawned processes did the work
     assert run_all(_square_and_pid, [(3,)], 4)[0] == (9, os.getpid())  # one call: no pool
+
+
+def test_a_killed_run_leaves_no_worker_computing_on():
+    """The run that spawned the pool is SIGKILLed mid-call: its workers die with it (Linux's
+    parent-death signal), not after their current call."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import pytest
+
+    from tests.processes import POPEN_KW, process_tree
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the parent-death signal is Linux's")
+    code = "import time; from tidal.experiments.parallel import run_all; run_all(time.sleep, [(60,), (60,)], 2)"
+    p = subprocess.Popen([sys.executable, "-c", code], **POPEN_KW)
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(workers := process_tree(p.pid)[1:]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(workers) >= 2, "the pool never started"
+        time.sleep(1.0)  # the workers are in their calls
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+        deadline = time.monotonic() + 10
+        while any(os.path.exists(f"/proc/{w}") and _alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [w for w in workers if os.path.exists(f"/proc/{w}") and _alive(w)]
+    finally:
+        for w in {*process_tree(p.pid), *workers}:  # orphaned workers are no longer under p
+            try:
+                os.kill(w, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def _alive(pid: int) -> bool:
+    """Not a zombie (a dead child not yet reaped shows in /proc as state Z)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
