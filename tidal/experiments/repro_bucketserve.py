@@ -420,8 +420,9 @@ def claims(data: dict[str, Any], batch: int) -> list[Claim]:
 
 
 def readme_line(cs: list[Claim], real: dict[str, Any] | None) -> str:
-    """The README's BucketServe line, every figure from this run's claims (``data.readme_line``)."""
-    def rng(contains: str, prefix: str = "") -> str:
+    """The README's BucketServe line, every figure from this run's claims (``data.readme_line``), each
+    beside the paper's with how it stands against it."""
+    def rng(prefix: str, contains: str = "", paper: tuple[float, float] | None = None) -> str:
         r = claims_range(cs, prefix, contains)
         if r is None:
             return "not run"
@@ -429,21 +430,24 @@ def readme_line(cs: list[Claim], real: dict[str, Any] | None) -> str:
         med = f"{lo:.2f}x" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}-{hi:.2f}x"
         seeds = f"{slo:.2f}x" if f"{slo:.2f}" == f"{shi:.2f}" else f"{slo:.2f}-{shi:.2f}x"
         one = [c.verdict for c in cs if c.claim.startswith(prefix) and contains in c.claim and c.per_seed]
-        return f"{med} (seeds {seeds}; " + (f"{one[0]})" if m == 1 else f"{k} of {m} hold)")
+        out = f"{med} (seeds {seeds}; " + (one[0] if m == 1 else f"{k} of {m} hold")
+        if paper is not None:
+            p = f"{paper[0]:.2f}x" if paper[0] == paper[1] else f"{paper[0]:.2f}-{paper[1]:.2f}x"
+            out += f"; {vs_paper(lo, hi, *paper)} {p}"
+        return out + ")"
 
-    off = claims_range(cs, "offline throughput: BucketServe over UELLM", "")
-    out = f"offline throughput {rng('', 'offline throughput: BucketServe over UELLM')} a padded static batch"
-    if off is not None:
-        out += f", {vs_paper(off[0], off[1], 3.58, 3.58)} 3.58x,"
-    out += " in the simulator"
+    cap = "capacity at 80 % SLO attainment"
+    out = f"offline throughput {rng('offline throughput: BucketServe over UELLM', '', (3.58, 3.58))} over a " \
+          "padded static batch in the simulator"
     if real is not None:
         bu, ue = real["BucketServe (bucket)"]["tok_s"], real[UELLM]["tok_s"]
         out += f" and {bu / ue:.2f}x on the real engine (one run)"
-    out += (f"; capacity at 80 % SLO attainment {rng('over UELLM', 'capacity')} UELLM-like (paper 1.98x and "
-            f"3.47x). Against a DistServe that behaves as DistServe does: {rng('', 'where bucketing pays')} where "
-            f"prefill binds on an engine that pads; on the paper's decode-bound 2 + 2 layout "
-            f"{rng('', 'offline throughput: BucketServe over DistServe')} offline and "
-            f"{rng('over DistServe', 'capacity')} capacity (paper 1.31x and 1.37-1.93x)")
+    out += (f"; {cap} over UELLM-like {rng(cap + ', alpaca', 'over UELLM', (1.975, 1.975))} on Alpaca and "
+            f"{rng(cap + ', mixed', 'over UELLM', (3.47, 3.47))} on Mixed. Against a DistServe that behaves as "
+            f"DistServe does: {rng('where bucketing pays')} where prefill binds on an engine that pads (a layout "
+            f"the paper does not run); on the paper's decode-bound 2 + 2 layout "
+            f"{rng('offline throughput: BucketServe over DistServe', '', (1.31, 1.31))} offline and "
+            f"{rng(cap, 'over DistServe', (1.37, 1.93))} in capacity")
     return out + "."
 
 
