@@ -71,3 +71,46 @@ def test_every_choice_is_recorded_with_its_predictions_and_replays():
         assert set(d["predictions"]) == {"recompute", "swap", "migrate", "drop"}
         assert d["predictions"][d["choice"]]["seconds"] is not None
     assert p["auto_params"] == AutoParams().to_dict()
+
+
+def _audited(mode, specs, techniques=None):
+    from dataclasses import replace
+
+    cfg = replace(_cfg(mode, host_bytes_per_s=1e6), audit=True)
+    if techniques is not None:
+        cfg = replace(cfg, auto_params=AutoParams(techniques=techniques))
+    sim = ClusterSimulator(_instances(2, 32), build_router("round-robin"), specs, pressure=build_pressure(cfg))
+    return sim, sim.run()
+
+
+@pytest.mark.parametrize("mode,specs,response", [("preempt", _burst(), "recompute"), ("migrate", UNEVEN, "migrate"),
+                                                 ("auto", UNEVEN + [RequestSpec(0.5, 100, 60) for _ in range(6)], None)])
+def test_the_audit_notes_each_onset_beside_what_happened_and_changes_nothing(mode, specs, response):
+    """The audit (tidal.sim.auto_audit) predicts at auto's onsets and reads when the queue waiting at
+    each had its first token: the run itself is the same run as without it."""
+    _, plain = _run(mode, specs)
+    sim, res = _audited(mode, specs)
+    assert _times(res) == _times(plain)
+    rows = res.pressure["audit"]
+    assert rows and any(r["realized_s"] is not None for r in rows)
+    if mode == "auto":  # auto's own choices are its notes
+        assert [r["response"] for r in rows] == [c["choice"] for c in res.pressure["choices"]]
+    else:
+        assert {r["response"] for r in rows} == {response}
+    for r in rows:
+        assert set(r["predicted_s"]) == {"recompute", "swap", "migrate", "drop"} and r["waiting"] >= 0
+        if r["realized_s"] is not None:  # the last first token among the requests waiting at the onset
+            assert r["realized_s"] > 0
+            assert any(abs(rec.arrival_s + rec.ttft_s - r["time"] - r["realized_s"]) < 1e-3
+                       for rec in res.records if rec.ttft_s is not None)
+
+
+def test_the_audit_summary_is_the_median_of_realized_over_predicted():
+    from tidal.sim.auto_audit import summarize_audit
+
+    rows = [{"response": "swap", "predicted_s": {"swap": 2.0}, "realized_s": 1.0},
+            {"response": "swap", "predicted_s": {"swap": 1.0}, "realized_s": 3.0},
+            {"response": "swap", "predicted_s": {"swap": 1.0}, "realized_s": 2.0},
+            {"response": "drop", "predicted_s": {"drop": 1.0}, "realized_s": None}]
+    assert summarize_audit(rows) == {"swap": {"onsets": 3, "realized": 3, "median_realized_over_predicted": 2.0},
+                                     "drop": {"onsets": 1, "realized": 0, "median_realized_over_predicted": None}}

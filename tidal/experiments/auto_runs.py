@@ -54,9 +54,11 @@ def slim(s: dict[str, Any]) -> dict[str, Any]:
 
 
 def simulate(system: str, specs: Sequence[RequestSpec], phases: Sequence[Phase] | None = None,
-             timeline_interval: float = 1.0, keep_timelines: bool = False) -> dict[str, Any]:
+             timeline_interval: float = 1.0, keep_timelines: bool = False, audit: bool = False) -> dict[str, Any]:
     """``system`` on ``specs``: its whole-run and per-phase summaries, its KV demand, its pressure
-    events' counts and, for ``auto``, every choice as (time, instance, choice)."""
+    events' counts and, for ``auto``, every choice as (time, instance, choice). ``audit``: every
+    throttle onset's predictions beside what happened (:mod:`tidal.sim.auto_audit`; not in ``drop``
+    runs, where ``auto``'s own drops are the drop rows)."""
     from tidal.config import SchedulerConfig
     from tidal.sim.build import ClusterSpec, build_simulator
 
@@ -65,7 +67,8 @@ def simulate(system: str, specs: Sequence[RequestSpec], phases: Sequence[Phase] 
                             preemption_mode=cfg["preemption_mode"])
     spec = ClusterSpec(model=MODEL, hardware=HARDWARE, instances=INSTANCES, router=ROUTER, scheduler=sched,
                        swap_space=SWAP_SPACE if system in ("swap", "auto") else 0, kv_pressure=cfg["kv_pressure"],
-                       link=LINK, timeline_interval_s=timeline_interval)
+                       link=LINK, timeline_interval_s=timeline_interval,
+                       audit_auto=audit and cfg["kv_pressure"] != "drop")
     t0 = time.perf_counter()
     res = build_simulator(spec, list(specs)).run()
     out: dict[str, Any] = {"system": system, "wall_s": time.perf_counter() - t0, "whole": slim(summarize(res.records,
@@ -84,6 +87,8 @@ def simulate(system: str, specs: Sequence[RequestSpec], phases: Sequence[Phase] 
         out["choice_counts"] = p.get("choice_counts", {})
         out["choices"] = [[round(c["time"], 3), c["index"], c["choice"]] for c in p.get("choices", [])]
         out["choice_reasons"] = [c["reason"] for c in p.get("choices", [])][:40]
+    if "audit" in p:
+        out["audit"] = p["audit"]
     if keep_timelines:
         out["timelines"] = res.timelines
     return out

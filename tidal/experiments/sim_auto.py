@@ -69,13 +69,13 @@ def dataset_search(dataset: str, duration_s: float, probes: int) -> dict[str, An
 def trace_run(system: str, rates: dict[str, float], duration_s: float, seed: int, max_len: int,
               traces_dir: str | None) -> dict[str, Any]:
     specs, phases = AT.regime_trace(rates, duration_s, seed, max_len, traces_dir=traces_dir)
-    return AR.simulate(system, specs, phases)
+    return AR.simulate(system, specs, phases, audit=True)
 
 
 def dataset_run(system: str, dataset: str, rate: float, duration_s: float, seed: int) -> dict[str, Any]:
     from tidal.experiments.kunserve_runs import workload
 
-    return AR.simulate(system, workload(dataset, duration_s, rate, seed))
+    return AR.simulate(system, workload(dataset, duration_s, rate, seed), audit=True)
 
 
 def pang_run(label: str, policy: str, num_requests: int, seed: int) -> dict[str, Any]:

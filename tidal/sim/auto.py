@@ -18,6 +18,7 @@ or restore is being executed; both share one link per instance. Pure: virtual ti
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,7 @@ from tidal.cluster.pressure import (
     Victim,
 )
 from tidal.core.scheduler import Scheduler
+from tidal.sim.auto_audit import PredictionAudit, ShadowAudit, waiting_ids
 from tidal.sim.kunserve import DropHandler
 from tidal.sim.links import LinkSpec
 from tidal.sim.loop import Event
@@ -52,6 +54,21 @@ def auto_prices(chunk: ChunkCost, token_budget: int, overhead_s: float, model: M
     chunks = math.ceil(model.num_layers / layers_per_chunk) if layers_per_chunk else 1
     return Prices(chunk, token_budget, overhead_s, model.kv_bytes_per_token, block_size, host_bytes_per_s,
                   link.bandwidth * tp, link.latency_s, chunks, hidden_bytes)
+
+
+def sim_prices(cfg: PressureConfig, sim: ClusterSimulator) -> Prices:
+    """The prices of a simulated cluster (its first instance's scheduler and pool, the config's links)."""
+    sched = sim.instances[0].scheduler.config
+    return auto_prices(cfg.chunk_cost, sched.max_num_batched_tokens, cfg.overhead_s, cfg.model,
+                       sim.instances[0].kv.block_size, cfg.host_bytes_per_s, cfg.link, cfg.tp,
+                       cfg.layers_per_chunk, cfg.hidden_bytes)
+
+
+def shadow_audit(cfg: PressureConfig, sim: ClusterSimulator, response: str | None) -> ShadowAudit:
+    """A passive ``auto`` over a fixed-mode run (``response``: the run's response; None: each
+    instance's preemption mode): it predicts at each onset, acts on nothing."""
+    shadow = AutoPressure(sim.monitor, cfg.model, sim_prices(cfg, sim), params=getattr(cfg, "auto_params", None))
+    return ShadowAudit(shadow, sim, response)
 
 
 def victims(s: Scheduler) -> list[Victim]:
@@ -83,8 +100,9 @@ class AutoHandler(PressureHandler):
     def __init__(self, cfg: PressureConfig, params: AutoParams | None = None):
         super().__init__(cfg)
         self.params = params or getattr(cfg, "auto_params", None) or AutoParams()
-        self.drop = DropHandler(cfg, self.detector)
-        self.mig = MigrateHandler(cfg, self.detector)
+        inner = replace(cfg, audit=False)  # the notes are auto's choices (self.audit), not its parts' shadows
+        self.drop = DropHandler(inner, self.detector)
+        self.mig = MigrateHandler(inner, self.detector)
         self.choices: list[AutoChoice] = []
 
     def attach(self, sim: ClusterSimulator) -> None:
@@ -94,11 +112,9 @@ class AutoHandler(PressureHandler):
         self.drop.events = self.mig.events = self.events  # one log
         self.mig.links = self.drop.links  # one link per instance
         cfg = self.cfg
-        sched = sim.instances[0].scheduler.config
-        prices = auto_prices(cfg.chunk_cost, sched.max_num_batched_tokens, cfg.overhead_s, cfg.model,
-                             sim.instances[0].kv.block_size, cfg.host_bytes_per_s, cfg.link, cfg.tp,
-                             cfg.layers_per_chunk, cfg.hidden_bytes)
-        self.auto = AutoPressure(sim.monitor, cfg.model, prices, params=self.params, detector=self.detector,
+        if cfg.audit:
+            self.audit = PredictionAudit()
+        self.auto = AutoPressure(sim.monitor, cfg.model, sim_prices(cfg, sim), params=self.params, detector=self.detector,
                                  restore=RestorePolicy(cfg.restore_threshold), recorder=self.record,
                                  choices=self.choices.append)
         self.drop.ctl = self.auto  # type: ignore[assignment]  (KunServe's executor drives the gated controller)
@@ -112,6 +128,8 @@ class AutoHandler(PressureHandler):
         drop_ready = not self._changing() and not self.mig.moves
         for c in self.auto.onsets(now, _Running(self.drop.execs), drop_ready):
             self.drop.execs[c.index].scheduler.preemption_mode = self.auto.preemption_mode(c.index)
+            if self.audit is not None:
+                self.audit.note(c, c.choice, waiting_ids(self.sim, c.index))
         out: list[Event] = []
         if self.mig.moves:  # a migration in flight: no change of groups until it lands
             self.auto.observe(now)
@@ -155,4 +173,4 @@ class AutoHandler(PressureHandler):
         return out
 
 
-__all__ = ["AutoHandler", "auto_prices", "victims"]
+__all__ = ["AutoHandler", "auto_prices", "shadow_audit", "sim_prices", "victims"]

@@ -85,6 +85,7 @@ class ClusterSpec:
     pipeline_parallel: int = 1  # > 1: every this many instances run as one pipeline from the start (vLLM + PP)
     pipeline_stage_gap_s: float = 0.0  # a pipeline's idle time per stage per microbatch (tidal.sim.pipeline)
     auto_params: Any = None  # auto: tidal.cluster.pressure.AutoParams (None: the defaults)
+    audit_auto: bool = False  # note auto's predictions beside what happened (tidal.sim.auto_audit; not in drop)
     split_kv_aware: bool = False  # mode split: the planner's predictor obeys each instance's KV pool
     step_jitter: str = "off"  # off | fitted: step-time tails (tidal.sim.jitter); planners see the mean model
     jitter_params: JitterParams | None = None  # with step_jitter fitted: these instead of jitter.FITTED
@@ -199,7 +200,8 @@ def pressure_config(spec: ClusterSpec, arch: ModelArch, hw: HardwareSpec, cost_m
                           layers_per_chunk=spec.layers_per_chunk, lookahead=spec.lookahead,
                           restore_threshold=spec.restore_threshold, overhead_s=hw.step_overhead_s,
                           stage_gap_s=spec.pipeline_stage_gap_s,
-                          host_bytes_per_s=hw.host_bandwidth * spec.tp, auto_params=spec.auto_params)
+                          host_bytes_per_s=hw.host_bandwidth * spec.tp, auto_params=spec.auto_params,
+                          audit=spec.audit_auto)
 
 
 def check_policy_args(spec: ClusterSpec) -> None:

@@ -49,6 +49,7 @@ class PressureConfig:
     stage_gap_s: float = 0.0  # a pipeline stage's idle time per microbatch (tidal.sim.pipeline.PipelineCostModel)
     host_bytes_per_s: float = 0.0  # device <-> host (swap) of an instance, all its GPUs (auto prices a swap)
     auto_params: Any = None  # --kv-pressure auto: its AutoParams (None: the defaults)
+    audit: bool = False  # note auto's predictions beside what happened (tidal.sim.auto_audit); not in drop runs
 
 
 class Call(Event):
@@ -108,9 +109,14 @@ class PressureHandler:
         self.events: list[PressureDecision] = []
         self.sim: ClusterSimulator | None = None
         self._hot: set[int] = set()
+        self.audit: Any = None  # a tidal.sim.auto_audit.PredictionAudit when cfg.audit
 
     def attach(self, sim: ClusterSimulator) -> None:
         self.sim = sim
+        if self.cfg.audit and self.mode in ("preempt", "migrate"):
+            from tidal.sim.auto import shadow_audit
+
+            self.audit = shadow_audit(self.cfg, sim, "migrate" if self.mode == "migrate" else None)
 
     def record(self, decision: PressureDecision) -> None:
         self.events.append(decision)
@@ -121,6 +127,8 @@ class PressureHandler:
     def watch(self, now: float) -> None:
         """Log each throttle's onset (Sec. 2.2's "Throt." marks)."""
         assert self.sim is not None
+        if self.audit is not None:
+            self.audit.step(now)
         hot = set()
         for t in self.detector.scan(self.sim.monitor):
             hot.add(t.index)
@@ -147,7 +155,10 @@ class PressureHandler:
         kinds: dict[str, int] = {}
         for e in self.events:
             kinds[e.kind] = kinds.get(e.kind, 0) + 1
-        return {"mode": self.mode, "counts": kinds, "events": [e.to_dict() for e in self.events]}
+        out = {"mode": self.mode, "counts": kinds, "events": [e.to_dict() for e in self.events]}
+        if self.audit is not None and self.sim is not None:
+            out["audit"] = self.audit.rows(self.sim)
+        return out
 
 
 def build_pressure(cfg: PressureConfig) -> PressureHandler:
