@@ -96,12 +96,17 @@ def test_bucketserve_real_engine_run_computes_the_padding_and_finishes_everythin
     two requests on a shared CPU)."""
     from tidal.experiments.repro_bucketserve import REAL_SYSTEMS, _real, real_offline
 
-    r = real_offline(2, 2, seed=0, progress=lambda msg: None)  # one short and one long request
+    r = real_offline(2, 2, seed=0, progress=lambda msg: None, repeats=2)  # one short and one long request, twice
     static, bucket = (r[name] for name in REAL_SYSTEMS)
-    assert static["padded_tokens_computed"] > 0 and bucket["padded_tokens_computed"] == 0
-    assert static["tok_s"] > 0 and bucket["tok_s"] > 0 and static["steps"] > 0 and bucket["steps"] > 0
+    assert len(static["runs"]) == len(bucket["runs"]) == 2
+    for a, b in zip(static["runs"], bucket["runs"], strict=True):  # each run its own count, on a reused engine
+        assert a["padded_tokens_computed"] > 0 and b["padded_tokens_computed"] == 0
+        assert a["tok_s"] > 0 and b["tok_s"] > 0 and a["steps"] > 0 and b["steps"] > 0
+    assert static["runs"][0]["padded_tokens_computed"] == static["runs"][1]["padded_tokens_computed"]
+    assert sorted([static["tok_s"], *(x["tok_s"] for x in static["runs"])])[1] == static["tok_s"]  # the median
     cell = _real({"real_offline": r})
     assert f"{static['padded_tokens_computed']} padding tokens" in cell and "2 mixed requests, max batch 2" in cell
+    assert "median of 2 runs taking turns; per run" in cell
 
 
 def test_pang_quick_directions(tmp_path):
