@@ -25,7 +25,7 @@ from tidal.cluster.pressure import (
     check_pressure_mode,
 )
 from tidal.cluster.pressure.choose import decide, replay
-from tidal.cluster.pressure.predict import drain_steps, predict
+from tidal.cluster.pressure.predict import admit_steps, drain_steps, predict
 
 # a prompt token costs 1 ms (Eq. 1's beta), nothing else; a block is 16 tokens x 16 bytes = 256 bytes; host and
 # instance links move 256 kB/s, so a block crosses in 1 ms; an activation is 8 bytes a token
@@ -57,12 +57,31 @@ def test_memory_drains_as_requests_finish_net_of_the_others_growth():
     assert drain_steps(RUNNING, 99, 16) == 100  # never enough: when the last one ends
 
 
+def test_the_queue_is_admitted_as_memory_recycles_through_it():
+    """admit_steps: the first queued request gets in when the 4-block request ends (step 10: 4 blocks back, the
+    other grew 10 tokens); it gives its 2 blocks back after its prefill step and 5 tokens (step 16), and the
+    second gets in then: 16 steps, where waiting for 4 blocks from the running requests alone takes 100."""
+    queue = (Victim(16, 2, False, 5), Victim(16, 2, False, 5))
+    assert admit_steps(RUNNING, queue, 0, 16) == 16
+    assert admit_steps(RUNNING, queue[:1], 0, 16) == 10
+    assert admit_steps(RUNNING, queue, 4, 16) == 0  # room for both now
+    # nothing runs and nothing is free: the first is taken in anyway (no finish can help it), the second after it
+    assert admit_steps((), queue, 0, 16) == 6
+    e = Episode(0, shortage_blocks=4, queued_tokens=32, queued_requests=2, running=RUNNING, host_free_blocks=100,
+                peer_room=(), step_s=0.01, queue=queue)
+    pr = predict(e, PRICES)["recompute"]
+    assert pr.terms["drain_steps"] == 16 and pr.terms["memory_wait_s"] == pytest.approx(0.16)
+    assert pr.seconds == pytest.approx(max(0.16, 0.032) + 0.064)  # the wait, then the first victim's 64 again
+    assert Episode.from_dict(json.loads(json.dumps(e.to_dict()))) == e  # the queue is in the record
+
+
 def test_each_response_predicted_by_hand():
     pr = predict(episode(), PRICES)
-    # recompute: wait 100 steps x 10 ms for the memory, the queue's 100 tokens, the first victim's 64 again
-    assert pr["recompute"].seconds == pytest.approx(1.0 + 0.1 + 0.064)
-    # swap: the same wait and queue, the victim's 4 blocks out and back (2 x 4 ms) instead of its re-prefill
-    assert pr["swap"].seconds == pytest.approx(1.0 + 0.1 + 0.008)
+    # recompute: wait 100 steps x 10 ms for the memory (the queue's 100 tokens prefill meanwhile: the later of the
+    # two), then the first victim's 64 again (no queue given: the drain is the running requests')
+    assert pr["recompute"].seconds == pytest.approx(max(1.0, 0.1) + 0.064)
+    # swap: the same wait, the victim's 4 blocks out and back (2 x 4 ms) instead of its re-prefill
+    assert pr["swap"].seconds == pytest.approx(max(1.0, 0.1) + 0.008)
     # no peer: a migration moves nothing and is a recompute; no drop plan: a drop cannot run
     assert pr["migrate"].seconds == pytest.approx(pr["recompute"].seconds) and pr["migrate"].note
     assert math.isinf(pr["drop"].seconds)
@@ -92,7 +111,7 @@ def test_a_new_episode_keeps_the_last_choice_unless_the_best_is_margin_faster():
     kept = decide(e, PRICES, "migrate", AutoParams(margin=0.2))
     assert kept.choice == "migrate" and "hysteresis" in kept.reason
     assert decide(e, PRICES, "migrate", AutoParams(margin=0.0)).choice == "drop"
-    # recompute (1.164 s) against migrate (0.106 s): far more than 20 % slower, left
+    # recompute (1.064 s) against migrate (0.106 s): far more than 20 % slower, left
     assert decide(episode(peers=(10,)), PRICES, "recompute", AutoParams()).choice == "migrate"
     # a previous choice that cannot run now (inf) is always left
     assert decide(episode(), PRICES, "drop", AutoParams()).choice == "swap"
@@ -202,3 +221,37 @@ def test_migrations_only_from_migrate_instances_to_instances_running_alone():
     assert auto.preemption_mode(0) == "recompute"
     auto.mode[0] = "swap"
     assert auto.preemption_mode(0) == "swap"
+
+
+def test_auto_learns_how_far_a_response_runs_from_its_prediction():
+    """When the last request waiting at an episode's onset has its first token, realized / predicted is
+    that response's ratio; later predictions of it are scaled by the median of its ratios (the reason says
+    so), and a recorded choice replays with the scales it used."""
+    from dataclasses import replace as dc_replace
+
+    drop = DropOption(members=2, freed_blocks=50, queued_tokens=200, queued_requests=2)
+    queue = (Victim(50, 4, False, 5, "a"), Victim(50, 4, False, 5, "b"))
+    e = dc_replace(episode(peers=(10,), drop=drop), queue=queue)
+    ch = AutoChooser(AutoParams(margin=0.0))
+    first = ch.choose(10.0, e, PRICES)
+    assert first.choice == "drop" and not first.scales
+    predicted = first.predictions["drop"].seconds
+    ch.first_token("a", 10.1)
+    assert not ch.scales()  # "b" still waits
+    ch.first_token("b", 10.0 + 3 * predicted)
+    assert ch.scales() == {"drop": pytest.approx(3.0)}
+    ch.first_token("b", 99.0)  # a served episode is not counted twice
+    assert ch.scales() == {"drop": pytest.approx(3.0)}
+    second = ch.choose(20.0, e, PRICES)
+    assert second.choice == "migrate" and second.scales == {"drop": pytest.approx(3.0)}
+    assert "drop predicted 0.0516 s (0.103 x 0.5 learned)" in decide(e, PRICES, None, AutoParams(), scales={"drop": 0.5}).reason
+    back = AutoChoice.from_dict(json.loads(json.dumps(second.to_dict())))
+    assert replay(back).choice == "migrate" and replay(back).reason == second.reason
+    # learn 0: no episode is followed, nothing is scaled
+    off = AutoChooser(AutoParams(margin=0.0, learn=0))
+    off.choose(10.0, e, PRICES)
+    off.first_token("a", 11.0)
+    off.first_token("b", 50.0)
+    assert not off.scales() and off.choose(20.0, e, PRICES).choice == "drop"
+    with pytest.raises(ValueError, match="learn"):
+        AutoParams(learn=-1)

@@ -92,8 +92,24 @@ def test_the_command_writes_its_json_figures_and_page(tmp_path, capsys):
     for rs in level["runs"].values():
         assert set(rs[0]["phases"]) == {"chat", "long", "code"} and rs[0]["whole"]["lost"] == 0
     assert not math.isnan(level["judged"]["phases"]["chat"]["per_seed"][0]["auto_over_best"])
+    # every run but drop's carries its audit (a passive predictor's, or auto's own choices)
+    assert all(isinstance(level["runs"][s][0]["audit"], list) for s in ("recompute", "swap", "migrate", "auto"))
+    assert "audit" not in level["runs"]["drop"][0]
     text = page.read_text()
     assert "## A trace that changes regime" in text and "auto_timeline.png" in text
     assert (out / "auto_timeline.png").is_file() and (out / "auto_phases.png").is_file()
     assert main(["bench", "sim-auto", "--parts", "nope"]) == 2
     assert "--parts" in capsys.readouterr().err
+
+
+def test_the_audit_table_gives_each_response_its_median_ratio_per_seed():
+    from tidal.experiments.auto_page import _audit_table
+
+    run = lambda rows: {"audit": rows}  # noqa: E731
+    d = {"runs": {"swap": [run([[1.0, 0, "swap", 2.0, 1.0], [2.0, 1, "swap", 1.0, 3.0], [3.0, 0, "swap", 1.0, 2.0]]),
+                           run([])],
+                  "drop": [{}, {}],
+                  "auto": [run([[1.0, 0, "drop", 1.0, 1.5]]), run([[1.0, 0, "swap", 4.0, 2.0]])]}}
+    rows = _audit_table(d)
+    assert rows[2:] == ["| swap | swap | 3 / 0 | 2.00 / - |", "| auto | drop | 1 / 0 | 1.50 / - |",
+                        "| auto | swap | 0 / 1 | - / 0.50 |"]

@@ -87,8 +87,9 @@ def simulate(system: str, specs: Sequence[RequestSpec], phases: Sequence[Phase] 
         out["choice_counts"] = p.get("choice_counts", {})
         out["choices"] = [[round(c["time"], 3), c["index"], c["choice"]] for c in p.get("choices", [])]
         out["choice_reasons"] = [c["reason"] for c in p.get("choices", [])][:40]
-    if "audit" in p:
-        out["audit"] = p["audit"]
+    if "audit" in p:  # compact: [onset, instance, response used, its predicted s, realized s]
+        out["audit"] = [[a["time"], a["index"], a["response"], a["predicted_s"].get(a["response"]), a["realized_s"]]
+                        for a in p["audit"]]
     if keep_timelines:
         out["timelines"] = res.timelines
     return out

@@ -69,14 +69,22 @@ def runtime_prices(llm: Any, model: ModelMemory, dtype_bytes: int) -> Prices:
 
 class _Running(Mapping[int, list[Victim]]):
     """Each instance's running requests as the front end knows them (those with a token streamed
-    hold KV), latest arrival first (the scheduler's victim order); built only for those asked about."""
+    hold KV), latest arrival first (the scheduler's victim order); built only for those asked about.
+    ``queue``: its requests still waiting for their first token instead, in arrival order (the front
+    end cannot tell a queued one from one in its prefill: both count as queued)."""
 
-    def __init__(self, llm: Front):
-        self.llm = llm
+    def __init__(self, llm: Front, queue: bool = False):
+        self.llm, self.queue = llm, queue
 
     def __getitem__(self, i: int) -> list[Victim]:
         llm = self.llm
         bs = llm.monitor.instances[i].block_size
+        if self.queue:
+            wait = sorted((t for t in llm.requests.values() if t.instance == i and not t.tokens and t.handoff is None),
+                          key=lambda t: t.arrival_s)
+            return [Victim(len(t.prompt_ids), handoff_blocks(len(t.prompt_ids), bs), False,
+                           t.params.max_tokens if t.params.max_tokens is not None
+                           else llm.max_model_len - len(t.prompt_ids), t.rid) for t in wait]
         mine = [t for t in llm.requests.values() if t.instance == i and t.tokens and t.handoff is None]
         mine.sort(key=lambda t: (t.priority, t.arrival_s), reverse=True)
         out = []
@@ -111,6 +119,10 @@ class AutoCoordinator(PressureLog):
         self.initial_mode = llm.config.scheduler.preemption_mode  # what a worker preempts by until told
         self.modes_sent: dict[int, str] = {}  # the preemption mode each worker runs, where it was told or changed
 
+    def on_first_token(self, rid: str, now: float) -> None:
+        if self.auto is not None:
+            self.auto.first_token(rid, now)
+
     @property
     def decisions(self) -> Any:
         return self.drop.decisions
@@ -142,7 +154,7 @@ class AutoCoordinator(PressureLog):
             self.mig.ctl = _Moves(self.auto)  # type: ignore[assignment]
         auto = self.auto
         ready = not self._changing() and not self.mig.moving and now >= self.drop.no_restore_until
-        for c in auto.onsets(now, _Running(llm), ready):
+        for c in auto.onsets(now, _Running(llm), ready, _Running(llm, queue=True)):
             mode = auto.preemption_mode(c.index)
             if self.modes_sent.get(c.index, self.initial_mode) != mode:
                 llm.send(c.index, Preemption(mode))

@@ -555,6 +555,8 @@ class ClusterLLM(FailoverFront, HandoffFront):
         c = out.outputs[0]
         t.delivered = True
         if len(out.outputs) == 1:
+            if not t.tokens and c.delta_token_ids and self.pressure is not None:
+                self.pressure.on_first_token(t.rid, self.now())  # --kv-pressure auto learns from it
             t.tokens.extend(c.delta_token_ids)
             t.text_sent += len(c.delta_text)
             if self.splitter is not None and c.delta_token_ids:

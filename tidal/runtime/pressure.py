@@ -57,6 +57,9 @@ class PressureLog:
         self.events.append(d.to_dict())
         del self.events[:-EVENT_LOG]
 
+    def on_first_token(self, rid: str, now: float) -> None:
+        """Request ``rid`` streamed its first token (``auto`` learns from it)."""
+
     def tick(self, now: float) -> None:
         """After an instance report (under the front end's lock): decide, and act."""
 

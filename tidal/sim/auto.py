@@ -18,8 +18,8 @@ or restore is being executed; both share one link per instance. Pure: virtual ti
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from tidal.cluster.handoff import handoff_blocks
@@ -78,14 +78,23 @@ def victims(s: Scheduler) -> list[Victim]:
                    max(r.max_output_tokens - len(r.output_token_ids), 0)) for r in order]
 
 
-class _Running(Mapping[int, list[Victim]]):
-    """Each instance's victims, computed only for the instances asked about (the throttled ones)."""
+def queued(s: Scheduler) -> list[Victim]:
+    """The requests waiting for their first token, in queue order: each takes its prompt's blocks and
+    the next token's slot to be admitted, and may produce its max_tokens."""
+    bs = s.kv.block_size
+    return [Victim(r.num_tokens, handoff_blocks(r.num_tokens, bs), False, r.max_output_tokens, r.request_id)
+            for r in s.waiting if not r.output_token_ids]
 
-    def __init__(self, execs: list[SimInstance]):
-        self.execs = execs
+
+class _Running(Mapping[int, list[Victim]]):
+    """Each instance's victims (``queue``: its queued requests instead), computed only for the
+    instances asked about (the throttled ones)."""
+
+    def __init__(self, execs: list[SimInstance], queue: bool = False):
+        self.execs, self.of = execs, queued if queue else victims
 
     def __getitem__(self, i: int) -> list[Victim]:
-        return victims(self.execs[i].scheduler)
+        return self.of(self.execs[i].scheduler)
 
     def __iter__(self) -> Iterator[int]:
         return iter(range(len(self.execs)))
@@ -126,7 +135,7 @@ class AutoHandler(PressureHandler):
 
     def after_step(self, inst: SimInstance, now: float) -> list[Event]:
         drop_ready = not self._changing() and not self.mig.moves
-        for c in self.auto.onsets(now, _Running(self.drop.execs), drop_ready):
+        for c in self.auto.onsets(now, _Running(self.drop.execs), drop_ready, _Running(self.drop.execs, queue=True)):
             self.drop.execs[c.index].scheduler.preemption_mode = self.auto.preemption_mode(c.index)
             if self.audit is not None:
                 self.audit.note(c, c.choice, waiting_ids(self.sim, c.index))
@@ -155,6 +164,9 @@ class AutoHandler(PressureHandler):
 
     def can_step(self, inst: SimInstance) -> bool:
         return self.drop.can_step(inst)
+
+    def on_first_token(self, request_id: str, now: float) -> None:
+        self.auto.first_token(request_id, now)
 
     def on_failure(self, index: int, request_id: str, now: float) -> list[Event] | None:
         return self.mig.on_failure(index, request_id, now)

@@ -74,7 +74,7 @@ class ShadowAudit(PredictionAudit):
         from tidal.sim.auto import _Running
 
         sim = self.sim
-        for c in self.auto.onsets(now, _Running(sim.instances)):
+        for c in self.auto.onsets(now, _Running(sim.instances), True, _Running(sim.instances, queue=True)):
             used = self.response or sim.instances[c.index].scheduler.preemption_mode
             self.note(c, used, waiting_ids(sim, c.index))
 

@@ -143,6 +143,9 @@ class PressureHandler:
     def can_step(self, inst: SimInstance) -> bool:
         return True
 
+    def on_first_token(self, request_id: str, now: float) -> None:
+        """A request had its first token (``auto`` learns from it)."""
+
     def on_failure(self, index: int, request_id: str, now: float) -> list[Event] | None:
         """Instance ``index`` died holding ``request_id``: the events of ending its move, or None
         when no move of this handler's touches it (the simulator re-runs it elsewhere)."""

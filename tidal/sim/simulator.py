@@ -489,6 +489,8 @@ class ClusterSimulator:
             if n:
                 if rec.ttft_s is None:
                     rec.ttft_s = now - rec.send_s
+                    if self.pressure is not None:
+                        self.pressure.on_first_token(upd.request_id, now)
                     rec.itl_s.extend([0.0] * (n - 1))
                     req = self._live.pop(i, None)
                     if req is not None:  # what its first admission found in the prefix cache

@@ -65,10 +65,12 @@ class AutoPressure:
         return self.mode.get(t.index) == "drop"
 
     # ---------------------------------------------------------------- the choice
-    def onsets(self, now: float, running: Mapping[int, Sequence[Victim]], drop_ready: bool = True) -> list[AutoChoice]:
+    def onsets(self, now: float, running: Mapping[int, Sequence[Victim]], drop_ready: bool = True,
+               queued: Mapping[int, Sequence[Victim]] | None = None) -> list[AutoChoice]:
         """Choose for every throttle that starts an episode now. ``running``: each instance's running
         requests in its scheduler's preemption order; ``drop_ready``: False while the shell is
-        executing a change of groups (a drop is not possible now)."""
+        executing a change of groups (a drop is not possible now); ``queued``: each instance's
+        requests waiting for their first token, in queue order (the memory wait recycles through them)."""
         throttles = self.detector.scan(self.monitor)
         self.kun._note_throttles(throttles, now)  # the onset's throttle is logged before its choice
         hot = {i for t in throttles for i in t.members}
@@ -79,7 +81,8 @@ class AutoPressure:
             # reach only because a change was under way: once it is in reach, the choice is made again
             if self.chooser.in_episode(t.index, now) and not (ready and t.index in self._blocked):
                 continue
-            c = self.chooser.choose(now, self.episode(t, running.get(t.index, ()), hot, drop_ready), self.prices)
+            q = () if queued is None else queued.get(t.index, ())
+            c = self.chooser.choose(now, self.episode(t, running.get(t.index, ()), hot, drop_ready, q), self.prices)
             if c.episode.drop.blocked:
                 self._blocked.add(t.index)
             else:
@@ -97,7 +100,7 @@ class AutoPressure:
         return made
 
     def episode(self, t: Throttle, running: Sequence[Victim], hot: Collection[int] = (),
-                drop_ready: bool = True) -> Episode:
+                drop_ready: bool = True, queued: Sequence[Victim] = ()) -> Episode:
         """What the prediction reads about throttle ``t``, from the monitor and the shell's ``running``."""
         st = self.monitor.instances[t.index].status
         rec = self.monitor.instances[t.index]
@@ -108,7 +111,11 @@ class AutoPressure:
                 DropOption(why_not="a change of groups or a migration is under way", blocked=True))
         return Episode(t.index, max(0, t.shortage_blocks), getattr(st, "queued_prefill_tokens", 0), st.num_waiting,
                        tuple(running), getattr(st, "num_free_host_blocks", 0), peers, rec.recent_step_s or 0.0, drop,
-                       alone=not grouped)
+                       alone=not grouped, queue=tuple(queued))
+
+    def first_token(self, rid: str, now: float) -> None:
+        """Request ``rid`` had its first token (what ``learn`` measures an episode by)."""
+        self.chooser.first_token(rid, now)
 
     def _room(self, r: InstanceRecord) -> int:
         st = r.status

@@ -11,6 +11,14 @@ before any run was measured:
   response is predicted at least ``margin`` faster than that choice (a response that cannot run
   now, predicted ``inf``, is always left).
 
+**It learns how far each prediction runs from what happens** (``learn``; a revision, after an
+audit of the simulator's runs, :mod:`tidal.sim.auto_audit`, found drop's predictions about 1.5x
+shorter than they turned out and preemption's close): when every request that waited at an episode's
+onset has had its first token, the seconds that took over the seconds predicted for the response
+taken is that response's latest ratio; each prediction is scaled by the median of its response's
+last ``learn`` ratios (1 until it has one) before the least is taken. The scales a choice used are in
+its record, so a replay decides the same. A response never taken keeps scale 1.
+
 Every choice is an :class:`AutoChoice`: the episode and the prices it read, the previous choice,
 every prediction and the reason. :func:`replay` decides again from those alone, so a recorded
 choice can be checked (same inputs, same decision).
@@ -19,6 +27,8 @@ choice can be checked (same inputs, same decision).
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +37,8 @@ from tidal.cluster.pressure.predict import TECHNIQUES, Episode, Prediction, Pric
 
 MARGIN = 0.2  # a new episode switches only for a response predicted >= 20 % faster than the last choice
 HOLD_S = 2.0  # a throttle back within 2 s of the last one seen continues that episode
+LEARN = 8  # a response's scale: the median realized / predicted of its last 8 served episodes (0: no learning)
+OPEN = 64  # episodes whose queue is still being served, at most (the oldest is given up)
 
 
 @dataclass(frozen=True)
@@ -34,19 +46,22 @@ class AutoParams:
     margin: float = MARGIN
     hold_s: float = HOLD_S
     techniques: tuple[str, ...] = TECHNIQUES
+    learn: int = LEARN
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.margin < 1.0:
             raise ValueError(f"auto margin must be in [0, 1), got {self.margin}")
         if self.hold_s < 0:
             raise ValueError(f"auto hold_s must be >= 0, got {self.hold_s}")
+        if self.learn < 0:
+            raise ValueError(f"auto learn must be >= 0, got {self.learn}")
         bad = [t for t in self.techniques if t not in TECHNIQUES]
         if bad or not self.techniques or len(set(self.techniques)) != len(self.techniques):
             raise ValueError(f"auto techniques must be some of {', '.join(TECHNIQUES)}, each once; "
                              f"got {', '.join(self.techniques) or 'none'}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"margin": self.margin, "hold_s": self.hold_s, "techniques": list(self.techniques)}
+        return {"margin": self.margin, "hold_s": self.hold_s, "techniques": list(self.techniques), "learn": self.learn}
 
 
 @dataclass(frozen=True)
@@ -62,6 +77,7 @@ class AutoChoice:
     predictions: dict[str, Prediction] = field(default_factory=dict)
     choice: str = "recompute"
     reason: str = ""
+    scales: dict[str, float] = field(default_factory=dict)  # what each response's prediction was scaled by (learned)
 
     @property
     def index(self) -> int:
@@ -70,49 +86,66 @@ class AutoChoice:
     def to_dict(self) -> dict[str, Any]:
         return {"time": self.time, "index": self.index, "choice": self.choice, "previous": self.previous,
                 "reason": self.reason, "predictions": {k: v.to_dict() for k, v in self.predictions.items()},
-                "episode": self.episode.to_dict(), "prices": self.prices.to_dict(), "params": self.params.to_dict()}
+                "episode": self.episode.to_dict(), "prices": self.prices.to_dict(), "params": self.params.to_dict(),
+                "scales": dict(self.scales)}
 
     def summary(self) -> dict[str, Any]:
         """The short form for event logs and the dashboard: choice, reason, predicted seconds."""
         return {"choice": self.choice, "previous": self.previous, "reason": self.reason,
                 "predicted_s": {k: (None if math.isinf(v.seconds) else round(v.seconds, 4))
-                                for k, v in self.predictions.items()}}
+                                for k, v in self.predictions.items()},
+                **({"scales": {k: round(v, 3) for k, v in self.scales.items()}} if self.scales else {})}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> AutoChoice:
         """The inputs of a recorded choice (its outputs are decided again by :func:`replay`)."""
         p = d["params"]
-        params = AutoParams(p["margin"], p["hold_s"], tuple(p["techniques"]))
+        params = AutoParams(p["margin"], p["hold_s"], tuple(p["techniques"]), p.get("learn", 0))
         return cls(d["time"], Episode.from_dict(d["episode"]), Prices.from_dict(d["prices"]), d["previous"], params,
-                   choice=d["choice"], reason=d["reason"])
+                   choice=d["choice"], reason=d["reason"], scales=dict(d.get("scales", {})))
 
 
 def decide(episode: Episode, prices: Prices, previous: str | None, params: AutoParams,
-           now: float = 0.0) -> AutoChoice:
-    """The response for ``episode``: the least predicted, unless the instance's ``previous`` choice
-    is within ``margin`` of it."""
+           now: float = 0.0, scales: dict[str, float] | None = None) -> AutoChoice:
+    """The response for ``episode``: the least predicted (each prediction times its response's
+    learned scale), unless the instance's ``previous`` choice is within ``margin`` of it."""
     preds = predict(episode, prices, params.techniques)
+    scales = {k: v for k, v in (scales or {}).items() if k in preds and v != 1.0}
+    sec = {k: p.seconds * scales.get(k, 1.0) for k, p in preds.items()}
+
+    def said(t: str) -> str:
+        return f"{sec[t]:.3g} s" + (f" ({preds[t].seconds:.3g} x {scales[t]:.2g} learned)" if t in scales else "")
+
     order = params.techniques
-    ranked = sorted(order, key=lambda t: (preds[t].seconds, order.index(t)))
+    ranked = sorted(order, key=lambda t: (sec[t], order.index(t)))
     best, second = ranked[0], ranked[1] if len(ranked) > 1 else None
     choice = best
-    s = preds[best].seconds
-    if second is not None:
-        reason = f"{best} predicted {s:.3g} s, least (next: {second} {preds[second].seconds:.3g} s)"
-    else:
-        reason = f"{best} predicted {s:.3g} s"
+    s = sec[best]
+    reason = f"{best} predicted {said(best)}, least (next: {second} {said(second)})" if second is not None else \
+        f"{best} predicted {said(best)}"
     if previous in preds and previous != best:
-        prev_s = preds[previous].seconds
+        prev_s = sec[previous]
         if not math.isinf(prev_s) and s > (1.0 - params.margin) * prev_s:
             choice = previous
             reason = (f"kept {previous} ({prev_s:.3g} s): {best}'s {s:.3g} s is not {params.margin:.0%} faster "
                       "(hysteresis)")
-    return AutoChoice(now, episode, prices, previous, params, preds, choice, reason)
+    return AutoChoice(now, episode, prices, previous, params, preds, choice, reason, scales)
 
 
 def replay(choice: AutoChoice) -> AutoChoice:
-    """Decide again from a record's inputs alone."""
-    return decide(choice.episode, choice.prices, choice.previous, choice.params, choice.time)
+    """Decide again from a record's inputs alone (the scales it used included)."""
+    return decide(choice.episode, choice.prices, choice.previous, choice.params, choice.time, choice.scales)
+
+
+@dataclass
+class _Open:
+    """An episode whose queue is being served: the response taken, its (unscaled) prediction, the
+    onset and the requests still waiting for their first token."""
+
+    response: str
+    predicted_s: float
+    start: float
+    waiting: set[str]
 
 
 class AutoChooser:
@@ -123,15 +156,36 @@ class AutoChooser:
         self.params = params or AutoParams()
         self.last: dict[int, str] = {}
         self.seen: dict[int, float] = {}
+        self.open: list[_Open] = []  # episodes whose queue is being served (learning)
+        self.ratios: dict[str, deque[float]] = {}  # each response's latest realized / predicted
+
+    def scales(self) -> dict[str, float]:
+        """Each response's learned scale: the median of its latest ratios."""
+        return {k: statistics.median(v) for k, v in self.ratios.items() if v}
+
+    def first_token(self, rid: str, now: float) -> None:
+        """Request ``rid`` had its first token: an episode whose queue it was the last of is served."""
+        for o in [o for o in self.open if rid in o.waiting]:
+            o.waiting.discard(rid)
+            if not o.waiting:
+                self.open.remove(o)
+                if o.predicted_s > 0 and not math.isinf(o.predicted_s):
+                    self.ratios.setdefault(o.response, deque(maxlen=self.params.learn)).append(
+                        (now - o.start) / o.predicted_s)
 
     def in_episode(self, index: int, now: float) -> bool:
         t = self.seen.get(index)
         return t is not None and now - t <= self.params.hold_s
 
     def choose(self, now: float, episode: Episode, prices: Prices) -> AutoChoice:
-        c = decide(episode, prices, self.last.get(episode.index), self.params, now)
+        learn = self.params.learn > 0
+        c = decide(episode, prices, self.last.get(episode.index), self.params, now, self.scales() if learn else None)
         self.last[episode.index] = c.choice
         self.seen[episode.index] = now
+        waiting = {q.rid for q in episode.queue if q.rid}
+        if learn and waiting:
+            self.open.append(_Open(c.choice, c.predictions[c.choice].seconds, now, waiting))
+            del self.open[:-OPEN]
         return c
 
     def throttled(self, indices: Iterable[int], now: float) -> None:
@@ -145,4 +199,4 @@ class AutoChooser:
             self.seen.pop(i, None)
 
 
-__all__ = ["HOLD_S", "MARGIN", "AutoChoice", "AutoChooser", "AutoParams", "decide", "replay"]
+__all__ = ["HOLD_S", "LEARN", "MARGIN", "AutoChoice", "AutoChooser", "AutoParams", "decide", "replay"]

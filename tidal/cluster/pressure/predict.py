@@ -20,12 +20,23 @@ itself except a drop; the four responses, each at its own price:
   boundaries (its bubbles); what the freed memory cannot cover is preempted (recompute).
 
 Each is predicted as the seconds until the queued demand, and what the response displaces to make
-room for it, are served: the queue's prefill under that response, plus whatever the response puts
-on that path -- the victims' re-prefill, the swap copies, the migration transfers -- plus the wait
-for the memory it does not create: the ``S`` blocks (less what a migration or a drop brings) must
-come from running requests finishing, which takes :func:`drain_steps` decode steps of the
-instance's measured step time (its outputs' remaining tokens, growing a token a step meanwhile).
-A preempted victim waits for that memory before it runs again, and new arrivals queue behind it.
+room for it, are served: the queue's prefill under that response, or the wait for the memory the
+response does not create, whichever is later -- the queue is admitted and prefilled as memory
+frees, so the two overlap -- plus what the displaced requests need once memory is back (the
+victims' re-prefill, or their swap copies) and what the response puts on the path first (the
+migration transfers, the pipeline's bubbles). The memory: the ``S``
+blocks (less what a migration or a drop brings) must come from requests finishing. With the queue
+known (:attr:`Episode.queue`) that is :func:`admit_steps`: decode steps of the instance's measured
+step time until the queue's last request is admitted, memory recycling through the running
+requests and through the queued ones once admitted (each gives its blocks back after its output);
+without it, :func:`drain_steps`: until running requests alone have freed ``S`` (their remaining
+tokens, growing a token a step meanwhile). A preempted victim waits for that memory before it runs
+again, and new arrivals queue behind it.
+
+The overlap and the queue's recycling are a revision (the first version added the wait to the
+prefill and drained through the running requests only): an audit of the baselines' own runs
+(:mod:`tidal.sim.auto_audit`: recompute and swap, each onset's prediction beside when its queue was
+served) found preemption predicted about 3x longer than it took, and drop about 1.6x shorter.
 
 Prefill is priced by KunServe's Eq. 1 with the coefficients the shell's cost model gives
 (:class:`Prices`: the simulator's analytic or profiled model; the runtime hands the same model in),
@@ -41,7 +52,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tidal.cluster.pressure.lookahead import ChunkCost
@@ -112,6 +123,7 @@ class Victim:
     blocks: int
     decoding: bool = True
     remaining: int = 0  # output tokens it may still produce (its max_tokens less those it has)
+    rid: str = ""  # a queued request's id: ``auto`` learns when the queue it chose for was served
 
 
 @dataclass(frozen=True)
@@ -144,6 +156,9 @@ class Episode:
     step_s: float  # the instance's step time, as the monitor measures it
     drop: DropOption = field(default_factory=DropOption)
     alone: bool = True  # False: a pipeline group, whose KV is spread over its stages (no swap, no migration)
+    # the requests waiting here for their first token, in queue order (tokens: prompt; blocks: what
+    # admitting one takes; remaining: its max_tokens); empty: not known (the drain ignores the queue)
+    queue: tuple[Victim, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -151,7 +166,7 @@ class Episode:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Episode:
         return cls(**{**d, "running": tuple(Victim(**v) for v in d["running"]), "peer_room": tuple(d["peer_room"]),
-                      "drop": DropOption(**d["drop"])})
+                      "drop": DropOption(**d["drop"]), "queue": tuple(Victim(**v) for v in d.get("queue", ()))})
 
 
 @dataclass(frozen=True)
@@ -201,8 +216,39 @@ def drain_steps(running: Sequence[Victim], need: int, block_size: int) -> int:
     return max(order[-1].remaining, 0)
 
 
-def _drain(e: Episode, p: Prices, need: int) -> tuple[float, int]:
-    steps = drain_steps(e.running, need, p.block_size)
+def admit_steps(running: Sequence[Victim], queue: Sequence[Victim], free_blocks: float, block_size: int) -> int:
+    """Decode steps until the last of ``queue`` is admitted, memory recycling as it does in a running
+    engine: a running request gives its blocks back when its remaining tokens are out, a queued one
+    once admitted (after its prefill step) gives its own back after its output, and every request
+    holding KV grows a token a step meanwhile. ``free_blocks``: what the pool has for the queue now.
+    A request that even every finish before it leaves no room for is taken in at the last of them
+    (nothing later can help it), and the queue goes on behind it."""
+    import heapq
+
+    ends = [(max(v.remaining, 0), 0, v.blocks) for v in running]  # (finish step, start step, blocks held)
+    heapq.heapify(ends)
+    base, k = float(free_blocks), 0
+    active, starts = len(ends), 0  # growth by step k: (active * k - starts) / block_size
+    for q in queue:
+        while base - (active * k - starts) / block_size < q.blocks and ends:
+            fin, start, blocks = heapq.heappop(ends)
+            k = max(k, fin)
+            base += blocks  # what it grew meanwhile leaves the growth term as it leaves
+            active, starts = active - 1, starts - start
+        base -= q.blocks
+        heapq.heappush(ends, (k + 1 + max(q.remaining, 0), k + 1, q.blocks))
+        active, starts = active + 1, starts + k + 1
+    return k
+
+
+def _drain(e: Episode, p: Prices, need: int, running: Sequence[Victim] | None = None) -> tuple[float, int]:
+    """The memory wait: ``need`` blocks more than the queue has now. With the queue known, until its
+    last request is admitted (:func:`admit_steps`); else until running requests finishing free ``need``."""
+    running = e.running if running is None else running
+    if e.queue and need > 0:
+        steps = admit_steps(running, e.queue, sum(q.blocks for q in e.queue) - need, p.block_size)
+    else:
+        steps = drain_steps(running, need, p.block_size)
     return steps * e.step_s, steps
 
 
@@ -210,7 +256,7 @@ def predict_recompute(e: Episode, p: Prices) -> Prediction:
     vs = _victims(e.running, e.shortage_blocks)
     queue, again = p.prefill_s(e.queued_tokens, e.queued_requests), _recompute_s(p, vs)
     wait, steps = _drain(e, p, e.shortage_blocks)
-    return Prediction("recompute", wait + queue + again,
+    return Prediction("recompute", max(wait, queue) + again,
                       {"memory_wait_s": wait, "queue_prefill_s": queue, "recompute_s": again, "drain_steps": steps,
                        "victims": len(vs), "victim_tokens": sum(v.tokens for v in vs)})
 
@@ -230,7 +276,7 @@ def predict_swap(e: Episode, p: Prices) -> Prediction:
     copy = 2 * blocks * p.block_bytes / p.host_bytes_per_s if blocks else 0.0  # out, then back in
     queue, again = p.prefill_s(e.queued_tokens, e.queued_requests), _recompute_s(p, rest)
     wait, steps = _drain(e, p, e.shortage_blocks)
-    return Prediction("swap", wait + queue + copy + again,
+    return Prediction("swap", max(wait, queue) + copy + again,
                       {"memory_wait_s": wait, "queue_prefill_s": queue, "swap_copy_s": copy, "recompute_s": again,
                        "drain_steps": steps, "swapped": len(swapped), "swapped_blocks": blocks, "recomputed": len(rest)},
                       "" if not rest else "the host pool holds only part of the victims: the rest recompute")
@@ -256,8 +302,8 @@ def predict_migrate(e: Episode, p: Prices) -> Prediction:
     rest = _victims(left, lack)
     transfer = p.kv_transfer_s(sum(v.tokens for v in moved), len(moved))  # the queue starts when the KV has landed
     queue, again = p.prefill_s(e.queued_tokens, e.queued_requests), _recompute_s(p, rest)
-    wait, steps = (0.0, 0) if not lack else _drain(replace(e, running=tuple(left)), p, lack)
-    return Prediction("migrate", transfer + wait + queue + again,
+    wait, steps = (0.0, 0) if not lack else _drain(e, p, lack, left)
+    return Prediction("migrate", transfer + max(wait, queue) + again,
                       {"transfer_s": transfer, "memory_wait_s": wait, "queue_prefill_s": queue, "recompute_s": again,
                        "drain_steps": steps, "moved": len(moved), "moved_blocks": freed, "recomputed": len(rest)},
                       "" if moved else "no peer has room for a decoding request: it recomputes")
@@ -271,7 +317,7 @@ def predict_drop(e: Episode, p: Prices) -> Prediction:
     relief = d.freed_blocks + max(0, d.peer_room_blocks)
     lack = max(0, e.shortage_blocks - relief)
     rest = _victims(e.running, lack)
-    work = p.prefill_s(d.queued_tokens, d.queued_requests) + _recompute_s(p, rest)
+    work, again = p.prefill_s(d.queued_tokens, d.queued_requests), _recompute_s(p, rest)
     wait, steps = _drain(e, p, lack)
     # a group step runs n microbatches of a step's budget (Sec. 4.3): each stage pays a step's fixed
     # overhead per microbatch (n where one instance paid 1 for the same tokens) and each microbatch's
@@ -279,7 +325,7 @@ def predict_drop(e: Episode, p: Prices) -> Prediction:
     group_steps = math.ceil(max(d.queued_tokens, 1) / (n * p.token_budget))
     hop = p.link_latency_s + p.token_budget * p.hidden_bytes / p.link_bytes_per_s if p.link_bytes_per_s else 0.0
     bubbles = group_steps * (n - 1) * (p.step_overhead_s + hop)
-    return Prediction("drop", wait + work / n + bubbles,
+    return Prediction("drop", max(wait, work / n) + again / n + bubbles,
                       {"memory_wait_s": wait, "group_prefill_s": work / n, "pipeline_s": bubbles, "drain_steps": steps,
                        "members": n, "freed_blocks": d.freed_blocks, "peer_room_blocks": d.peer_room_blocks,
                        "recomputed": len(rest), "exchange_s (off the queue's path)": p.kv_transfer_s(d.exchange_tokens)},
@@ -295,5 +341,6 @@ def predict(e: Episode, p: Prices, techniques: Sequence[str] = TECHNIQUES) -> di
     return {t: PREDICTORS[t](e, p) for t in techniques}
 
 
-__all__ = ["PREDICTORS", "TECHNIQUES", "DropOption", "Episode", "Prediction", "Prices", "Victim", "drain_steps",
+__all__ = ["PREDICTORS", "TECHNIQUES", "DropOption", "Episode", "Prediction", "Prices", "Victim", "admit_steps",
+           "drain_steps",
            "predict", "predict_drop", "predict_migrate", "predict_recompute", "predict_swap"]
