@@ -25,6 +25,7 @@ def test_run_all_keeps_the_order_and_runs_elsewhere_with_jobs():
 def test_a_killed_run_leaves_no_worker_computing_on():
     """The run that spawned the pool is SIGKILLed mid-call: its workers die with it (Linux's
     parent-death signal), not after their current call."""
+    import contextlib
     import signal
     import subprocess
     import sys
@@ -53,10 +54,8 @@ def test_a_killed_run_leaves_no_worker_computing_on():
         assert not [w for w in workers if os.path.exists(f"/proc/{w}") and _alive(w)]
     finally:
         for w in {*process_tree(p.pid), *workers}:  # orphaned workers are no longer under p
-            try:
+            with contextlib.suppress(OSError):
                 os.kill(w, signal.SIGKILL)
-            except OSError:
-                pass
 
 
 def _alive(pid: int) -> bool:

@@ -98,6 +98,10 @@ def test_the_command_writes_its_json_figures_and_page(tmp_path, capsys):
     text = page.read_text()
     assert "## A trace that changes regime" in text and "auto_timeline.png" in text
     assert (out / "auto_timeline.png").is_file() and (out / "auto_phases.png").is_file()
+    page.unlink()
+    assert main(["bench", "sim-auto", "--output", str(out), "--page", str(page), "--replot"]) == 0  # from the JSON
+    assert page.read_text() == text
+    assert main(["bench", "sim-auto", "--output", str(tmp_path / "none"), "--replot"]) == 2
     assert main(["bench", "sim-auto", "--parts", "nope"]) == 2
     assert "--parts" in capsys.readouterr().err
 

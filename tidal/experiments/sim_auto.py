@@ -22,6 +22,7 @@ tokens against one engine's and its recorded choices (:mod:`tidal.experiments.au
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -212,6 +213,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"simulator runs at once, each a process of its own (this machine: {usable_cores()} cores)")
     p.add_argument("--output", default="docs/results/auto", help="folder for auto_sim.json and the PNGs")
     p.add_argument("--page", default=None, help="also write the generated page here (docs/auto.md)")
+    p.add_argument("--replot", action="store_true",
+                   help="run nothing: write the figures (and --page) from --output's auto_sim.json")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
 
@@ -222,6 +225,13 @@ def run(args: argparse.Namespace) -> int:
     if bad or not args.parts:
         print(f"{PROG}: error: --parts takes trace, kunserve, pang; got {args.parts}", file=sys.stderr)
         return 2
+    path = os.path.join(args.output, "auto_sim.json")
+    if args.replot:
+        if not os.path.isfile(path):
+            print(f"{PROG}: error: --replot reads {path}, which does not exist", file=sys.stderr)
+            return 2
+        with open(path, encoding="utf-8") as f:
+            return _write(json.load(f), args, path)
     t0 = time.perf_counter()
 
     def log(msg: str) -> None:
@@ -237,8 +247,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     res.update(command=command, machine=machine_info(), wall_time_s=time.perf_counter() - t0)
     os.makedirs(args.output, exist_ok=True)
-    path = os.path.join(args.output, "auto_sim.json")
     write_json(res, path)
+    return _write(res, args, path)
+
+
+def _write(res: dict[str, Any], args: argparse.Namespace, path: str) -> int:
     from tidal.experiments.auto_page import summary_lines, write_page, write_plots
 
     figures = write_plots(res, args.output)
