@@ -123,9 +123,10 @@ def write_page(res: dict[str, Any], path: str, figures: list[str]) -> None:
          "instance is throttled and 2 s after), and a new episode leaves the instance's previous choice only for "
          "a response predicted 20 % faster. Every choice is recorded with its episode, prices, predictions, "
          "scales and reason and replays from them.", "",
-         "The overlap, the queue's recycling and the learned scales are a revision, made after the audit below "
-         "(then of the first version) showed recompute's and swap's predictions about 3x longer than what "
-         "happened and drop's about 1.5x shorter, so that auto took drop where swap served the queue sooner.", "",
+         "The overlap, the queue's recycling and the learned scales are a revision, made after the audit below, "
+         "run on the first version (commit c67701f), showed recompute's and swap's predictions well above what "
+         "happened and drop's below it, so that auto took drop where swap served the queue sooner; the audit "
+         "below is of this version.", "",
          "`--batching auto` (`tidal/policies/auto.py`): each step's batch cap is the tighter of Pang et al.'s "
          "b_mem (Alg. 1, the KV pool) and b_SLA (Alg. 2, the TBT SLO); its token budget is DynaServe's composer "
          "(Alg. 2) once its profile table has 16 steps, Pang's chunk search before; the binding constraint is "
