@@ -117,3 +117,15 @@ def test_the_audit_table_gives_each_response_its_median_ratio_per_seed():
     rows = _audit_table(d)
     assert rows[2:] == ["| swap | swap | 3 / 0 | 2.00 / - |", "| auto | drop | 1 / 0 | 1.50 / - |",
                         "| auto | swap | 0 / 1 | - / 0.50 |"]
+
+
+def test_drops_before_learning_counts_the_drops_before_drop_is_first_scaled():
+    from tidal.experiments.auto_page import drops_before_learning
+
+    run = {"choices": [[1.0, 0, "drop"], [2.0, 1, "swap"], [3.0, 2, "drop"], [9.0, 3, "drop"]],
+           "choice_reasons": ["drop predicted 1 s, least (next: swap 2 s)",
+                              "swap predicted 2 s, least (next: drop 3 s)",
+                              "drop predicted 1 s, least (next: swap 2 s (2 x 1 learned))",  # swap's scale, not drop's
+                              "drop predicted 2 s (1 x 2 learned), least (next: swap 3 s)"]}
+    assert drops_before_learning(run) == 2
+    assert drops_before_learning({"choices": [[1.0, 0, "swap"]], "choice_reasons": ["swap ..."]}) is None

@@ -88,6 +88,19 @@ def _audit_table(d: dict[str, Any]) -> list[str]:
     return out
 
 
+def drops_before_learning(run: dict[str, Any]) -> int | None:
+    """The drops ``auto`` took before any drop episode of its own was served (before the first reason
+    that scales drop's prediction); None when it never took drop."""
+    import re
+
+    choices, reasons = run.get("choices") or [], run.get("choice_reasons") or []
+    if not any(c[2] == "drop" for c in choices):
+        return None
+    scaled = re.compile(r"\bdrop (?:predicted )?[^\s()]+ s \([^\s()]+ x [^\s()]+ learned\)")  # decide()'s wording
+    first = next((i for i, x in enumerate(reasons) if scaled.search(x)), len(choices))
+    return sum(1 for c in choices[:first] if c[2] == "drop")
+
+
 def _claims(j: dict[str, Any]) -> list[str]:
     out = ["| claim | per seed | verdict |", "|---|---|---|"]
     for ph, v in j["phases"].items():
@@ -163,6 +176,12 @@ def write_page(res: dict[str, Any], path: str, figures: list[str]) -> None:
             reasons = a[0].get("choice_reasons") or []
             if reasons:
                 L += ["Its first reasons (seed 0): " + "; ".join(f"`{x}`" for x in reasons[:6]) + ".", ""]
+            early = [drops_before_learning(r) for r in a]
+            if any(x for x in early):
+                L += ["Drops taken before any drop episode of auto's own had been served (so before its scale "
+                      "could correct drop's prediction), per seed: " + _per_seed(early, lambda v: "-" if v is None else str(v)) + ". Each pairs two "
+                      "instances into a pipeline group, which only KunServe's restore rule (Sec. 4.4: memory use "
+                      "back under its threshold) undoes.", ""]
             audit = _audit_table(d)
             if len(audit) > 2:
                 L += ["Predictions against what happened (`tidal.sim.auto_audit`): at every throttle onset, the "
@@ -285,7 +304,7 @@ def write_plots(res: dict[str, Any], out_dir: str) -> list[str]:
                     if p and real:
                         pts.setdefault(resp, []).append((p, real))
         if pts:
-            fig, ax = plt.subplots(figsize=(5.2, 4.6))
+            fig, ax = plt.subplots(figsize=(6.4, 4.8))
             for tech, xy in sorted(pts.items()):
                 ax.scatter([x for x, _ in xy], [y for _, y in xy], s=10, alpha=0.6, color=COLORS[tech],
                            marker=MARKERS.get(tech, "o"), label=f"{tech} ({len(xy)})")
@@ -298,7 +317,7 @@ def write_plots(res: dict[str, Any], out_dir: str) -> list[str]:
             ax.set_ylabel("realized: the queue's last first token (s)")
             ax.legend(fontsize=8)
             files.append(save_figure(plt, fig, os.path.join(out_dir, "auto_audit.png"),
-                                     f"auto's predictions against what happened ({level}, every seed and run)"))
+                                     f"predicted vs realized ({level}; every seed and run)"))
     ks = res.get("kunserve")
     if ks:
         fig, axes = plt.subplots(1, len(ks), figsize=(3.6 * len(ks), 3.6), squeeze=False)
