@@ -448,9 +448,9 @@ def test_bucketserve_readme_line_reads_its_figures_off_the_claims():
     real = {"BucketServe (bucket)": {"tok_s": 60.0}, UELLM: {"tok_s": 25.0}}
     line = readme_line(cs, real)
     assert line.startswith("offline throughput 4.70x (seeds 4.50-4.80x; holds; larger than the paper's 3.58x) "
-                           "over a padded static batch in the simulator and 2.40x on the real engine (one run)")
-    assert ("capacity at 80 % SLO attainment over UELLM-like 6.00x (seeds 5.60-6.30x; holds; larger than the "
-            "paper's 1.98x) on Alpaca and not run on Mixed") in line
+                           "a padded static batch's, simulated, 2.40x on the real engine (one run)")
+    assert ("capacity over UELLM-like 6.00x (seeds 5.60-6.30x; holds; larger than the paper's 1.98x) on Alpaca, "
+            "not run on Mixed") in line
     assert "1.50-1.60x (seeds 1.20-1.70x; 2 of 2 hold) where prefill binds" in line
-    assert ("layout 0.98x (seeds 0.97-0.99x; fails; smaller than the paper's 1.31x) offline and 1.00x (seeds "
+    assert ("layout 0.98x (seeds 0.97-0.99x; fails; smaller than the paper's 1.31x) offline, 1.00x (seeds "
             "1.00x; tie; smaller than the paper's 1.37-1.93x) in capacity") in line

@@ -449,18 +449,17 @@ def readme_line(cs: list[Claim], real: dict[str, Any] | None) -> str:
         return out + ")"
 
     cap = "capacity at 80 % SLO attainment"
-    out = f"offline throughput {rng('offline throughput: BucketServe over UELLM', '', (3.58, 3.58))} over a " \
-          "padded static batch in the simulator"
+    out = f"offline throughput {rng('offline throughput: BucketServe over UELLM', '', (3.58, 3.58))} a padded " \
+          "static batch's, simulated"
     if real is not None:
         bu, ue = real["BucketServe (bucket)"]["tok_s"], real[UELLM]["tok_s"]
         reps = real.get("repeats", 1)
-        out += f" and {bu / ue:.2f}x on the real engine ({'one run' if reps == 1 else f'median of {reps} runs'})"
-    out += (f"; {cap} over UELLM-like {rng(cap + ', alpaca', 'over UELLM', (1.975, 1.975))} on Alpaca and "
-            f"{rng(cap + ', mixed', 'over UELLM', (3.47, 3.47))} on Mixed. Against a DistServe that behaves as "
-            f"DistServe does: {rng('where bucketing pays')} where prefill binds on an engine that pads (a layout "
-            f"the paper does not run); on the paper's decode-bound 2 + 2 layout "
-            f"{rng('offline throughput: BucketServe over DistServe', '', (1.31, 1.31))} offline and "
-            f"{rng(cap, 'over DistServe', (1.37, 1.93))} in capacity")
+        out += f", {bu / ue:.2f}x on the real engine ({'one run' if reps == 1 else f'median of {reps} runs'})"
+    out += (f"; capacity over UELLM-like {rng(cap + ', alpaca', 'over UELLM', (1.975, 1.975))} on Alpaca, "
+            f"{rng(cap + ', mixed', 'over UELLM', (3.47, 3.47))} on Mixed. Over DistServe: "
+            f"{rng('where bucketing pays')} where prefill binds on an engine that pads (not in the paper); on "
+            f"the paper's decode-bound 2 + 2 layout {rng('offline throughput: BucketServe over DistServe', '', (1.31, 1.31))}"
+            f" offline, {rng(cap, 'over DistServe', (1.37, 1.93))} in capacity")
     return out + "."
 
 
