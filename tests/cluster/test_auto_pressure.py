@@ -247,6 +247,12 @@ def test_auto_learns_how_far_a_response_runs_from_its_prediction():
     assert "drop predicted 0.0516 s (0.103 x 0.5 learned)" in decide(e, PRICES, None, AutoParams(), scales={"drop": 0.5}).reason
     back = AutoChoice.from_dict(json.loads(json.dumps(second.to_dict())))
     assert replay(back).choice == "migrate" and replay(back).reason == second.reason
+    # a queue served at its onset's own instant teaches nothing (a scale of 0 would make inf * 0 a nan)
+    instant = AutoChooser(AutoParams(margin=0.0))
+    instant.choose(30.0, e, PRICES)
+    instant.first_token("a", 30.0)
+    instant.first_token("b", 30.0)
+    assert not instant.scales() and not instant.open
     # learn 0: no episode is followed, nothing is scaled
     off = AutoChooser(AutoParams(margin=0.0, learn=0))
     off.choose(10.0, e, PRICES)

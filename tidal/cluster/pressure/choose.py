@@ -12,11 +12,12 @@ before any run was measured:
   now, predicted ``inf``, is always left).
 
 **It learns how far each prediction runs from what happens** (``learn``; a revision, after an
-audit of the simulator's runs, :mod:`tidal.sim.auto_audit`, found drop's predictions about 1.5x
-shorter than they turned out and preemption's close): when every request that waited at an episode's
+audit of the simulator's runs, :mod:`tidal.sim.auto_audit`, found drop's predictions shorter than
+what happened, where preemption's came close): when every request that waited at an episode's
 onset has had its first token, the seconds that took over the seconds predicted for the response
 taken is that response's latest ratio; each prediction is scaled by the median of its response's
-last ``learn`` ratios (1 until it has one) before the least is taken. The scales a choice used are in
+last ``learn`` ratios (1 until it has one; a queue served at its onset's own instant teaches
+nothing, so no scale is ever 0) before the least is taken. The scales a choice used are in
 its record, so a replay decides the same. A response never taken keeps scale 1.
 
 Every choice is an :class:`AutoChoice`: the episode and the prices it read, the previous choice,
@@ -169,7 +170,7 @@ class AutoChooser:
             o.waiting.discard(rid)
             if not o.waiting:
                 self.open.remove(o)
-                if o.predicted_s > 0 and not math.isinf(o.predicted_s):
+                if o.predicted_s > 0 and not math.isinf(o.predicted_s) and now > o.start:
                     self.ratios.setdefault(o.response, deque(maxlen=self.params.learn)).append(
                         (now - o.start) / o.predicted_s)
 
