@@ -19,6 +19,15 @@ def die_with_parent() -> None:
 POPEN_KW = {"preexec_fn": die_with_parent} if sys.platform.startswith("linux") else {}
 
 
+def alive(pid: int) -> bool:
+    """``pid`` runs: it exists and is not a zombie (a process that exited and its parent has not reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def process_tree(pid: int) -> list[int]:
     """``pid`` and every live process under it."""
     out, todo = [], [pid]

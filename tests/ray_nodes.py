@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-from tests.processes import die_with_parent, process_tree
+from tests.processes import alive, die_with_parent, process_tree
 
 START_TIMEOUT_S = 180.0  # a node's start (seconds on an idle machine, more on a loaded 2-core one)
 
@@ -30,15 +30,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (a killed process that its parent has not reaped yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 class RayNodes:
@@ -135,7 +126,7 @@ class RayNodes:
                 os.kill(pid, signal.SIGKILL)
         proc.wait(timeout=30)
         deadline = time.monotonic() + 30
-        while any(_running(p) for p in tree) and time.monotonic() < deadline:
+        while any(alive(p) for p in tree) and time.monotonic() < deadline:
             time.sleep(0.1)
 
     def stop(self) -> None:

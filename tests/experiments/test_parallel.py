@@ -33,7 +33,7 @@ def test_a_killed_run_leaves_no_worker_computing_on():
 
     import pytest
 
-    from tests.processes import POPEN_KW, process_tree
+    from tests.processes import POPEN_KW, alive, process_tree
 
     if not sys.platform.startswith("linux"):
         pytest.skip("the parent-death signal is Linux's")
@@ -49,19 +49,10 @@ def test_a_killed_run_leaves_no_worker_computing_on():
         p.send_signal(signal.SIGKILL)
         p.wait(10)
         deadline = time.monotonic() + 10
-        while any(os.path.exists(f"/proc/{w}") and _alive(w) for w in workers) and time.monotonic() < deadline:
+        while any(alive(w) for w in workers) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not [w for w in workers if os.path.exists(f"/proc/{w}") and _alive(w)]
+        assert not [w for w in workers if alive(w)]
     finally:
         for w in {*process_tree(p.pid), *workers}:  # orphaned workers are no longer under p
             with contextlib.suppress(OSError):
                 os.kill(w, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    """Not a zombie (a dead child not yet reaped shows in /proc as state Z)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

@@ -9,16 +9,8 @@ import time
 import httpx
 import pytest
 
-from tests.processes import process_tree
+from tests.processes import alive, process_tree
 from tidal.experiments.server_proc import serve, stop
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"  # a zombie has exited
-    except OSError:
-        return False
 
 
 def test_serve_waits_for_health_and_stop_leaves_no_process():
@@ -35,9 +27,9 @@ def test_serve_waits_for_health_and_stop_leaves_no_process():
     # the workers are stopped by the server; multiprocessing's resource tracker (also a child) exits
     # on its own once the server's end of its pipe closes: give it a moment, then none may be left
     deadline = time.monotonic() + 15
-    while [c for c in children if _alive(c)] and time.monotonic() < deadline:
+    while [c for c in children if alive(c)] and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [c for c in children if _alive(c)]
+    assert not [c for c in children if alive(c)]
 
 
 def test_a_server_that_cannot_start_is_reported_with_its_log(tmp_path, monkeypatch):
@@ -65,14 +57,14 @@ def test_a_server_dies_with_the_experiment_that_started_it(tmp_path):
     try:
         server_pid, log = parent.stdout.readline().split()
         tree = process_tree(int(server_pid))
-        assert _alive(int(server_pid))
+        assert alive(int(server_pid))
     finally:
         parent.kill()
         parent.wait(10)
     deadline = time.monotonic() + 30
-    while [p for p in tree if _alive(p)] and time.monotonic() < deadline:
+    while [p for p in tree if alive(p)] and time.monotonic() < deadline:
         time.sleep(0.1)
-    left = [p for p in tree if _alive(p)]
+    left = [p for p in tree if alive(p)]
     for p in left:  # a failing run cleans up after itself
         os.kill(p, signal.SIGKILL)
     os.unlink(log)

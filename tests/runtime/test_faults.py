@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from tests.processes import alive
 from tidal.cluster.dispatch import ClusterLayout
 from tidal.config import EngineConfig
 from tidal.core.sampling import SamplingParams
@@ -162,17 +163,9 @@ def _stop(llm) -> None:
     pids = [p for p in llm.pids if p]
     llm.shutdown()
     deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
         time.sleep(0.1)
-    assert not [p for p in pids if _alive(p)], "a worker outlived its cluster"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    assert not [p for p in pids if alive(p)], "a worker outlived its cluster"
 
 
 def _both_roles_down_in_turn(llm, reference, tag: str) -> None:

@@ -67,7 +67,7 @@ def sim_prices(cfg: PressureConfig, sim: ClusterSimulator) -> Prices:
 def shadow_audit(cfg: PressureConfig, sim: ClusterSimulator, response: str | None) -> ShadowAudit:
     """A passive ``auto`` over a fixed-mode run (``response``: the run's response; None: each
     instance's preemption mode): it predicts at each onset, acts on nothing."""
-    shadow = AutoPressure(sim.monitor, cfg.model, sim_prices(cfg, sim), params=getattr(cfg, "auto_params", None))
+    shadow = AutoPressure(sim.monitor, cfg.model, sim_prices(cfg, sim), params=cfg.auto_params)
     return ShadowAudit(shadow, sim, response)
 
 

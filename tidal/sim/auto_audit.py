@@ -21,6 +21,7 @@ decision code makes, so a biased response shows as a realized / predicted ratio 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -50,7 +51,7 @@ class PredictionAudit:
             for rid in rids:
                 rec = sim.records[sim._index[rid]]
                 firsts.append(None if rec.ttft_s is None else rec.arrival_s + rec.ttft_s)
-            realized = None if not firsts or None in firsts else max(f for f in firsts if f is not None) - t
+            realized = None if not firsts or None in firsts else max(firsts) - t
             out.append({"time": round(t, 4), "index": index, "response": response, "waiting": len(rids),
                         "predicted_s": {k: (None if math.isinf(v) else round(v, 4)) for k, v in preds.items()},
                         "terms": terms,  # of the response used's prediction
@@ -91,9 +92,8 @@ def summarize_audit(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             by.setdefault(k, []).append(r["realized_s"] / p)
     out = {}
     for k, n in count.items():
-        xs = sorted(by.get(k, []))
-        med = None if not xs else (xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2)
-        out[k] = {"onsets": n, "realized": len(xs), "median_realized_over_predicted": med}
+        xs = by.get(k, [])
+        out[k] = {"onsets": n, "realized": len(xs), "median_realized_over_predicted": statistics.median(xs) if xs else None}
     return out
 
 
