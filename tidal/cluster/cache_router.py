@@ -3,8 +3,15 @@
 Per live instance, the router predicts the request's TTFT there: the prefill work ahead of it (the
 prompt tokens queued there: its report's waiting and half-done prefills, and those the front end
 sent it since) plus its own prompt less the prefix that instance holds cached, in steps of what the
-token budget leaves beside the running decodes (each takes one token of it), times the instance's
-recent step time. The least prediction wins (ties: the longer cached prefix, then fewer outstanding
+token budget leaves beside the running decodes (each takes one token of it). Each step is priced by
+the instance's fit of its own prefill steps (:mod:`tidal.cluster.step_fit`: step time on prefill
+tokens, decodes and the chunks' attention over their prefix, the features of DynaServe Alg. 2's
+profile table), the queue's chunks from their mean position and this prompt's from its cached prefix
+on; until an instance has the fit, at its recent step time. (The first version priced every step at
+the recent step time: an audit of its predictions against the TTFTs that followed, on Mooncake's
+trace, found the TTFT of a cold 20K-token prompt predicted ~7x too short, as an instance that had
+been decoding steps in ~20 ms, so a busy instance holding a long prefix lost to a cold prefill.) The
+least prediction wins (ties: the longer cached prefix, then fewer outstanding
 requests, then the lower index). A balance guard overrides it: when the outstanding requests of the
 busiest and the idlest instance differ by more than ``balance_abs`` and by more than a factor
 ``balance_rel``, the request goes to the idlest, whatever is cached (load from the monitor, not from
@@ -31,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tidal.cluster.router import InstanceLoad, Router, RouteRequest
+from tidal.policies.profile_table import steps_time
 
 DEFAULT_STEP_S = 0.05  # an instance's step time before it reported one (only relative values matter)
 DEFAULT_BUDGET = 512  # the token budget of an instance that has not said
@@ -57,13 +65,29 @@ def _get(inst: Any, name: str, default: Any) -> Any:
 def predicted_ttft(inst: InstanceLoad, prompt_len: int, cached: int, step_s: float | None = None) -> float:
     """Seconds until ``inst`` would sample the first token of a ``prompt_len``-token request of which it
     holds ``cached`` tokens: the queued prefill tokens and this prompt's uncached ones, in steps of the
-    token budget less one token per running request, at its recent step time."""
+    token budget less one token per running request. With the instance's fit of its prefill steps
+    (``step_fit``) the steps are priced by it, each chunk with the attention over its prefix (the
+    queue's from its mean position, this prompt's from ``cached`` on); without one, at its recent step
+    time."""
     budget = _get(inst, "token_budget", DEFAULT_BUDGET)
     running = _get(inst, "num_running", 0)
     queued = _get(inst, "queued_prefill_tokens", 0)
     per_step = max(budget - running, 1)
-    work = queued + max(prompt_len - cached, 1)
+    own = max(prompt_len - cached, 1)
+    work = queued + own
     steps = -(-work // per_step)
+    w = _get(inst, "step_fit", None)
+    if w is not None:
+        # the queue's chunks: sum(c_i * x_i) ~ Q * (mean position - chunk / 2); this prompt's exactly
+        at = _get(inst, "queued_prefill_position", 0.0)
+        full, rest = divmod(own, per_step)
+        prefix_sum = max(0.0, queued * (at - per_step / 2)) + own * cached + per_step * (
+            per_step * full * (full - 1) / 2 + rest * full)
+        whole, part = divmod(work, per_step)
+        t = steps_time(w, steps, work, prefix_sum, whole * per_step * per_step + part * part, running,
+                       _get(inst, "decode_context", 0.0))
+        if t > 0:
+            return t
     return steps * (step_s if step_s is not None else _get(inst, "recent_step_s", DEFAULT_STEP_S))
 
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from tidal.cluster.monitor import GlobalMonitor, InstanceStatus
 from tidal.cluster.router import RouteRequest, build_router
+from tidal.cluster.step_fit import StepFit
 
 if TYPE_CHECKING:
     from tidal.cluster.dispatch import ClusterLayout
@@ -41,6 +42,9 @@ class InstanceView:
     token_budget: int | None = None
     queued_prefill_tokens: int = 0
     step_time_ema_s: float | None = None
+    queued_prefill_position: float = 0.0
+    decode_context: float = 0.0
+    step_fit: tuple[float, ...] | None = None  # its prefill steps' fit (tidal.cluster.step_fit)
 
     @property
     def handoff_room(self) -> int:
@@ -67,7 +71,8 @@ class Decision:
 def views_of(monitor: GlobalMonitor) -> tuple[InstanceView, ...]:
     return tuple(InstanceView(r.index, r.role, r.alive, r.num_outstanding, r.num_blocks, r.num_free_blocks,
                               r.block_size, r.queued_block_demand, sum(r.reserved.values()), r.num_running,
-                              r.token_budget, r.queued_prefill_tokens, r.recent_step_s)
+                              r.token_budget, r.queued_prefill_tokens, r.recent_step_s, r.queued_prefill_position,
+                              r.decode_context, r.step_fit)
                  for r in monitor.instances)
 
 
@@ -76,11 +81,15 @@ def monitor_of(views: tuple[InstanceView, ...]) -> GlobalMonitor:
     reservations stand in by count)."""
     mon = GlobalMonitor([InstanceStatus(v.index, v.num_blocks, v.num_free_blocks, v.block_size,
                                         num_running=v.num_running, queued_block_demand=v.queued_block_demand,
-                                        token_budget=v.token_budget, queued_prefill_tokens=v.queued_prefill_tokens)
+                                        token_budget=v.token_budget, queued_prefill_tokens=v.queued_prefill_tokens,
+                                        queued_prefill_position=v.queued_prefill_position,
+                                        step_decode_context=v.decode_context)
                          for v in views],
                         [v.role for v in views])
     for rec, v in zip(mon.instances, views, strict=True):
         rec.alive = v.alive
+        if v.step_fit is not None:
+            rec.steps = StepFit.of(v.step_fit)
         rec.step_time_ema_s = v.step_time_ema_s
         rec.outstanding = {f"~{k}" for k in range(v.num_outstanding)}
         if v.reserved_blocks:

@@ -115,7 +115,7 @@ class Dispatcher:
             k = next(j for j, r in enumerate(live) if r.index == index)
             cached = req.cached[k] if req.cached else 0
             self.monitor.on_dispatch(index, req.request_id, now, max(req.prompt_len - cached, 1),
-                                     names if self.router.uses_cache else ())
+                                     names if self.router.uses_cache else (), start=min(cached, req.prompt_len - 1))
         return index
 
     def can_hand_off(self) -> bool:

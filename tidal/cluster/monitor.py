@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from tidal.cluster.cache_view import CacheView
+from tidal.cluster.step_fit import StepFit
 from tidal.core.admission import InstanceLoad as AdmissionLoad
 from tidal.core.block_pool import CacheDelta
 
@@ -65,6 +66,7 @@ class InstanceStatus:
     # prompt tokens waiting for their prefill (queued requests' and the rest of half-done prefills), and
     # the block names its pools gained and lost since its last report (only when the front end asks)
     queued_prefill_tokens: int = 0
+    queued_prefill_position: float = 0.0  # their mean KV position (the attention over long prompts' prefixes)
     cache_delta: CacheDelta | None = None
     num_swap_preemptions: int = 0  # of num_preemptions, those that swapped out (the rest recomputed)
     num_swap_fallbacks: int = 0  # preemptions that wanted to swap and recomputed (the host pool was full)
@@ -94,7 +96,8 @@ class InstanceRecord:
     last_report: float | None = None
     group: tuple[int, ...] = ()  # KunServe pipeline group it belongs to, stage order (empty: none)
     cache: CacheView = field(default_factory=CacheView)  # the block names it holds (tidal.cluster.cache_view)
-    sent: deque = field(default_factory=deque)  # (request id, prompt tokens to compute) of recent dispatches
+    sent: deque = field(default_factory=deque)  # (request id, prompt tokens to compute, from) of recent dispatches
+    steps: StepFit | None = None  # its prefill steps' times, when the monitor learns them (cache-aware routing)
 
     @property
     def routable(self) -> bool:
@@ -133,20 +136,45 @@ class InstanceRecord:
     def token_budget(self) -> int | None:
         return getattr(self.status, "token_budget", None)
 
+    def _sent_since(self) -> list[tuple[int, int]]:
+        """(tokens to compute, from) of the requests sent here since its last report that are still
+        outstanding (the most recent dispatches)."""
+        untried = self.admission_load(0).untried
+        out: list[tuple[int, int]] = []
+        if untried:
+            for rid, tokens, start in reversed(self.sent):
+                if rid in self.outstanding:
+                    out.append((tokens, start))
+                    untried -= 1
+                    if not untried:
+                        break
+        return out
+
     @property
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens waiting here for their prefill: the last report's, and the uncached ones of
         the requests sent since (the most recent dispatches still outstanding)."""
-        untried = self.admission_load(0).untried
-        extra = 0
-        if untried:
-            for rid, tokens in reversed(self.sent):
-                if rid in self.outstanding:
-                    extra += tokens
-                    untried -= 1
-                    if not untried:
-                        break
-        return getattr(self.status, "queued_prefill_tokens", 0) + extra
+        return getattr(self.status, "queued_prefill_tokens", 0) + sum(n for n, _ in self._sent_since())
+
+    @property
+    def queued_prefill_position(self) -> float:
+        """The mean KV position of :attr:`queued_prefill_tokens` (the report's, and each request sent
+        since from its cached prefix on)."""
+        q = getattr(self.status, "queued_prefill_tokens", 0)
+        tokens, total = q, q * getattr(self.status, "queued_prefill_position", 0.0)
+        for n, start in self._sent_since():
+            tokens, total = tokens + n, total + n * (start + n / 2)
+        return total / tokens if tokens > 0 else 0.0
+
+    @property
+    def decode_context(self) -> float:
+        """The mean context of its decodes in its last step."""
+        return getattr(self.status, "step_decode_context", 0.0) or 0.0
+
+    @property
+    def step_fit(self) -> tuple[float, ...] | None:
+        """The regression of its prefill steps' times on their shape (None until it has enough)."""
+        return self.steps.fit() if self.steps is not None else None
 
     def cached_tokens(self, names: tuple[bytes, ...] | list[bytes]) -> int:
         """Leading prompt tokens of a request (its blocks' ``names``) that this instance holds cached."""
@@ -185,7 +213,7 @@ class GlobalMonitor:
     """
 
     def __init__(self, statuses: list[InstanceStatus], roles: list[str] | None = None, window_s: float = 10.0,
-                 ema: float = 0.2, approx_cache: bool = False):
+                 ema: float = 0.2, approx_cache: bool = False, learn_steps: bool = False):
         roles = roles or ["colocated"] * len(statuses)
         if len(roles) != len(statuses) or not statuses:
             raise ValueError("the monitor needs one role per instance, and at least one instance")
@@ -196,6 +224,9 @@ class GlobalMonitor:
         if approx_cache:  # no reports of names: each instance's view is what was routed there, pool-sized
             for rec in self.instances:
                 rec.cache = CacheView(approx_capacity=max(1, rec.status.num_blocks))
+        if learn_steps:  # the cache-aware router prices prefill work with each instance's own step times
+            for rec in self.instances:
+                rec.steps = StepFit()
         self.window_s, self.ema = window_s, ema
         self.pending_handoffs: dict[str, int] = {}  # request id -> KV blocks it needs on a decode instance
         self.num_dispatched = 0
@@ -211,13 +242,26 @@ class GlobalMonitor:
         if status.step_time_s is not None and status.step_time_s > 0:
             t = status.step_time_s
             rec.step_time_ema_s = t if rec.step_time_ema_s is None else (1 - self.ema) * rec.step_time_ema_s + self.ema * t
+            p = getattr(status, "step_prefill_tokens", 0)
+            if p and rec.steps is not None:
+                rec.steps.record(p, status.step_prefill_prefix, status.step_prefill_sq, status.step_decode_count,
+                                 status.step_decode_context, t)
+
+    def on_step(self, index: int, prefill_tokens: int, prefix: float, sq: float | None, decode_count: int,
+                decode_context: float, time_s: float) -> None:
+        """A step's shape and time, from a front end whose statuses are live (the simulator's), as a
+        report carries them in the runtime."""
+        rec = self.instances[index]
+        if prefill_tokens and rec.steps is not None and time_s > 0:
+            rec.steps.record(prefill_tokens, prefix, sq, decode_count, decode_context, time_s)
 
     def on_dispatch(self, index: int, request_id: str, now: float, prompt_tokens: int = 0,
-                    names: tuple[bytes, ...] = ()) -> None:
+                    names: tuple[bytes, ...] = (), start: int = 0) -> None:
         """``request_id`` was sent to ``index``; ``prompt_tokens``: those it must compute there (its
-        uncached prompt), ``names``: its prompt's blocks (an approximate cache view takes them)."""
+        uncached prompt, from token ``start``), ``names``: its prompt's blocks (an approximate cache
+        view takes them)."""
         rec = self.instances[index]
-        rec.sent.append((request_id, prompt_tokens))
+        rec.sent.append((request_id, prompt_tokens, start))
         while len(rec.sent) > 4 * len(rec.outstanding) + 64:
             rec.sent.popleft()
         if names:

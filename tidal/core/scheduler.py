@@ -226,6 +226,23 @@ class Scheduler:
                     for r in self.waiting)
                 + sum(r.num_uncomputed_tokens for r in self.running if r.in_prefill))
 
+    def queued_prefill_position(self) -> float:
+        """The mean KV position of :meth:`queued_prefill_tokens`' tokens (each request's rest of a
+        prompt from where its computed or expected cached prefix ends), so that a router can price
+        the attention over long prompts' prefixes (KunServe Eq. 1's prefix and self terms); 0.0 when
+        nothing is queued."""
+        expected = self._expected_cached
+        tokens = total = 0.0
+        for r in self.waiting:
+            start = r.num_computed_tokens + (expected.get(r.request_id, 0) if not r.num_preemptions else 0)
+            n = max(0, r.num_uncomputed_tokens - (start - r.num_computed_tokens))
+            tokens, total = tokens + n, total + n * (start + n / 2)
+        for r in self.running:
+            if r.in_prefill:
+                n = r.num_uncomputed_tokens
+                tokens, total = tokens + n, total + n * (r.num_computed_tokens + n / 2)
+        return total / tokens if tokens > 0 else 0.0
+
     def hol_block_demand(self) -> int:
         """KV blocks the head of the queue needs: the first swapped request's host blocks (it
         comes back first), else the first waiting one's tokens and next slot; 0 for none."""

@@ -54,6 +54,17 @@ def features(prefill_tokens: float, mean_context: float, decode_count: float, pr
     return [1.0, p, d, d * c, p * c, prefill_tokens * prefix / _Q_SCALE, s / _S_SCALE]
 
 
+def steps_time(w: Sequence[float], steps: float, prefill_tokens: float, prefix_sum: float, sq: float,
+               decode_count: float, mean_context: float) -> float:
+    """The regression's time of ``steps`` steps that together compute ``prefill_tokens`` prefill
+    tokens (their chunks' ``sum(c_i*x_i)`` = ``prefix_sum`` and ``sum(c_i^2)`` = ``sq``), each beside
+    ``decode_count`` decodes of mean context ``mean_context``: the sum of w.x over the steps, in closed
+    form (x is linear in each step's own sums)."""
+    p, d, c = prefill_tokens / _P_SCALE, decode_count / _D_SCALE, mean_context / _C_SCALE
+    return (w[0] * steps + w[1] * p + w[2] * d * steps + w[3] * d * c * steps + w[4] * p * c
+            + w[5] * prefix_sum / _Q_SCALE + w[6] * sq / _S_SCALE)
+
+
 def prefill_shape(chunks: Iterable[tuple[int, int]]) -> tuple[int, float, float]:
     """(p, mean prefix, sq) of prefill chunks given as ``(prefix, tokens)``."""
     p = q = sq = 0

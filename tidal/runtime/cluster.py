@@ -117,10 +117,11 @@ class ClusterLLM(FailoverFront, HandoffFront):
         self.handles: list[Any] = [None] * n
         self.generation = [0] * n
         empty = [InstanceStatus(i, 1, 1, 16) for i in range(n)]
-        self.monitor = GlobalMonitor(empty, self.layout.roles())
+        router = build_router(cluster.router)
+        self.monitor = GlobalMonitor(empty, self.layout.roles(), learn_steps=router.uses_cache)
         for rec in self.monitor.instances:
             rec.alive = False  # until its worker says ready
-        self.dispatcher = Dispatcher(self.layout, self.monitor, build_router(cluster.router))
+        self.dispatcher = Dispatcher(self.layout, self.monitor, router)
         # --mode split (or a given planner): DynaServe's coordinator (else None)
         self.split = SplitCoordinator(self, splitter) if splitter is not None or self.layout.split else None
         self.kv_bytes_moved = 0

@@ -84,6 +84,7 @@ def instance_status(engine: Any, index: int, step_time_s: float | None = None) -
                           policy=engine.policy.state().to_dict(), prefix_queries=sched.prefix_queries,
                           prefix_hits=sched.prefix_hits, prefix_host_hits=sched.prefix_host_hits,
                           num_cached_blocks=kv.num_cached_blocks, queued_prefill_tokens=sched.queued_prefill_tokens(),
+                          queued_prefill_position=sched.queued_prefill_position(),
                           cache_delta=kv.drain_delta() if kv.pool.log is not None else None,
                           num_swap_preemptions=sched.num_swap_preemptions, num_swap_fallbacks=sched.num_swap_fallbacks,
                           num_free_host_blocks=kv.host_pool.num_free)

@@ -104,6 +104,7 @@ class SimInstance:
         self.busy = False
         self.wake_pending = False
         self.plan: StepPlan | None = None
+        self.last_plan: StepPlan | None = None  # the last step's plan (None: it was a run of decodes)
         self.end_event: Any = None  # the simulator's reusable step-end event
         self._crossing: tuple[list[tuple[str, int]], float] | None = None  # see run_decodes
         self._batch: tuple[Request, ...] | None = None  # a decode-only step in flight without a plan
@@ -164,8 +165,32 @@ class SimInstance:
         return self.scheduler.queued_prefill_tokens()
 
     @property
+    def queued_prefill_position(self) -> float:
+        return self.scheduler.queued_prefill_position()
+
+    @property
     def num_free_host_blocks(self) -> int:
         return self.kv.host_pool.num_free
+
+    def last_step_shape(self) -> tuple[int, float, float | None, int, float] | None:
+        """The last step's prefill tokens, their chunks' mean prefix and sum of squares, its decode
+        count and their mean context (a worker's step report carries the same), or None when it
+        computed no prompt tokens."""
+        from tidal.policies.profile_table import prefill_shape
+
+        plan = self.last_plan
+        if plan is None or not plan.composition.num_prefill_tokens:
+            return None
+        p, prefix, sq = prefill_shape((c.start, c.num_tokens) for c in plan.chunks if not c.is_decode)
+        dec = [c.context_len for c in plan.chunks if c.is_decode]
+        return p, prefix, sq, len(dec), (sum(dec) / len(dec) if dec else 0.0)
+
+    @property
+    def step_decode_context(self) -> float:
+        """The mean context of the last step's decodes (0 when it was a run of decodes: the
+        router reads it only beside a prefill)."""
+        shape = self.last_step_shape()
+        return shape[4] if shape is not None else 0.0
 
     # ---- requests and steps ----
     def add_request(self, req: Request) -> None:
@@ -292,6 +317,7 @@ class SimInstance:
         batch, plan = self._batch, self.plan
         assert batch is not None or plan is not None, "end_step without a step in flight"
         self._batch, self.plan, self.busy = None, None, False
+        self.last_plan = plan
         self.num_steps += 1
         self.busy_time += self._step_time
         if batch is not None:  # begun by begin_crossing

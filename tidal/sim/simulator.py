@@ -169,7 +169,8 @@ class ClusterSimulator:
         for inst, role in zip(self.instances, self.layout.roles(), strict=True):
             inst.role = role
         self.router = router
-        self.monitor = GlobalMonitor(self.instances, self.layout.roles())  # type: ignore[arg-type]  (live statuses)
+        self.monitor = GlobalMonitor(self.instances, self.layout.roles(),  # type: ignore[arg-type]  (live statuses)
+                                     learn_steps=getattr(router, "uses_cache", False))
         self.dispatcher = Dispatcher(self.layout, self.monitor, router, recorder)
         self.handoff = handoff
         self.handoffs: list[Handoff] = []
@@ -324,6 +325,10 @@ class ClusterSimulator:
         if self._dead and inst.index in self._dead:
             return None  # the step in flight died with its instance: its tokens never came
         updates = inst.end_step(now)
+        if inst.last_plan is not None and self.monitor.instances[inst.index].steps is not None:
+            shape = inst.last_step_shape()  # as a worker's step report carries it (the router's step fit)
+            if shape is not None:
+                self.monitor.on_step(inst.index, *shape, inst.step_time_s or 0.0)
         self._apply(inst, updates, now)
         if inst.role == "colocated":
             if self.pressure is None:
