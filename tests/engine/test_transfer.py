@@ -119,3 +119,31 @@ def test_the_pool_resizer_drops_and_restores_layers(make_tiny_engine):
     assert grown > blocks and e.transfer.num_blocks == grown and e.transfer.layer_ids == layers[:len(layers) // 2]
     assert e.pool.restore_layers(layers[len(layers) // 2:]) == blocks
     assert e.transfer.layer_ids == layers and e.pool.pool_spare_bytes == 0 and not e.pool.dropped_weight_bytes
+
+
+def test_a_handed_off_request_shares_the_prefix_its_destination_holds(make_tiny_engine, prompt, reference):
+    """A P/D hand-off into an engine whose prefix cache holds the prompt's first blocks: they are shared,
+    a chunk reaching into them is written only past them (one chunk from token 0 here), and the tokens
+    are the reference's (issue 52)."""
+    a, b = make_tiny_engine(max_num_batched_tokens=64), make_tiny_engine(max_num_batched_tokens=64, block_size=8)
+    b.add_request("warm", None, SamplingParams(temperature=0, max_tokens=1), prompt_token_ids=prompt[:21])
+    _run(b, "warm")  # b now caches prompt[:16] (two full blocks of 8)
+    a.add_request("h", None, GREEDY, prompt_token_ids=prompt)
+    _run(a, "h", until_tokens=1)
+    a.transfer.pause("h")
+    snap = a.transfer.export_request("h", layers=[])  # as a prefill worker sends it: the KV follows in chunks
+    n = snap.num_computed_tokens
+    b.transfer.import_request(snap, paused=True, hold_tokens=0)
+    assert b.transfer.import_reused("h") == 16 and b.kv_manager.num_blocks_of("h") == 2
+    shared = b.kv_manager.block_table("h")[:2]
+    before = [b.kv_cache.export(shared, None, 0, 16)[layer][0].clone() for layer in a.transfer.layer_ids[:1]]
+    assert b.transfer.grow_import("h", n)
+    b.transfer.import_kv("h", a.transfer.export_kv("h", a.transfer.layer_ids, 0, n), 0)
+    after = b.kv_cache.export(shared, None, 0, 16)[a.transfer.layer_ids[0]][0]
+    assert after.data_ptr() != before[0].data_ptr() and bool((after == before[0]).all())
+    a.transfer.free("h")
+    b.transfer.resume("h")
+    assert b.transfer.import_reused("h") == 0
+    assert _run(b, "h").outputs[0].token_ids == reference
+    assert b.scheduler.kv_reused_tokens == 16
+    _no_leak(b)

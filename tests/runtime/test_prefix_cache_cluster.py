@@ -33,8 +33,16 @@ async def tokens_of(llm, i: int) -> list[int]:
     return out
 
 
+def shared_blocks(tokenizer, block_size: int = 16) -> int:
+    """Full blocks of the system prompt's tokens that every prompt begins with (the chat template's
+    prefix and the system prompt, short of where the questions part)."""
+    ids = [tokenizer.encode(p) for p in PROMPTS]
+    common = next(k for k in range(min(map(len, ids))) if len({tuple(x[:k + 1]) for x in ids}) > 1)
+    return common // block_size
+
+
 @pytest.mark.parametrize("mode,prefill", [("colocate", 0), ("disaggregate", 1), ("split", 0)])
-def test_hits_through_the_cluster_give_one_engines_tokens(reference, mode, prefill):
+def test_hits_through_the_cluster_give_one_engines_tokens(reference, smol_tokenizer, mode, prefill):
     before = shm_segments()
     llm = start(mode, prefill, engine=ENGINE)
     try:
@@ -47,6 +55,9 @@ def test_hits_through_the_cluster_give_one_engines_tokens(reference, mode, prefi
         settle(llm)
         st = llm.stats
         assert st["prefix_cache_queries"] > st["prefix_cache_hits"] > 0
+        if mode == "disaggregate":  # the decode instance held the system prompt: later hand-offs shared it
+            # (the last four at least: the first two, sent together, may both find it cold)
+            assert st["kv_reused_tokens"] >= 4 * shared_blocks(smol_tokenizer) * 16 > 0
         no_leak(llm)
     finally:
         stop(llm)

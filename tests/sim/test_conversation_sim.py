@@ -11,7 +11,7 @@ import pytest
 from tidal import metrics as M
 from tidal import workload as W
 from tidal.config import SchedulerConfig
-from tidal.sim.build import ClusterSpec, build_simulator
+from tidal.sim.build import ClusterSpec, build_simulator, handoff_config, resolve
 from tidal.sim.run import simulate
 
 
@@ -159,3 +159,34 @@ def test_split_placement_by_cache_predicts_the_hit_the_engine_gets():
             where = d.pair[0] if d.alpha is not None else d.pair[1]
             assert dict(rec.cached)[where] >= first.context  # the view it decided on
     assert seen > 40  # most later turns start past a cached prefix
+
+
+@pytest.mark.parametrize("tokens_per_chunk", [0, 256])
+def test_a_decode_instance_holding_the_history_takes_in_only_the_new_turn(tokens_per_chunk):
+    """P/D: the decode instance decoded turn N, so its pool holds turn N's prompt and answer; turn N + 1's
+    hand-off shares those blocks (as the engine's import does) and reads only the chunks reaching past
+    them (all of them when a chunk spans every token)."""
+    specs = _conv("conversation:turns=3-5,user=300,answer=200,think=1.5", 80, rate=2.0, seed=3)
+    spec = _spec(instances=2, mode="disaggregate", prefill_instances=1, tokens_per_chunk=tokens_per_chunk)
+    res = build_simulator(spec, specs).run()
+    assert all(r.success for r in res.records)
+    hs = {h.index: h for h in res.handoffs}
+    bs = spec.block_size
+    later = [i for i, s in enumerate(specs) if s.after is not None]
+    assert len(later) > 30
+    for i in later:
+        h = hs[i]
+        assert h.landed and 0 <= h.reused_tokens < h.num_tokens and h.reused_tokens % bs == 0
+        assert h.reused_tokens <= _full_blocks_before(specs, i, bs)
+    reused = [i for i in later if hs[i].reused_tokens == _full_blocks_before(specs, i, bs)]
+    assert len(reused) > len(later) // 2  # most find all of their history (the pool evicts little here)
+    arch, hw, _, _ = resolve(spec)
+    cfg = handoff_config(spec, arch, hw)
+    for i in reused:
+        h = hs[i]
+        assert (h.num_chunks, h.nbytes) == cfg.cost(h.num_tokens, cached=h.reused_tokens)[:2]
+        full = cfg.cost(h.num_tokens)[1]
+        # fewer bytes exactly when a whole token range of chunks lies inside the shared prefix
+        assert (h.nbytes < full) == bool(tokens_per_chunk and h.reused_tokens >= tokens_per_chunk)
+    assert not tokens_per_chunk or sum(hs[i].reused_tokens >= tokens_per_chunk for i in reused) > 10
+    assert all(hs[i].reused_tokens == 0 for i, s in enumerate(specs) if s.after is None)

@@ -71,6 +71,7 @@ class InstanceStatus:
     num_swap_preemptions: int = 0  # of num_preemptions, those that swapped out (the rest recomputed)
     num_swap_fallbacks: int = 0  # preemptions that wanted to swap and recomputed (the host pool was full)
     num_free_host_blocks: int = 0  # room in its host pool (swap; --kv-pressure auto prices a swap with it)
+    kv_reused_tokens: int = 0  # KV tokens imported here (hand-offs, migrations) that its prefix cache held already
 
 
 _STATUS_FIELDS = tuple(f.name for f in fields(InstanceStatus))

@@ -237,6 +237,9 @@ CLUSTER_FLAGS: tuple[Flag, ...] = (
           help="CPU threads of each instance (default: the cores split evenly)"),
     _flag("--kv-transport", default=None, choices=["shm", "ray"],
           help="how KV moves between instances (default: shm for processes, ray for Ray actors)"),
+    _flag("--kv-tokens-per-chunk", type=int, default=0,
+          help="tokens per KV chunk of a hand-off or migration (0: all the request's); with token ranges, a "
+               "destination skips the chunks its prefix cache already holds"),
     _flag("--step-log", default=None, metavar="FILE",
           help="write one JSON line per worker step report to FILE (the front end's clock, the instance, the "
                "step's time and shape, its pool and queue, hand-offs landed there): where a layout's time goes"),
@@ -361,6 +364,7 @@ def serving_config(args: argparse.Namespace) -> Any:
                             kv_pressure=args.kv_pressure, ray_placement=args.ray_placement,
                             num_gpus_per_instance=args.num_gpus_per_instance,
                             step_log=getattr(args, "step_log", None),
+                            tokens_per_chunk=getattr(args, "kv_tokens_per_chunk", 0),
                             split_placement=split_placement(args))
     return ServingConfig(EngineConfig.from_kwargs(**engine_kwargs(args)), cluster)
 

@@ -89,6 +89,7 @@ class Scheduler:
         self._expected_cached: dict[str, int] = {}  # waiting requests' cached prefix when they arrived (tokens)
         self.prefix_hits = 0
         self.prefix_host_hits = 0
+        self.kv_reused_tokens = 0  # imported KV that was already here (add_imported's shared prefixes)
         self.num_swap_preemptions = 0  # preemptions that swapped out (the rest recomputed)
         self.num_swap_fallbacks = 0  # preemptions that wanted to swap, found the host pool full and recomputed
         self._finished_since_plan: list[str] = []
@@ -113,16 +114,41 @@ class Scheduler:
         """Admit a request whose first ``num_computed_tokens`` of KV arrive from elsewhere (a
         migration, a prefill-to-decode hand-off). Blocks for ``hold_tokens`` of them (default:
         all) are allocated now, the rest as the KV arrives (``kv.allocate``); False if no room."""
+        return self.add_imported(req, hold_tokens) is not None
+
+    def add_imported(self, req: Request, hold_tokens: int | None = None, reuse_cached: bool = False) -> int | None:
+        """:meth:`add_running`, returning the tokens of its KV already here (None: no room). With
+        ``reuse_cached`` the blocks of its longest prefix cached in this pool are shared (as a new
+        request's hit is) and only the KV past them must arrive; the hit stops a token short of its
+        computed KV, so at least one chunk lands and resumes it."""
         self.add_request(req)
+        reused = self._take_cached_kv(req) if reuse_cached else 0
         hold = req.num_computed_tokens if hold_tokens is None else min(hold_tokens, req.num_computed_tokens)
-        if self.kv.allocate(req.request_id, hold) is None:
+        if self.kv.allocate(req.request_id, max(hold, reused)) is None:
+            self.kv.free(req.request_id)  # the shared blocks go back to the cache
             self.requests.pop(req.request_id)
             self.waiting.remove(req)
-            return False
+            return None
         self.waiting.remove(req)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
-        return True
+        self.kv_reused_tokens += reused
+        return reused
+
+    def _take_cached_kv(self, req: Request) -> int:
+        """The device blocks of ``req``'s cached prefix, up to a token short of its computed KV, as
+        the start of its block table; the tokens they hold."""
+        computed = req.num_computed_tokens
+        cap = (computed - 1) // self.kv.block_size
+        if cap <= 0 or not self.kv.enable_caching:
+            return 0
+        req.num_computed_tokens = 0  # find_prefix looks up a request that holds nothing yet
+        try:
+            hit = self.kv.find_prefix(req)
+        finally:
+            req.num_computed_tokens = computed
+        device = hit.device[:cap]
+        return self.kv.take_prefix(req, PrefixHit(device, [], self.kv.block_size)) if device else 0
 
     def abort_requests(self, request_ids: Iterable[str], now: float = 0.0) -> list[str]:
         done = []

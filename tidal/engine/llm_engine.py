@@ -206,6 +206,9 @@ class LLMEngine:
     def grow_import(self, request_id: str, num_tokens: int) -> bool:
         return self.transfer.grow_import(request_id, num_tokens)
 
+    def import_reused(self, request_id: str) -> int:
+        return self.transfer.import_reused(request_id)
+
     def finish_import(self, request_id: str, output_token_ids: list[int], text_sent: int | None,
                       last_token_time: float | None = None) -> None:
         self.transfer.finish_import(request_id, output_token_ids, text_sent, last_token_time)

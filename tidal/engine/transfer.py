@@ -47,6 +47,7 @@ class KVTransfer:
                  eos_token_ids: tuple[int, ...]):
         self.core, self.outputs, self.clock, self.eos_token_ids = core, outputs, clock, eos_token_ids
         self.scheduler, self.kv_manager, self.kv_cache = core.scheduler, core.kv_manager, core.kv_cache
+        self.reused: dict[str, int] = {}  # paused imports: tokens of their KV this pool already held
 
     # ------------------------------------------------------------------ what a mover reads
     @property
@@ -111,6 +112,7 @@ class KVTransfer:
         self.scheduler.pause(request_id)
 
     def resume(self, request_id: str) -> None:
+        self.reused.pop(request_id, None)
         self.scheduler.resume(request_id)
 
     def cancel_pause(self, request_id: str) -> None:
@@ -148,6 +150,7 @@ class KVTransfer:
             request_ids = [request_ids]
         now = self.clock()
         for rid in request_ids:
+            self.reused.pop(rid, None)
             state = self.outputs.remove(rid)
             if state is not None:
                 self.core.finish([s.request.request_id for s in state.sequences], FinishReason.ABORT, now)
@@ -172,12 +175,19 @@ class KVTransfer:
         req.num_computed_tokens = snap.num_computed_tokens
         if snap.num_computed_tokens == 0:
             self.scheduler.add_request(req)
-        elif not self.scheduler.add_running(req, hold_tokens if paused else None):
-            raise RequestRejected("no room in the KV cache for the imported request")
+        else:
+            # a paused import shares the blocks of the prefix this pool holds cached: only the KV past
+            # them is written (import_kv), so a decode instance holding a conversation's history
+            # takes in only the new turn (issue 52)
+            reused = self.scheduler.add_imported(req, hold_tokens if paused else None, reuse_cached=paused)
+            if reused is None:
+                raise RequestRejected("no room in the KV cache for the imported request")
+            if reused:
+                self.reused[req.request_id] = reused
         if paused and snap.num_computed_tokens:
             self.scheduler.pause(req.request_id)
         if snap.kv:
-            self.kv_cache.import_(self.kv_manager.block_table(req.request_id), snap.kv, start=0)
+            self.import_kv(req.request_id, snap.kv, 0)
         self.outputs.add_request(snap.request_id, snap.prompt, snap.params, [req], req.arrival_time)
         self.outputs.continue_text(snap.request_id, snap.text_sent)
 
@@ -203,8 +213,19 @@ class KVTransfer:
         return self.kv_manager.allocate(request_id, num_tokens) is not None
 
     def import_kv(self, request_id: str, kv: KV, start: int) -> None:
-        """Write one arriving chunk of a request imported with ``paused=True``."""
+        """Write one arriving chunk of a request imported with ``paused=True``: only its tokens past
+        the prefix this pool already held (shared blocks are never written)."""
+        skip = self.reused.get(request_id, 0) - start
+        if skip > 0:
+            kv = {layer: (k[skip:], v[skip:]) for layer, (k, v) in kv.items()}
+            start += skip
+            if not next(iter(kv.values()))[0].shape[0]:
+                return
         self.kv_cache.import_(self.kv_manager.block_table(request_id), kv, start=start)
+
+    def import_reused(self, request_id: str) -> int:
+        """Tokens of a paused import's KV that were here already (its chunks below need not be read)."""
+        return self.reused.get(request_id, 0)
 
     def finish_import(self, request_id: str, output_token_ids: list[int], text_sent: int | None,
                       last_token_time: float | None = None) -> None:
@@ -223,4 +244,5 @@ class KVTransfer:
         if last_token_time is not None:
             req.last_token_time = last_token_time
         self.outputs.continue_text(request_id, text_sent)
+        self.reused.pop(request_id, None)
         self.scheduler.resume(request_id)

@@ -353,6 +353,7 @@ class ClusterLLM(FailoverFront, HandoffFront):
                 "num_cached_kv_blocks": sum(r.status.num_cached_blocks for r in inst if r.routable),
                 "num_swap_preemptions": sum(r.status.num_swap_preemptions for r in inst),
                 "num_swap_fallbacks": sum(r.status.num_swap_fallbacks for r in inst),
+                "kv_reused_tokens": sum(getattr(r.status, "kv_reused_tokens", 0) for r in inst),
                 "instance_failures": self.num_failures, "instance_restarts": self.num_restarts,
                 "failovers": self.num_failovers, "parked": len(self.parked), "moves_ended": dict(self.moves_ended),
                 "splits": self.split.num_splits if self.split is not None else 0, "kv_bytes_moved": self.kv_bytes_moved,

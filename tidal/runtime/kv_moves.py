@@ -58,12 +58,13 @@ class KVMover:
                     handle, last = msg.handle, msg.last
                     if not e.grow_import(rid, handle.spec.end):
                         break
-                    try:
-                        kv = self.transport.get(handle)
-                    except KVChunkGone as gone:  # the request was aborted: its abort is on its way
-                        self._give_back_import(rid, str(gone), kv_lost=True)
-                        break
-                    e.import_kv(rid, kv, handle.spec.start)
+                    if handle.spec.end > e.import_reused(rid):  # else its tokens are all cached here: not read
+                        try:
+                            kv = self.transport.get(handle)
+                        except KVChunkGone as gone:  # the request was aborted: its abort is on its way
+                            self._give_back_import(rid, str(gone), kv_lost=True)
+                            break
+                        e.import_kv(rid, kv, handle.spec.start)
                     self.transport.release(handle)
                     self._io[2] += 1
                     q.popleft()

@@ -87,7 +87,7 @@ def instance_status(engine: Any, index: int, step_time_s: float | None = None) -
                           queued_prefill_position=sched.queued_prefill_position(),
                           cache_delta=kv.drain_delta() if kv.pool.log is not None else None,
                           num_swap_preemptions=sched.num_swap_preemptions, num_swap_fallbacks=sched.num_swap_fallbacks,
-                          num_free_host_blocks=kv.host_pool.num_free)
+                          num_free_host_blocks=kv.host_pool.num_free, kv_reused_tokens=sched.kv_reused_tokens)
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:

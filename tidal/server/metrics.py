@@ -86,7 +86,9 @@ class _EngineCollector:
                  "Prompt tokens looked up in the prefix cache (first admissions; recomputation is not a query)."),
                 ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache (pool or host tier)."),
                 ("prefix_cache_host_hits", "prefix_cache_host_hits",
-                 "Prompt tokens found in the prefix cache's host tier (loaded back).")):
+                 "Prompt tokens found in the prefix cache's host tier (loaded back)."),
+                ("kv_reused_tokens", "kv_reused_tokens",
+                 "Tokens of KV moved in (hand-offs, migrations) that the instance's prefix cache held: shared, not written.")):
             cnt = CounterMetricFamily(f"tidal:{name}", doc, labels=["model_name"])
             cnt.add_metric([self.model_name], float(s.get(key, 0)))
             yield cnt

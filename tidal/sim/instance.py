@@ -172,6 +172,10 @@ class SimInstance:
     def num_free_host_blocks(self) -> int:
         return self.kv.host_pool.num_free
 
+    @property
+    def kv_reused_tokens(self) -> int:
+        return self.scheduler.kv_reused_tokens
+
     def last_step_shape(self) -> tuple[int, float, float | None, int, float] | None:
         """The last step's prefill tokens, their chunks' mean prefix and sum of squares, its decode
         count and their mean context (a worker's step report carries the same), or None when it

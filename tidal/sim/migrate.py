@@ -96,12 +96,19 @@ class MigrateHandler(PressureHandler):
             c = cmds.pop(0)
             if isinstance(c, Reserve):
                 src, dst = sim.instances[move.src], sim.instances[c.dst]
-                try:
-                    ok = dst.scheduler.add_running(moved_request(src.scheduler.requests[rid], with_kv=True))
+                req = src.scheduler.requests[rid]
+                try:  # the destination shares what its prefix cache holds of the KV (the engine's import)
+                    reused = dst.scheduler.add_imported(moved_request(req, with_kv=True), reuse_cached=True)
                 except RequestRejected:
-                    ok = False
+                    reused = None
+                ok = reused is not None
                 if ok:
                     dst.scheduler.pause(rid)  # its blocks are held until the KV lands
+                    if reused:  # it reads only the chunks reaching past the shared prefix
+                        assert chunks is not None
+                        chunks[:] = kv_chunk_bytes(self.cfg, (0, self.cfg.model.num_layers), req.num_computed_tokens,
+                                                   reused)
+                        move.num_chunks = len(chunks)
                 cmds += move.reserved(c.dst, now) if ok else move.refused(c.dst, now)
             elif isinstance(c, Pause):
                 sim.instances[c.instance].scheduler.pause(rid)

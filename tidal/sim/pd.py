@@ -49,10 +49,11 @@ class HandoffConfig:
     def chunk_bytes(self, chunk: ChunkSpec) -> int:
         return len(chunk.layers) * chunk.num_tokens * self.kv_bytes_per_token_layer
 
-    def cost(self, num_tokens: int) -> tuple[int, int, float]:
-        """(chunks, bytes, seconds on the link) of moving ``num_tokens`` tokens' KV; the chunks go
-        one after the other, each paying the link's latency."""
-        chunks = self.chunks(num_tokens)
+    def cost(self, num_tokens: int, cached: int = 0) -> tuple[int, int, float]:
+        """(chunks, bytes, seconds on the link) of moving ``num_tokens`` tokens' KV to an instance
+        that holds the first ``cached`` of them (it reads only the chunks reaching past them); the
+        chunks go one after the other, each paying the link's latency."""
+        chunks = [c for c in self.chunks(num_tokens) if c.end > cached]
         sizes = [self.chunk_bytes(c) for c in chunks]
         return len(chunks), sum(sizes), sum(self.link.chunk_time(b, self.tp) for b in sizes)
 
@@ -76,6 +77,7 @@ class Handoff:
     end_s: float | None = None  # its last chunk lands: the decode instance resumes it
     landed: bool = False
     refusals: int = 0
+    reused_tokens: int = 0  # of num_tokens, those the decode instance's prefix cache held (not sent)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -101,6 +103,7 @@ def summarize_handoffs(handoffs: Sequence[Handoff], max_pending: int = 0) -> dic
         "max_pending": max_pending, "refusals": sum(h.refusals for h in handoffs),
         "per_decode_instance": {str(k): v for k, v in sorted(per_dst.items())},
         "bytes_total": sum(h.nbytes for h in landed),
+        "reused_tokens_total": sum(h.reused_tokens for h in landed),
         "bytes": distribution([h.nbytes for h in landed]),
         "chunks": distribution([h.num_chunks for h in landed]),
         "wait_ms": _ms([(h.ready_s, h.chosen_s) for h in handoffs]),

@@ -86,11 +86,12 @@ class LinkQueue:
         return t
 
 
-def kv_chunk_bytes(cfg: PressureConfig, layers: tuple[int, int], num_tokens: int) -> list[int]:
-    """The chunks (``tidal.cluster.handoff.plan_chunks``) of ``num_tokens`` tokens' KV of ``layers``."""
+def kv_chunk_bytes(cfg: PressureConfig, layers: tuple[int, int], num_tokens: int, cached: int = 0) -> list[int]:
+    """The chunks (``tidal.cluster.handoff.plan_chunks``) of ``num_tokens`` tokens' KV of ``layers``
+    that a destination holding the first ``cached`` of them reads (those reaching past them)."""
     per = cfg.model.kv_bytes_per_token_layer()
     return [int(len(c.layers) * c.num_tokens * per)
-            for c in plan_chunks(range(*layers), 0, num_tokens, cfg.layers_per_chunk, 0)]
+            for c in plan_chunks(range(*layers), 0, num_tokens, cfg.layers_per_chunk, 0) if c.end > cached]
 
 
 def copy_request(req: Request, now: float, with_kv: bool) -> Request:

@@ -9,7 +9,8 @@ instances; when a prefill instance samples a request's first token it pauses the
 ``Dispatcher.choose_decode`` picks a decode instance (None: the hand-off waits, retried when a
 decode instance ends a step or a hand-off lands; the request keeps its blocks on the prefill
 instance). The decode instance imports it at once, blocks allocated and paused
-(``Scheduler.add_running`` + ``pause``); its KV goes in chunks (``tidal.cluster.handoff``) one
+(``Scheduler.add_imported`` + ``pause``), sharing the blocks of the prefix its cache holds (a
+conversation's history it decoded); the chunks reaching past them (``tidal.cluster.handoff``) go one
 after the other on the prefill instance's link (:mod:`tidal.sim.pd`), while both instances
 keep stepping; when the last chunk lands, the prefill instance frees the request, the decode
 instance resumes it and the monitor hears ``on_handoff``.
@@ -413,16 +414,21 @@ class ClusterSimulator:
             return []  # pending: the monitor shows it; the request keeps its blocks on src
         move = self._moves[h.index]
         src, dst = self.instances[h.src], self.instances[dst_index]
-        try:
-            ok = dst.scheduler.add_running(moved_request(src.scheduler.requests[h.request_id], with_kv=True))
+        try:  # the decode instance shares what its prefix cache holds of the KV (the engine's import)
+            reused = dst.scheduler.add_imported(moved_request(src.scheduler.requests[h.request_id], with_kv=True),
+                                                reuse_cached=True)
         except RequestRejected:
-            ok = False
+            reused = None
+        ok = reused is not None
         if not ok:  # refused (the runtime's "refused"): the machine retries at the next report
             assert isinstance(move.refused(dst_index, now)[0], Retry)
             self.monitor.on_handoff(h.request_id, h.src, dst_index, ok=False)
             h.refusals += 1
             return []
         dst.scheduler.pause(h.request_id)  # its blocks are held until the last chunk lands
+        if reused:  # only the chunks past the shared prefix are read (as a worker skips the others)
+            h.num_chunks, h.nbytes, h.duration_s = self.handoff.cost(h.num_tokens, cached=reused)
+            move.num_chunks, h.reused_tokens = h.num_chunks, reused
         sends = move.reserved(dst_index, now)
         assert len(sends) == h.num_chunks and all(isinstance(c, SendChunk) for c in sends)
         del self._pending[h.index]
