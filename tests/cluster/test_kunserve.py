@@ -313,6 +313,28 @@ def test_migrations_move_the_shortest_requests_to_the_most_room():
     assert plan_migrations(mon, {0: [("a", 8), ("b", 12)]}, leaving={0: 19}) == []
 
 
+def test_given_prompt_names_a_migration_goes_where_its_prefix_is_cached_and_needs_room_for_the_rest():
+    """tidal's extension (issue 52), not Llumnix's rule: without names (or with nothing cached) the
+    destination is still the one with the most room."""
+    from tidal.core.block_pool import CacheDelta
+
+    mon = _monitor([(100, 2, 16, 9, 2, 30, None, 0, 20),
+                    (100, 40, 16, 2, 0, 0, None, 0, 0),
+                    (100, 60, 16, 2, 0, 10, None, 0, 0)])  # most room: 49
+    prompt = {"a": (b"p1", b"p2", b"p3", b"p4", b"p5"), "b": (b"q1", b"q2")}
+    mon.instances[1].cache.apply(CacheDelta(stored=prompt["a"][:4]))
+    running = {0: [("a", 8), ("b", 12)]}
+    assert [(m.dst, m.shared) for m in plan_migrations(mon, running)] == [(2, 0), (2, 0)]
+    moves = plan_migrations(mon, running, names=prompt)
+    assert [(m.request_id, m.dst, m.shared, m.dst_blocks) for m in moves] == [("a", 1, 4, 4), ("b", 2, 0, 12)]
+    # a prefix as long as the whole request still leaves a block to send
+    mon.instances[1].cache.apply(CacheDelta(stored=prompt["a"]))
+    assert plan_migrations(mon, {0: [("a", 5)]}, names=prompt)[0].shared == 4
+    # the cached destination without room for the rest is passed over
+    assert plan_migrations(mon, {0: [("a", 80)]}, names=prompt) == []
+    assert plan_migrations(mon, {0: [("a", 45)]}, names=prompt)[0].dst == 2
+
+
 def test_bad_pressure_modes_are_one_line_errors():
     check_pressure_mode("preempt", 1)
     with pytest.raises(ValueError, match="at least 2 instances"):

@@ -28,6 +28,7 @@ from typing import Any
 from tidal.cluster.handoff import handoff_blocks
 from tidal.cluster.moves import Move, MoveKind, Phase
 from tidal.cluster.pressure import MigrationController
+from tidal.core.block_hash import block_hashes
 from tidal.runtime.front import Front
 from tidal.runtime.pressure import PressureLog
 
@@ -37,7 +38,7 @@ class MigrateCoordinator(PressureLog):
         super().__init__()
         self.llm = llm
         self.ctl: MigrationController | None = None  # the monitor exists once the front end is built
-        self.moving: dict[str, tuple[int, int, int]] = {}  # worker id -> (src, dst, blocks)
+        self.moving: dict[str, tuple[int, int, int, int]] = {}  # worker id -> (src, dst, blocks, blocks on dst)
         self.num_migrated = 0
         self.num_failed = 0  # refused or cut by a failure: re-run (recompute) or left in place
 
@@ -49,20 +50,23 @@ class MigrateCoordinator(PressureLog):
         if self.ctl is None:
             self.ctl = MigrationController(llm.monitor, recorder=self._record)
         running: dict[int, list[tuple[str, int]]] = {}
+        names: dict[str, tuple[bytes, ...]] | None = {} if llm.cache_routing else None
         for t in llm.requests.values():  # decoding requests that can move: one sequence, not moving already
             if t.instance >= 0 and t.handoff is None and t.tokens and t.params.n == 1 and t.wid not in self.moving:
                 bs = llm.monitor.instances[t.instance].block_size
                 running.setdefault(t.instance, []).append((t.wid, handoff_blocks(len(t.prompt_ids) + len(t.tokens), bs)))
+                if names is not None:  # tidal's extension: prefer where the prompt's prefix is cached
+                    names[t.wid] = tuple(block_hashes(t.prompt_ids, bs, t.params.cache_salt))
         leaving: Counter[int] = Counter()
         incoming: Counter[int] = Counter()
-        for src, dst, blocks in self.moving.values():
+        for src, dst, blocks, dst_blocks in self.moving.values():
             leaving[src] += blocks
-            incoming[dst] += blocks
-        for m in self.ctl.decide(now, running, leaving, incoming):
+            incoming[dst] += dst_blocks
+        for m in self.ctl.decide(now, running, leaving, incoming, names=names):
             t = llm.by_wid[m.request_id]
-            self.moving[m.request_id] = (m.src, m.dst, m.blocks)
-            # the move machine reserves on m.dst (the monitor counts it) and tells the source to start
-            llm.begin_move(t, MoveKind.MIGRATE, m.src, m.blocks, dst=m.dst)
+            self.moving[m.request_id] = (m.src, m.dst, m.blocks, m.dst_blocks)
+            # the move machine reserves on m.dst what it needs there (the monitor counts it) and starts the source
+            llm.begin_move(t, MoveKind.MIGRATE, m.src, m.dst_blocks, dst=m.dst)
 
     # ---------------------------------------------------------------- outcomes
     def on_move_end(self, t: Any, move: Move) -> None:

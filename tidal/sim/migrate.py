@@ -56,6 +56,7 @@ class MigrateHandler(PressureHandler):
         self.moved_bytes = 0
         self.stall_s = 0.0
         self.moves: dict[str, Move] = {}  # the moves in flight, by request
+        self.shared: dict[str, int] = {}  # of a move's blocks, those its destination's cache holds (planned)
 
     def after_step(self, inst: SimInstance, now: float) -> list[Event]:
         self.watch(now)
@@ -68,7 +69,14 @@ class MigrateHandler(PressureHandler):
         running = {inst.index: [(r.request_id, handoff_blocks(r.num_tokens, bs)) for r in inst.scheduler.running
                                 if r.output_token_ids and not r.in_prefill]}
         out: list[Event] = []
-        for m in self.ctl.decide(now, running, dict(enumerate(self.leaving)), dict(enumerate(self.incoming))):
+        names = None
+        if self.sim.dispatcher.router.uses_cache:  # tidal's extension: prefer where the prompt's prefix is
+            self.sim._sync_cache_views()
+            names = {r.request_id: tuple(inst.kv.hashes(r, r.num_prompt_tokens // bs * bs))
+                     for r in inst.scheduler.running if r.output_token_ids and not r.in_prefill}
+        for m in self.ctl.decide(now, running, dict(enumerate(self.leaving)), dict(enumerate(self.incoming)),
+                                 names=names):
+            self.shared[m.request_id] = m.shared
             ev = self._start(m, now)
             if ev is not None:
                 out.append(ev)
@@ -113,7 +121,7 @@ class MigrateHandler(PressureHandler):
             elif isinstance(c, Pause):
                 sim.instances[c.instance].scheduler.pause(rid)
                 self.leaving[move.src] += move.blocks
-                self.incoming[move.dst] += move.blocks
+                self.incoming[move.dst] += move.blocks - self.shared.get(rid, 0)
             elif isinstance(c, SendChunk):
                 sent.append(c.index)
             elif isinstance(c, FreeSource):
@@ -136,9 +144,10 @@ class MigrateHandler(PressureHandler):
         if move.over:
             self.moves.pop(rid, None)
             sim.move_records.append(MoveRecord.of(move))
+            shared = self.shared.pop(rid, 0)
             if move.paused:  # its blocks no longer leave nor come
                 self.leaving[move.src] -= move.blocks
-                self.incoming[move.dst] -= move.blocks
+                self.incoming[move.dst] -= move.blocks - shared
         return event
 
     def _land(self, move: Move, sent: tuple[int, ...], now: float) -> list[Event]:
