@@ -45,6 +45,15 @@ def test_sim_prefix_runs_every_setup_and_writes_the_page(tmp_path, capsys):
     text = page.read_text()
     assert "| cache-aware | 2 |" in text and "What the routing comparison shows" in text
     assert "prefix_routing_trace.png" in text and (out / "prefix_routing_trace.png").exists()
+    # cache-aware's predictions replayed from its decision records, against the TTFTs that followed
+    audit = routers["cache-aware"]["sweep"][0]["ttft_prediction"]["all"]
+    assert audit["count"] == res["num_requests"] and 0 < audit["p10"] <= audit["p50"] <= audit["p90"]
+    assert "ttft_prediction" not in routers["least-outstanding"]["sweep"][0]
+    # --replot writes the same page from the JSON
+    page.unlink()
+    assert main(["bench", "sim-prefix", "--replot", "--output", str(out), "--page", str(page), "--no-progress"]) == 0
+    assert page.read_text() == text
+    assert main(["bench", "sim-prefix", "--replot", "--output", str(tmp_path / "none"), "--no-progress"]) == 2
 
 
 def test_workloads_split_keeps_a_conversation_spec_whole():

@@ -76,6 +76,25 @@ def routing_checks(res: dict[str, Any], base: str = "least-outstanding", mine: s
             out.append(f"at {rates[miss]:g}/s, where {base} first misses the SLO ({_pct(b['sweep'][miss]['slo_attainment'])}"
                        f" attainment): P99 TTFT {pm:,.0f} ms against {pb:,.0f} ms ({pm / pb:.2f}x); "
                        f"{lost} requests failed in the two runs")
+            slow = [band for band in m["sweep"][miss].get("by_prompt_length") or []
+                    if band.get("within_ttft_slo") is not None and band["within_ttft_slo"] < target]
+            if slow:
+                n = sum(band["requests"] for band in slow)
+                total = sum(band["requests"] for band in m["sweep"][miss]["by_prompt_length"])
+                out.append(f"there, {n / total:.0%} of the requests have prompts in bands where fewer than {target:.0%} "
+                           f"meet the TTFT SLO under {mine} ("
+                           + ", ".join(f"{band['from']:,}{'+' if band['to'] is None else '-' + format(band['to'], ',')}: "
+                                       f"{_pct(band['within_ttft_slo'])}" for band in slow)
+                           + "): their prefill, where no instance holds their prefix, alone exceeds the SLO, so the "
+                             "P99 is theirs whatever the routing")
+    own = res.get("trace_rate")
+    k = next((i for i, r in enumerate(rates) if own and abs(r - own) <= 0.01 * own), None)
+    if k is not None:
+        pb, pm = (b["sweep"][k]["ttft_ms"] or {}).get("p99"), (m["sweep"][k]["ttft_ms"] or {}).get("p99")
+        if pb and pm:
+            out.append(f"at the workload's own rate ({rates[k]:g}/s): P99 TTFT {pm:,.0f} ms against {pb:,.0f} ms "
+                       f"({pb / pm:.2f}x lower), hit rate {_pct((m['sweep'][k].get('prefix_cache') or {}).get('hit_rate'))}"
+                       f" against {_pct((b['sweep'][k].get('prefix_cache') or {}).get('hit_rate'))}")
     cb, cm = (b["capacity"] or {}).get("capacity_rps"), (m["capacity"] or {}).get("capacity_rps")
     bounded = all((c["capacity"] or {}).get("first_failing_rps") is not None for c in (b, m))
     if cb and cm and bounded:
@@ -89,10 +108,15 @@ def _slug(label: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in label.split(":")[0].split(".")[0])
 
 
+def workload_slug(w: dict[str, Any]) -> str:
+    """A workload's name in its figures' file names (a conversation workload's seed included)."""
+    return _slug(w["workload"]) + (f"_seed{w['seed']}" if w.get("seed") is not None else "")
+
+
 def write_plots(res: dict[str, Any], out_dir: str) -> list[str]:
     files: list[str] = []
     for w in res["workloads"]:
-        files += _plots(w, out_dir, _slug(w["workload"]), res["slo"])
+        files += _plots(w, out_dir, workload_slug(w), res["slo"])
     return files
 
 
@@ -132,6 +156,12 @@ def _plots(res: dict[str, Any], out_dir: str, slug: str, slo: str) -> list[str]:
     return [os.path.basename(f) for f in files]
 
 
+def _ratio_q(q: dict[str, Any] | None) -> str:
+    if not q or not q.get("count"):
+        return "-"
+    return f"{q['p50']:.2f} ({q['p10']:.2f}-{q['p90']:.2f})"
+
+
 def write_page(res: dict[str, Any], path: str, figures: list[str], out_dir: str) -> None:
     rel = os.path.relpath(out_dir, os.path.dirname(os.path.abspath(path)) or ".")
     L = ["# Prefix caching and cache-aware routing, measured", "",
@@ -141,7 +171,7 @@ def write_page(res: dict[str, Any], path: str, figures: list[str], out_dir: str)
          f"requests. {res['wall_time_s']:.0f} s of simulation.", ""]
     L += claims_table(res.get("claims") or [])
     for w in res["workloads"]:
-        L += _section(w, [f for f in figures if _slug(w["workload"]) in f], rel)
+        L += _section(w, [f for f in figures if f.endswith(f"_{workload_slug(w)}.png")], rel)
     with open(path, "w", encoding="utf-8") as fh:
         fh.write("\n".join(L))
 
@@ -198,8 +228,11 @@ def _section(res: dict[str, Any], figures: list[str], rel: str) -> list[str]:
     if routing:
         L += ["### Routing (prefix caching on, a host tier of "
               f"{routing['host_tier_gib']:.0f} GiB an instance)", "",
+              "TTFT realized / predicted: cache-aware's prediction for the instance it chose, replayed from each "
+              "decision's record, against the TTFT the request then had.", "",
               "| router | rate (req/s) | hit rate | one LRU of the cluster (pools + host tiers) | TTFT p50 / p99 ms | "
-              "ITL p99 ms | attainment | busiest / mean instance work |", "|---|---|---|---|---|---|---|---|"]
+              "ITL p99 ms | attainment | busiest / mean instance work | TTFT realized / predicted, p50 (p10-p90) |",
+              "|---|---|---|---|---|---|---|---|---|"]
         for name, d in routing["routers"].items():
             for rate, s in zip(routing["rates"], d["sweep"], strict=True):
                 pc = s.get("prefix_cache") or {}
@@ -207,7 +240,8 @@ def _section(res: dict[str, Any], figures: list[str], rel: str) -> list[str]:
                 lm = s.get("load_max_over_mean")
                 L.append(f"| {name} | {rate:g} | {_pct(pc.get('hit_rate'))} | {_pct(comb)} | "
                          f"{_ms(s['ttft_ms'], 'p50')} / {_ms(s['ttft_ms'], 'p99')} | {_ms(s['itl_ms'], 'p99')} | "
-                         f"{_pct(s.get('slo_attainment'))} | {'-' if lm is None else f'{lm:.2f}'} |")
+                         f"{_pct(s.get('slo_attainment'))} | {'-' if lm is None else f'{lm:.2f}'} | "
+                         f"{_ratio_q((s.get('ttft_prediction') or {}).get('all'))} |")
         L += ["", "| router | capacity (req/s) |", "|---|---|"]
         L += [f"| {name} | {_cap(d['capacity'])} |" for name, d in routing["routers"].items()]
         L.append("")

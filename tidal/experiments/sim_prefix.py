@@ -27,6 +27,7 @@ with ``--page``, a generated markdown page. ``--jobs N`` runs independent simula
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -81,6 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", default="results/sim_prefix")
     p.add_argument("--page", default=None, help="also write the generated markdown page here (docs/cache.md)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--replot", action="store_true",
+                   help="rewrite the figures (and --page) from --output's sim_prefix.json without simulating")
 
 
 # ============================================================================ one simulation (a worker process)
@@ -89,7 +92,8 @@ def simulate(cfg: dict[str, Any], specs: list[W.RequestSpec], slo: M.SLO) -> dic
     from tidal.sim.run import simulate as run_one
 
     spec = ClusterSpec(**cfg)
-    out = run_one(spec, specs, slo, progress=False)
+    decisions: list[Any] | None = [] if cfg.get("router") == "cache-aware" else None
+    out = run_one(spec, specs, slo, progress=False, recorder=decisions.append if decisions is not None else None)
     busy = [i["busy_time_s"] for i in out["instances"]]
     mean = sum(busy) / len(busy) if busy else 0.0
     keep = ("completed", "failed", "request_throughput", "output_throughput", "ttft_ms", "tpot_ms", "itl_ms",
@@ -98,7 +102,42 @@ def simulate(cfg: dict[str, Any], specs: list[W.RequestSpec], slo: M.SLO) -> dic
     res["load_max_over_mean"] = max(busy) / mean if mean > 0 else None
     res["by_prompt_length"] = by_length(out["requests"], slo)
     res["errors"] = out.get("errors")
+    if decisions:
+        res["ttft_prediction"] = prediction_audit(decisions, out["requests"])
     return res
+
+
+def prediction_audit(decisions: list[Any], requests: list[dict[str, Any]]) -> dict[str, Any]:
+    """The cache-aware router's TTFT prediction for the instance it chose, replayed from each decision's
+    record (:func:`tidal.cluster.decisions.monitor_of`), against the TTFT the request then had: the
+    quantiles of realized / predicted, overall and by prompt length."""
+    import numpy as np
+
+    from tidal.cluster.cache_router import predicted_ttft
+    from tidal.cluster.decisions import monitor_of
+
+    ttft = {str(r["index"]): (r["ttft_s"], r["prompt_len"]) for r in requests if r.get("ttft_s")}
+    ratios: list[tuple[float, int]] = []
+    for d in decisions:
+        if d.kind != "dispatch" or d.choice is None or d.request_id not in ttft or d.request is None:
+            continue
+        live = [v.index for v in d.views if v.alive and v.role != "decode"]
+        k = live.index(d.choice)
+        cached = d.request.cached[k] if d.request.cached else 0
+        predicted = predicted_ttft(monitor_of(d.views).instances[d.choice], d.request.prompt_len, cached)
+        if predicted > 0:
+            ratios.append((ttft[d.request_id][0] / predicted, ttft[d.request_id][1]))
+
+    def q(xs: list[float]) -> dict[str, Any]:
+        if not xs:
+            return {"count": 0}
+        p10, p50, p90 = np.percentile(xs, [10, 50, 90])
+        return {"count": len(xs), "p10": float(p10), "p50": float(p50), "p90": float(p90)}
+
+    out = {"all": q([x for x, _ in ratios])}
+    for lo, hi in zip(LENGTH_EDGES, LENGTH_EDGES[1:], strict=False):
+        out[f"{lo}-{hi if hi < 1 << 30 else ''}"] = q([x for x, n in ratios if lo <= n < hi])
+    return out
 
 
 LENGTH_EDGES = (0, 4000, 8000, 12000, 20000, 1 << 30)
@@ -272,10 +311,17 @@ def run(args: argparse.Namespace) -> int:
             print(msg, file=sys.stderr, flush=True)
 
     def work() -> dict[str, Any]:
-        res = run_experiment(args, log)
-        res.update({"command": command_line(PROG), "machine": machine_info(), **run_stamp()})
-        os.makedirs(args.output, exist_ok=True)
-        write_json(res, os.path.join(args.output, "sim_prefix.json"))
+        path = os.path.join(args.output, "sim_prefix.json")
+        if args.replot:
+            if not os.path.exists(path):
+                raise ValueError(f"--replot: no {path} (run without --replot first)")
+            with open(path, encoding="utf-8") as fh:
+                res = json.load(fh)
+        else:
+            res = run_experiment(args, log)
+            res.update({"command": command_line(PROG), "machine": machine_info(), **run_stamp()})
+            os.makedirs(args.output, exist_ok=True)
+            write_json(res, path)
         from tidal.experiments.prefix_page import write_page, write_plots
 
         figures = write_plots(res, args.output)

@@ -14,11 +14,13 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, fields, replace
 from typing import Any
 
 from tidal import metrics as M
 from tidal import workload as W
+from tidal.cluster.decisions import Decision
 from tidal.cluster.split import SplitParams
 from tidal.common import flags as F
 from tidal.common.machine import machine_info
@@ -202,10 +204,12 @@ def workload(args: argparse.Namespace, rate: float | None) -> list[W.RequestSpec
 
 
 def simulate(spec: ClusterSpec, specs: list[W.RequestSpec], slo: M.SLO, desc: str = "sim",
-             progress: bool = True, timeline_points: int = 2000) -> dict[str, Any]:
+             progress: bool = True, timeline_points: int = 2000,
+             recorder: Callable[[Decision], None] | None = None) -> dict[str, Any]:
+    """One simulation's summary; ``recorder`` takes every dispatch decision with its inputs."""
     horizon = max(s.arrival_s for s in specs)
     spec = replace(spec, timeline_interval_s=horizon / timeline_points if horizon > 0 else 0.0)
-    sim = build_simulator(spec, specs)
+    sim = build_simulator(spec, specs, recorder=recorder)
     bar = progress_bar(round(horizon, 1), desc, "sim-s", progress,
                        bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} sim-s [{elapsed}<{remaining}]")
     t0 = time.perf_counter()
