@@ -98,3 +98,15 @@ def test_claims_are_judged_per_seed_at_the_workloads_own_rate():
         w["routing"]["routers"]["cache-aware"]["capacity"]["first_failing_rps"] = None
     assert {c["claim"]: c for c in claims(res, 0.05)}["cache-aware routing raises the capacity at the SLO"][
         "verdict"] == "n/a"
+
+
+def test_readme_quotes_the_recorded_routing_figures():
+    """README's cache-aware routing line quotes docs/results/prefix/sim_prefix.json (its figures, read off
+    the claims and the sweep)."""
+    import pathlib
+
+    from tidal.experiments.prefix_page import readme_line
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    line = readme_line(json.loads((root / "docs/results/prefix/sim_prefix.json").read_text()))
+    assert " ".join(line.split()) in " ".join((root / "README.md").read_text().split())
