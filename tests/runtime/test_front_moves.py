@@ -43,6 +43,7 @@ class Front(HandoffFront):
     """The cluster front end's state a move touches, with sends recorded and fail-overs counted."""
 
     ready = True
+    cache_routing = False  # round-robin: no cache views
 
     def __init__(self, statuses: list[InstanceStatus], layout: ClusterLayout, migrate: bool = False):
         self.monitor = GlobalMonitor(statuses, layout.roles())

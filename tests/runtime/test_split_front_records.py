@@ -25,7 +25,8 @@ def _engine(plan: StepPlan, token_budget: int = 256) -> SimpleNamespace:
     sched = SimpleNamespace(queued_block_demand=lambda: 0, hol_block_demand=lambda: 0, num_running=3, num_waiting=0,
                             num_preemptions=0, last_caps=SimpleNamespace(max_num_seqs=64, token_budget=token_budget),
                             prefix_queries=0, prefix_hits=0, prefix_host_hits=0, queued_prefill_tokens=lambda: 0,
-                            num_swap_preemptions=0, num_swap_fallbacks=0)
+                            queued_prefill_position=lambda: 0.0, num_swap_preemptions=0, num_swap_fallbacks=0,
+                            kv_reused_tokens=0)
     kv = SimpleNamespace(block_size=16, num_blocks=100, num_free_blocks=50, num_cached_blocks=0,
                          pool=SimpleNamespace(log=None), host_pool=SimpleNamespace(num_free=0))
     return SimpleNamespace(scheduler=sched, kv_manager=kv, last_plan=plan,
