@@ -242,6 +242,22 @@ class KVCacheManager:
             self._frozen.pop(rid, None)
         return len(table) * self.block_size
 
+    def take_cached_kv(self, req: Request) -> int:
+        """A request whose first ``num_computed_tokens`` of KV arrive from elsewhere (a hand-off, a
+        migration) starts its block table with the device blocks of its cached prefix, up to a token
+        short of that KV (so some of it still lands); returns the tokens they hold."""
+        computed = req.num_computed_tokens
+        cap = (computed - 1) // self.block_size
+        if cap <= 0 or not self.enable_caching:
+            return 0
+        req.num_computed_tokens = 0  # find_prefix looks up a request that holds nothing yet
+        try:
+            hit = self.find_prefix(req)
+        finally:
+            req.num_computed_tokens = computed
+        device = hit.device[:cap]
+        return self.take_prefix(req, PrefixHit(device, [], self.block_size)) if device else 0
+
     def cache_blocks(self, req: Request) -> None:
         """Name the full blocks of ``req`` whose KV is complete (``num_computed_tokens``), so later
         requests can hit them; decode-filled blocks too (turn N + 1 hits turn N's answer)."""

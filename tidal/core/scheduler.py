@@ -122,7 +122,7 @@ class Scheduler:
         request's hit is) and only the KV past them must arrive; the hit stops a token short of its
         computed KV, so at least one chunk lands and resumes it."""
         self.add_request(req)
-        reused = self._take_cached_kv(req) if reuse_cached else 0
+        reused = self.kv.take_cached_kv(req) if reuse_cached else 0
         hold = req.num_computed_tokens if hold_tokens is None else min(hold_tokens, req.num_computed_tokens)
         if self.kv.allocate(req.request_id, max(hold, reused)) is None:
             self.kv.free(req.request_id)  # the shared blocks go back to the cache
@@ -134,21 +134,6 @@ class Scheduler:
         self.running.append(req)
         self.kv_reused_tokens += reused
         return reused
-
-    def _take_cached_kv(self, req: Request) -> int:
-        """The device blocks of ``req``'s cached prefix, up to a token short of its computed KV, as
-        the start of its block table; the tokens they hold."""
-        computed = req.num_computed_tokens
-        cap = (computed - 1) // self.kv.block_size
-        if cap <= 0 or not self.kv.enable_caching:
-            return 0
-        req.num_computed_tokens = 0  # find_prefix looks up a request that holds nothing yet
-        try:
-            hit = self.kv.find_prefix(req)
-        finally:
-            req.num_computed_tokens = computed
-        device = hit.device[:cap]
-        return self.kv.take_prefix(req, PrefixHit(device, [], self.kv.block_size)) if device else 0
 
     def abort_requests(self, request_ids: Iterable[str], now: float = 0.0) -> list[str]:
         done = []

@@ -86,6 +86,18 @@ def _check(kv: KV, spec: ChunkSpec) -> tuple[tuple[int, int, int], torch.dtype]:
     return shape, k0.dtype  # type: ignore[return-value]
 
 
+def _shm_unlink(name: str) -> None:
+    """Remove a POSIX shared-memory segment by name, without attaching to it."""
+    try:
+        import _posixshmem  # CPython's own (what SharedMemory.unlink calls), on every POSIX platform
+    except ImportError:  # pragma: no cover - not POSIX
+        shm = shared_memory.SharedMemory(name=name)
+        shm.close()
+        shm.unlink()
+        return
+    _posixshmem.shm_unlink(name if name.startswith("/") else "/" + name)
+
+
 def _untrack(shm: shared_memory.SharedMemory) -> None:
     """Ownership is explicit (the receiver or the front end unlinks), so Python's resource tracker
     must not also unlink the segment at exit (it would warn of a leak, or remove a live chunk)."""
@@ -146,15 +158,12 @@ class SharedMemoryTransport(KVTransport):
         return out
 
     def release(self, handle: KVHandle) -> None:
-        try:
-            shm = shared_memory.SharedMemory(name=handle.ref)  # (attaching registers it with the tracker)
-        except FileNotFoundError:
-            return  # already released
-        shm.close()
-        try:
-            shm.unlink()  # unlinks, then unregisters it
-        except FileNotFoundError:  # another holder released it between our attach and our unlink
-            _untrack(shm)
+        """Unlink the segment (already gone: nothing to do). Never through the resource tracker: all of a
+        cluster's processes share one, which keeps a set of names, so two holders releasing one chunk at
+        once (the front end tearing a move down while its receiver lets the chunk go) registered it once
+        and unregistered it twice, and the tracker died on the second (a KeyError traceback)."""
+        with contextlib.suppress(FileNotFoundError):
+            _shm_unlink(handle.ref)
 
 
 def unlink_segments(prefix: str) -> None:
