@@ -244,9 +244,9 @@ class GlobalMonitor:
             t = status.step_time_s
             rec.step_time_ema_s = t if rec.step_time_ema_s is None else (1 - self.ema) * rec.step_time_ema_s + self.ema * t
             p = getattr(status, "step_prefill_tokens", 0)
-            if p and rec.steps is not None:
-                rec.steps.record(p, status.step_prefill_prefix, status.step_prefill_sq, status.step_decode_count,
-                                 status.step_decode_context, t)
+            if p:
+                self.on_step(status.index, p, status.step_prefill_prefix, status.step_prefill_sq,
+                             status.step_decode_count, status.step_decode_context, t)
 
     def on_step(self, index: int, prefill_tokens: int, prefix: float, sq: float | None, decode_count: int,
                 decode_context: float, time_s: float) -> None:

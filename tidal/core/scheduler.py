@@ -33,6 +33,7 @@ from tidal.core.plan import (
     rectangle_padding,
 )
 from tidal.core.policy import SchedulerView, SchedulingPolicy, StepCaps, default_victim, is_passive
+from tidal.core.queue_report import QueueReport
 from tidal.core.request import FinishReason, Request, RequestStatus
 from tidal.core.validation import RequestRejected, validate_request
 from tidal.core.waiting import WaitingQueue
@@ -59,7 +60,7 @@ class StepBudget:
         self.tokens -= chunk.num_tokens
 
 
-class Scheduler:
+class Scheduler(QueueReport):
     def __init__(
         self,
         config: SchedulerConfig,
@@ -222,44 +223,6 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
-
-    def queued_block_demand(self) -> int:
-        """KV blocks the waiting requests need to start: each its tokens and the next one's slot
-        (what the monitor's ``InstanceStatus`` reports, in the simulator and the runtime alike)."""
-        bs = self.kv.block_size
-        return sum(-(-(r.num_tokens + 1) // bs) for r in self.waiting)
-
-    def queued_prefill_tokens(self) -> int:
-        """Prompt tokens waiting for their prefill: the waiting requests' and the rest of the running
-        ones' half-done prefills (what a cache-aware router counts as work ahead of a new request)."""
-        expected = self._expected_cached
-        return (sum(r.num_uncomputed_tokens - (expected.get(r.request_id, 0) if not r.num_preemptions else 0)
-                    for r in self.waiting)
-                + sum(r.num_uncomputed_tokens for r in self.running if r.in_prefill))
-
-    def queued_prefill_position(self) -> float:
-        """The mean KV position of :meth:`queued_prefill_tokens`' tokens (each request's rest of a
-        prompt from where its computed or expected cached prefix ends), so that a router can price
-        the attention over long prompts' prefixes (KunServe Eq. 1's prefix and self terms); 0.0 when
-        nothing is queued."""
-        expected = self._expected_cached
-        tokens = total = 0.0
-        for r in self.waiting:
-            start = r.num_computed_tokens + (expected.get(r.request_id, 0) if not r.num_preemptions else 0)
-            n = max(0, r.num_uncomputed_tokens - (start - r.num_computed_tokens))
-            tokens, total = tokens + n, total + n * (start + n / 2)
-        for r in self.running:
-            if r.in_prefill:
-                n = r.num_uncomputed_tokens
-                tokens, total = tokens + n, total + n * (r.num_computed_tokens + n / 2)
-        return total / tokens if tokens > 0 else 0.0
-
-    def hol_block_demand(self) -> int:
-        """KV blocks the head of the queue needs: the first swapped request's host blocks (it
-        comes back first), else the first waiting one's tokens and next slot; 0 for none."""
-        if self.swapped:
-            return self.kv.num_host_blocks_of(self.swapped[0].request_id)
-        return -(-(self.waiting[0].num_tokens + 1) // self.kv.block_size) if self.waiting else 0
 
     def view(self, now: float) -> SchedulerView:
         return SchedulerView(

@@ -244,5 +244,4 @@ class KVTransfer:
         if last_token_time is not None:
             req.last_token_time = last_token_time
         self.outputs.continue_text(request_id, text_sent)
-        self.reused.pop(request_id, None)
-        self.scheduler.resume(request_id)
+        self.resume(request_id)

@@ -75,6 +75,20 @@ def prefill_shape(chunks: Iterable[tuple[int, int]]) -> tuple[int, float, float]
     return p, (q / p if p else 0.0), float(sq)
 
 
+def step_shape(chunks: Iterable) -> tuple[int, float, float | None, int, float]:
+    """A step's shape from its scheduled chunks, as a step report carries it: prefill tokens, their
+    chunks' mean prefix and sum of squares (0.0 and None without prompt tokens), decode count and the
+    decodes' mean context."""
+    pre, dec = [], []
+    for c in chunks:
+        if c.is_decode:
+            dec.append(c.context_len)
+        else:
+            pre.append((c.start, c.num_tokens))
+    p, prefix, sq = prefill_shape(pre) if pre else (0, 0.0, None)
+    return p, prefix, sq, len(dec), (sum(dec) / len(dec) if dec else 0.0)
+
+
 def fill(prefills: Sequence[tuple[int, int]], m: int) -> tuple[float, float]:
     """(sum c_i*x_i, sum c_i^2) when ``m`` prefill tokens go to the ``(prefix, tokens)`` queue in
     order (Alg. 2 lines 3-8); what the queue cannot take is one more chunk at prefix 0."""

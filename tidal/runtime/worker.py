@@ -60,7 +60,7 @@ class WorkerConfig:
 
 def instance_status(engine: Any, index: int, step_time_s: float | None = None) -> Any:
     from tidal.cluster.monitor import InstanceStatus
-    from tidal.policies.profile_table import prefill_shape
+    from tidal.policies.profile_table import step_shape
 
     sched, kv = engine.scheduler, engine.kv_manager
     bs = kv.block_size
@@ -69,12 +69,8 @@ def instance_status(engine: Any, index: int, step_time_s: float | None = None) -
     ctx = prefix = 0.0
     sq: float | None = None
     plan = getattr(engine, "last_plan", None)
-    if step_time_s is not None and plan is not None:
-        dec = [c.context_len for c in plan.chunks if c.is_decode]
-        p, d = plan.composition.num_prefill_tokens, len(dec)
-        ctx = sum(dec) / d if d else 0.0
-        if p:  # the profile table's prefix features: each chunk's own cached prefix (issue 39)
-            _, prefix, sq = prefill_shape((c.start, c.num_tokens) for c in plan.chunks if not c.is_decode)
+    if step_time_s is not None and plan is not None:  # with each chunk's own cached prefix (issue 39)
+        p, prefix, sq, d, ctx = step_shape(plan.chunks)
     hol = sched.hol_block_demand()  # the simulator's definition too (a swapped head: its host blocks)
     return InstanceStatus(index, kv.num_blocks, kv.num_free_blocks, bs, sched.num_running, sched.num_waiting,
                           queued, step_time_s, sched.num_preemptions, hol, step_prefill_tokens=p,

@@ -105,6 +105,7 @@ class SimInstance:
         self.wake_pending = False
         self.plan: StepPlan | None = None
         self.last_plan: StepPlan | None = None  # the last step's plan (None: it was a run of decodes)
+        self._shape: tuple[StepPlan | None, Any] = (None, None)  # last_plan and its shape, once asked
         self.end_event: Any = None  # the simulator's reusable step-end event
         self._crossing: tuple[list[tuple[str, int]], float] | None = None  # see run_decodes
         self._batch: tuple[Request, ...] | None = None  # a decode-only step in flight without a plan
@@ -180,14 +181,14 @@ class SimInstance:
         """The last step's prefill tokens, their chunks' mean prefix and sum of squares, its decode
         count and their mean context (a worker's step report carries the same), or None when it
         computed no prompt tokens."""
-        from tidal.policies.profile_table import prefill_shape
+        from tidal.policies.profile_table import step_shape
 
         plan = self.last_plan
         if plan is None or not plan.composition.num_prefill_tokens:
             return None
-        p, prefix, sq = prefill_shape((c.start, c.num_tokens) for c in plan.chunks if not c.is_decode)
-        dec = [c.context_len for c in plan.chunks if c.is_decode]
-        return p, prefix, sq, len(dec), (sum(dec) / len(dec) if dec else 0.0)
+        if self._shape[0] is not plan:  # the router reads it on every dispatch: computed once a step
+            self._shape = (plan, step_shape(plan.chunks))
+        return self._shape[1]
 
     @property
     def step_decode_context(self) -> float:

@@ -66,14 +66,13 @@ class MigrateHandler(PressureHandler):
         # what the runtime may move (its worker's ``is_movable``: decoding, a token sampled), each
         # needing what the runtime's coordinator counts: its tokens and the next one's slot
         bs = inst.kv.block_size
-        running = {inst.index: [(r.request_id, handoff_blocks(r.num_tokens, bs)) for r in inst.scheduler.running
-                                if r.output_token_ids and not r.in_prefill]}
+        movable = [r for r in inst.scheduler.running if r.output_token_ids and not r.in_prefill]
+        running = {inst.index: [(r.request_id, handoff_blocks(r.num_tokens, bs)) for r in movable]}
         out: list[Event] = []
         names = None
         if self.sim.dispatcher.router.uses_cache:  # tidal's extension: prefer where the prompt's prefix is
             self.sim._sync_cache_views()
-            names = {r.request_id: tuple(inst.kv.hashes(r, r.num_prompt_tokens // bs * bs))
-                     for r in inst.scheduler.running if r.output_token_ids and not r.in_prefill}
+            names = {r.request_id: tuple(inst.kv.hashes(r, r.num_prompt_tokens // bs * bs)) for r in movable}
         for m in self.ctl.decide(now, running, dict(enumerate(self.leaving)), dict(enumerate(self.incoming)),
                                  names=names):
             self.shared[m.request_id] = m.shared
