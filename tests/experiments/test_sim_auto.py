@@ -40,6 +40,31 @@ def test_trace_judgement_per_phase_and_over_the_trace():
     assert j["lost"]["auto"] == [0, 1] and j["no_loss"] == "tie"
 
 
+def test_one_best_names_a_fixed_response_near_the_best_in_every_phase():
+    from tidal.experiments.sim_auto import one_best
+
+    def r(a, b):
+        return {"phases": {"a": {"ttft_p99_ms": a}, "b": {"ttft_p99_ms": b}}}
+    # swap is best in a and 4 % over the best in b; drop is best in b but 50 % over in a
+    runs = {"recompute": r(300, 300), "swap": r(100, 104), "migrate": r(200, 200), "drop": r(150, 100)}
+    assert one_best(runs, ["a", "b"]) == ["swap"]
+    runs["swap"] = r(100, 106)  # now no response is within 5 % everywhere: the regimes differ
+    assert one_best(runs, ["a", "b"]) == []
+    runs["migrate"] = r(None, 100)  # a phase without a P99 is never near the best
+    assert one_best(runs, ["a", "b"]) == []
+
+
+def test_service_rate_is_output_tokens_over_the_runs_span():
+    from types import SimpleNamespace as N
+
+    from tidal.experiments.auto_runs import service_rate
+
+    recs = [N(arrival_s=1.0, end_s=3.0, output_tokens=10), N(arrival_s=2.0, end_s=11.0, output_tokens=30),
+            N(arrival_s=5.0, end_s=None, output_tokens=0)]
+    assert service_rate(recs) == pytest.approx(40 / 10.0)
+    assert service_rate([N(arrival_s=1.0, end_s=None, output_tokens=0)]) is None
+
+
 def test_paper_judgement_follows_whoever_wins():
     # P99 TTFT (lower is better): seed 0 drop beats recompute, auto within 5 % of drop; seed 1 drop loses and
     # auto is 10 % worse than recompute
@@ -97,6 +122,8 @@ def test_the_command_writes_its_json_figures_and_page(tmp_path, capsys):
     assert "audit" not in level["runs"]["drop"][0]
     text = page.read_text()
     assert "## A trace that changes regime" in text and "auto_timeline.png" in text
+    assert isinstance(level["judged"]["one_best"][0], list) and level["runs"]["swap"][0]["service_tok_s"] > 0
+    assert "Output tokens served per second over the run" in text and "in every phase, per seed" in text
     assert (out / "auto_timeline.png").is_file() and (out / "auto_phases.png").is_file()
     page.unlink()
     assert main(["bench", "sim-auto", "--output", str(out), "--page", str(page), "--replot"]) == 0  # from the JSON

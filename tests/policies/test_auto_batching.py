@@ -1,5 +1,6 @@
 """``auto`` batching: each step's caps are the tightest of Pang's b_mem and b_SLA and of the TBT
-token budget (DynaServe's composer once its table can predict, Pang's chunk search before), each
+token budget (the tighter of DynaServe's composer and Pang's chunk search once the composer's table
+can predict, the search's before), each
 equal to what that controller alone answers on the same steps, with the binding constraint named."""
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def test_the_tbt_slo_binds_the_batch_when_decodes_would_miss_it():
     assert st.batch_binds == "tbt-slo" and st.b_sla == st.batch_cap < st.b_mem
 
 
-def test_the_token_budget_comes_from_the_chunk_search_then_the_composer():
+def test_the_token_budget_is_the_chunk_search_then_the_tighter_of_it_and_the_composer():
     pol = build(slo=50.0, min_samples=4)
     sla, comp = alone("sla", slo=50.0), alone("slo-compose", slo=50.0)
     v = view(running=[req(f"d{i}", 100, 50, outputs=3) for i in range(8)], waiting=[req("w", 2000, 10, computed=0)])
@@ -64,9 +65,13 @@ def test_the_token_budget_comes_from_the_chunk_search_then_the_composer():
             p.observe(plan, res)
     caps = pol.plan_step(v)
     st = pol.state()
-    assert st.tokens_from == "composer" and st.tokens_composer == comp.plan_step(v).token_budget
-    assert caps.token_budget == min(st.tokens_composer, 512)
-    assert st.tokens_binds == ("tbt-slo" if st.tokens_composer < 512 else "configured")
+    assert st.tokens_composer == comp.plan_step(v).token_budget and st.tokens_sla == sla.plan_step(v).token_budget
+    tighter = min(st.tokens_composer, st.tokens_sla)
+    assert st.tokens_from == ("composer" if st.tokens_composer < st.tokens_sla else "sla-search")
+    assert caps.token_budget == min(tighter, 512)
+    assert st.tokens_binds == ("tbt-slo" if tighter < 512 else "configured")
+    # here the composer would allow the whole configured budget, the search less: the search's answer binds
+    assert st.tokens_sla < st.tokens_composer and caps.token_budget == st.tokens_sla
 
 
 def test_auto_is_registered_and_checks_its_arguments():

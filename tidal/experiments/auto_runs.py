@@ -53,6 +53,16 @@ def slim(s: dict[str, Any]) -> dict[str, Any]:
             "goodput_tok_s": s["goodput"]["output_throughput"], "slo_attainment": s["slo_attainment"]}
 
 
+def service_rate(records: Sequence[Any]) -> float | None:
+    """Output tokens over the run's span (the first arrival to the last response's end): what the
+    cluster served per second, whatever the latencies (a layout that serves fewer falls behind)."""
+    ends = [r.end_s for r in records if r.end_s is not None]
+    if not ends:
+        return None
+    span = max(ends) - min(r.arrival_s for r in records)
+    return sum(r.output_tokens for r in records) / span if span > 0 else None
+
+
 def simulate(system: str, specs: Sequence[RequestSpec], phases: Sequence[Phase] | None = None,
              timeline_interval: float = 1.0, keep_timelines: bool = False, audit: bool = False) -> dict[str, Any]:
     """``system`` on ``specs``: its whole-run and per-phase summaries, its KV demand, its pressure
@@ -79,6 +89,7 @@ def simulate(system: str, specs: Sequence[RequestSpec], phases: Sequence[Phase] 
             by[phase_of(list(phases), s.arrival_s)].append(r)
         out["phases"] = {p.name: slim(summarize(by[p.name], duration_s=p.end_s - p.start_s, slo=SLO_DEF))
                          for p in phases}
+    out["service_tok_s"] = service_rate(res.records)
     out["mean_kv_demand"] = mean_demand(res.timelines)
     out["num_preemptions"] = sum(i["num_preemptions"] for i in res.instances)
     p = res.pressure or {}
@@ -103,4 +114,4 @@ def probe(specs: Sequence[RequestSpec], rate: float, duration_s: float) -> dict[
             "ttft_p99_ms": r["whole"]["ttft_p99_ms"]}
 
 
-__all__ = ["FIXED", "ROUTER", "SLO_DEF", "SYSTEMS", "probe", "simulate", "slim"]
+__all__ = ["FIXED", "ROUTER", "SLO_DEF", "SYSTEMS", "probe", "service_rate", "simulate", "slim"]
