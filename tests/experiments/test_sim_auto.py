@@ -156,3 +156,28 @@ def test_drops_before_learning_counts_the_drops_before_drop_is_first_scaled():
                               "drop predicted 2 s (1 x 2 learned), least (next: swap 3 s)"]}
     assert drops_before_learning(run) == 2
     assert drops_before_learning({"choices": [[1.0, 0, "swap"]], "choice_reasons": ["swap ..."]}) is None
+
+
+def test_the_readme_line_is_read_off_the_committed_json():
+    """README's auto line says what docs/results/auto/auto_sim.json says (regenerated with the page)."""
+    import pathlib
+
+    from tidal.experiments.auto_page import readme_line
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    line = readme_line(json.loads((root / "docs/results/auto/auto_sim.json").read_text()))
+    assert line.startswith(("recommended.", "not recommended."))
+    assert " ".join(line.split()) in " ".join((root / "README.md").read_text().split())
+
+
+def test_the_readme_line_recommends_only_when_every_claim_holds():
+    from tidal.experiments.auto_page import readme_line
+
+    def level(verdict):
+        run = {"whole": {"ttft_p99_ms": 100.0}}
+        return {"runs": {s: [run] for s in ("recompute", "swap", "migrate", "drop", "auto")},
+                "judged": {"phases": {"a": {"verdict": verdict, "per_seed": [{"auto_over_best": 1.0}]}},
+                           "whole": {"swap": {"verdict": verdict}}, "one_best": [["swap"]]}}
+    assert readme_line({"trace": {"levels": {"paper rule": level("holds")}}}).startswith("recommended.")
+    line = readme_line({"trace": {"levels": {"paper rule": level("tie")}}})
+    assert line.startswith("not recommended.") and "in every phase in 1 of 1 load-seed pairs" in line

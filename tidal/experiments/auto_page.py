@@ -59,6 +59,43 @@ def summary_lines(res: dict[str, Any]) -> list[str]:
     return lines
 
 
+def readme_line(res: dict[str, Any]) -> str:
+    """The README's auto line, every figure from the run's JSON (test-checked against README.md)."""
+    levels = (res.get("trace") or {}).get("levels", {})
+    verdicts = [v["verdict"] for d in levels.values() for v in (*d["judged"]["phases"].values(),
+                                                                *d["judged"]["whole"].values())]
+    verdicts += [v["judged"]["verdict"] for part in ("kunserve", "pang") for v in (res.get(part) or {}).values()]
+    ok = bool(verdicts) and all(v == "holds" for v in verdicts)
+    out = "recommended." if ok else "not recommended."
+    parts = []
+    for i, (level, d) in enumerate(levels.items()):
+        ph = [s["auto_over_best"] for v in d["judged"]["phases"].values() for s in v["per_seed"]
+              if s["auto_over_best"] is not None]
+        runs = d["runs"]
+        whole = [runs["auto"][k]["whole"]["ttft_p99_ms"] / min(runs[f][k]["whole"]["ttft_p99_ms"] for f in
+                                                              ("recompute", "swap", "migrate", "drop"))
+                 for k in range(len(runs["auto"]))]
+        if ph:
+            parts.append(f"{min(ph):.2f}-{max(ph):.2f}x the best fixed choice's per phase and "
+                         f"{min(whole):.2f}-{max(whole):.2f}x over the trace at KunServe's load" if i == 0 else
+                         f"{min(ph):.2f}-{max(ph):.2f}x and {min(whole):.2f}-{max(whole):.2f}x at {level}")
+    if parts:
+        out += " P99 TTFT on a regime-changing trace: " + ", ".join(parts)
+        one = [x for d in levels.values() for x in d["judged"].get("one_best", [])]
+        if one:
+            out += (f" (one fixed response is within 5 % of the best in every phase in {sum(1 for x in one if x)} "
+                    f"of {len(one)} load-seed pairs)")
+        out += "."
+    ks = [s for v in (res.get("kunserve") or {}).values() for s in v["judged"]["per_seed"] if s is not None]
+    if ks:
+        out += (f" KunServe's datasets: within 5 % of the better of drop and recompute on "
+                f"{sum(s['auto_vs'] >= 1 / 1.05 for s in ks)} of {len(ks)} seeds.")
+    pg = [s["auto_vs"] for v in (res.get("pang") or {}).values() for s in v["judged"]["per_seed"] if s is not None]
+    if pg:
+        out += f" `--batching auto`: {min(pg):.2f}-{max(pg):.2f}x the better capacity of Pang's and a fixed cap."
+    return out
+
+
 def _phase_table(d: dict[str, Any], phases: list[str]) -> list[str]:
     runs = d["runs"]
     out = ["| phase | system | P50 TTFT (ms) | P99 TTFT (ms), per seed | P99 TPOT (ms) | goodput (tok/s) | lost |",
@@ -359,4 +396,4 @@ def write_plots(res: dict[str, Any], out_dir: str) -> list[str]:
     return files
 
 
-__all__ = ["summary_lines", "write_page", "write_plots"]
+__all__ = ["readme_line", "summary_lines", "write_page", "write_plots"]
