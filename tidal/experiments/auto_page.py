@@ -202,8 +202,8 @@ def write_page(res: dict[str, Any], path: str, figures: list[str]) -> None:
          "chunk search (Alg. 2 on the chunk) and DynaServe's composer (Alg. 2) once the composer's profile "
          "table has 16 steps, the search's before; the binding constraint is recorded each step. The tighter "
          "of the two is a revision: the first version took the composer's budget alone once ready, and on "
-         "Pang's setup (out-61) its steps ran at the SLO itself, so auto's capacity was 0.75-0.86x the paper's "
-         "controller's (commit d6ca204's run of this page).", "",
+         "Pang's setup (out-61) its steps ran at the SLO itself, so that auto's capacity was below the paper's "
+         "controller's on every seed (commit d6ca204's run of this page).", "",
          "## Setup", "",
          f"{st['model']} on {st['instances']} x {st['hardware']} ({st['link']} between instances), dispatcher "
          f"`{st['router']}` (Llumnix's freeness, KunServe's dispatcher), chunked prefill of {st['max_num_batched_tokens']} tokens, the default KV pool (0.9 of each "

@@ -16,9 +16,9 @@ the prefill chunk):
   ``auto.min_samples`` steps to predict from, the search's alone before.
 
   The tighter of the two is a revision: the first version took the composer's budget alone once it
-  was ready, and on Pang's own setup (out-61) its steps ran at the SLO itself (P90 TPOT 50.0 ms
-  against the search's 49.8 at 13.6 req/s), so that a hair over it cost attainment and auto's
-  capacity was 0.75-0.86x the paper's controller's; taking the tightest answer is the rule the
+  was ready, and on Pang's own setup (out-61, ``tidal bench sim-auto --parts pang``) its steps ran
+  at the SLO itself, so that a hair over it cost attainment and auto's capacity was below the
+  paper's controller's on every seed; taking the tightest answer is the rule the
   batch cap already followed (Pang Sec. III-B's min).
 
 The caps are never above the configured ones (``max_num_seqs``, or ``memory.b_max`` as the
