@@ -174,10 +174,11 @@ def test_the_readme_line_recommends_only_when_every_claim_holds():
     from tidal.experiments.auto_page import readme_line
 
     def level(verdict):
-        run = {"whole": {"ttft_p99_ms": 100.0}}
-        return {"runs": {s: [run] for s in ("recompute", "swap", "migrate", "drop", "auto")},
-                "judged": {"phases": {"a": {"verdict": verdict, "per_seed": [{"auto_over_best": 1.0}]}},
-                           "whole": {"swap": {"verdict": verdict}}, "one_best": [["swap"]]}}
+        return {"judged": {"phases": {"a": {"verdict": verdict, "per_seed": [{"auto_over_best": 1.0}]}},
+                           "whole": {"swap": {"verdict": verdict, "per_seed": [1.25]},
+                                     "drop": {"verdict": verdict, "per_seed": [2.0]}},
+                           "one_best": [["swap"]]}}
     assert readme_line({"trace": {"levels": {"paper rule": level("holds")}}}).startswith("recommended.")
     line = readme_line({"trace": {"levels": {"paper rule": level("tie")}}})
     assert line.startswith("not recommended.") and "in every phase in 1 of 1 load-seed pairs" in line
+    assert "1.00-1.00x the best fixed choice's per phase and 0.80-0.80x over the trace" in line  # 1 / 1.25
