@@ -75,6 +75,31 @@ def test_the_queue_is_admitted_as_memory_recycles_through_it():
     assert Episode.from_dict(json.loads(json.dumps(e.to_dict()))) == e  # the queue is in the record
 
 
+def test_the_victims_are_what_the_growth_lacks_while_the_queue_waits():
+    """A throttle preempts nothing (the queue waits for memory); the victims are the running requests
+    the scheduler preempts when their growth finds no free block on the way (admit_walk's lack)."""
+    from tidal.cluster.pressure.predict import admit_walk
+
+    two = (Victim(16, 2, False, 5), Victim(16, 2, False, 5))
+    # nothing free: by step 10 the two running requests grew 20 tokens (1.25 blocks) into memory that is not there
+    assert admit_walk(RUNNING, two, 0, 16) == (16, 2)
+    # 4 blocks free for growth: the growth never runs out before the first finish gives 4 blocks back
+    assert admit_walk(RUNNING, (Victim(48, 6, False, 5),), 4, 16) == (10, 0)
+    roomy = Episode(0, shortage_blocks=2, queued_tokens=48, queued_requests=1, running=RUNNING, host_free_blocks=100,
+                    peer_room=(), step_s=0.01, queue=(Victim(48, 6, False, 5),))
+    pr = predict(roomy, PRICES)
+    # no victim: the queue's wait (10 steps) and its prefill, nothing to re-run or copy (the first version's victims
+    # covered the shortage: the 4-block request's 64 tokens again, 64 ms more)
+    assert pr["recompute"].terms["victims"] == 0 and pr["recompute"].seconds == pytest.approx(max(0.1, 0.048))
+    assert pr["swap"].terms["swapped"] == 0 and pr["swap"].seconds == pytest.approx(pr["recompute"].seconds)
+    tight = Episode(0, shortage_blocks=4, queued_tokens=32, queued_requests=2, running=RUNNING, host_free_blocks=100,
+                    peer_room=(), step_s=0.01, queue=two)
+    pr = predict(tight, PRICES)
+    assert pr["recompute"].terms["victims"] == 1 and pr["swap"].terms["swapped_blocks"] == 4  # 2 lacking: the first
+    # without the queue the growth cannot be walked: the shortage's victims (the first version's rule)
+    assert predict(episode(), PRICES)["recompute"].terms["victims"] == 1
+
+
 def test_each_response_predicted_by_hand():
     pr = predict(episode(), PRICES)
     # recompute: wait 100 steps x 10 ms for the memory (the queue's 100 tokens prefill meanwhile: the later of the

@@ -4,20 +4,21 @@ At a throttle onset (:mod:`tidal.cluster.pressure.throttle`: the head of an inst
 not fit its free KV) the queue lacks ``S`` blocks. No response creates that memory on the instance
 itself except a drop; the four responses, each at its own price:
 
-- **recompute** (vLLM's preemption): the victims -- the running requests the scheduler would
-  preempt, the lowest priority and latest arrival first, until their blocks cover ``S`` -- drop
-  their KV and re-run their prompt and output so far, first in the queue;
+- **recompute** (vLLM's preemption): the victims -- the running requests the scheduler preempts,
+  the lowest priority and latest arrival first, when their growth finds no free block while the
+  queue waits for memory (:func:`admit_walk`) -- drop their KV and re-run their prompt and output
+  so far, first in the queue;
 - **swap** (InferCept-like): the same victims' KV goes to host memory and comes back (out and in
   over the host link), as far as the host pool holds them; the rest recompute;
 - **migrate** (Llumnix-like, KunServe Sec. 2.3): decoding requests, the smallest first, move with
   their KV to the peers with the most room (:func:`tidal.cluster.pressure.plan_migrations`'s
   packing) until they cover ``S``; the queue waits for their KV to cross the link (the source frees a
-  request's blocks when its last chunk lands); what the peers cannot take is preempted (recompute);
+  request's blocks when its last chunk lands); what the peers cannot take the queue waits for, as above;
 - **drop** (KunServe Sec. 4.1): the drop plan (Fig. 6) merges the instance with a peer into a
   pipeline; the group's pool gains the freed weights and takes the peers' spare KV, and the group's
   queue (every member's) runs on ``n`` instances' compute, less the pipeline's price: each stage
   pays a step's fixed overhead per microbatch and each microbatch crosses ``n - 1`` stage
-  boundaries (its bubbles); what the freed memory cannot cover is preempted (recompute).
+  boundaries (its bubbles); what the freed memory cannot cover the queue waits for, as above.
 
 Each is predicted as the seconds until the queued demand, and what the response displaces to make
 room for it, are served: the queue's prefill under that response, or the wait for the memory the
@@ -37,6 +38,13 @@ The overlap and the queue's recycling are a revision (the first version added th
 prefill and drained through the running requests only): an audit of the baselines' own runs
 (:mod:`tidal.sim.auto_audit`: recompute and swap, each onset's prediction beside when its queue was
 served) found preemption predicted about 3x longer than it took, and drop about 1.6x shorter.
+
+The victims as the growth's lack are a second revision: the first versions preempted victims
+until their blocks covered the queue's shortage, which no scheduler here does (a throttle preempts
+nothing; the queue waits). The audit of that version (commit 6ae761f's page: realized over predicted
+0.61-0.66 for recompute, whose predictions carried the victims' re-prefill, 1.01-1.08 for swap,
+whose copies are cheap) let the learned scales make recompute look faster than swap where swap
+served the queue sooner. Without the queue known the shortage's victims remain.
 
 Prefill is priced by KunServe's Eq. 1 with the coefficients the shell's cost model gives
 (:class:`Prices`: the simulator's analytic or profiled model; the runtime hands the same model in),
@@ -216,46 +224,64 @@ def drain_steps(running: Sequence[Victim], need: int, block_size: int) -> int:
     return max(order[-1].remaining, 0)
 
 
-def admit_steps(running: Sequence[Victim], queue: Sequence[Victim], free_blocks: float, block_size: int) -> int:
+def admit_walk(running: Sequence[Victim], queue: Sequence[Victim], free_blocks: float,
+               block_size: int) -> tuple[int, int]:
     """Decode steps until the last of ``queue`` is admitted, memory recycling as it does in a running
     engine: a running request gives its blocks back when its remaining tokens are out, a queued one
     once admitted (after its prefill step) gives its own back after its output, and every request
     holding KV grows a token a step meanwhile. ``free_blocks``: what the pool has for the queue now.
     A request that even every finish before it leaves no room for is taken in at the last of them
-    (nothing later can help it), and the queue goes on behind it."""
+    (nothing later can help it), and the queue goes on behind it.
+
+    Also the blocks the growth lacks on the way (the most the free memory runs below zero just before
+    a finish gives blocks back): what the scheduler preempts, as vLLM does when a decode finds no free
+    block -- the throttle itself preempts nothing, the queue waits."""
     import heapq
 
     ends = [(max(v.remaining, 0), 0, v.blocks) for v in running]  # (finish step, start step, blocks held)
     heapq.heapify(ends)
     base, k = float(free_blocks), 0
     active, starts = len(ends), 0  # growth by step k: (active * k - starts) / block_size
+    lack = 0.0
+
+    def free(step: int) -> float:
+        return base - (active * step - starts) / block_size
+
     for q in queue:
-        while base - (active * k - starts) / block_size < q.blocks and ends:
+        while free(k) < q.blocks and ends:
             fin, start, blocks = heapq.heappop(ends)
             k = max(k, fin)
+            lack = max(lack, -free(k))  # just before this finish gives its blocks back
             base += blocks  # what it grew meanwhile leaves the growth term as it leaves
             active, starts = active - 1, starts - start
         base -= q.blocks
         heapq.heappush(ends, (k + 1 + max(q.remaining, 0), k + 1, q.blocks))
         active, starts = active + 1, starts + k + 1
-    return k
+    return k, math.ceil(lack)
 
 
-def _drain(e: Episode, p: Prices, need: int, running: Sequence[Victim] | None = None) -> tuple[float, int]:
-    """The memory wait: ``need`` blocks more than the queue has now. With the queue known, until its
-    last request is admitted (:func:`admit_steps`); else until running requests finishing free ``need``."""
+def admit_steps(running: Sequence[Victim], queue: Sequence[Victim], free_blocks: float, block_size: int) -> int:
+    """:func:`admit_walk`'s steps."""
+    return admit_walk(running, queue, free_blocks, block_size)[0]
+
+
+def _drain(e: Episode, p: Prices, need: int, running: Sequence[Victim] | None = None) -> tuple[float, int, int]:
+    """The memory wait and the blocks to preempt. With the queue known: until its last request is
+    admitted (:func:`admit_walk`), and what the running requests' growth lacks on the way; else until
+    running requests finishing free ``need``, and ``need`` itself (the queue's shortage: the first
+    version's victims, kept where the queue is not known)."""
     running = e.running if running is None else running
     if e.queue and need > 0:
-        steps = admit_steps(running, e.queue, sum(q.blocks for q in e.queue) - need, p.block_size)
+        steps, lack = admit_walk(running, e.queue, sum(q.blocks for q in e.queue) - need, p.block_size)
     else:
-        steps = drain_steps(running, need, p.block_size)
-    return steps * e.step_s, steps
+        steps, lack = drain_steps(running, need, p.block_size), need
+    return steps * e.step_s, steps, lack
 
 
 def predict_recompute(e: Episode, p: Prices) -> Prediction:
-    vs = _victims(e.running, e.shortage_blocks)
+    wait, steps, lack = _drain(e, p, e.shortage_blocks)
+    vs = _victims(e.running, lack)
     queue, again = p.prefill_s(e.queued_tokens, e.queued_requests), _recompute_s(p, vs)
-    wait, steps = _drain(e, p, e.shortage_blocks)
     return Prediction("recompute", max(wait, queue) + again,
                       {"memory_wait_s": wait, "queue_prefill_s": queue, "recompute_s": again, "drain_steps": steps,
                        "victims": len(vs), "victim_tokens": sum(v.tokens for v in vs)})
@@ -264,7 +290,8 @@ def predict_recompute(e: Episode, p: Prices) -> Prediction:
 def predict_swap(e: Episode, p: Prices) -> Prediction:
     if not e.alone:
         return Prediction("swap", math.inf, note="a pipeline group does not swap: a copy here lacks its stages' layers")
-    vs = _victims(e.running, e.shortage_blocks)
+    wait, steps, lack = _drain(e, p, e.shortage_blocks)
+    vs = _victims(e.running, lack)
     room, swapped, rest = e.host_free_blocks, [], []
     for v in vs:  # the scheduler swaps while the host pool holds a victim, else recomputes it
         if p.host_bytes_per_s > 0 and v.blocks <= room:
@@ -275,7 +302,6 @@ def predict_swap(e: Episode, p: Prices) -> Prediction:
     blocks = sum(v.blocks for v in swapped)
     copy = 2 * blocks * p.block_bytes / p.host_bytes_per_s if blocks else 0.0  # out, then back in
     queue, again = p.prefill_s(e.queued_tokens, e.queued_requests), _recompute_s(p, rest)
-    wait, steps = _drain(e, p, e.shortage_blocks)
     return Prediction("swap", max(wait, queue) + copy + again,
                       {"memory_wait_s": wait, "queue_prefill_s": queue, "swap_copy_s": copy, "recompute_s": again,
                        "drain_steps": steps, "swapped": len(swapped), "swapped_blocks": blocks, "recomputed": len(rest)},
@@ -299,10 +325,10 @@ def predict_migrate(e: Episode, p: Prices) -> Prediction:
         moved.append(v)
     lack = max(0, e.shortage_blocks - freed)
     left = [v for v in e.running if v not in moved]
-    rest = _victims(left, lack)
+    wait, steps, short = (0.0, 0, 0) if not lack else _drain(e, p, lack, left)
+    rest = _victims(left, short)
     transfer = p.kv_transfer_s(sum(v.tokens for v in moved), len(moved))  # the queue starts when the KV has landed
     queue, again = p.prefill_s(e.queued_tokens, e.queued_requests), _recompute_s(p, rest)
-    wait, steps = (0.0, 0) if not lack else _drain(e, p, lack, left)
     return Prediction("migrate", transfer + max(wait, queue) + again,
                       {"transfer_s": transfer, "memory_wait_s": wait, "queue_prefill_s": queue, "recompute_s": again,
                        "drain_steps": steps, "moved": len(moved), "moved_blocks": freed, "recomputed": len(rest)},
@@ -316,9 +342,9 @@ def predict_drop(e: Episode, p: Prices) -> Prediction:
     n = d.members
     relief = d.freed_blocks + max(0, d.peer_room_blocks)
     lack = max(0, e.shortage_blocks - relief)
-    rest = _victims(e.running, lack)
+    wait, steps, short = _drain(e, p, lack)
+    rest = _victims(e.running, short)
     work, again = p.prefill_s(d.queued_tokens, d.queued_requests), _recompute_s(p, rest)
-    wait, steps = _drain(e, p, lack)
     # a group step runs n microbatches of a step's budget (Sec. 4.3): each stage pays a step's fixed
     # overhead per microbatch (n where one instance paid 1 for the same tokens) and each microbatch's
     # activations cross n - 1 stage boundaries; the n-fold compute covers the rest
@@ -329,7 +355,7 @@ def predict_drop(e: Episode, p: Prices) -> Prediction:
                       {"memory_wait_s": wait, "group_prefill_s": work / n, "pipeline_s": bubbles, "drain_steps": steps,
                        "members": n, "freed_blocks": d.freed_blocks, "peer_room_blocks": d.peer_room_blocks,
                        "recomputed": len(rest), "exchange_s (off the queue's path)": p.kv_transfer_s(d.exchange_tokens)},
-                      "" if not lack else "the freed memory covers only part of the shortage: the rest is preempted")
+                      "" if not lack else "the freed memory covers only part of the shortage: the queue waits for the rest")
 
 
 PREDICTORS = {"recompute": predict_recompute, "swap": predict_swap, "migrate": predict_migrate,
@@ -342,5 +368,6 @@ def predict(e: Episode, p: Prices, techniques: Sequence[str] = TECHNIQUES) -> di
 
 
 __all__ = ["PREDICTORS", "TECHNIQUES", "DropOption", "Episode", "Prediction", "Prices", "Victim", "admit_steps",
+           "admit_walk",
            "drain_steps",
            "predict", "predict_drop", "predict_migrate", "predict_recompute", "predict_swap"]
