@@ -182,8 +182,9 @@ def write_page(res: dict[str, Any], path: str, figures: list[str]) -> None:
          "`tidal/sim/auto.py` and the runtime's `tidal/runtime/auto.py` drive the same object). At each throttle "
          "onset (the head of an instance's queue does not fit its free KV, the monitor's detection) it predicts, "
          "with Eq. 1 coefficients of the simulator's cost model, the seconds until the queued demand and what the "
-         "response displaces are served: recompute (the victims' re-prefill), swap (their KV out and back over "
-         "the host link, as far as the host pool holds them), migrate (decoding requests' KV over the instance "
+         "response displaces are served: recompute (the victims' re-prefill; the victims are the running "
+         "requests the scheduler preempts when their growth finds no free block while the queue waits), swap "
+         "(their KV out and back over the host link, as far as the host pool holds them), migrate (decoding requests' KV over the instance "
          "link to peers with room), drop (KunServe's plan: the freed weights and the peer's spare KV, the "
          "group's queue on n instances less the pipeline's per-stage overheads and activation hops); the memory a "
          "response leaves uncovered comes back as requests finish, the running ones and the queued ones once "
@@ -197,8 +198,12 @@ def write_page(res: dict[str, Any], path: str, figures: list[str]) -> None:
          "scales and reason and replays from them.", "",
          "The overlap, the queue's recycling and the learned scales are a revision, made after the audit below, "
          "run on the first version (commit c67701f), showed recompute's and swap's predictions well above what "
-         "happened and drop's below it, so that auto took drop where swap served the queue sooner; the audit "
-         "below is of this version.", "",
+         "happened and drop's below it, so that auto took drop where swap served the queue sooner. The victims "
+         "as the growth's lack are a second revision: until commit 6ae761f they were the running requests whose "
+         "blocks covered the queue's shortage, which no scheduler here preempts (a throttle preempts nothing), "
+         "and that page's audit showed recompute's predictions, which carried their re-prefill, above what "
+         "happened where swap's came close, so that the learned scales made recompute "
+         "look faster than swap. The audit below is of this version.", "",
          "`--batching auto` (`tidal/policies/auto.py`): each step's batch cap is the tighter of Pang et al.'s "
          "b_mem (Alg. 1, the KV pool) and b_SLA (Alg. 2, the TBT SLO); its token budget is the tighter of Pang's "
          "chunk search (Alg. 2 on the chunk) and DynaServe's composer (Alg. 2) once the composer's profile "

@@ -41,10 +41,10 @@ served) found preemption predicted about 3x longer than it took, and drop about 
 
 The victims as the growth's lack are a second revision: the first versions preempted victims
 until their blocks covered the queue's shortage, which no scheduler here does (a throttle preempts
-nothing; the queue waits). The audit of that version (commit 6ae761f's page: realized over predicted
-0.61-0.66 for recompute, whose predictions carried the victims' re-prefill, 1.01-1.08 for swap,
-whose copies are cheap) let the learned scales make recompute look faster than swap where swap
-served the queue sooner. Without the queue known the shortage's victims remain.
+nothing; the queue waits). The audit of that version (commit 6ae761f's page) found recompute's
+predictions, which carried the victims' re-prefill, well above what happened where swap's, whose
+copies are cheap, came close, so that the learned scales made recompute look faster than swap
+where swap served the queue sooner. Without the queue known the shortage's victims remain.
 
 Prefill is priced by KunServe's Eq. 1 with the coefficients the shell's cost model gives
 (:class:`Prices`: the simulator's analytic or profiled model; the runtime hands the same model in),
