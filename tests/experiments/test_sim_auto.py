@@ -113,7 +113,11 @@ def test_the_command_writes_its_json_figures_and_page(tmp_path, capsys):
                  "--output", str(out), "--page", str(page), "--no-progress"]) == 0
     res = json.loads((out / "auto_sim.json").read_text())
     level = res["trace"]["levels"]["paper rule"]
-    assert set(level["runs"]) == {"recompute", "swap", "migrate", "drop", "auto"}
+    assert set(level["runs"]) == {"recompute", "swap", "migrate", "drop", "auto", "auto-nodrop"}
+    # the labelled ablation: auto over three responses, judged as auto is against the same fixed runs
+    assert level["runs"]["auto-nodrop"][0]["techniques"] == ["recompute", "swap", "migrate"]
+    assert level["runs"]["auto"][0]["techniques"] == ["recompute", "swap", "migrate", "drop"]
+    assert set(level["ablations"]["auto-nodrop"]["whole"]) == {"recompute", "swap", "migrate", "drop"}
     for rs in level["runs"].values():
         assert set(rs[0]["phases"]) == {"chat", "long", "code"} and rs[0]["whole"]["lost"] == 0
     assert not math.isnan(level["judged"]["phases"]["chat"]["per_seed"][0]["auto_over_best"])
@@ -124,6 +128,7 @@ def test_the_command_writes_its_json_figures_and_page(tmp_path, capsys):
     assert "## A trace that changes regime" in text and "auto_timeline.png" in text
     assert isinstance(level["judged"]["one_best"][0], list) and level["runs"]["swap"][0]["service_tok_s"] > 0
     assert "Output tokens served per second over the run" in text and "in every phase, per seed" in text
+    assert "**ablation (ours): tidal auto without drop**" in text
     assert (out / "auto_timeline.png").is_file() and (out / "auto_phases.png").is_file()
     page.unlink()
     assert main(["bench", "sim-auto", "--output", str(out), "--page", str(page), "--replot"]) == 0  # from the JSON

@@ -11,7 +11,7 @@ import numpy as np
 from tidal.common.plots import pyplot, save_figure
 
 COLORS = {"recompute": "tab:gray", "swap": "tab:orange", "migrate": "tab:green", "drop": "tab:blue",
-          "auto": "tab:red"}
+          "auto": "tab:red", "auto-nodrop": "tab:pink"}
 MARKERS = {"recompute": "x", "swap": "s", "migrate": "^", "drop": "o"}
 
 
@@ -147,6 +147,21 @@ def _why_trace(d: dict[str, Any]) -> list[str]:
     return out
 
 
+def _ablation_trace(d: dict[str, Any], labels: dict[str, str]) -> list[str]:
+    """Each labelled ablation's claims, judged as auto's are (the fixed responses' runs are the same)."""
+    out = []
+    for a, j in (d.get("ablations") or {}).items():
+        out += [f"**{labels.get(a, a)}** (`{a}`: auto choosing among recompute, swap and migrate; added after this "
+                "page showed auto's rows at 1.25x following drop's pipeline groups). Per phase, its P99 TTFT over the "
+                "best fixed response's, per seed: " + "; ".join(
+                    f"{ph} {_per_seed([s['auto_over_best'] for s in v['per_seed']], _x)} ({v['verdict']})"
+                    for ph, v in j["phases"].items())
+                + ". Over the trace, each fixed response's P99 TTFT over its: " + "; ".join(
+                    f"{s} {_per_seed(v['per_seed'], _x)}" for s, v in j["whole"].items())
+                + f". Requests lost: {_per_seed(j['lost']['auto'], str)}.", ""]
+    return out
+
+
 def drops_before_learning(run: dict[str, Any]) -> int | None:
     """The drops ``auto`` took before any drop episode of its own was served (before the first reason
     that scales drop's prediction); None when it never took drop."""
@@ -233,6 +248,7 @@ def write_page(res: dict[str, Any], path: str, figures: list[str]) -> None:
         for level, d in tr["levels"].items():
             L += [f"### {level}: " + ", ".join(f"{ph} {r:.3g}" for ph, r in d["rates"].items()) + " req/s", ""]
             L += _phase_table(d, tr["phases"]) + [""] + _claims(d["judged"]) + [""]
+            L += _ablation_trace(d, st.get("systems", {}))
             L += _why_trace(d)
             a = d["runs"]["auto"]
             counts: dict[str, int] = {}
@@ -276,6 +292,11 @@ def write_page(res: dict[str, Any], path: str, figures: list[str]) -> None:
             j = v["judged"]
             L.append(f"| {dname} | " + ", ".join("-" if s is None else f"{s['auto_vs']:.2f} vs {s['against']}"
                                                   for s in j["per_seed"]) + f" | **{j['verdict']}** |")
+        for dname, v in ks.items():
+            for a, j in (v.get("ablations") or {}).items():
+                L.append(f"| {dname}, {st.get('systems', {}).get(a, a)} | " + ", ".join(
+                    "-" if s is None else f"{s['auto_vs']:.2f} vs {s['against']}" for s in j["per_seed"])
+                    + f" | {j['verdict']} |")
         L += [""] + ([f"![kunserve]({fig['auto_kunserve.png']})", ""] if "auto_kunserve.png" in fig else [])
     pg = res.get("pang")
     if pg:

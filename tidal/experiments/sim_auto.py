@@ -173,7 +173,10 @@ def run_experiment(args: argparse.Namespace, log: Any) -> dict[str, Any]:
             calls = [(s, lr, args.phase_duration, seed, max_len, args.traces_dir) for seed in seeds for s in AR.SYSTEMS]
             outs = run_all(trace_run, calls, args.jobs)
             runs = {s: [o for (sy, *_), o in zip(calls, outs, strict=True) if sy == s] for s in AR.SYSTEMS}
-            res["trace"]["levels"][level] = {"rates": lr, "runs": runs, "judged": judge_trace(runs, list(AT.PHASES))}
+            res["trace"]["levels"][level] = {"rates": lr, "runs": runs, "judged": judge_trace(runs, list(AT.PHASES)),
+                                             "ablations": {a: judge_trace({**{s: runs[s] for s in AR.FIXED},
+                                                                           "auto": runs[a]}, list(AT.PHASES))
+                                                           for a in AR.ABLATIONS}}
     if "kunserve" in args.parts:
         log("KunServe's setup: each dataset's rate by the 60 % rule on recompute")
         datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
@@ -186,7 +189,9 @@ def run_experiment(args: argparse.Namespace, log: Any) -> dict[str, Any]:
             runs = {s: [o["whole"] | {"choice_counts": o.get("choice_counts")} for (sy, dd, *_), o
                         in zip(calls, outs, strict=True) if sy == s and dd == d] for s in AR.SYSTEMS}
             res["kunserve"][d] = {"search": f, "rate": f["rate"], "runs": runs,
-                                  "judged": judge_paper(runs, "drop", "recompute", "ttft_p99_ms", False)}
+                                  "judged": judge_paper(runs, "drop", "recompute", "ttft_p99_ms", False),
+                                  "ablations": {a: judge_paper({**runs, "auto": runs[a]}, "drop", "recompute",
+                                                               "ttft_p99_ms", False) for a in AR.ABLATIONS}}
     if "pang" in args.parts:
         log("Pang et al.'s setup: capacity at 90 % attainment, 50 ms TPOT")
         calls = [(lab, pol, args.pang_requests, seed) for lab in ("out-61", "out-447") for seed in seeds
