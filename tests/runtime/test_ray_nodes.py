@@ -26,6 +26,9 @@ pytestmark = pytest.mark.slow
 COMMON = ("--instances", "2", "--backend", "ray", "--threads-per-instance", "1", "--kv-cache-memory", "64MiB")
 LONG_PROMPT = ("The tides rise and fall twice a day because the moon and the sun pull on the oceans. "
                "Explain in simple words why there are two high tides and not one:")
+# the streams a kill interrupts: long enough (past the end of text, too) that every one is still running when
+# the kill lands, however fast the instances are (REF_MAX_TOKENS' answers could all end before it)
+KILL_TOKENS = 160
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +47,9 @@ def reference(make_engine):
     params = SamplingParams(temperature=0, max_tokens=REF_MAX_TOKENS)
     comp, long = llm.generate([COMPLETION_PROMPT, LONG_PROMPT], params)
     chat = llm.chat(CHAT_MESSAGES, params)[0]
-    return {"completion": comp.outputs[0].text, "long": long.outputs[0].text, "chat": chat.outputs[0].text}
+    killed = llm.generate([LONG_PROMPT], SamplingParams(temperature=0, max_tokens=KILL_TOKENS, ignore_eos=True))[0]
+    return {"completion": comp.outputs[0].text, "long": long.outputs[0].text, "chat": chat.outputs[0].text,
+            "long_kill": killed.outputs[0].text}
 
 
 def serve(nodes: RayNodes, *flags: str) -> ServerProcess:
@@ -118,7 +123,8 @@ def wait_for(cond, what: str, timeout_s: float = 240.0) -> None:
     pytest.fail(f"not within {timeout_s:.0f} s: {what}")
 
 
-def stream_all(server: ServerProcess, n: int, killer) -> list[str]:
+def stream_all(server: ServerProcess, n: int, killer, max_tokens: int = REF_MAX_TOKENS,
+               ignore_eos: bool = False) -> list[str]:
     """``n`` greedy streams at once; ``killer()`` runs once every stream has its first tokens."""
     from openai import OpenAI
 
@@ -126,8 +132,9 @@ def stream_all(server: ServerProcess, n: int, killer) -> list[str]:
     started = threading.Barrier(n + 1)
 
     def one(_: int) -> str:
-        chunks = client.completions.create(model=server.model, prompt=LONG_PROMPT, max_tokens=REF_MAX_TOKENS,
-                                           temperature=0, stream=True)
+        chunks = client.completions.create(model=server.model, prompt=LONG_PROMPT, max_tokens=max_tokens,
+                                           temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True} if ignore_eos else None)
         text, waited = "", False
         for c in chunks:
             text += c.choices[0].text if c.choices else ""
@@ -152,8 +159,8 @@ def test_a_killed_actor_loses_no_request_and_is_restarted(nodes, reference):
         st = state(server)
         assert_one_instance_per_node(st)
         victim = next(i for i in st["cluster"]["instances"] if i["pid"] in process_tree(nodes.nodes["node2"].pid))
-        texts = stream_all(server, 8, lambda: os.kill(victim["pid"], signal.SIGKILL))
-        assert texts == [reference["long"]] * 8
+        texts = stream_all(server, 8, lambda: os.kill(victim["pid"], signal.SIGKILL), KILL_TOKENS, ignore_eos=True)
+        assert texts == [reference["long_kill"]] * 8
         wait_for(lambda: metric(server, "tidal:instance_restarts_total").get(str(victim["index"])) == 1.0,
                  "the killed instance restarted")
         after = state(server)
