@@ -325,7 +325,7 @@ def predict_migrate(e: Episode, p: Prices) -> Prediction:
         moved.append(v)
     lack = max(0, e.shortage_blocks - freed)
     left = [v for v in e.running if v not in moved]
-    wait, steps, short = (0.0, 0, 0) if not lack else _drain(e, p, lack, left)
+    wait, steps, short = _drain(e, p, lack, left)  # nothing lacking: no wait, no victim
     rest = _victims(left, short)
     transfer = p.kv_transfer_s(sum(v.tokens for v in moved), len(moved))  # the queue starts when the KV has landed
     queue, again = p.prefill_s(e.queued_tokens, e.queued_requests), _recompute_s(p, rest)
