@@ -65,6 +65,21 @@ def test_service_rate_is_output_tokens_over_the_runs_span():
     assert service_rate([N(arrival_s=1.0, end_s=None, output_tokens=0)]) is None
 
 
+def test_a_runs_pipeline_groups_give_its_layout_cost():
+    from tidal.experiments.auto_page import layout_of
+    from tidal.experiments.auto_runs import pipeline_groups
+
+    raw = [{"group": [2, 0], "formed_s": 10.0, "ended_s": 20.0, "bubble_ratio": 0.1},
+           {"group": [2, 0, 4, 5], "formed_s": 20.0, "ended_s": None, "bubble_ratio": 0.2}]  # never split
+    groups = pipeline_groups(raw, 100.0)
+    assert groups == [[2, 10.0, 20.0, 0.1], [4, 20.0, 100.0, 0.2]]
+    got = layout_of({"groups": groups, "span_s": [0.0, 100.0]}, 8)
+    # stage-seconds in groups: 2 x 10 + 4 x 80 = 340 of 8 x 100; bubbles weighted by them: (20 x 0.1 + 320 x 0.2) / 340
+    assert got["deepest"] == 4 and (got["formed_s"], got["ended_s"]) == (20.0, 100.0)
+    assert got["grouped_share"] == pytest.approx(340 / 800) and got["bubble"] == pytest.approx(66 / 340)
+    assert layout_of({"span_s": [0.0, 100.0]}, 8) is None and layout_of({"groups": groups}, 8) is None
+
+
 def test_paper_judgement_follows_whoever_wins():
     # P99 TTFT (lower is better): seed 0 drop beats recompute, auto within 5 % of drop; seed 1 drop loses and
     # auto is 10 % worse than recompute

@@ -127,7 +127,7 @@ def _audit_table(d: dict[str, Any]) -> list[str]:
     return out
 
 
-def _why_trace(d: dict[str, Any]) -> list[str]:
+def _why_trace(d: dict[str, Any], instances: int) -> list[str]:
     """What bounds the whole-trace claim: a fixed response (near) the best in every phase, and what each
     system served per second over the run."""
     out = []
@@ -144,7 +144,39 @@ def _why_trace(d: dict[str, Any]) -> list[str]:
                 + ". A drop's pipeline group lasts until KunServe's restore rule splits it, past the episode "
                   "the prediction prices; where memory stays high it does not split, and what the groups serve "
                   "per second is what the rest of the trace gets.", ""]
-    return out
+    return out + _layouts(d, instances)
+
+
+def layout_of(run: dict[str, Any], instances: int) -> dict[str, Any] | None:
+    """What a run's pipeline groups cost it (None: it formed none): the deepest group (its stages,
+    when it formed and ended), the share of the run's instance-seconds spent in a group, and the
+    stages' idle share over that time (bubbles, weighted by each group's stage-seconds)."""
+    groups, span = run.get("groups") or [], run.get("span_s")
+    if not groups or not span or span[1] <= span[0]:
+        return None
+    held = [(k, t0, t1, b) for k, t0, t1, b in groups if t1 is not None and t1 > t0]
+    stage_s = sum(k * (t1 - t0) for k, t0, t1, _ in held)
+    idle = sum(k * (t1 - t0) * (b or 0.0) for k, t0, t1, b in held)
+    k, t0, t1, _ = max(groups, key=lambda g: (g[0], -(g[1])))
+    return {"deepest": k, "formed_s": t0, "ended_s": t1, "grouped_share": stage_s / (instances * (span[1] - span[0])),
+            "bubble": idle / stage_s if stage_s else None}
+
+
+def _layouts(d: dict[str, Any], instances: int) -> list[str]:
+    """Per seed, the pipeline groups of the runs that formed any (drop's, auto's)."""
+    parts = []
+    for s, rs in d["runs"].items():
+        got = [layout_of(r, instances) for r in rs]
+        if not any(got):
+            continue
+        parts.append(f"{s} " + " / ".join(
+            "none" if g is None else f"{g['deepest']} stages from {g['formed_s']:.0f} s to {g['ended_s']:.0f} s, "
+            f"{g['grouped_share']:.0%} grouped, bubbles {'-' if g['bubble'] is None else format(g['bubble'], '.0%')}" for g in got))
+    if not parts:
+        return []
+    return ["Pipeline groups, per seed (the deepest group and when it formed and ended; the share of the run's "
+            "instance-seconds spent in a group; the stages' idle share there, Sec. 5.3's bubbles): "
+            + "; ".join(parts) + ".", ""]
 
 
 def _ablation_trace(d: dict[str, Any], labels: dict[str, str]) -> list[str]:
@@ -249,7 +281,7 @@ def write_page(res: dict[str, Any], path: str, figures: list[str]) -> None:
             L += [f"### {level}: " + ", ".join(f"{ph} {r:.3g}" for ph, r in d["rates"].items()) + " req/s", ""]
             L += _phase_table(d, tr["phases"]) + [""] + _claims(d["judged"]) + [""]
             L += _ablation_trace(d, st.get("systems", {}))
-            L += _why_trace(d)
+            L += _why_trace(d, st['instances'])
             a = d["runs"]["auto"]
             counts: dict[str, int] = {}
             for r in a:

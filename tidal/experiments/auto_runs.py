@@ -68,6 +68,19 @@ def service_rate(records: Sequence[Any]) -> float | None:
     return sum(r.output_tokens for r in records) / span if span > 0 else None
 
 
+def pipeline_groups(groups: Sequence[dict[str, Any]], end_s: float | None) -> list[list[Any]]:
+    """Each pipeline group a run formed (KunServe's drops), compact: [stages, formed (s), ended (s; the
+    run's last response when it never split), its stages' idle share (Sec. 5.3's bubbles)]."""
+    out = []
+    for g in groups:
+        ended = g.get("ended_s")
+        ended = end_s if ended is None else ended
+        bubble = g.get("bubble_ratio")
+        out.append([len(g["group"]), round(g["formed_s"], 3), None if ended is None else round(ended, 3),
+                    None if bubble is None else round(bubble, 4)])
+    return out
+
+
 def simulate(system: str, specs: Sequence[RequestSpec], phases: Sequence[Phase] | None = None,
              timeline_interval: float = 1.0, keep_timelines: bool = False, audit: bool = False) -> dict[str, Any]:
     """``system`` on ``specs``: its whole-run and per-phase summaries, its KV demand, its pressure
@@ -102,6 +115,11 @@ def simulate(system: str, specs: Sequence[RequestSpec], phases: Sequence[Phase] 
     out["num_preemptions"] = sum(i["num_preemptions"] for i in res.instances)
     p = res.pressure or {}
     out["pressure_counts"] = p.get("counts", {})
+    ends = [r.end_s for r in res.records if r.end_s is not None]
+    if ends:
+        out["span_s"] = [round(min(r.arrival_s for r in res.records), 3), round(max(ends), 3)]
+    if p.get("groups"):
+        out["groups"] = pipeline_groups(p["groups"], max(ends) if ends else None)
     if auto:
         out["techniques"] = (p.get("auto_params") or {}).get("techniques")
         out["choice_counts"] = p.get("choice_counts", {})
@@ -123,4 +141,5 @@ def probe(specs: Sequence[RequestSpec], rate: float, duration_s: float) -> dict[
             "ttft_p99_ms": r["whole"]["ttft_p99_ms"]}
 
 
-__all__ = ["ABLATIONS", "FIXED", "ROUTER", "SLO_DEF", "SYSTEMS", "probe", "service_rate", "simulate", "slim"]
+__all__ = ["ABLATIONS", "FIXED", "ROUTER", "SLO_DEF", "SYSTEMS", "pipeline_groups", "probe", "service_rate", "simulate",
+           "slim"]
