@@ -38,7 +38,7 @@ from tidal.sim.auto_audit import PredictionAudit, ShadowAudit, waiting_ids
 from tidal.sim.kunserve import DropHandler
 from tidal.sim.links import LinkSpec
 from tidal.sim.loop import Event
-from tidal.sim.migrate import MigrateHandler
+from tidal.sim.migrate import MigrateHandler, movable_requests
 from tidal.sim.pressure import PressureConfig, PressureHandler
 
 if TYPE_CHECKING:
@@ -152,8 +152,7 @@ class AutoHandler(PressureHandler):
         """MigrateHandler's moves out of ``inst`` (only its own step end starts them): its decoding
         requests, each needing its tokens and the next one's slot."""
         bs = inst.kv.block_size
-        running = {inst.index: [(r.request_id, handoff_blocks(r.num_tokens, bs)) for r in inst.scheduler.running
-                                if r.output_token_ids and not r.in_prefill]}
+        running = {inst.index: [(r.request_id, handoff_blocks(r.num_tokens, bs)) for r in movable_requests(inst)]}
         m = self.mig
         out = []
         for move in self.auto.migrations(now, running, dict(enumerate(m.leaving)), dict(enumerate(m.incoming))):

@@ -42,6 +42,12 @@ if TYPE_CHECKING:
     from tidal.sim.simulator import ClusterSimulator
 
 
+def movable_requests(inst: SimInstance) -> list[Any]:
+    """What the runtime may move off ``inst`` (its worker's ``is_movable``: decoding, a token sampled);
+    each needs what the runtime's coordinator counts: its tokens and the next one's slot."""
+    return [r for r in inst.scheduler.running if r.output_token_ids and not r.in_prefill]
+
+
 class MigrateHandler(PressureHandler):
     mode = "migrate"
 
@@ -63,10 +69,8 @@ class MigrateHandler(PressureHandler):
         assert self.sim is not None
         if inst.index not in self._hot:
             return []
-        # what the runtime may move (its worker's ``is_movable``: decoding, a token sampled), each
-        # needing what the runtime's coordinator counts: its tokens and the next one's slot
         bs = inst.kv.block_size
-        movable = [r for r in inst.scheduler.running if r.output_token_ids and not r.in_prefill]
+        movable = movable_requests(inst)
         running = {inst.index: [(r.request_id, handoff_blocks(r.num_tokens, bs)) for r in movable]}
         out: list[Event] = []
         names = None
@@ -184,4 +188,4 @@ class MigrateHandler(PressureHandler):
         return out
 
 
-__all__ = ["MigrateHandler"]
+__all__ = ["MigrateHandler", "movable_requests"]
