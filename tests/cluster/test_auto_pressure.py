@@ -25,7 +25,7 @@ from tidal.cluster.pressure import (
     check_pressure_mode,
 )
 from tidal.cluster.pressure.choose import decide, replay
-from tidal.cluster.pressure.predict import admit_steps, drain_steps, predict
+from tidal.cluster.pressure.predict import admit_walk, drain_steps, predict
 
 # a prompt token costs 1 ms (Eq. 1's beta), nothing else; a block is 16 tokens x 16 bytes = 256 bytes; host and
 # instance links move 256 kB/s, so a block crosses in 1 ms; an activation is 8 bytes a token
@@ -58,15 +58,15 @@ def test_memory_drains_as_requests_finish_net_of_the_others_growth():
 
 
 def test_the_queue_is_admitted_as_memory_recycles_through_it():
-    """admit_steps: the first queued request gets in when the 4-block request ends (step 10: 4 blocks back, the
+    """admit_walk's steps: the first queued request gets in when the 4-block request ends (step 10: 4 blocks back, the
     other grew 10 tokens); it gives its 2 blocks back after its prefill step and 5 tokens (step 16), and the
     second gets in then: 16 steps, where waiting for 4 blocks from the running requests alone takes 100."""
     queue = (Victim(16, 2, False, 5), Victim(16, 2, False, 5))
-    assert admit_steps(RUNNING, queue, 0, 16) == 16
-    assert admit_steps(RUNNING, queue[:1], 0, 16) == 10
-    assert admit_steps(RUNNING, queue, 4, 16) == 0  # room for both now
+    assert admit_walk(RUNNING, queue, 0, 16)[0] == 16
+    assert admit_walk(RUNNING, queue[:1], 0, 16)[0] == 10
+    assert admit_walk(RUNNING, queue, 4, 16)[0] == 0  # room for both now
     # nothing runs and nothing is free: the first is taken in anyway (no finish can help it), the second after it
-    assert admit_steps((), queue, 0, 16) == 6
+    assert admit_walk((), queue, 0, 16)[0] == 6
     e = Episode(0, shortage_blocks=4, queued_tokens=32, queued_requests=2, running=RUNNING, host_free_blocks=100,
                 peer_room=(), step_s=0.01, queue=queue)
     pr = predict(e, PRICES)["recompute"]
@@ -78,7 +78,6 @@ def test_the_queue_is_admitted_as_memory_recycles_through_it():
 def test_the_victims_are_what_the_growth_lacks_while_the_queue_waits():
     """A throttle preempts nothing (the queue waits for memory); the victims are the running requests
     the scheduler preempts when their growth finds no free block on the way (admit_walk's lack)."""
-    from tidal.cluster.pressure.predict import admit_walk
 
     two = (Victim(16, 2, False, 5), Victim(16, 2, False, 5))
     # nothing free: by step 10 the two running requests grew 20 tokens (1.25 blocks) into memory that is not there

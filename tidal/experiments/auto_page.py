@@ -130,13 +130,15 @@ def _audit_table(d: dict[str, Any]) -> list[str]:
 def _why_trace(d: dict[str, Any], instances: int) -> list[str]:
     """What bounds the whole-trace claim: a fixed response (near) the best in every phase, and what each
     system served per second over the run."""
+    from tidal.experiments.sim_auto import PHASE_BAR, TRACE_BAR
+
     out = []
     one = d["judged"].get("one_best")
     if one is not None:
-        out += ["Fixed responses within 5 % of the best one's P99 TTFT in every phase, per seed: " + " / ".join(
-            ", ".join(x) or "none" for x in one) + ". Where a seed has one, the trace did not change regime for "
-                "the fixed responses there: a choice per phase is at best that response in each phase, and the "
-                "whole-trace claim asks auto to beat it by 1.2x.", ""]
+        out += [f"Fixed responses within {(PHASE_BAR - 1) * 100:.0f} % of the best one's P99 TTFT in every phase, "
+                "per seed: " + " / ".join(", ".join(x) or "none" for x in one) + ". Where a seed has one, the trace "
+                "did not change regime for the fixed responses there: a choice per phase is at best that response "
+                f"in each phase, and the whole-trace claim asks auto to beat it by {TRACE_BAR:g}x.", ""]
     rates = {s: [r.get("service_tok_s") for r in rs] for s, rs in d["runs"].items()}
     if any(v is not None for vs in rates.values() for v in vs):
         out += ["Output tokens served per second over the run (the first arrival to the last response), per "

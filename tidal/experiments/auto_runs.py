@@ -58,14 +58,19 @@ def slim(s: dict[str, Any]) -> dict[str, Any]:
             "goodput_tok_s": s["goodput"]["output_throughput"], "slo_attainment": s["slo_attainment"]}
 
 
+def run_span(records: Sequence[Any]) -> tuple[float, float] | None:
+    """The run's span: the first arrival and the last response's end (None: nothing ended)."""
+    ends = [r.end_s for r in records if r.end_s is not None]
+    return (min(r.arrival_s for r in records), max(ends)) if ends else None
+
+
 def service_rate(records: Sequence[Any]) -> float | None:
     """Output tokens over the run's span (the first arrival to the last response's end): what the
     cluster served per second, whatever the latencies (a layout that serves fewer falls behind)."""
-    ends = [r.end_s for r in records if r.end_s is not None]
-    if not ends:
+    span = run_span(records)
+    if span is None or span[1] <= span[0]:
         return None
-    span = max(ends) - min(r.arrival_s for r in records)
-    return sum(r.output_tokens for r in records) / span if span > 0 else None
+    return sum(r.output_tokens for r in records) / (span[1] - span[0])
 
 
 def pipeline_groups(groups: Sequence[dict[str, Any]], end_s: float | None) -> list[list[Any]]:
@@ -110,16 +115,16 @@ def simulate(system: str, specs: Sequence[RequestSpec], phases: Sequence[Phase] 
             by[phase_of(list(phases), s.arrival_s)].append(r)
         out["phases"] = {p.name: slim(summarize(by[p.name], duration_s=p.end_s - p.start_s, slo=SLO_DEF))
                          for p in phases}
+    span = run_span(res.records)
     out["service_tok_s"] = service_rate(res.records)
     out["mean_kv_demand"] = mean_demand(res.timelines)
     out["num_preemptions"] = sum(i["num_preemptions"] for i in res.instances)
     p = res.pressure or {}
     out["pressure_counts"] = p.get("counts", {})
-    ends = [r.end_s for r in res.records if r.end_s is not None]
-    if ends:
-        out["span_s"] = [round(min(r.arrival_s for r in res.records), 3), round(max(ends), 3)]
+    if span is not None:
+        out["span_s"] = [round(span[0], 3), round(span[1], 3)]
     if p.get("groups"):
-        out["groups"] = pipeline_groups(p["groups"], max(ends) if ends else None)
+        out["groups"] = pipeline_groups(p["groups"], None if span is None else span[1])
     if auto:
         out["techniques"] = (p.get("auto_params") or {}).get("techniques")
         out["choice_counts"] = p.get("choice_counts", {})
@@ -141,5 +146,5 @@ def probe(specs: Sequence[RequestSpec], rate: float, duration_s: float) -> dict[
             "ttft_p99_ms": r["whole"]["ttft_p99_ms"]}
 
 
-__all__ = ["ABLATIONS", "FIXED", "ROUTER", "SLO_DEF", "SYSTEMS", "pipeline_groups", "probe", "service_rate", "simulate",
-           "slim"]
+__all__ = ["ABLATIONS", "FIXED", "ROUTER", "SLO_DEF", "SYSTEMS", "pipeline_groups", "probe", "run_span", "service_rate",
+           "simulate", "slim"]

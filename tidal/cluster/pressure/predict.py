@@ -27,7 +27,7 @@ frees, so the two overlap -- plus what the displaced requests need once memory i
 victims' re-prefill, or their swap copies) and what the response puts on the path first (the
 migration transfers, the pipeline's bubbles). The memory: the ``S``
 blocks (less what a migration or a drop brings) must come from requests finishing. With the queue
-known (:attr:`Episode.queue`) that is :func:`admit_steps`: decode steps of the instance's measured
+known (:attr:`Episode.queue`) that is :func:`admit_walk`: decode steps of the instance's measured
 step time until the queue's last request is admitted, memory recycling through the running
 requests and through the queued ones once admitted (each gives its blocks back after its output);
 without it, :func:`drain_steps`: until running requests alone have freed ``S`` (their remaining
@@ -260,11 +260,6 @@ def admit_walk(running: Sequence[Victim], queue: Sequence[Victim], free_blocks: 
     return k, math.ceil(lack)
 
 
-def admit_steps(running: Sequence[Victim], queue: Sequence[Victim], free_blocks: float, block_size: int) -> int:
-    """:func:`admit_walk`'s steps."""
-    return admit_walk(running, queue, free_blocks, block_size)[0]
-
-
 def _drain(e: Episode, p: Prices, need: int, running: Sequence[Victim] | None = None) -> tuple[float, int, int]:
     """The memory wait and the blocks to preempt. With the queue known: until its last request is
     admitted (:func:`admit_walk`), and what the running requests' growth lacks on the way; else until
@@ -367,7 +362,5 @@ def predict(e: Episode, p: Prices, techniques: Sequence[str] = TECHNIQUES) -> di
     return {t: PREDICTORS[t](e, p) for t in techniques}
 
 
-__all__ = ["PREDICTORS", "TECHNIQUES", "DropOption", "Episode", "Prediction", "Prices", "Victim", "admit_steps",
-           "admit_walk",
-           "drain_steps",
-           "predict", "predict_drop", "predict_migrate", "predict_recompute", "predict_swap"]
+__all__ = ["PREDICTORS", "TECHNIQUES", "DropOption", "Episode", "Prediction", "Prices", "Victim", "admit_walk",
+           "drain_steps", "predict", "predict_drop", "predict_migrate", "predict_recompute", "predict_swap"]
