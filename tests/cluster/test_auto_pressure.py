@@ -285,3 +285,53 @@ def test_auto_learns_how_far_a_response_runs_from_its_prediction():
     assert not off.scales() and off.choose(20.0, e, PRICES).choice == "drop"
     with pytest.raises(ValueError, match="learn"):
         AutoParams(learn=-1)
+
+
+def test_undo_at_limit_restores_the_groups_and_keeps_drop_off_until_demand_falls():
+    """The ablation ``undo_at_limit``: once KunServe's limit signal fires (KV use still rising after a
+    drop), ``decide`` restores the group even while it is throttled, no drop is offered, and drop comes
+    back only when every instance runs alone and the cluster's KV demand is under the restore threshold.
+    Off (the default), the same throttled group is left as it is."""
+    from tidal.cluster.pressure import AutoscaleSignal, RestorePlan
+
+    def run(undo: bool):
+        log: list[PressureDecision] = []
+        mon = _monitor()
+        auto = AutoPressure(mon, M8, PRICES, params=AutoParams(undo_at_limit=undo), recorder=log.append,
+                            autoscale=AutoscaleSignal(window_s=1.0, min_rise=0.01, high=0.1))
+        auto.onsets(1.0, {0: list(RUNNING)})
+        auto.mode[0] = "drop"
+        plan = auto.decide(1.1)
+        assert isinstance(plan, DropPlan)
+        auto.applied(plan, 1.2)
+        (g,) = plan.changed
+        auto.mode[g[0]] = "recompute"  # the group's next episode took recompute
+        for t, free in ((2.0, 20), (3.5, 5)):  # the group stays throttled and its KV use keeps rising
+            mon.on_status(InstanceStatus(g[0], 264, free, 16, 9, 4, 60, None, 0, 30), t)
+            out = auto.decide(t)
+        return auto, mon, log, g, out
+
+    auto, mon, log, g, out = run(undo=False)
+    assert out is None and auto.limited_since is None and "limit" not in [d.kind for d in log]
+    assert [d.kind for d in log].count("autoscale") == 1  # the signal fired; the group stays
+
+    auto, mon, log, g, out = run(undo=True)
+    assert isinstance(out, RestorePlan) and out.group == g and auto.limited_since == 3.5
+    assert [d.kind for d in log][-3:] == ["autoscale", "limit", "restore"] and log[-1].details["reason"] == "limit"
+    assert auto.decide(3.6) is None  # one plan at a time
+    auto.applied(out, 4.0)
+    assert auto.groups == ((0,), (1,), (2,))
+    # alone and throttled again, while KV demand stays high: drop is not offered, the spell goes on
+    for i in range(3):
+        mon.on_status(_monitor().instances[0].status if i == 0 else
+                      InstanceStatus(i, 100, 10, 16, 8, 0, 0, 0.02, 0, 0), 9.0)
+    [c] = auto.onsets(9.0, {0: list(RUNNING)})
+    assert math.isinf(c.predictions["drop"].seconds) and "limit signal" in c.predictions["drop"].note
+    assert c.choice != "drop" and replay(c).choice == c.choice
+    auto.mode[0] = "drop"  # even a drop left over from an earlier choice is gated
+    assert auto.decide(9.1) is None and auto.limited_since == 3.5
+    # calm, under half of the pools: drop comes back
+    for i in range(3):
+        mon.on_status(InstanceStatus(i, 100, 70, 16, 2, 0, 0, 0.02, 0, 0), 12.0)
+    assert auto.decide(12.0) is None and auto.limited_since is None and log[-1].kind == "limit-over"
+    assert auto.snapshot()["limited_since"] is None

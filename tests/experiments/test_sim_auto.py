@@ -128,11 +128,16 @@ def test_the_command_writes_its_json_figures_and_page(tmp_path, capsys):
                  "--output", str(out), "--page", str(page), "--no-progress"]) == 0
     res = json.loads((out / "auto_sim.json").read_text())
     level = res["trace"]["levels"]["paper rule"]
-    assert set(level["runs"]) == {"recompute", "swap", "migrate", "drop", "auto", "auto-nodrop"}
+    assert set(level["runs"]) == {"recompute", "swap", "migrate", "drop", "auto", "auto-nodrop", "auto-limit"}
     # the labelled ablation: auto over three responses, judged as auto is against the same fixed runs
     assert level["runs"]["auto-nodrop"][0]["techniques"] == ["recompute", "swap", "migrate"]
     assert level["runs"]["auto"][0]["techniques"] == ["recompute", "swap", "migrate", "drop"]
     assert set(level["ablations"]["auto-nodrop"]["whole"]) == {"recompute", "swap", "migrate", "drop"}
+    # the second: all four responses, drops undone at KunServe's limit signal; its spells are recorded
+    assert level["runs"]["auto-limit"][0]["techniques"] == ["recompute", "swap", "migrate", "drop"]
+    assert isinstance(level["runs"]["auto-limit"][0]["limits"], list) and "limits" not in level["runs"]["auto"][0]
+    assert res["setup"]["ablations"].keys() == {"auto-nodrop", "auto-limit"}
+    assert "KunServe's limit signal (Sec. 4.4), per seed: auto-limit " in page.read_text()
     for rs in level["runs"].values():
         assert set(rs[0]["phases"]) == {"chat", "long", "code"} and rs[0]["whole"]["lost"] == 0
     assert not math.isnan(level["judged"]["phases"]["chat"]["per_seed"][0]["auto_over_best"])

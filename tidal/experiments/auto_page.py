@@ -11,7 +11,8 @@ import numpy as np
 from tidal.common.plots import pyplot, save_figure
 
 COLORS = {"recompute": "tab:gray", "swap": "tab:orange", "migrate": "tab:green", "drop": "tab:blue",
-          "auto": "tab:red", "auto-nodrop": "tab:pink"}
+          "auto": "tab:red", "auto-nodrop": "tab:pink",
+          "auto-limit": "tab:brown"}
 MARKERS = {"recompute": "x", "swap": "s", "migrate": "^", "drop": "o"}
 
 
@@ -146,7 +147,7 @@ def _why_trace(d: dict[str, Any], instances: int) -> list[str]:
                 + ". A drop's pipeline group lasts until KunServe's restore rule splits it, past the episode "
                   "the prediction prices; where memory stays high it does not split, and what the groups serve "
                   "per second is what the rest of the trace gets.", ""]
-    return out + _layouts(d, instances)
+    return out + _layouts(d, instances) + _limits(d)
 
 
 def layout_of(run: dict[str, Any], instances: int) -> dict[str, Any] | None:
@@ -181,12 +182,24 @@ def _layouts(d: dict[str, Any], instances: int) -> list[str]:
             + "; ".join(parts) + ".", ""]
 
 
-def _ablation_trace(d: dict[str, Any], labels: dict[str, str]) -> list[str]:
+def _limits(d: dict[str, Any]) -> list[str]:
+    """Per seed, when KunServe's limit signal put an ``undo_at_limit`` run off drops (and back on)."""
+    parts = []
+    for s, rs in d["runs"].items():
+        if not any("limits" in r for r in rs):
+            continue
+        parts.append(f"{s} " + " / ".join(", ".join(f"{'off drops' if k == 'limit' else 'back on'} at {t:.0f} s"
+                                                   for k, t in r.get("limits") or []) or "never" for r in rs))
+    if not parts:
+        return []
+    return ["KunServe's limit signal (Sec. 4.4), per seed: " + "; ".join(parts) + ".", ""]
+
+
+def _ablation_trace(d: dict[str, Any], labels: dict[str, str], why: dict[str, str]) -> list[str]:
     """Each labelled ablation's claims, judged as auto's are (the fixed responses' runs are the same)."""
     out = []
     for a, j in (d.get("ablations") or {}).items():
-        out += [f"**{labels.get(a, a)}** (`{a}`: auto choosing among recompute, swap and migrate; added after this "
-                "page showed auto's rows at 1.25x following drop's pipeline groups). Per phase, its P99 TTFT over the "
+        out += [f"**{labels.get(a, a)}** (`{a}`: {why.get(a, 'ours')}). Per phase, its P99 TTFT over the "
                 "best fixed response's, per seed: " + "; ".join(
                     f"{ph} {_per_seed([s['auto_over_best'] for s in v['per_seed']], _x)} ({v['verdict']})"
                     for ph, v in j["phases"].items())
@@ -282,7 +295,7 @@ def write_page(res: dict[str, Any], path: str, figures: list[str]) -> None:
         for level, d in tr["levels"].items():
             L += [f"### {level}: " + ", ".join(f"{ph} {r:.3g}" for ph, r in d["rates"].items()) + " req/s", ""]
             L += _phase_table(d, tr["phases"]) + [""] + _claims(d["judged"]) + [""]
-            L += _ablation_trace(d, st.get("systems", {}))
+            L += _ablation_trace(d, st.get("systems", {}), st.get("ablations", {}))
             L += _why_trace(d, st['instances'])
             a = d["runs"]["auto"]
             counts: dict[str, int] = {}

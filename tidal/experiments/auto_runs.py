@@ -39,10 +39,22 @@ SYSTEMS: dict[str, dict[str, str]] = {
     # a labelled ablation (ours), added after the page showed auto's 1.25x rows following drop's pipeline
     # groups: auto choosing among the three responses that leave the instances' layout as it is
     "auto-nodrop": {"kv_pressure": "auto", "preemption_mode": "recompute", "techniques": "recompute,swap,migrate",
-                    "label": "ablation (ours): tidal auto without drop"},
+                    "label": "ablation (ours): tidal auto without drop",
+                    "why": "auto choosing among recompute, swap and migrate; added after this page showed auto's rows "
+                           "at 1.25x following drop's pipeline groups"},
+    # a labelled ablation (ours), added after the page showed drop's groups outlasting their episodes: auto
+    # that undoes its groups once KunServe's own limit signal fires (Sec. 4.4's autoscale) and takes no drop
+    # until the cluster's KV demand is back under the restore threshold (AutoParams.undo_at_limit)
+    "auto-limit": {"kv_pressure": "auto", "preemption_mode": "recompute", "undo_at_limit": "1",
+                   "label": "ablation (ours): tidal auto, drops undone at KunServe's limit signal",
+                   "why": "auto with all four responses that, once KunServe's own limit signal fires (Sec. 4.4's "
+                          "autoscale: KV use still rising over 10 s after a drop), restores its groups even while "
+                          "throttled (what the members cannot hold recomputes) and takes no drop until the cluster's "
+                          "KV demand is back under the restore threshold; added after this page showed drop's groups "
+                          "outlasting their episodes"},
 }
 FIXED = ("recompute", "swap", "migrate", "drop")
-ABLATIONS = ("auto-nodrop",)
+ABLATIONS = ("auto-nodrop", "auto-limit")
 # our choice, set before any run: a request meets its SLO with its first token within 10 s (a 15K-token
 # prompt alone takes ~2 s here) and at most 200 ms a token after it
 SLO_DEF = SLO(ttft_s=10.0, tpot_s=0.2)
@@ -98,7 +110,10 @@ def simulate(system: str, specs: Sequence[RequestSpec], phases: Sequence[Phase] 
 
     cfg = SYSTEMS[system]
     auto = cfg["kv_pressure"] == "auto"
-    params = AutoParams(techniques=tuple(cfg["techniques"].split(","))) if "techniques" in cfg else None
+    params = None
+    if "techniques" in cfg or "undo_at_limit" in cfg:
+        params = AutoParams(techniques=tuple(cfg.get("techniques", ",".join(AutoParams().techniques)).split(",")),
+                            undo_at_limit="undo_at_limit" in cfg)
     sched = SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
                             preemption_mode=cfg["preemption_mode"])
     spec = ClusterSpec(model=MODEL, hardware=HARDWARE, instances=INSTANCES, router=ROUTER, scheduler=sched,
@@ -130,6 +145,10 @@ def simulate(system: str, specs: Sequence[RequestSpec], phases: Sequence[Phase] 
         out["choice_counts"] = p.get("choice_counts", {})
         out["choices"] = [[round(c["time"], 3), c["index"], c["choice"]] for c in p.get("choices", [])]
         out["choice_reasons"] = [c["reason"] for c in p.get("choices", [])][:40]
+        # undo_at_limit: when KunServe's limit signal put auto off drops, and when that ended
+        if (p.get("auto_params") or {}).get("undo_at_limit"):
+            out["limits"] = [[e["kind"], round(e["time"], 3)] for e in p.get("events", ())
+                             if e["kind"] in ("limit", "limit-over")]
     if "audit" in p:  # compact: [onset, instance, response used, its predicted s, realized s]
         out["audit"] = [[a["time"], a["index"], a["response"], a["predicted_s"].get(a["response"]), a["realized_s"]]
                         for a in p["audit"]]

@@ -159,6 +159,7 @@ def run_experiment(args: argparse.Namespace, log: Any) -> dict[str, Any]:
                                      "link": AR.LINK, "router": AR.ROUTER, "slo": AR.SLO_DEF.to_ms(),
                                      "max_num_batched_tokens": AR.MAX_NUM_BATCHED_TOKENS,
                                      "systems": {k: v["label"] for k, v in AR.SYSTEMS.items()}, "seeds": seeds,
+                                     "ablations": {a: AR.SYSTEMS[a]["why"] for a in AR.ABLATIONS},
                                      "share": SHARE, "sensitivity": SENSITIVITY, "phase_duration_s": args.phase_duration,
                                      "sources": AT.SOURCES}}
     if "trace" in args.parts:

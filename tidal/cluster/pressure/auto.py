@@ -12,6 +12,11 @@ shell knows (each instance's running requests in its scheduler's preemption orde
   makes the drop plan; its restore (Sec. 4.4) is KunServe's own. :meth:`decide`, :meth:`observe`
   and :meth:`applied` are the controller's, so a shell's KunServe executor drives this object as it
   drives :class:`~tidal.cluster.pressure.KunServeController`.
+- ``undo_at_limit`` (an ablation of ours, off by default): once KunServe's own limit signal fires
+  (Sec. 4.4's autoscale: KV use still rising after a drop; the paper adds GPUs there),
+  :meth:`decide` restores the groups, the deepest first, even while throttled (what the members
+  cannot hold is the executor's to preempt), and no drop is offered until the cluster's KV demand
+  is back under the restore threshold (Sec. 4.4's 50 %) with every instance alone.
 
 Every choice is logged as a ``choose`` :class:`~tidal.cluster.pressure.events.PressureDecision`
 (its reason and predicted seconds) and handed whole to ``choices`` (an
@@ -56,13 +61,19 @@ class AutoPressure:
         self.log: list[AutoChoice] = []  # the latest choices (CHOICE_LOG)
         self.counts: dict[str, int] = {}  # choices made, by response
         self._blocked: set[int] = set()  # instances whose choice was made while a drop was out of reach for now
+        self.limited_since: float | None = None  # undo_at_limit: when KunServe's limit signal fired (None: not now)
 
     @property
     def params(self) -> AutoParams:
         return self.chooser.params
 
     def _gate(self, t: Throttle) -> bool:
-        return self.mode.get(t.index) == "drop"
+        return self.mode.get(t.index) == "drop" and not self._at_limit()
+
+    def _at_limit(self) -> bool:
+        """``undo_at_limit``: KunServe's limit signal has fired (or its spell is not over): no drop."""
+        s = self.kun.autoscale
+        return self.params.undo_at_limit and (self.limited_since is not None or (s.armed and s.fired))
 
     # ---------------------------------------------------------------- the choice
     def onsets(self, now: float, running: Mapping[int, Sequence[Victim]], drop_ready: bool = True,
@@ -128,6 +139,9 @@ class AutoPressure:
         """What the drop plan (Fig. 6) would do now for ``t`` alone (the plan KunServe's controller
         makes when the choice lets ``t`` through its gate)."""
         kun = self.kun
+        if self._at_limit():
+            return DropOption(why_not="KunServe's limit signal fired (Sec. 4.4): no drop until KV demand is back "
+                                      "under the restore threshold")
         if kun.pending is not None:
             return DropOption(why_not="a drop or restore plan is being executed", blocked=True)
         st = self.monitor.instances[t.index].status
@@ -150,8 +164,26 @@ class AutoPressure:
 
     # ---------------------------------------------------------------- executing the responses
     def decide(self, now: float) -> Plan | None:
-        """KunServe's controller, gated: a drop for the throttles whose response is drop, or a restore."""
-        return self.kun.decide(now)
+        """KunServe's controller, gated: a drop for the throttles whose response is drop, or a restore
+        (with ``undo_at_limit``, also the restores that undo the groups once its limit signal fired)."""
+        plan = self.kun.decide(now)
+        if plan is not None or self.kun.pending is not None or not self.params.undo_at_limit:
+            return plan
+        kun = self.kun
+        if self.limited_since is None and self._at_limit():
+            self.limited_since = now
+            kun.note("limit", now, tuple(i for g in kun.groups if len(g) > 1 for i in g),
+                     reason="KunServe's limit signal: no drop until KV demand is back under the restore threshold",
+                     usage=round(kun.usage(), 4))
+        if self.limited_since is None:
+            return None
+        grouped = sorted((g for g in kun.groups if len(g) > 1), key=lambda g: (-len(g), g))
+        if grouped:
+            return kun.plan_restore(grouped[0], now, reason="limit")
+        if kun.usage() < kun.restore_policy.threshold:
+            kun.note("limit-over", now, (), usage=round(kun.usage(), 4), since=round(self.limited_since, 4))
+            self.limited_since = None
+        return None
 
     def observe(self, now: float) -> None:
         """While the shell executes a plan: the throttle and autoscale log stays current."""
@@ -211,7 +243,7 @@ class AutoPressure:
     def snapshot(self) -> dict[str, Any]:
         """For ``/admin/state`` and the dashboard: each instance's response, counts, the latest choices."""
         return {"modes": {str(k): v for k, v in sorted(self.mode.items())}, "choices_total": dict(self.counts),
-                "params": self.params.to_dict(),
+                "params": self.params.to_dict(), "limited_since": self.limited_since,
                 "choices": [{"time": round(c.time, 4), "index": c.index, **c.summary()} for c in self.log[-16:]]}
 
 

@@ -48,6 +48,10 @@ class AutoParams:
     hold_s: float = HOLD_S
     techniques: tuple[str, ...] = TECHNIQUES
     learn: int = LEARN
+    # a labelled ablation (ours, after the page showed drop's groups outlasting their episodes): once
+    # KunServe's own limit signal fires (Sec. 4.4's autoscale: KV use still rising after a drop), undo
+    # the groups and take no drop until the cluster's KV demand is back under the restore threshold
+    undo_at_limit: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.margin < 1.0:
@@ -62,7 +66,8 @@ class AutoParams:
                              f"got {', '.join(self.techniques) or 'none'}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"margin": self.margin, "hold_s": self.hold_s, "techniques": list(self.techniques), "learn": self.learn}
+        return {"margin": self.margin, "hold_s": self.hold_s, "techniques": list(self.techniques), "learn": self.learn,
+                **({"undo_at_limit": True} if self.undo_at_limit else {})}
 
 
 @dataclass(frozen=True)
@@ -101,7 +106,8 @@ class AutoChoice:
     def from_dict(cls, d: dict[str, Any]) -> AutoChoice:
         """The inputs of a recorded choice (its outputs are decided again by :func:`replay`)."""
         p = d["params"]
-        params = AutoParams(p["margin"], p["hold_s"], tuple(p["techniques"]), p.get("learn", 0))
+        params = AutoParams(p["margin"], p["hold_s"], tuple(p["techniques"]), p.get("learn", 0),
+                            p.get("undo_at_limit", False))
         return cls(d["time"], Episode.from_dict(d["episode"]), Prices.from_dict(d["prices"]), d["previous"], params,
                    choice=d["choice"], reason=d["reason"], scales=dict(d.get("scales", {})))
 

@@ -84,12 +84,16 @@ class KunServeController:
                 undropped = sum(self.base_blocks[i] for i in g)
                 if self.restore_policy.should_restore(st.num_blocks - st.num_free_blocks, st.queued_block_demand,
                                                       undropped):
-                    plan = restore_plan(g, self.layers, self.model)
-                    self._decided(plan, now)
-                    self.note("restore", now, g, **plan.to_dict(), used_blocks=st.num_blocks - st.num_free_blocks,
-                              undropped_blocks=undropped)
-                    return plan
+                    return self.plan_restore(g, now, used_blocks=st.num_blocks - st.num_free_blocks,
+                                             undropped_blocks=undropped)
         return None
+
+    def plan_restore(self, group: tuple[int, ...], now: float, **details: Any) -> RestorePlan:
+        """Group ``group``'s restore plan, made the pending plan and logged with ``details``."""
+        plan = restore_plan(group, self.layers, self.model)
+        self._decided(plan, now)
+        self.note("restore", now, group, **plan.to_dict(), **details)
+        return plan
 
     def _drop(self, throttles: list[Throttle], now: float) -> DropPlan | None:
         block_size = self.monitor.instances[throttles[0].index].status.block_size

@@ -18,7 +18,7 @@ from typing import Any
 #: the ``--kv-pressure`` choices: what an instance does when its KV cannot hold its queue
 PRESSURE_MODES = ("preempt", "migrate", "drop", "auto")
 KINDS = ("throttle", "drop", "exchange", "exchange-done", "restore", "restore-done", "migrate",
-         "autoscale", "choose")
+         "autoscale", "choose", "limit", "limit-over")
 
 Recorder = Callable[["PressureDecision"], None]
 
