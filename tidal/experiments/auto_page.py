@@ -11,8 +11,7 @@ import numpy as np
 from tidal.common.plots import pyplot, save_figure
 
 COLORS = {"recompute": "tab:gray", "swap": "tab:orange", "migrate": "tab:green", "drop": "tab:blue",
-          "auto": "tab:red", "auto-nodrop": "tab:pink",
-          "auto-limit": "tab:brown"}
+          "auto": "tab:red", "auto-nodrop": "tab:pink", "auto-limit": "tab:brown"}
 MARKERS = {"recompute": "x", "swap": "s", "migrate": "^", "drop": "o"}
 
 
