@@ -80,6 +80,20 @@ def test_a_runs_pipeline_groups_give_its_layout_cost():
     assert layout_of({"span_s": [0.0, 100.0]}, 8) is None and layout_of({"groups": groups}, 8) is None
 
 
+def test_kunserve_datasets_show_their_runs_groups_and_limit_spells():
+    from tidal.experiments.auto_page import kunserve_layouts
+
+    ks = {"sharegpt": {"runs": {"recompute": [{}], "drop": [{"groups": [[2, 10.0, 50.0, 0.1]], "span_s": [0.0, 100.0]}],
+                                "auto-limit": [{"limits": [["limit", 30.0], ["limit-over", 80.0]]}]}},
+          "longbench": {"runs": {"recompute": [{}], "drop": [{}]}}}
+    lines = [x for x in kunserve_layouts(ks, 8) if x]
+    # 2 stages x 40 s of 8 instances x 100 s: 10 % grouped, a tenth of it idle
+    assert lines[0].startswith("sharegpt: Pipeline groups, per seed") and \
+        lines[0].endswith("drop 2 stages from 10 s to 50 s, 10% grouped, bubbles 10%.")
+    assert lines[1] == "sharegpt: KunServe's limit signal (Sec. 4.4), per seed: auto-limit off drops at 30 s, back on at 80 s."
+    assert len(lines) == 2  # longbench formed no group and ran no limit
+
+
 def test_paper_judgement_follows_whoever_wins():
     # P99 TTFT (lower is better): seed 0 drop beats recompute, auto within 5 % of drop; seed 1 drop loses and
     # auto is 10 % worse than recompute

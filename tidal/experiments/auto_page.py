@@ -194,6 +194,12 @@ def _limits(d: dict[str, Any]) -> list[str]:
     return ["KunServe's limit signal (Sec. 4.4), per seed: " + "; ".join(parts) + ".", ""]
 
 
+def kunserve_layouts(ks: dict[str, Any], instances: int) -> list[str]:
+    """Per KunServe dataset, the pipeline groups of the runs that formed any, and the limit spells."""
+    return [f"{dname}: {line}" if line else line for dname, v in ks.items() for line in _layouts(v, instances)
+            + _limits(v)]
+
+
 def _ablation_trace(d: dict[str, Any], labels: dict[str, str], why: dict[str, str]) -> list[str]:
     """Each labelled ablation's claims, judged as auto's are (the fixed responses' runs are the same)."""
     out = []
@@ -343,7 +349,8 @@ def write_page(res: dict[str, Any], path: str, figures: list[str]) -> None:
                 L.append(f"| {dname}, {st.get('systems', {}).get(a, a)} | " + ", ".join(
                     "-" if s is None else f"{s['auto_vs']:.2f} vs {s['against']}" for s in j["per_seed"])
                     + f" | {j['verdict']} |")
-        L += [""] + ([f"![kunserve]({fig['auto_kunserve.png']})", ""] if "auto_kunserve.png" in fig else [])
+        L += [""] + kunserve_layouts(ks, st["instances"])
+        L += [f"![kunserve]({fig['auto_kunserve.png']})", ""] if "auto_kunserve.png" in fig else []
     pg = res.get("pang")
     if pg:
         L += ["## Pang et al.'s own setup (`--batching auto`)", "",

@@ -187,8 +187,10 @@ def run_experiment(args: argparse.Namespace, log: Any) -> dict[str, Any]:
         outs = run_all(dataset_run, calls, args.jobs)
         res["kunserve"] = {}
         for d, f in zip(datasets, found, strict=True):
-            runs = {s: [o["whole"] | {"choice_counts": o.get("choice_counts")} for (sy, dd, *_), o
-                        in zip(calls, outs, strict=True) if sy == s and dd == d] for s in AR.SYSTEMS}
+            runs = {s: [o["whole"] | {"choice_counts": o.get("choice_counts")}
+                        | {k: o[k] for k in ("groups", "span_s", "limits") if k in o}  # what the page's why reads
+                        for (sy, dd, *_), o in zip(calls, outs, strict=True) if sy == s and dd == d]
+                    for s in AR.SYSTEMS}
             res["kunserve"][d] = {"search": f, "rate": f["rate"], "runs": runs,
                                   "judged": judge_paper(runs, "drop", "recompute", "ttft_p99_ms", False),
                                   "ablations": {a: judge_paper({**runs, "auto": runs[a]}, "drop", "recompute",
