@@ -110,10 +110,12 @@ def simulate(system: str, specs: Sequence[RequestSpec], phases: Sequence[Phase] 
 
     cfg = SYSTEMS[system]
     auto = cfg["kv_pressure"] == "auto"
-    params = None
-    if "techniques" in cfg or "undo_at_limit" in cfg:
-        params = AutoParams(techniques=tuple(cfg.get("techniques", ",".join(AutoParams().techniques)).split(",")),
-                            undo_at_limit="undo_at_limit" in cfg)
+    knobs: dict[str, Any] = {}  # an ablation's AutoParams (none: the defaults)
+    if "techniques" in cfg:
+        knobs["techniques"] = tuple(cfg["techniques"].split(","))
+    if "undo_at_limit" in cfg:
+        knobs["undo_at_limit"] = True
+    params = AutoParams(**knobs) if knobs else None
     sched = SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
                             preemption_mode=cfg["preemption_mode"])
     spec = ClusterSpec(model=MODEL, hardware=HARDWARE, instances=INSTANCES, router=ROUTER, scheduler=sched,

@@ -166,10 +166,10 @@ class AutoPressure:
     def decide(self, now: float) -> Plan | None:
         """KunServe's controller, gated: a drop for the throttles whose response is drop, or a restore
         (with ``undo_at_limit``, also the restores that undo the groups once its limit signal fired)."""
-        plan = self.kun.decide(now)
-        if plan is not None or self.kun.pending is not None or not self.params.undo_at_limit:
-            return plan
         kun = self.kun
+        plan = kun.decide(now)
+        if plan is not None or kun.pending is not None or not self.params.undo_at_limit:
+            return plan
         if self.limited_since is None and self._at_limit():
             self.limited_since = now
             kun.note("limit", now, tuple(i for g in kun.groups if len(g) > 1 for i in g),
@@ -177,11 +177,12 @@ class AutoPressure:
                      usage=round(kun.usage(), 4))
         if self.limited_since is None:
             return None
-        grouped = sorted((g for g in kun.groups if len(g) > 1), key=lambda g: (-len(g), g))
-        if grouped:
-            return kun.plan_restore(grouped[0], now, reason="limit")
-        if kun.usage() < kun.restore_policy.threshold:
-            kun.note("limit-over", now, (), usage=round(kun.usage(), 4), since=round(self.limited_since, 4))
+        deepest = min((g for g in kun.groups if len(g) > 1), key=lambda g: (-len(g), g), default=None)
+        if deepest is not None:
+            return kun.plan_restore(deepest, now, reason="limit")
+        usage = kun.usage()
+        if usage < kun.restore_policy.threshold:
+            kun.note("limit-over", now, (), usage=round(usage, 4), since=round(self.limited_since, 4))
             self.limited_since = None
         return None
 
