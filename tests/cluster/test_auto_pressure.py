@@ -287,6 +287,31 @@ def test_auto_learns_how_far_a_response_runs_from_its_prediction():
         AutoParams(learn=-1)
 
 
+def test_a_migration_that_moves_nothing_is_scaled_and_learned_as_recompute():
+    """No peer has room: migrate's prediction is recompute's (the same queue under the scheduler's recompute),
+    so it takes recompute's learned scale, the tie goes to recompute, and an episode of it teaches recompute
+    (before this, migrate kept scale 1 beside recompute's 1.44 and the same recompute was taken as migrate)."""
+    from dataclasses import replace as dc_replace
+
+    queue = (Victim(50, 4, False, 5, "a"),)
+    e = dc_replace(episode(host=0), queue=queue)  # no host room, no peer: swap and migrate are recompute here
+    pr = predict(e, PRICES)
+    assert pr["migrate"].same_as == "recompute" and pr["migrate"].to_dict()["same_as"] == "recompute"
+    assert predict(episode(peers=(10,)), PRICES)["migrate"].same_as == ""  # it moves: its own
+    c = decide(e, PRICES, None, AutoParams(techniques=("recompute", "migrate")), scales={"recompute": 1.44})
+    assert c.choice == "recompute" and "x 1.4 learned" in c.reason
+    # the previous choice kept by hysteresis is still migrate; its served episode is learned as recompute
+    ch = AutoChooser(AutoParams(techniques=("migrate", "recompute")))
+    first = ch.choose(10.0, e, PRICES)
+    assert first.choice == "migrate"  # the tie goes to the first of the techniques, as always
+    ch.first_token("a", 10.0 + 2 * first.predictions["migrate"].seconds)
+    assert ch.scales() == {"recompute": pytest.approx(2.0)}
+    again = ch.choose(20.0, dc_replace(e, index=1), PRICES)
+    assert again.scales == {"recompute": pytest.approx(2.0)}
+    assert again.predictions["migrate"].seconds == pytest.approx(again.predictions["recompute"].seconds)
+    assert replay(AutoChoice.from_dict(json.loads(json.dumps(again.to_dict())))).reason == again.reason
+
+
 def test_undo_at_limit_restores_the_groups_and_keeps_drop_off_until_demand_falls():
     """The ablation ``undo_at_limit``: once KunServe's limit signal fires (KV use still rising after a
     drop), ``decide`` restores the group even while it is throttled, no drop is offered, and drop comes

@@ -18,7 +18,12 @@ onset has had its first token, the seconds that took over the seconds predicted 
 taken is that response's latest ratio; each prediction is scaled by the median of its response's
 last ``learn`` ratios (1 until it has one; a queue served at its onset's own instant teaches
 nothing, so no scale is ever 0) before the least is taken. The scales a choice used are in
-its record, so a replay decides the same. A response never taken keeps scale 1.
+its record, so a replay decides the same. A response never taken keeps scale 1. A prediction that
+amounts to another response's (:attr:`~tidal.cluster.pressure.predict.Prediction.same_as`: a
+migration that moves nothing leaves the queue to the scheduler's recompute) is scaled, and its
+episode learned, as that response's (a revision: before it, such a migration kept scale 1 beside
+recompute's learned one, so the same recompute looked faster under migrate's name and was taken as
+migrate again and again, at 1.25x on commit 09524c2's page).
 
 Every choice is an :class:`AutoChoice`: the episode and the prices it read, the previous choice,
 every prediction and the reason. :func:`replay` decides again from those alone, so a recorded
@@ -117,11 +122,14 @@ def decide(episode: Episode, prices: Prices, previous: str | None, params: AutoP
     """The response for ``episode``: the least predicted (each prediction times its response's
     learned scale), unless the instance's ``previous`` choice is within ``margin`` of it."""
     preds = predict(episode, prices, params.techniques)
-    scales = {k: v for k, v in (scales or {}).items() if k in preds and v != 1.0}
-    sec = {k: p.seconds * scales.get(k, 1.0) for k, p in preds.items()}
+    # a prediction that amounts to another response's (a migration that moves nothing) takes that one's scale
+    as_ = {k: p.same_as or k for k, p in preds.items()}
+    scales = {k: v for k, v in (scales or {}).items() if k in as_.values() and v != 1.0}
+    sec = {k: p.seconds * scales.get(as_[k], 1.0) for k, p in preds.items()}
 
     def said(t: str) -> str:
-        return f"{sec[t]:.3g} s" + (f" ({preds[t].seconds:.3g} x {scales[t]:.2g} learned)" if t in scales else "")
+        s = scales.get(as_[t])
+        return f"{sec[t]:.3g} s" + (f" ({preds[t].seconds:.3g} x {s:.2g} learned)" if s is not None else "")
 
     order = params.techniques
     ranked = sorted(order, key=lambda t: (sec[t], order.index(t)))
@@ -191,7 +199,8 @@ class AutoChooser:
         self.seen[episode.index] = now
         waiting = {q.rid for q in episode.queue if q.rid}
         if learn and waiting:
-            self.open.append(_Open(c.choice, c.predictions[c.choice].seconds, now, waiting))
+            taken = c.predictions[c.choice]
+            self.open.append(_Open(taken.same_as or c.choice, taken.seconds, now, waiting))
             del self.open[:-OPEN]
         return c
 

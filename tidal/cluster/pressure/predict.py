@@ -13,7 +13,8 @@ itself except a drop; the four responses, each at its own price:
 - **migrate** (Llumnix-like, KunServe Sec. 2.3): decoding requests, the smallest first, move with
   their KV to the peers with the most room (:func:`tidal.cluster.pressure.plan_migrations`'s
   packing) until they cover ``S``; the queue waits for their KV to cross the link (the source frees a
-  request's blocks when its last chunk lands); what the peers cannot take the queue waits for, as above;
+  request's blocks when its last chunk lands); what the peers cannot take the queue waits for, as above
+  (when they take nothing the prediction is recompute's, marked :attr:`Prediction.same_as`);
 - **drop** (KunServe Sec. 4.1): the drop plan (Fig. 6) merges the instance with a peer into a
   pipeline; the group's pool gains the freed weights and takes the peers' spare KV, and the group's
   queue (every member's) runs on ``n`` instances' compute, less the pipeline's price: each stage
@@ -185,10 +186,14 @@ class Prediction:
     seconds: float
     terms: dict[str, float] = field(default_factory=dict)
     note: str = ""
+    # the response this prediction amounts to, when it is another's: a migration that moves nothing leaves the
+    # queue to the scheduler's recompute (its preemption mode), so the choice scales and learns it as recompute
+    same_as: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {"seconds": None if math.isinf(self.seconds) else self.seconds,
-                "terms": {k: round(v, 6) for k, v in self.terms.items()}, **({"note": self.note} if self.note else {})}
+                "terms": {k: round(v, 6) for k, v in self.terms.items()}, **({"note": self.note} if self.note else {}),
+                **({"same_as": self.same_as} if self.same_as else {})}
 
 
 def _victims(running: Sequence[Victim], need: int) -> list[Victim]:
@@ -327,7 +332,8 @@ def predict_migrate(e: Episode, p: Prices) -> Prediction:
     return Prediction("migrate", transfer + max(wait, queue) + again,
                       {"transfer_s": transfer, "memory_wait_s": wait, "queue_prefill_s": queue, "recompute_s": again,
                        "drain_steps": steps, "moved": len(moved), "moved_blocks": freed, "recomputed": len(rest)},
-                      "" if moved else "no peer has room for a decoding request: it recomputes")
+                      "" if moved else "no peer has room for a decoding request: it recomputes",
+                      "" if moved else "recompute")
 
 
 def predict_drop(e: Episode, p: Prices) -> Prediction:
