@@ -272,9 +272,9 @@ def write_page(res: dict[str, Any], path: str, figures: list[str]) -> None:
          "happened where swap's came close, so that the learned scales made recompute "
          "look faster than swap. A third revision: a migration that moves nothing (no peer has room) leaves "
          "the queue to the scheduler's recompute, and its prediction, recompute's, is now scaled and learned as "
-         "recompute's; until commit 09524c2 it kept scale 1 beside recompute's learned one (1.4 at 1.25x), so "
-         "that page's auto-nodrop took that same recompute as migrate at most onsets of the long and code "
-         "phases, where swap served sooner. The audit below is of this version.", "",
+         "recompute's; until commit 09524c2 it kept scale 1 beside recompute's learned one, so that page's "
+         "auto-nodrop took that same recompute as migrate in the long and code phases at 1.25x, where swap "
+         "served sooner. The audit below is of this version.", "",
          "`--batching auto` (`tidal/policies/auto.py`): each step's batch cap is the tighter of Pang et al.'s "
          "b_mem (Alg. 1, the KV pool) and b_SLA (Alg. 2, the TBT SLO); its token budget is the tighter of Pang's "
          "chunk search (Alg. 2 on the chunk) and DynaServe's composer (Alg. 2) once the composer's profile "
