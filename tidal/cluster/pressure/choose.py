@@ -123,12 +123,12 @@ def decide(episode: Episode, prices: Prices, previous: str | None, params: AutoP
     learned scale), unless the instance's ``previous`` choice is within ``margin`` of it."""
     preds = predict(episode, prices, params.techniques)
     # a prediction that amounts to another response's (a migration that moves nothing) takes that one's scale
-    as_ = {k: p.same_as or k for k, p in preds.items()}
-    scales = {k: v for k, v in (scales or {}).items() if k in as_.values() and v != 1.0}
-    sec = {k: p.seconds * scales.get(as_[k], 1.0) for k, p in preds.items()}
+    acting = {p.acts_as for p in preds.values()}
+    scales = {k: v for k, v in (scales or {}).items() if k in acting and v != 1.0}
+    sec = {k: p.seconds * scales.get(p.acts_as, 1.0) for k, p in preds.items()}
 
     def said(t: str) -> str:
-        s = scales.get(as_[t])
+        s = scales.get(preds[t].acts_as)
         return f"{sec[t]:.3g} s" + (f" ({preds[t].seconds:.3g} x {s:.2g} learned)" if s is not None else "")
 
     order = params.techniques
@@ -200,7 +200,7 @@ class AutoChooser:
         waiting = {q.rid for q in episode.queue if q.rid}
         if learn and waiting:
             taken = c.predictions[c.choice]
-            self.open.append(_Open(taken.same_as or c.choice, taken.seconds, now, waiting))
+            self.open.append(_Open(taken.acts_as, taken.seconds, now, waiting))
             del self.open[:-OPEN]
         return c
 

@@ -190,6 +190,11 @@ class Prediction:
     # queue to the scheduler's recompute (its preemption mode), so the choice scales and learns it as recompute
     same_as: str = ""
 
+    @property
+    def acts_as(self) -> str:
+        """The response this prediction is scaled and learned as: ``same_as``, else its own."""
+        return self.same_as or self.technique
+
     def to_dict(self) -> dict[str, Any]:
         return {"seconds": None if math.isinf(self.seconds) else self.seconds,
                 "terms": {k: round(v, 6) for k, v in self.terms.items()}, **({"note": self.note} if self.note else {}),
