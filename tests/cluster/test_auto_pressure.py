@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import deque
 
 import pytest
 
@@ -24,7 +25,7 @@ from tidal.cluster.pressure import (
     Victim,
     check_pressure_mode,
 )
-from tidal.cluster.pressure.choose import decide, replay
+from tidal.cluster.pressure.choose import _Open, decide, replay
 from tidal.cluster.pressure.predict import admit_walk, drain_steps, predict
 
 # a prompt token costs 1 ms (Eq. 1's beta), nothing else; a block is 16 tokens x 16 bytes = 256 bytes; host and
@@ -263,11 +264,13 @@ def test_auto_learns_how_far_a_response_runs_from_its_prediction():
     ch.first_token("a", 10.1)
     assert not ch.scales()  # "b" still waits
     ch.first_token("b", 10.0 + 3 * predicted)
-    assert ch.scales() == {"drop": pytest.approx(3.0)}
+    # drop's own ratio; the responses not yet taken are scaled by the error shown so far, drop's alone
+    assert ch.ratios.keys() == {"drop"} and ch.scales() == {t: pytest.approx(3.0) for t in AutoParams().techniques}
     ch.first_token("b", 99.0)  # a served episode is not counted twice
-    assert ch.scales() == {"drop": pytest.approx(3.0)}
+    assert list(ch.ratios["drop"]) == [pytest.approx(3.0)]
+    ch.ratios["migrate"] = deque([1.0], maxlen=8)  # a migration served as predicted
     second = ch.choose(20.0, e, PRICES)
-    assert second.choice == "migrate" and second.scales == {"drop": pytest.approx(3.0)}
+    assert second.choice == "migrate" and second.scales["drop"] == pytest.approx(3.0)
     assert "drop predicted 0.0516 s (0.103 x 0.5 learned)" in decide(e, PRICES, None, AutoParams(), scales={"drop": 0.5}).reason
     back = AutoChoice.from_dict(json.loads(json.dumps(second.to_dict())))
     assert replay(back).choice == "migrate" and replay(back).reason == second.reason
@@ -305,11 +308,37 @@ def test_a_migration_that_moves_nothing_is_scaled_and_learned_as_recompute():
     first = ch.choose(10.0, e, PRICES)
     assert first.choice == "migrate"  # the tie goes to the first of the techniques, as always
     ch.first_token("a", 10.0 + 2 * first.predictions["migrate"].seconds)
-    assert ch.scales() == {"recompute": pytest.approx(2.0)}
+    assert set(ch.ratios) == {"recompute"} and ch.scales()["recompute"] == pytest.approx(2.0)
     again = ch.choose(20.0, dc_replace(e, index=1), PRICES)
     assert again.scales == {"recompute": pytest.approx(2.0)}
     assert again.predictions["migrate"].seconds == pytest.approx(again.predictions["recompute"].seconds)
     assert replay(AutoChoice.from_dict(json.loads(json.dumps(again.to_dict())))).reason == again.reason
+
+
+def test_a_response_not_yet_taken_is_scaled_by_every_response_s_error_so_far():
+    """A queue with no victims waits the same under recompute and swap (their predictions equal). Swap's served
+    episode took 1.3x its prediction: recompute, never taken, is scaled by that error too (the median of every
+    response's latest ratios), so the tie keeps the instance's swap; before, recompute kept scale 1, looked 1.3x
+    faster and was taken (auto-nodrop at 1.25x, seed 2). Once recompute has its own ratio, that one is its scale."""
+    from dataclasses import replace as dc_replace
+
+    q = (Victim(48, 6, False, 5, "a"),)
+    roomy = Episode(0, shortage_blocks=2, queued_tokens=48, queued_requests=1, running=RUNNING, host_free_blocks=100,
+                    peer_room=(), step_s=0.01, queue=q)
+    ch = AutoChooser(AutoParams(techniques=("swap", "recompute")))  # a tie goes to swap, the first
+    assert ch.scales() == {}  # nothing served yet: every scale is 1
+    first = ch.choose(0.0, roomy, PRICES)
+    assert first.choice == "swap" and first.scales == {}
+    ch.first_token("a", 1.3 * first.predictions["swap"].seconds)
+    assert set(ch.ratios) == {"swap"} and ch.scales() == {"recompute": pytest.approx(1.3), "swap": pytest.approx(1.3)}
+    again = ch.choose(5.0, dc_replace(roomy, queue=(Victim(48, 6, False, 5, "b"),)), PRICES)
+    assert again.predictions["recompute"].seconds == pytest.approx(again.predictions["swap"].seconds)
+    assert again.choice == "swap" and again.scales == {"recompute": pytest.approx(1.3), "swap": pytest.approx(1.3)}
+    assert replay(AutoChoice.from_dict(json.loads(json.dumps(again.to_dict())))).choice == "swap"
+    # recompute's own episode, served at twice its prediction: its own ratio replaces the shared one
+    ch.open.append(_Open("recompute", 1.0, 10.0, {"c"}))
+    ch.first_token("c", 12.0)
+    assert ch.scales() == {"recompute": pytest.approx(2.0), "swap": pytest.approx(1.3)}
 
 
 def test_undo_at_limit_restores_the_groups_and_keeps_drop_off_until_demand_falls():

@@ -258,7 +258,8 @@ def write_page(res: dict[str, Any], path: str, figures: list[str]) -> None:
          "admitted (their remaining tokens, at the instance's measured step time), and the queue's prefill "
          "overlaps that wait (the later of the two counts). Each prediction is scaled by what the response's "
          "past episodes took against their predictions (the median of its last 8 ratios: the seconds until the "
-         "last request queued at the onset had its first token over the seconds predicted; 1 before any). It "
+         "last request queued at the onset had its first token over the seconds predicted; for a response with "
+         "none yet, the median of every response's latest ratios; 1 before any episode is served). It "
          "takes the least; an episode is one decision (it lasts while the "
          "instance is throttled and 2 s after), and a new episode leaves the instance's previous choice only for "
          "a response predicted 20 % faster. Every choice is recorded with its episode, prices, predictions, "
@@ -274,7 +275,11 @@ def write_page(res: dict[str, Any], path: str, figures: list[str]) -> None:
          "the queue to the scheduler's recompute, and its prediction, recompute's, is now scaled and learned as "
          "recompute's; until commit 09524c2 it kept scale 1 beside recompute's learned one, so that page's "
          "auto-nodrop took that same recompute as migrate in the long and code phases at 1.25x, where swap "
-         "served sooner. The audit below is of this version.", "",
+         "served sooner. A fourth: a response with no served episode of its own is scaled by the error every "
+         "response's predictions have shown so far; until commit 1058d6a it kept scale 1, and where a queue "
+         "with no victims waits the same under recompute and swap, recompute at 1 looked faster than swap at "
+         "its learned scale and was taken (auto-nodrop at 1.25x, seed 2, in the long and code phases, where "
+         "swap served sooner). The audit below is of this version.", "",
          "`--batching auto` (`tidal/policies/auto.py`): each step's batch cap is the tighter of Pang et al.'s "
          "b_mem (Alg. 1, the KV pool) and b_SLA (Alg. 2, the TBT SLO); its token budget is the tighter of Pang's "
          "chunk search (Alg. 2 on the chunk) and DynaServe's composer (Alg. 2) once the composer's profile "

@@ -16,9 +16,14 @@ audit of the simulator's runs, :mod:`tidal.sim.auto_audit`, found drop's predict
 what happened, where preemption's came close): when every request that waited at an episode's
 onset has had its first token, the seconds that took over the seconds predicted for the response
 taken is that response's latest ratio; each prediction is scaled by the median of its response's
-last ``learn`` ratios (1 until it has one; a queue served at its onset's own instant teaches
-nothing, so no scale is ever 0) before the least is taken. The scales a choice used are in
-its record, so a replay decides the same. A response never taken keeps scale 1. A prediction that
+last ``learn`` ratios (a queue served at its onset's own instant teaches nothing, so no scale is
+ever 0) before the least is taken. A response with no ratio of its own yet is scaled by the median of
+every response's latest ratios, the error the prediction has shown so far (1 before any episode is
+served; a revision: before it, a response never taken kept scale 1, and where its prediction was
+another's to the second -- a queue with no victims waits the same under recompute and swap -- it
+looked that response's learned scale faster and was taken, at 1.25x on commit 1058d6a's page:
+recompute at 1 beside swap's 1.3, 53 onsets of auto-nodrop's seed 2). The scales a choice used are
+in its record, so a replay decides the same. A prediction that
 amounts to another response's (:attr:`~tidal.cluster.pressure.predict.Prediction.same_as`: a
 migration that moves nothing leaves the queue to the scheduler's recompute) is scaled, and its
 episode learned, as that response's (a revision: before it, such a migration kept scale 1 beside
@@ -175,8 +180,14 @@ class AutoChooser:
         self.ratios: dict[str, deque[float]] = {}  # each response's latest realized / predicted
 
     def scales(self) -> dict[str, float]:
-        """Each response's learned scale: the median of its latest ratios."""
-        return {k: statistics.median(v) for k, v in self.ratios.items() if v}
+        """Each response's learned scale: the median of its latest ratios; for a response with none
+        yet, the median of every response's latest ratios (none before any episode is served)."""
+        own = {k: statistics.median(v) for k, v in self.ratios.items() if v}
+        pooled = [r for v in self.ratios.values() for r in v]
+        if not pooled:
+            return own
+        prior = statistics.median(pooled)  # the prediction's error so far, where a response has shown none of its own
+        return {t: own.get(t, prior) for t in self.params.techniques}
 
     def first_token(self, rid: str, now: float) -> None:
         """Request ``rid`` had its first token: an episode whose queue it was the last of is served."""
