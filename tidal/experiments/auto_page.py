@@ -279,7 +279,9 @@ def write_page(res: dict[str, Any], path: str, figures: list[str]) -> None:
          "response's predictions have shown so far; until commit 1058d6a it kept scale 1, and where a queue "
          "with no victims waits the same under recompute and swap, recompute at 1 looked faster than swap at "
          "its learned scale and was taken (auto-nodrop at 1.25x, seed 2, in the long and code phases, where "
-         "swap served sooner). The audit below is of this version.", "",
+         "swap served sooner). It is not a gain everywhere: it also takes away the push scale 1 gave a response "
+         "not yet tried, which on that page had auto try swap at the paper rule (seed 1, the chat phase), where it "
+         "now takes drop, and its code phase there is slower. The audit below is of this version.", "",
          "`--batching auto` (`tidal/policies/auto.py`): each step's batch cap is the tighter of Pang et al.'s "
          "b_mem (Alg. 1, the KV pool) and b_SLA (Alg. 2, the TBT SLO); its token budget is the tighter of Pang's "
          "chunk search (Alg. 2 on the chunk) and DynaServe's composer (Alg. 2) once the composer's profile "
