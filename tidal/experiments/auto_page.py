@@ -394,8 +394,8 @@ def write_page(res: dict[str, Any], path: str, figures: list[str]) -> None:
           "pressure-aware routing is not part of the choice.",
           "- The prediction leaves out what is off the queue's path: the stall of requests whose KV moves, a "
           "pipeline's longer decode steps (TPOT), a restore's weight load, and arrivals after the onset; the "
-          "learned scales correct a response's predictions on average, not episode by episode, and only for "
-          "responses auto has taken.", ""]
+          "learned scales correct a response's predictions on average, not episode by episode, and a response "
+          "auto has not taken yet only by the error of those it has.", ""]
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(L))
 
