@@ -152,6 +152,27 @@ def test_a_recorded_choice_replays_from_its_json():
         assert {k: v.seconds for k, v in again.predictions.items()} == {k: v.seconds for k, v in c.predictions.items()}
 
 
+def test_a_pinned_schedule_takes_its_response_wherever_it_can_run_and_replays():
+    # the hindsight bound's knob: recompute from 0 s, migrate from 10 s, whatever the predictions say
+    params = AutoParams(pinned=((0.0, "recompute"), (10.0, "migrate")))
+    drop = DropOption(members=2, freed_blocks=50, queued_tokens=200, queued_requests=2)
+    e = episode(peers=(10,), drop=drop)  # drop is predicted least here
+    early = decide(e, PRICES, "drop", params, now=3.0)
+    assert early.choice == "recompute" and early.reason.startswith("pinned: recompute")  # no hysteresis either
+    assert decide(e, PRICES, None, params, now=12.0).choice == "migrate"
+    # before the first entry: the first response; a pinned response that cannot run falls back to the least
+    assert AutoParams(pinned=((5.0, "swap"),)).pinned_at(1.0) == "swap" and AutoParams().pinned_at(1.0) is None
+    fallback = decide(episode(), PRICES, None, AutoParams(pinned=((0.0, "drop"),)), now=1.0)
+    assert fallback.choice == "swap" and fallback.reason.startswith("pinned drop cannot run now")
+    for c in (early, fallback):
+        again = replay(AutoChoice.from_dict(json.loads(json.dumps(c.to_dict()))))
+        assert again.choice == c.choice and again.reason == c.reason and again.params == c.params
+    with pytest.raises(ValueError, match="pinned"):
+        AutoParams(pinned=((10.0, "swap"), (0.0, "drop")))
+    with pytest.raises(ValueError, match="pinned"):
+        AutoParams(techniques=("recompute", "swap"), pinned=((0.0, "drop"),))
+
+
 def test_an_episode_lasts_while_throttled_and_hold_s_after():
     ch = AutoChooser(AutoParams(hold_s=2.0))
     assert not ch.in_episode(0, 0.0)

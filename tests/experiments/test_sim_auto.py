@@ -54,6 +54,34 @@ def test_one_best_names_a_fixed_response_near_the_best_in_every_phase():
     assert one_best(runs, ["a", "b"]) == []
 
 
+def test_the_hindsight_schedule_is_each_phase_s_best_fixed_response():
+    from tidal.experiments.sim_auto import hindsight_schedules
+
+    def r(a, b):
+        return {"phases": {"a": {"ttft_p99_ms": a}, "b": {"ttft_p99_ms": b}}, "whole": {"ttft_p99_ms": 1, "lost": 0}}
+    runs = {"recompute": [r(300, 90)], "swap": [r(100, 104)], "migrate": [r(100, 200)], "drop": [r(150, None)],
+            "auto": [r(1, 1)]}
+    # a: swap and migrate tie (the first of FIXED is kept); b: recompute; a phase without a P99 never wins
+    assert hindsight_schedules(judge_trace(runs, ["a", "b"]), ["a", "b"]) == [("swap", "recompute")]
+
+
+def test_a_bound_is_judged_as_auto_and_states_how_far_it_is_from_the_bar():
+    from tidal.experiments.auto_page import _bound_trace, best_over
+
+    fixed = {"recompute": [_run({"a": 300}, 900), _run({"a": 300}, 900)],
+             "swap": [_run({"a": 200}, 500), _run({"a": 200}, 250)],
+             "migrate": [_run({"a": 150}, 700), _run({"a": 150}, 700)],
+             "drop": [_run({"a": 100}, 240), _run({"a": 100}, 230)]}
+    bound = [_run({"a": 100}, 200), _run({"a": 100}, 220)]
+    j = judge_trace({**fixed, "auto": bound}, ["a"])
+    # the best fixed over the bound: 240 / 200 on seed 0 (drop), 230 / 220 on seed 1 (drop)
+    assert best_over(j) == pytest.approx([1.2, 230 / 220])
+    text = "\n".join(_bound_trace({"bounds": {"hindsight": {"schedules": [["drop"], ["drop"]], "runs": bound,
+                                                             "judged": j}}}, {}))
+    assert "Its schedule per seed: drop / drop." in text and "a 1.00 / 1.00" in text
+    assert "1.20 / 1.05: at least 1.2x on 1 of 2 seeds" in text
+
+
 def test_service_rate_is_output_tokens_over_the_runs_span():
     from types import SimpleNamespace as N
 
@@ -163,6 +191,15 @@ def test_the_command_writes_its_json_figures_and_page(tmp_path, capsys):
     assert isinstance(level["judged"]["one_best"][0], list) and level["runs"]["swap"][0]["service_tok_s"] > 0
     assert "Output tokens served per second over the run" in text and "in every phase, per seed" in text
     assert "**ablation (ours): tidal auto without drop**" in text
+    # the hindsight bound: each phase's best fixed response pinned at the phase's start; it runs auto's machinery
+    hb = level["bounds"]["hindsight"]
+    assert hb["schedules"] == [[level["judged"]["phases"][ph]["per_seed"][0]["best_fixed"] for ph in ("chat", "long",
+                                                                                                      "code")]]
+    assert set(hb["judged"]["whole"]) == {"recompute", "swap", "migrate", "drop"} and hb["runs"][0]["whole"]["lost"] == 0
+    assert hb["runs"][0]["techniques"] == ["recompute", "swap", "migrate", "drop"]
+    pinned_to = {c[2] for c in hb["runs"][0]["choices"]}
+    assert pinned_to <= set(hb["schedules"][0])  # every onset took its phase's response (or one it could run)
+    assert "**bound (ours): each phase's best fixed response, pinned after the fact** (`hindsight`" in text
     assert (out / "auto_timeline.png").is_file() and (out / "auto_phases.png").is_file()
     page.unlink()
     assert main(["bench", "sim-auto", "--output", str(out), "--page", str(page), "--replot"]) == 0  # from the JSON

@@ -53,6 +53,15 @@ SYSTEMS: dict[str, dict[str, str]] = {
                           "KV demand is back under the restore threshold; added after this page showed drop's groups "
                           "outlasting their episodes"},
 }
+# a bound (ours), not a system anyone can run: auto's machinery with every onset's response pinned to
+# each phase's best fixed response on that seed, known only after the fixed runs (what a choice made
+# per phase could give at best, the layouts' carry-over from phase to phase included)
+BOUNDS: dict[str, dict[str, str]] = {
+    "hindsight": {"kv_pressure": "auto", "preemption_mode": "recompute",
+                  "label": "bound (ours): each phase's best fixed response, pinned after the fact",
+                  "why": "auto's machinery with every onset in a phase taking that phase's best fixed response on "
+                         "the same seed (chosen from the fixed runs, so only after them; not a policy anyone can "
+                         "run): what a choice made per phase could give at best"}}
 FIXED = ("recompute", "swap", "migrate", "drop")
 ABLATIONS = ("auto-nodrop", "auto-limit")
 # our choice, set before any run: a request meets its SLO with its first token within 10 s (a 15K-token
@@ -99,22 +108,26 @@ def pipeline_groups(groups: Sequence[dict[str, Any]], end_s: float | None) -> li
 
 
 def simulate(system: str, specs: Sequence[RequestSpec], phases: Sequence[Phase] | None = None,
-             timeline_interval: float = 1.0, keep_timelines: bool = False, audit: bool = False) -> dict[str, Any]:
+             timeline_interval: float = 1.0, keep_timelines: bool = False, audit: bool = False,
+             pinned: Sequence[tuple[float, str]] = ()) -> dict[str, Any]:
     """``system`` on ``specs``: its whole-run and per-phase summaries, its KV demand, its pressure
     events' counts and, for ``auto``, every choice as (time, instance, choice). ``audit``: every
     throttle onset's predictions beside what happened (:mod:`tidal.sim.auto_audit`; not in ``drop``
-    runs, where ``auto``'s own drops are the drop rows)."""
+    runs, where ``auto``'s own drops are the drop rows). ``pinned``: a bound's schedule of responses
+    (``AutoParams.pinned``; ``system`` one of :data:`BOUNDS`)."""
     from tidal.cluster.pressure import AutoParams
     from tidal.config import SchedulerConfig
     from tidal.sim.build import ClusterSpec, build_simulator
 
-    cfg = SYSTEMS[system]
+    cfg = SYSTEMS[system] if system in SYSTEMS else BOUNDS[system]
     auto = cfg["kv_pressure"] == "auto"
     knobs: dict[str, Any] = {}  # an ablation's AutoParams (none: the defaults)
     if "techniques" in cfg:
         knobs["techniques"] = tuple(cfg["techniques"].split(","))
     if "undo_at_limit" in cfg:
         knobs["undo_at_limit"] = True
+    if pinned:
+        knobs["pinned"] = tuple((float(t), r) for t, r in pinned)
     params = AutoParams(**knobs) if knobs else None
     sched = SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
                             preemption_mode=cfg["preemption_mode"])
@@ -167,5 +180,5 @@ def probe(specs: Sequence[RequestSpec], rate: float, duration_s: float) -> dict[
             "ttft_p99_ms": r["whole"]["ttft_p99_ms"]}
 
 
-__all__ = ["ABLATIONS", "FIXED", "ROUTER", "SLO_DEF", "SYSTEMS", "pipeline_groups", "probe", "run_span", "service_rate",
+__all__ = ["ABLATIONS", "BOUNDS", "FIXED", "ROUTER", "SLO_DEF", "SYSTEMS", "pipeline_groups", "probe", "run_span", "service_rate",
            "simulate", "slim"]

@@ -68,8 +68,13 @@ def dataset_search(dataset: str, duration_s: float, probes: int) -> dict[str, An
 
 
 def trace_run(system: str, rates: dict[str, float], duration_s: float, seed: int, max_len: int,
-              traces_dir: str | None) -> dict[str, Any]:
+              traces_dir: str | None, per_phase: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One system on the seed's regime trace; ``per_phase``: a bound's response for each phase, in order
+    (pinned from each phase's start)."""
     specs, phases = AT.regime_trace(rates, duration_s, seed, max_len, traces_dir=traces_dir)
+    if per_phase:
+        pinned = [(p.start_s, r) for p, r in zip(phases, per_phase, strict=True)]
+        return AR.simulate(system, specs, phases, pinned=pinned)
     return AR.simulate(system, specs, phases, audit=True)
 
 
@@ -102,6 +107,13 @@ def one_best(runs: dict[str, dict[str, Any]], phases: list[str]) -> list[str]:
         return runs[s]["phases"][ph]["ttft_p99_ms"] or float("inf")
     best = {ph: min(p99(s, ph) for s in runs) for ph in phases}
     return [s for s in runs if all(p99(s, ph) <= PHASE_BAR * best[ph] for ph in phases)]
+
+
+def hindsight_schedules(judged: dict[str, Any], phases: list[str]) -> list[tuple[str, ...]]:
+    """Per seed, each phase's best fixed response as :func:`judge_trace` found it: the hindsight bound's
+    schedule."""
+    per = [judged["phases"][ph]["per_seed"] for ph in phases]
+    return [tuple(p[k]["best_fixed"] for p in per) for k in range(len(per[0]))]
 
 
 def judge_trace(runs: dict[str, list[dict[str, Any]]], phases: list[str]) -> dict[str, Any]:
@@ -160,6 +172,7 @@ def run_experiment(args: argparse.Namespace, log: Any) -> dict[str, Any]:
                                      "max_num_batched_tokens": AR.MAX_NUM_BATCHED_TOKENS,
                                      "systems": {k: v["label"] for k, v in AR.SYSTEMS.items()}, "seeds": seeds,
                                      "ablations": {a: AR.SYSTEMS[a]["why"] for a in AR.ABLATIONS},
+                                     "bounds": {b: {"label": v["label"], "why": v["why"]} for b, v in AR.BOUNDS.items()},
                                      "share": SHARE, "sensitivity": SENSITIVITY, "phase_duration_s": args.phase_duration,
                                      "sources": AT.SOURCES}}
     if "trace" in args.parts:
@@ -174,10 +187,16 @@ def run_experiment(args: argparse.Namespace, log: Any) -> dict[str, Any]:
             calls = [(s, lr, args.phase_duration, seed, max_len, args.traces_dir) for seed in seeds for s in AR.SYSTEMS]
             outs = run_all(trace_run, calls, args.jobs)
             runs = {s: [o for (sy, *_), o in zip(calls, outs, strict=True) if sy == s] for s in AR.SYSTEMS}
-            res["trace"]["levels"][level] = {"rates": lr, "runs": runs, "judged": judge_trace(runs, list(AT.PHASES)),
-                                             "ablations": {a: judge_trace({**{s: runs[s] for s in AR.FIXED},
-                                                                           "auto": runs[a]}, list(AT.PHASES))
-                                                           for a in AR.ABLATIONS}}
+            fixed = {s: runs[s] for s in AR.FIXED}
+            lv = {"rates": lr, "runs": runs, "judged": judge_trace(runs, list(AT.PHASES)),
+                  "ablations": {a: judge_trace({**fixed, "auto": runs[a]}, list(AT.PHASES)) for a in AR.ABLATIONS}}
+            log(f"{level}: the hindsight bound (each phase's best fixed response, pinned)")
+            schedules = hindsight_schedules(lv["judged"], list(AT.PHASES))
+            bound = run_all(trace_run, [("hindsight", lr, args.phase_duration, seed, max_len, args.traces_dir, sch)
+                                        for seed, sch in zip(seeds, schedules, strict=True)], args.jobs)
+            lv["bounds"] = {"hindsight": {"schedules": [list(x) for x in schedules], "runs": bound,
+                                          "judged": judge_trace({**fixed, "auto": bound}, list(AT.PHASES))}}
+            res["trace"]["levels"][level] = lv
     if "kunserve" in args.parts:
         log("KunServe's setup: each dataset's rate by the 60 % rule on recompute")
         datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
@@ -282,4 +301,4 @@ def _write(res: dict[str, Any], args: argparse.Namespace, path: str) -> int:
     return 0
 
 
-__all__ = ["add_parser", "judge_paper", "judge_trace", "run", "run_experiment", "verdict"]
+__all__ = ["add_parser", "hindsight_schedules", "judge_paper", "judge_trace", "run", "run_experiment", "verdict"]

@@ -62,6 +62,9 @@ class AutoParams:
     # KunServe's own limit signal fires (Sec. 4.4's autoscale: KV use still rising after a drop), undo
     # the groups and take no drop until the cluster's KV demand is back under the restore threshold
     undo_at_limit: bool = False
+    # a bound for the page (ours), not a policy: from each (time, response) on, every onset takes that
+    # response whatever the predictions (a schedule known only after the run); empty: chosen by prediction
+    pinned: tuple[tuple[float, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.margin < 1.0:
@@ -74,10 +77,20 @@ class AutoParams:
         if bad or not self.techniques or len(set(self.techniques)) != len(self.techniques):
             raise ValueError(f"auto techniques must be some of {', '.join(TECHNIQUES)}, each once; "
                              f"got {', '.join(self.techniques) or 'none'}")
+        times = [t for t, _ in self.pinned]
+        if times != sorted(times) or any(r not in self.techniques for _, r in self.pinned):
+            raise ValueError("auto pinned must be (time, response) pairs in time order, each response one of "
+                             f"{', '.join(self.techniques)}; got {list(self.pinned)}")
+
+    def pinned_at(self, now: float) -> str | None:
+        """The pinned response at ``now`` (the first entry's before its time); None when nothing is pinned."""
+        at = [r for t, r in self.pinned if t <= now]
+        return at[-1] if at else self.pinned[0][1] if self.pinned else None
 
     def to_dict(self) -> dict[str, Any]:
         return {"margin": self.margin, "hold_s": self.hold_s, "techniques": list(self.techniques), "learn": self.learn,
-                **({"undo_at_limit": True} if self.undo_at_limit else {})}
+                **({"undo_at_limit": True} if self.undo_at_limit else {}),
+                **({"pinned": [list(x) for x in self.pinned]} if self.pinned else {})}
 
 
 @dataclass(frozen=True)
@@ -117,7 +130,7 @@ class AutoChoice:
         """The inputs of a recorded choice (its outputs are decided again by :func:`replay`)."""
         p = d["params"]
         params = AutoParams(p["margin"], p["hold_s"], tuple(p["techniques"]), p.get("learn", 0),
-                            p.get("undo_at_limit", False))
+                            p.get("undo_at_limit", False), tuple((t, r) for t, r in p.get("pinned", ())))
         return cls(d["time"], Episode.from_dict(d["episode"]), Prices.from_dict(d["prices"]), d["previous"], params,
                    choice=d["choice"], reason=d["reason"], scales=dict(d.get("scales", {})))
 
@@ -125,7 +138,8 @@ class AutoChoice:
 def decide(episode: Episode, prices: Prices, previous: str | None, params: AutoParams,
            now: float = 0.0, scales: dict[str, float] | None = None) -> AutoChoice:
     """The response for ``episode``: the least predicted (each prediction times its response's
-    learned scale), unless the instance's ``previous`` choice is within ``margin`` of it."""
+    learned scale), unless the instance's ``previous`` choice is within ``margin`` of it; with
+    ``params.pinned`` (a bound, not a policy), the schedule's response wherever it can run."""
     preds = predict(episode, prices, params.techniques)
     # a prediction that amounts to another response's (a migration that moves nothing) takes that one's scale
     acting = {p.acts_as for p in preds.values()}
@@ -143,7 +157,13 @@ def decide(episode: Episode, prices: Prices, previous: str | None, params: AutoP
     s = sec[best]
     reason = f"{best} predicted {said(best)}, least (next: {second} {said(second)})" if second is not None else \
         f"{best} predicted {said(best)}"
-    if previous in preds and previous != best:
+    pin = params.pinned_at(now)
+    if pin is not None:  # the hindsight bound: the schedule's response, unless it cannot run now
+        if not math.isinf(sec[pin]):
+            return AutoChoice(now, episode, prices, previous, params, preds, pin, f"pinned: {pin} ({said(pin)})",
+                              scales)
+        reason = f"pinned {pin} cannot run now; " + reason
+    elif previous in preds and previous != best:
         prev_s = sec[previous]
         if not math.isinf(prev_s) and s > (1.0 - params.margin) * prev_s:
             choice = previous
