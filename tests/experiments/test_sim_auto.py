@@ -258,3 +258,8 @@ def test_the_readme_line_recommends_only_when_every_claim_holds():
     line = readme_line({"trace": {"levels": {"paper rule": level("tie")}}})
     assert line.startswith("not recommended.") and "in every phase in 1 of 1 load-seed pairs" in line
     assert "1.00-1.00x the best fixed choice's per phase and 0.80-0.80x over the trace" in line  # 1 / 1.25
+    # with the hindsight bound, the line says on how many pairs it meets the bar (instead of one_best's count)
+    lv = level("tie") | {"bounds": {"hindsight": {"judged": {"whole": {"swap": {"per_seed": [1.1]},
+                                                                       "drop": {"per_seed": [1.3]}}}}}}
+    line = readme_line({"trace": {"levels": {"paper rule": lv}}})
+    assert "each phase's best, pinned in hindsight, beats them all by 1.2x in 0 of 1 load-seed pairs" in line

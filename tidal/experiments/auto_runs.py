@@ -55,13 +55,14 @@ SYSTEMS: dict[str, dict[str, str]] = {
 }
 # a bound (ours), not a system anyone can run: auto's machinery with every onset's response pinned to
 # each phase's best fixed response on that seed, known only after the fixed runs (what a choice made
-# per phase could give at best, the layouts' carry-over from phase to phase included)
+# per phase gives when it takes each phase's best, the layouts' carry-over from phase to phase included)
 BOUNDS: dict[str, dict[str, str]] = {
     "hindsight": {"kv_pressure": "auto", "preemption_mode": "recompute",
                   "label": "bound (ours): each phase's best fixed response, pinned after the fact",
                   "why": "auto's machinery with every onset in a phase taking that phase's best fixed response on "
                          "the same seed (chosen from the fixed runs, so only after them; not a policy anyone can "
-                         "run): what a choice made per phase could give at best"}}
+                         "run): what choosing each phase's best response gives, its carry-over into the next phase "
+                         "included"}}
 FIXED = ("recompute", "swap", "migrate", "drop")
 ABLATIONS = ("auto-nodrop", "auto-limit")
 # our choice, set before any run: a request meets its SLO with its first token within 10 s (a 15K-token
