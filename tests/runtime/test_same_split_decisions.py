@@ -8,7 +8,10 @@ committed itself, so every decision must come out the same. Each runtime decisio
 again of a fresh planner on its logged ledgers (``replay``): it is a function of what it saw.
 
 What it does not prove: that later decisions agree once requests progress (the runtime learns of
-progress from its workers' outputs at real times, the simulator on its modelled clock)."""
+progress from its workers' outputs at real times, the simulator on its modelled clock). On a loaded
+machine that progress can reach the runtime's planner before the burst's last request is planned:
+the decisions are compared up to the first whose inputs differ, and that difference must be
+progress (work gone from a ledger, a step's budget or a cached prefix heard)."""
 
 from __future__ import annotations
 
@@ -74,8 +77,24 @@ def test_runtime_and_simulator_make_the_same_split_decisions():
         return [(r.decision.request_id, r.decision.pair, r.decision.prompt_len, r.decision.predicted_output,
                  r.decision.split, r.decision.probes, r.decision.cold_start) for r in log]
 
+    def inputs(r):
+        return r.candidates, r.max_tokens, r.ledgers, r.budgets, r.cached
+
+    def work(r):  # each part's remaining prefill and decode tokens, by (instance, request)
+        return {(i, p.request_id): (p.prefill_tokens, p.decode_tokens) for i, parts in r.ledgers for p in parts}
+
     assert len(real) == len(sim) == N
-    assert key(real) == key(sim)
+    # until the runtime's planner hears its workers' first progress it sees what the simulator's saw and
+    # decides the same; on a loaded machine that progress can come (at real times) before the burst's last
+    # request is planned, and from there each decision is only a function of its own inputs (replay below)
+    agree = next((k for k in range(N) if inputs(real[k]) != inputs(sim[k])), N)
+    assert agree >= 1 and key(real[:agree]) == key(sim[:agree])
+    if agree < N:  # what set them apart is progress: work gone from the runtime's ledgers, or a step heard
+        r, s = real[agree], sim[agree]
+        wr, ws = work(r), work(s)
+        assert (r.candidates, r.max_tokens) == (s.candidates, s.max_tokens) and set(wr) <= set(ws)
+        assert all(wr[k][0] <= ws[k][0] and wr[k][1] <= ws[k][1] for k in wr)
+        assert wr != ws or r.budgets != s.budgets or r.cached != s.cached
     assert any(r.decision.handoff for r in real) and real[0].decision.cold_start
     for r in real:  # each decision is a function of the ledgers it saw
         again = replay(r, step_time, PARAMS)
