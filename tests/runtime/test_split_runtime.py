@@ -109,6 +109,15 @@ def test_split_at_every_kind_of_position_equals_one_engine(split_cluster, refere
     assert handoffs == {f"r{i}" for i in range(len(PROMPTS)) if not KINDS[i % len(KINDS)].startswith("whole")}
     assert sorted(c[1:] for c in planner.calls if c[0] == "finish") == sorted(
         (f"r{i}", PARAMS.max_tokens) for i in range(len(PROMPTS)))
+    # each part's progress reaches the planner as its totals (what on_progress takes, as the simulator sends):
+    # 1, 2, 3... per request and instance, the instances' last totals adding up to the request's tokens
+    totals: dict[tuple[str, int], list[int]] = {}
+    for c in planner.calls:
+        if c[0] == "progress":
+            totals.setdefault((c[1], c[2]), []).append(c[3])
+    assert all(v == sorted(set(v)) and v[0] >= 1 for v in totals.values())
+    for i in range(len(PROMPTS)):
+        assert sum(v[-1] for (rid, _), v in totals.items() if rid == f"r{i}") == PARAMS.max_tokens
     settle(llm)
     no_leak(llm)
     assert all(not r["reserved_blocks"] for r in st["cluster"]["instances"])

@@ -561,8 +561,9 @@ class ClusterLLM(FailoverFront, HandoffFront):
                 self.pressure.on_first_token(t.rid, self.now())  # --kv-pressure auto learns from it
             t.tokens.extend(c.delta_token_ids)
             t.text_sent += len(c.delta_text)
-            if self.splitter is not None and c.delta_token_ids:
-                self.splitter.on_progress(i, t.rid, decoded=len(c.delta_token_ids))
+            if self.splitter is not None and c.delta_token_ids:  # the part's totals, as the simulator reports them
+                n = t.sampled_on[i] = t.sampled_on.get(i, 0) + len(c.delta_token_ids)
+                self.splitter.on_progress(i, t.rid, decoded=n)
         if out.finished:
             t.finished = True
             self.requests.pop(t.rid, None)

@@ -62,6 +62,7 @@ class Tracked:
     split_log: dict[str, Any] | None = None  # its entry in ClusterLLM.splits (split mode)
     arrival_s: float = 0.0  # when the client sent it, on the front end's clock (a re-run keeps its age)
     delivered: bool = False  # an output of it went to the client
+    sampled_on: dict[int, int] = field(default_factory=dict)  # split mode: tokens each instance's part sampled
 
     def __post_init__(self) -> None:
         self.wid = self.wid or self.rid
