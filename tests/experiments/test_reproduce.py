@@ -4,6 +4,7 @@ direction of each claim (who beats whom) read from the numbers the run wrote."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 
 import pytest
@@ -273,13 +274,13 @@ def test_dynaserve_real_cells_read_the_real_rows():
 
     def row(layout, cap, good):
         return {"workload": "dynaserve-219-1467", "layout": layout, "lengths": [55, 367], "capacity_rps": cap,
-                "goodput_tok_s": good}
+                "goodput_tok_s": good, "seed": 0}
 
     real = {"setup": st.__dict__, "rows": [row("colocate", 0.5, 150.0), row("disaggregate", None, 20.0),
                                            row("split", st.search_high, 160.0)]}
     vs_coloc, vs_disagg, good = _real_cells(real, "mini-reasoning")
     assert vs_coloc.startswith(f">= {st.search_high:.2f} vs 0.50 rps: {st.search_high / 0.5:.2f}x")
-    assert "one run, fixed roles" in vs_coloc
+    assert "seed 0, the paper's placement" in vs_coloc
     assert vs_coloc.endswith("(direction holds: yes)") and "dynaserve-219-1467 at 55/367 tokens" in vs_coloc
     assert vs_disagg.startswith(f">= {st.search_high:.2f} vs < {st.search_low:g} rps: n/a")
     assert vs_disagg.endswith("(direction holds: yes)")  # none passed for 1P1D: any capacity beats it
@@ -290,26 +291,86 @@ def test_dynaserve_real_cells_read_the_real_rows():
     assert _real_cells(None, "mini-reasoning") == (REAL,) * 3
 
 
+def test_dynaserve_real_cells_pair_the_seeds_and_hold_only_on_every_seed():
+    """Several seeds: each system's figures per seed (the same requests and arrivals for every layout of a
+    seed), a ratio per seed, and a direction that holds only where it holds on every seed; a seed that
+    lacks a layout is left out of every cell."""
+    from tidal.experiments.dynaserve_real import RealSetup
+    from tidal.experiments.repro_dynaserve import _real_cells, _real_why
+
+    def row(layout, seed, cap, good):
+        return {"workload": "dynaserve-219-1467", "layout": layout, "lengths": [55, 367], "capacity_rps": cap,
+                "goodput_tok_s": good, "seed": seed, "tbt_p99_ms": 100.0 + seed, "split_fraction": 1.0,
+                "kv_mb_per_request": 2.5}
+
+    rows = [row("split", 1, 1.2, 130.0), row("split", 0, 0.8, 120.0), row("split", 2, 1.0, 125.0),
+            row("colocate", 0, 1.0, 100.0), row("colocate", 1, 1.0, 100.0), row("colocate", 2, 1.0, 100.0),
+            row("disaggregate", 2, 0.5, 90.0), row("disaggregate", 0, 0.5, 90.0), row("disaggregate", 1, 0.5, 90.0),
+            row("split", 3, 9.0, 900.0)]  # seed 3 ran split only: left out
+    real = {"setup": RealSetup().__dict__, "rows": rows}
+    vs_coloc, vs_disagg, good = _real_cells(real, "mini-reasoning")
+    assert vs_coloc.startswith("0.80 / 1.20 / 1.00 vs 1.00 / 1.00 / 1.00 rps per seed: 0.80x, 1.20x, 1.00x")
+    assert "seeds 0, 1, 2," in vs_coloc and vs_coloc.endswith("(direction holds: **no**, 1 of 3 seeds)")
+    assert vs_disagg.startswith("0.80 / 1.20 / 1.00 vs 0.50 / 0.50 / 0.50 rps per seed: 1.60x, 2.40x, 2.00x")
+    assert vs_disagg.endswith("(direction holds: yes)")
+    assert good.startswith("120 / 130 / 125 vs 100 / 100 / 100 (PD Coloc.) and 90 / 90 / 90 tok/s (PD Disagg.) per seed")
+    assert good.endswith("(direction holds: yes)")
+    why = _real_why(real, "mini-reasoning")
+    assert "P99 TBT at capacity 100 / 101 / 102 / 100 / 101 / 102 / 100 / 101 / 102 ms" in why  # seed 3 left out
+    assert "each per seed" in why and "split 100 / 100 / 100 % of their requests" in why
+
+
 def test_dynaserve_real_column_from_a_recorded_run(tmp_path):
-    """--real-json: the rows and setup of a recorded benchmarks/dynaserve_serve.py run; a run that lacks
-    a layout of the shape is refused, naming it."""
+    """--real-json: the rows and setup of a recorded benchmarks/dynaserve_serve.py run; a seed that lacks
+    a claim layout is refused, naming it, and so is a run that was cut off."""
     from tidal.experiments.repro_dynaserve import _real_cells, _recorded_real
 
     rows = [{"workload": "dynaserve-219-1467", "layout": lay, "lengths": [55, 367], "capacity_rps": cap,
-             "goodput_tok_s": good} for lay, cap, good in (("colocate", 4.0, 540.0), ("disaggregate", 1.5, 300.0),
-                                                           ("split", 3.0, 500.0))]
+             "goodput_tok_s": good, "seed": 0} for lay, cap, good in (("colocate", 4.0, 540.0),
+                                                                       ("disaggregate", 1.5, 300.0),
+                                                                       ("split", 3.0, 500.0))]
     path = tmp_path / "real.json"
     path.write_text(json.dumps({"command": "benchmarks/dynaserve_serve.py --search-high 8", "rows": rows,
-                                "args": {"search_high": 8.0, "duration": 20.0, "output": "x.json"}}))
+                                "args": {"search_high": 8.0, "duration": 20.0, "output": "x.json", "seeds": [0]},
+                                "complete": True}))
     real = _recorded_real(str(path))
     assert real["setup"]["search_high"] == 8.0 and real["setup"]["duration"] == 20.0 and "output" not in real["setup"]
     vs_coloc, vs_disagg, good = _real_cells(real, "mini-reasoning")
     assert vs_coloc.startswith("3.00 vs 4.00 rps: 0.75x") and vs_coloc.endswith("(direction holds: **no**)")
     assert vs_disagg.startswith("3.00 vs 1.50 rps: 2.00x") and "20 s Poisson probes" in vs_disagg
     assert good.endswith("(direction holds: **no**)")
-    path.write_text(json.dumps({"command": "x", "rows": rows[:2], "args": {}}))
-    with pytest.raises(ValueError, match="lacks the layouts \\['split'\\]"):
+    path.write_text(json.dumps({"command": "x", "rows": rows + [{**rows[2], "seed": 1}], "args": {}}))
+    with pytest.raises(ValueError, match="seed 1 lacks the layouts \\['colocate', 'disaggregate'\\]"):
         _recorded_real(str(path))
+    path.write_text(json.dumps({"command": "x", "rows": rows[:2], "args": {}, "complete": False}))
+    with pytest.raises(ValueError, match="cut off after 2 layouts"):
+        _recorded_real(str(path))
+
+
+def test_dynaserve_real_runs_every_layout_of_a_seed_before_the_next_and_reports_each_row(tmp_path, monkeypatch):
+    """The real runs' order (a seed's layouts, then the next seed's, so a cut-off run keeps whole
+    seeds), each run's seed in its own JSON's name and in the client's --seed, and the rows so far
+    handed on after each run; an unknown layout is refused before any server starts."""
+    from tidal.experiments import dynaserve_real as R
+
+    calls = []
+
+    def fake(wl, layout, setup, seed, out_json, log):
+        calls.append((layout, seed, os.path.basename(out_json)))
+        return {"system": layout, "capacity_rps": 1.0, "search_note": "", "goodput_tok_s": 1.0, "tbt_p99_ms": 1.0,
+                "probes": [], "seed": seed}
+
+    monkeypatch.setattr(R, "run_layout", fake)
+    seen = []
+    rows = R.run(["dynaserve-219-1467"], ["colocate", "split"], R.RealSetup(seeds=(3, 4)), str(tmp_path / "d" / "r"),
+                 log=lambda m: None, on_row=lambda got: seen.append(len(got)))
+    assert [(c[0], c[1]) for c in calls] == [("colocate", 3), ("split", 3), ("colocate", 4), ("split", 4)]
+    assert calls[1][2] == "r_dynaserve-219-1467_split_s3.json" and (tmp_path / "d").is_dir()
+    assert seen == [1, 2, 3, 4] and [r["seed"] for r in rows] == [3, 3, 4, 4]
+    with pytest.raises(ValueError, match="unknown layout 'nope'"):
+        R.run(["dynaserve-219-1467"], ["nope"], R.RealSetup(), str(tmp_path / "r"), log=lambda m: None)
+    assert set(R.CLAIM_LAYOUTS) < set(R.LAYOUTS) and "--split-placement" in R.LAYOUTS["split"][1]
+    assert R.LAYOUTS["split"][1][R.LAYOUTS["split"][1].index("--split-placement") + 1] == "load"  # DynaServe Sec. 3.1
 
 
 def test_dynaserve_real_row_says_why_each_probe_failed(tmp_path, monkeypatch):
@@ -334,10 +395,11 @@ def test_dynaserve_real_row_says_why_each_probe_failed(tmp_path, monkeypatch):
     cmds = []
     monkeypatch.setattr(R, "run_client", cmds.append)
     monkeypatch.setattr(R, "stop", lambda proc: None)
-    row = R.run_layout("dynaserve-219-1467", "split", R.RealSetup(), str(out), log=lambda m: None)
+    row = R.run_layout("dynaserve-219-1467", "split", R.RealSetup(), 2, str(out), log=lambda m: None)
     # no warm-up request: its 4-token output would teach the split front's length predictor
     (cmd,) = cmds
-    assert cmd[cmd.index("--warmup-requests") + 1] == "0"
+    assert cmd[cmd.index("--warmup-requests") + 1] == "0" and cmd[cmd.index("--seed") + 1] == "2"
+    assert row["seed"] == 2
     assert row["capacity_rps"] == 1.5 and row["system"] == "DynaServe (split)" and row["lengths"] == [55, 367]
     assert row["probe_failures"][1] == {"rate": 3.0, "unfinished": 45, "finished": 45, "by_metric": {"tbt": 0.5}}
     assert row["split_fraction"] == 0.5 and row["kv_mb_per_request"] == 1.0

@@ -28,10 +28,14 @@ LAYOUTS = {
     "colocate": ("PD Coloc.", ["--instances", "2", "--threads-per-instance", "1"]),
     "disaggregate": ("PD Disagg. (1P1D)", ["--instances", "2", "--mode", "disaggregate", "--prefill-instances", "1",
                                            "--threads-per-instance", "1"]),
-    # fixed roles, as the recorded run (docs/results/dynaserve_real.json) ran before --split-placement load was the default
-    "split": ("DynaServe (split)", ["--instances", "2", "--mode", "split", "--split-placement", "fixed",
+    # DynaServe Sec. 3.1 (Alg. 1 on both orientations of the pair): the paper's placement, the claims' row
+    "split": ("DynaServe (split)", ["--instances", "2", "--mode", "split", "--split-placement", "load",
                                     "--threads-per-instance", "1"]),
+    # a labelled row, not the paper's: instance 0 is every request's alpha (what the real column once ran)
+    "split-fixed": ("DynaServe (split, fixed roles)", ["--instances", "2", "--mode", "split", "--split-placement",
+                                                       "fixed", "--threads-per-instance", "1"]),
 }
+CLAIM_LAYOUTS = ("colocate", "disaggregate", "split")  # what the claims compare; the rest are labelled rows
 
 
 @dataclass
@@ -47,7 +51,7 @@ class RealSetup:
     batching: str = "slo-compose"  # every instance's local policy (DynaServe Alg. 2)
     kv_cache_memory: str = "256MiB"
     max_num_batched_tokens: int = 256
-    seed: int = 0
+    seeds: tuple[int, ...] = (0, 1, 2)  # each its own requests and arrivals, the same for every layout
 
     def engine_flags(self) -> list[str]:
         flags = ["--dtype", "auto", "--kv-cache-memory", self.kv_cache_memory, "--max-num-batched-tokens",
@@ -62,9 +66,9 @@ class RealSetup:
         return max(1, round(shape.in_mean / self.scale)), max(1, round(shape.out_mean / self.scale))
 
 
-def run_layout(workload: str, layout: str, setup: RealSetup, out_json: str,
+def run_layout(workload: str, layout: str, setup: RealSetup, seed: int, out_json: str,
                log: Callable[[str], None] = print) -> dict:
-    """One layout's capacity search on one workload: its server, the load; the row of the table."""
+    """One layout's capacity search on one workload and seed: its server, the load; the row of the table."""
     name, flags = LAYOUTS[layout]
     max_in, max_out = setup.lengths(workload)
     steps = os.path.splitext(out_json)[0] + ".steps.jsonl"  # every worker step report: the row's profile
@@ -76,12 +80,12 @@ def run_layout(workload: str, layout: str, setup: RealSetup, out_json: str,
                "--capacity-search", "--slo", setup.slo,
                "--target-attainment", str(setup.target), "--search-low", str(setup.search_low),
                "--search-high", str(setup.search_high), "--max-probes", str(setup.max_probes),
-               "--seed", str(setup.seed), "--no-progress", "--no-plots", "--output", out_json,
+               "--seed", str(seed), "--no-progress", "--no-plots", "--output", out_json,
                # no warm-up request: its 4-token output would be the first length the split front's online
                # predictor learns (it then predicted 24 tokens for 367 until real requests finished, and
                # split each early request at its prompt's end, as 1P1D); every layout alike
                "--warmup-requests", "0"]
-        log(f"{workload} ({max_in}/{max_out} tokens), {name}: tidal {' '.join(cmd[3:])}")
+        log(f"{workload} ({max_in}/{max_out} tokens), {name}, seed {seed}: tidal {' '.join(cmd[3:])}")
         run_client(cmd)  # its probe lines (stderr) show progress
         with open(out_json) as f:
             r = json.load(f)
@@ -97,7 +101,7 @@ def run_layout(workload: str, layout: str, setup: RealSetup, out_json: str,
         predicted = [s["predicted_output"] for s in splits if s.get("predicted_output") is not None]
         profile["predicted_output_mean"] = float(np.mean(predicted)) if predicted else None
         profile["output_len"] = max_out
-    return {"workload": workload, "lengths": [max_in, max_out], "layout": layout, "system": name,
+    return {"workload": workload, "lengths": [max_in, max_out], "layout": layout, "system": name, "seed": seed,
             "capacity_rps": search["capacity_rps"], "search_note": search.get("note"),
             "goodput_tok_s": r["goodput"]["output_throughput"], "attainment": r["slo_attainment"],
             "tbt_p99_ms": r["itl_ms"]["p99"], "ttft_p50_ms": r["ttft_ms"]["p50"], "ttft_p99_ms": r["ttft_ms"]["p99"],
@@ -137,21 +141,30 @@ def step_profile(path: str) -> dict[str, Any]:
 
 
 def run(workloads: list[str], layouts: list[str], setup: RealSetup, stem: str,
-        log: Callable[[str], None] = print) -> list[dict]:
-    """Every layout on every workload, one server after another; per-run JSON at ``STEM_WL_LAYOUT.json``."""
+        log: Callable[[str], None] = print, on_row: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """Every layout on every workload for each seed, one server after another (a seed's layouts
+    before the next seed's); per-run JSON at ``STEM_WL_LAYOUT_sSEED.json``; ``on_row`` gets the rows so
+    far after each run, so a cut-off run keeps what it measured."""
     for wl in workloads:
         if wl not in SHAPES:
             raise ValueError(f"unknown workload shape {wl!r} (known: {', '.join(SHAPES)})")
     for layout in layouts:
         if layout not in LAYOUTS:
             raise ValueError(f"unknown layout {layout!r} (known: {', '.join(LAYOUTS)})")
-    rows = []
-    for wl in workloads:
-        for layout in layouts:
-            row = run_layout(wl, layout, setup, f"{stem}_{wl}_{layout}.json", log)
-            rows.append(row)
-            cap = row["capacity_rps"]
-            log(f"  {row['system']}: capacity {'none' if cap is None else f'{cap:.3f}'} req/s "
-                f"({row['search_note']}), goodput {row['goodput_tok_s']:.1f} tok/s, TBT p99 "
-                f"{row['tbt_p99_ms']:.0f} ms, probes {[(round(a, 3), round(b, 2)) for a, b in row['probes']]}")
+    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)  # the step logs go beside the runs' JSON
+    rows: list[dict] = []
+    total, k = len(setup.seeds) * len(workloads) * len(layouts), 0
+    for seed in setup.seeds:
+        for wl in workloads:
+            for layout in layouts:
+                k += 1
+                log(f"[{k}/{total}]")
+                row = run_layout(wl, layout, setup, seed, f"{stem}_{wl}_{layout}_s{seed}.json", log)
+                rows.append(row)
+                if on_row is not None:
+                    on_row(rows)
+                cap = row["capacity_rps"]
+                log(f"  {row['system']}, seed {seed}: capacity {'none' if cap is None else f'{cap:.3f}'} req/s "
+                    f"({row['search_note']}), goodput {row['goodput_tok_s']:.1f} tok/s, TBT p99 "
+                    f"{row['tbt_p99_ms']:.0f} ms, probes {[(round(a, 3), round(b, 2)) for a, b in row['probes']]}")
     return rows

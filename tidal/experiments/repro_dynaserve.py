@@ -253,51 +253,81 @@ def _fig10(args: argparse.Namespace, jobs: int, log: Progress) -> dict[str, Any]
 
 
 def _run_real(sim: dict[str, Any], log: Progress) -> dict[str, Any]:
-    """The three layouts on 2 real CPU instances, on the shape of every simulated workload that has one."""
+    """The three layouts on 2 real CPU instances, on the shape of every simulated workload that has one,
+    for each of the setup's seeds."""
     from tidal.experiments import dynaserve_real as R
 
     setup = R.RealSetup()
     shapes = sorted({REAL_SHAPES[wl] for by_wl in sim["results"].values() for wl in by_wl if wl in REAL_SHAPES})
     with tempfile.TemporaryDirectory(prefix="tidal-dynaserve-real-") as tmp:  # each run's records: not kept
-        rows = R.run(shapes, list(R.LAYOUTS), setup, os.path.join(tmp, "run"), log)
+        rows = R.run(shapes, list(R.CLAIM_LAYOUTS), setup, os.path.join(tmp, "run"), log)
     command = f"python benchmarks/dynaserve_serve.py --workloads {','.join(shapes)}"
     return {"setup": setup.__dict__, "engine_flags": setup.engine_flags(), "rows": rows, "command": command}
 
 
 def _recorded_real(path: str) -> dict[str, Any]:
     """The real column from a recorded ``benchmarks/dynaserve_serve.py`` run's JSON (its runs take
-    about 7 minutes a layout here): its setup, rows and command, checked for every layout of each shape."""
+    about 7 minutes a layout and seed here): its setup, rows and command, checked for every claim layout
+    of each shape and seed; a run that was cut off is refused."""
     from tidal.experiments import dynaserve_real as R
 
     with open(path) as f:
         rec = json.load(f)
+    if rec.get("complete") is False:
+        raise ValueError(f"{path}: the run was cut off after {len(rec['rows'])} layouts; run it again")
     st = {**R.RealSetup().__dict__, **{k: v for k, v in rec["args"].items() if k in R.RealSetup().__dict__}}
     for wl in REAL_SHAPES.values():
-        missing = set(R.LAYOUTS) - {r["layout"] for r in rec["rows"] if r["workload"] == wl}
-        if missing and any(r["workload"] == wl for r in rec["rows"]):
-            raise ValueError(f"{path}: {wl} lacks the layouts {sorted(missing)}")
+        for seed in sorted({_seed(r) for r in rec["rows"] if r["workload"] == wl}):
+            missing = set(R.CLAIM_LAYOUTS) - {r["layout"] for r in rec["rows"] if r["workload"] == wl
+                                              and _seed(r) == seed}
+            if missing:
+                raise ValueError(f"{path}: {wl}, seed {seed} lacks the layouts {sorted(missing)}")
     return {"setup": st, "rows": rec["rows"], "command": rec["command"], "machine": rec.get("machine")}
 
 
-def _real_rows(real: dict[str, Any] | None, wl: str) -> dict[str, dict[str, Any]]:
+def _seed(row: dict[str, Any]) -> int:
+    return int(row.get("seed", 0))  # a run recorded before the real runs had seeds ran seed 0
+
+
+def _real_rows(real: dict[str, Any] | None, wl: str) -> dict[str, list[dict[str, Any]]]:
+    """Per layout its rows on workload ``wl``'s shape, one a seed, in seed order."""
     if real is None:
         return {}
-    return {r["layout"]: r for r in real["rows"] if r["workload"] == REAL_SHAPES.get(wl)}
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in sorted((r for r in real["rows"] if r["workload"] == REAL_SHAPES.get(wl)), key=_seed):
+        by.setdefault(r["layout"], []).append(r)
+    return by
+
+
+def _paired(by: dict[str, list[dict[str, Any]]]) -> tuple[list[int], dict[str, list[dict[str, Any]]]]:
+    """The seeds every claim layout ran, and each claim layout's rows on just those seeds."""
+    keys = ("split", "colocate", "disaggregate")
+    seeds = sorted(set.intersection(*({_seed(r) for r in by.get(k, [])} for k in keys)))
+    return seeds, {k: [r for r in by.get(k, []) if _seed(r) in seeds] for k in keys}
+
+
+# the words for the split layout's placement (dynaserve_real.LAYOUTS)
+PLACEMENT = {"split": "the paper's placement: either instance may be a request's alpha",
+             "split-fixed": "fixed roles"}
 
 
 def _real_cells(real: dict[str, Any] | None, wl: str) -> tuple[str, str, str]:
     """The real column of the three claims of workload ``wl`` (capacity vs PD Coloc., vs PD Disagg.,
-    goodput), or why there is none."""
+    goodput), per seed, or why there is none. A direction holds when it holds on every seed."""
     if real is None:
         return REAL, REAL, REAL
     by = _real_rows(real, wl)
     if not by:
         return REAL_NO_SHAPE, REAL_NO_SHAPE, REAL_NO_SHAPE
     st = real["setup"]
-    split, coloc, disagg = by["split"], by["colocate"], by["disaggregate"]
+    seeds, got = _paired(by)
+    split, coloc, disagg = got["split"], got["colocate"], got["disaggregate"]
+    first = split[0]
     slo = ", ".join(f"{k} <= {v} ms" for k, v in (kv.split("=") for kv in st["slo"].split(",")))
-    where = (f"2 CPU instances of the default model, {REAL_SHAPES[wl]} at {split['lengths'][0]}/{split['lengths'][1]} "
-             f"tokens, {slo} for {st['target']:.0%}, {st['duration']:g} s Poisson probes")
+    where = (f"2 CPU instances of the default model, {REAL_SHAPES[wl]} at {first['lengths'][0]}/{first['lengths'][1]} "
+             f"tokens, {slo} for {st['target']:.0%}, {st['duration']:g} s Poisson probes; "
+             f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}, {PLACEMENT[first['layout']]}")
+    per = " per seed" if len(seeds) > 1 else ""
 
     def cap(row: dict[str, Any]) -> str:
         c = row["capacity_rps"]
@@ -305,17 +335,22 @@ def _real_cells(real: dict[str, Any] | None, wl: str) -> tuple[str, str, str]:
             return f"< {st['search_low']:g}"
         return f">= {c:.2f}" if c >= st["search_high"] else f"{c:.2f}"
 
-    def cap_cell(base: dict[str, Any]) -> str:
-        gain = ratio(split["capacity_rps"], base["capacity_rps"])
-        holds = beats(split["capacity_rps"], base["capacity_rps"])
-        return (f"{cap(split)} vs {cap(base)} rps: {fmt_ratio(gain)} ({where}; one run, fixed roles) "
-                f"(direction holds: {'yes' if holds else '**no**'})")
+    def holds(wins: list[bool]) -> str:
+        return "yes" if all(wins) else f"**no**, {sum(wins)} of {len(wins)} seeds" if len(wins) > 1 else "**no**"
 
-    holds = beats(split["goodput_tok_s"], coloc["goodput_tok_s"]) and beats(split["goodput_tok_s"],
-                                                                            disagg["goodput_tok_s"])
-    good = (f"{split['goodput_tok_s']:.0f} vs {coloc['goodput_tok_s']:.0f} (PD Coloc.) and "
-            f"{disagg['goodput_tok_s']:.0f} tok/s (PD Disagg.), each at its own capacity ({where}) "
-            f"(direction holds: {'yes' if holds else '**no**'})")
+    def cap_cell(base: list[dict[str, Any]]) -> str:
+        gains = ", ".join(fmt_ratio(ratio(a["capacity_rps"], b["capacity_rps"])) for a, b in zip(split, base, strict=True))
+        wins = [beats(a["capacity_rps"], b["capacity_rps"]) for a, b in zip(split, base, strict=True)]
+        return (f"{' / '.join(map(cap, split))} vs {' / '.join(map(cap, base))} rps{per}: {gains} ({where}) "
+                f"(direction holds: {holds(wins)})")
+
+    def tok(rows: list[dict[str, Any]]) -> str:
+        return " / ".join(f"{r['goodput_tok_s']:.0f}" for r in rows)
+
+    wins = [beats(s["goodput_tok_s"], c["goodput_tok_s"]) and beats(s["goodput_tok_s"], d["goodput_tok_s"])
+            for s, c, d in zip(split, coloc, disagg, strict=True)]
+    good = (f"{tok(split)} vs {tok(coloc)} (PD Coloc.) and {tok(disagg)} tok/s (PD Disagg.){per}, each at its own "
+            f"capacity ({where}) (direction holds: {holds(wins)})")
     return cap_cell(coloc), cap_cell(disagg), good
 
 
@@ -324,24 +359,32 @@ def _real_why(real: dict[str, Any], wl: str) -> str:
     by = _real_rows(real, wl)
     if not by:
         return ""
+    by = _paired(by)[1]
     sp = by["split"]
+
+    def each(rows: list[dict[str, Any]], key: str, spec: str, scale: float = 1.0) -> str:
+        return " / ".join(format(scale * (r.get(key) or 0), spec) for r in rows)
+
     text = (f"real: the default model on 1 CPU thread per instance, not vLLM on A100s; PD Coloc. there is one chunk "
             f"size ({real['setup'].get('max_num_batched_tokens', 256)} tokens) with the same "
-            f"{real['setup']['batching']} local policy as the other two; the split run split "
-            f"{(sp.get('split_fraction') or 0):.0%} of its requests (fixed roles), {sp.get('kv_mb_per_request') or 0:.1f} "
-            f"MB of KV a request; P99 TBT at capacity {by['colocate']['tbt_p99_ms']:.0f} / "
-            f"{by['disaggregate']['tbt_p99_ms']:.0f} / {sp['tbt_p99_ms']:.0f} ms (PD Coloc. / PD Disagg. / split)")
-    prof = sp.get("profile")
+            f"{real['setup']['batching']} local policy as the other two; the split runs split "
+            f"{each(sp, 'split_fraction', '.0f', 100)} % of their requests ({PLACEMENT[sp[0]['layout']]}), "
+            f"{each(sp, 'kv_mb_per_request', '.1f')} MB of KV a request; P99 TBT at capacity "
+            f"{each(by['colocate'], 'tbt_p99_ms', '.0f')} / {each(by['disaggregate'], 'tbt_p99_ms', '.0f')} / "
+            f"{each(sp, 'tbt_p99_ms', '.0f')} ms (PD Coloc. / PD Disagg. / split{', each per seed' if len(sp) > 1 else ''})")
+    row = sp[0]
+    prof = row.get("profile")
     if prof:
         inst = prof["instances"]
         a, b = inst.get("0", {}), inst.get("1", {})
+        text += f"; its step log (seed {_seed(row)})"
         if a.get("mixed_s"):
-            text += (f"; its step log: alpha (instance 0) ran {a['mixed_steps']} mixed steps of "
-                     f"{a['mixed_s'][0]:.2f}-{a['mixed_s'][2]:.2f} s (p10-p90)")
+            text += (f": instance 0 ran {a['mixed_steps']} mixed steps of "
+                     f"{a['mixed_s'][0]:.2f}-{a['mixed_s'][2]:.2f} s (p10-p90), instance 1 {b.get('mixed_steps', 0)}")
         if a.get("decode_s_per_seq") and b.get("decode_s_per_seq"):
-            text += (f", decode steps {1e3 * a['decode_s_per_seq']:.0f} ms a sequence on alpha against "
-                     f"{1e3 * b['decode_s_per_seq']:.0f} on beta, {a['mean_running']:.1f} vs {b['mean_running']:.1f} "
-                     f"running")
+            text += (f", decode steps {1e3 * a['decode_s_per_seq']:.0f} ms a sequence on instance 0 against "
+                     f"{1e3 * b['decode_s_per_seq']:.0f} on instance 1, {a['mean_running']:.1f} vs "
+                     f"{b['mean_running']:.1f} running")
         if prof.get("predicted_output_mean") is not None:
             text += (f"; the length predictor predicted {prof['predicted_output_mean']:.0f} tokens on average for "
                      f"{prof['output_len']}")
