@@ -207,6 +207,41 @@ def test_the_command_writes_its_json_figures_and_page(tmp_path, capsys):
     assert main(["bench", "sim-auto", "--output", str(tmp_path / "none"), "--replot"]) == 2
     assert main(["bench", "sim-auto", "--parts", "nope"]) == 2
     assert "--parts" in capsys.readouterr().err
+    # every schedule, pinned, on the same trace: the per-phase-best one gives the bound's figure again
+    assert main(["bench", "sim-auto", "--output", str(out), "--page", str(page), "--all-schedules",
+                 "--schedule-levels", "paper rule", "--no-progress"]) == 0
+    sch = json.loads((out / "auto_schedules.json").read_text())
+    (runs,) = sch["levels"]["paper rule"]["runs"]
+    assert len(runs) == 64 and len({tuple(r["schedule"]) for r in runs}) == 64
+    (j,) = sch["levels"]["paper rule"]["judged"]
+    assert j["hindsight_p99_ms"]["here"] == j["hindsight_p99_ms"]["recorded"] == hb["runs"][0]["whole"]["ttft_p99_ms"]
+    assert j["best_p99_ms"] == min(r["ttft_p99_ms"] for r in runs) and j["best_p99_ms"] <= j["hindsight_p99_ms"]["here"]
+    fixed = {s: level["runs"][s][0]["whole"]["ttft_p99_ms"] for s in ("recompute", "swap", "migrate", "drop")}
+    assert j["best_fixed_p99_ms"] == min(fixed.values()) and j["ratio"] == j["best_fixed_p99_ms"] / j["best_p99_ms"]
+    assert "**Every schedule** (64: each of the four fixed responses for each of the 3 phases" in page.read_text()
+    assert "gives the bound's figure again on every seed" in page.read_text()
+    assert main(["bench", "sim-auto", "--output", str(out), "--all-schedules", "--schedule-levels", "nope"]) == 2
+    assert "no level 'nope' in the run" in capsys.readouterr().err
+
+
+def test_every_schedule_is_judged_by_its_best_against_the_best_fixed_response():
+    """--all-schedules' judgement per seed: the schedule with the least whole-trace P99 (a run without
+    one counts as never finishing), the best fixed response's from the level's own runs, their ratio,
+    and the schedules reaching the bar."""
+    from tidal.experiments.auto_schedules import all_schedules, judge
+
+    scheds = all_schedules(["chat", "long", "code"])
+    assert len(scheds) == 64 and scheds[0] == ("recompute",) * 3 and scheds[-1] == ("drop",) * 3
+
+    def run(p99):
+        return {"whole": {"ttft_p99_ms": p99}}
+    level = {"runs": {"recompute": [run(100.0)], "swap": [run(90.0)], "migrate": [run(None)], "drop": [run(120.0)]}}
+    got = [{"schedule": list(s), "ttft_p99_ms": v, "lost": 0} for s, v in zip(scheds[:3], (None, 80.0, 70.0),
+                                                                           strict=True)]
+    (j,) = judge(level, [got], [5], 1.2)
+    assert j["seed"] == 5 and j["best"] == list(scheds[2]) and j["best_p99_ms"] == 70.0
+    assert j["best_fixed"] == "swap" and j["ratio"] == pytest.approx(90 / 70) and j["schedules_reaching_bar"] == 1
+    assert j["schedules"] == 3
 
 
 def test_the_audit_table_gives_each_response_its_median_ratio_per_seed():

@@ -254,6 +254,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--page", default=None, help="also write the generated page here (docs/auto.md)")
     p.add_argument("--replot", action="store_true",
                    help="run nothing: write the figures (and --page) from --output's auto_sim.json")
+    p.add_argument("--all-schedules", action="store_true",
+                   help="run every schedule of the fixed responses over the phases, pinned, on --output's "
+                        "auto_sim.json trace (a bound; writes auto_schedules.json and, with --page, the page)")
+    p.add_argument("--schedule-levels", default=None, help="--all-schedules: the levels (default: every level)")
+    p.add_argument("--schedule-seeds", type=F.positive_int, default=None,
+                   help="--all-schedules: the run's first this many seeds (default: all)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
 
@@ -265,17 +271,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"{PROG}: error: --parts takes trace, kunserve, pang; got {args.parts}", file=sys.stderr)
         return 2
     path = os.path.join(args.output, "auto_sim.json")
-    if args.replot:
-        if not os.path.isfile(path):
-            print(f"{PROG}: error: --replot reads {path}, which does not exist", file=sys.stderr)
-            return 2
-        with open(path, encoding="utf-8") as f:
-            return _write(json.load(f), args, path)
     t0 = time.perf_counter()
 
     def log(msg: str) -> None:
         if not args.no_progress:
             print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", flush=True)
+
+    if args.replot or args.all_schedules:
+        flag = "--replot" if args.replot else "--all-schedules"
+        if not os.path.isfile(path):
+            print(f"{PROG}: error: {flag} reads {path}, which does not exist", file=sys.stderr)
+            return 2
+        with open(path, encoding="utf-8") as f:
+            res = json.load(f)
+        if args.all_schedules:
+            return _all_schedules(res, args, path, t0, log)
+        return _write(res, args, path)
 
     command = command_line(PROG)
     print(f"command: {command}")
@@ -290,9 +301,35 @@ def run(args: argparse.Namespace) -> int:
     return _write(res, args, path)
 
 
+def _all_schedules(res: dict[str, Any], args: argparse.Namespace, path: str, t0: float, log: Any) -> int:
+    from tidal.experiments import auto_schedules as S
+
+    if not res.get("trace"):
+        print(f"{PROG}: error: --all-schedules needs the trace part in {path}", file=sys.stderr)
+        return 2
+    levels = ([x.strip() for x in args.schedule_levels.split(",") if x.strip()] if args.schedule_levels
+              else list(res["trace"]["levels"]))
+    command = command_line(PROG)
+    print(f"command: {command}")
+    try:
+        out = S.run_schedules(res, levels, args.schedule_seeds or len(res["setup"]["seeds"]), args.jobs,
+                              args.traces_dir, log)
+    except (ValueError, AT.TraceError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    out.update(command=command, machine=machine_info(), wall_time_s=time.perf_counter() - t0)
+    write_json(out, os.path.join(args.output, S.FILE))
+    return _write(res, args, path)
+
+
 def _write(res: dict[str, Any], args: argparse.Namespace, path: str) -> int:
     from tidal.experiments.auto_page import summary_lines, write_page, write_plots
+    from tidal.experiments.auto_schedules import FILE
 
+    sched = os.path.join(os.path.dirname(path), FILE)
+    if os.path.isfile(sched):  # --all-schedules' runs on this trace, read beside it
+        with open(sched, encoding="utf-8") as f:
+            res = {**res, "schedules": json.load(f)}
     figures = write_plots(res, args.output)
     if args.page:
         write_page(res, args.page, figures)
