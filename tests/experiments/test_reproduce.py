@@ -316,8 +316,9 @@ def test_dynaserve_real_cells_pair_the_seeds_and_hold_only_on_every_seed():
     assert good.startswith("120 / 130 / 125 vs 100 / 100 / 100 (PD Coloc.) and 90 / 90 / 90 tok/s (PD Disagg.) per seed")
     assert good.endswith("(direction holds: yes)")
     why = _real_why(real, "mini-reasoning")
-    assert "P99 TBT at capacity 100 / 101 / 102 / 100 / 101 / 102 / 100 / 101 / 102 ms" in why  # seed 3 left out
-    assert "each per seed" in why and "split 100 / 100 / 100 % of their requests" in why
+    assert ("P99 TBT at capacity 100 / 101 / 102 ms (PD Coloc.), 100 / 101 / 102 (PD Disagg.), 100 / 101 / 102 "
+            "(split), per seed") in why  # seed 3 left out
+    assert "split 100 / 100 / 100 % of their requests" in why
 
 
 def test_dynaserve_real_column_from_a_recorded_run(tmp_path):
@@ -468,7 +469,7 @@ def test_dynaserve_readme_line_reads_its_figures_off_the_claims():
                     "above tuned PD Coloc.", [0.7, 0.8, 0.9])]
     fit = {"fit": {"rows": [{"rel_err": {"a": 0.1, "b": -0.2}}], "max_abs_rel_err": 0.2}}
     real = {"rows": [{"layout": "split", "capacity_rps": 1.0}, {"layout": "colocate", "capacity_rps": 2.0},
-                     {"layout": "disaggregate", "capacity_rps": 0.5}]}
+                     {"layout": "disaggregate", "capacity_rps": 0.5}]}  # recorded before seeds: seed 0
     line = readme_line(claims, fit, real)
     assert "(1 of its 2 figures within 15 %, the largest 20%" in line
     assert ("capacity 1.00-1.30x tuned colocation (medians over its workloads' seeds, seeds 0.90-1.40x; 1 of 2 hold), "
@@ -476,7 +477,13 @@ def test_dynaserve_readme_line_reads_its_figures_off_the_claims():
     assert " and 1.40-1.40x 1P1D" in line and "overlapping the paper's 1.09-1.67x" in line
     assert "goodput 2.10-2.10x tuned colocation" in line and "(seeds 2.00-2.20x; 1 of 1 hold)" in line
     assert "with fixed roles (one instance every request's alpha) 0.80-0.80x tuned colocation" in line
-    assert line.endswith("capacity 2.00x 1P1D and 0.50x colocation.")
+    assert line.endswith("(seed 0, the paper's placement) capacity 2.00x 1P1D and 0.50x colocation.")
+    real = {"rows": [{"layout": lay, "seed": seed, "capacity_rps": cap} for seed, caps in ((0, (1.0, 2.0, 0.5)),
+                                                                                           (1, (1.5, 1.5, 0.5)),
+                                                                                           (2, (1.0, None, 0.5)))
+                     for lay, cap in zip(("split", "colocate", "disaggregate"), caps, strict=True)]}
+    line = readme_line(claims, fit, real)  # seed 2 found no colocation capacity: no ratio, left out
+    assert line.endswith("(seeds 0, 1, the paper's placement) capacity 2.00-3.00x 1P1D and 0.50-1.00x colocation.")
 
 
 def test_bucketserve_fig6b_is_not_judged_without_growth_in_the_buckets():

@@ -234,12 +234,17 @@ def readme_line(claims: list[Claim], fit: dict[str, Any] | None, real: dict[str,
     fixed = claims_range([c for c in claims if "[fixed roles" in c.claim], "", "capacity")
     if fixed:
         out += f"; with fixed roles (one instance every request's alpha) {fixed[0]:.2f}-{fixed[1]:.2f}x tuned colocation"
-    if real is not None:
-        rows = {r["layout"]: r for r in real["rows"]}
-        sp, co, di = (rows.get(k, {}).get("capacity_rps") for k in ("split", "colocate", "disaggregate"))
-        if sp and co and di:
-            out += (f"; on 2 CPU instances (one run, fixed roles) capacity {sp / di:.2f}x 1P1D and {sp / co:.2f}x "
-                    f"colocation")
+    if real is not None:  # per seed, each layout's capacity on the same requests and arrivals
+        by: dict[int, dict[str, Any]] = {}
+        for r in real["rows"]:
+            by.setdefault(int(r.get("seed", 0)), {})[r["layout"]] = r.get("capacity_rps")
+        seeds = sorted(k for k, v in by.items() if all(v.get(x) for x in ("split", "colocate", "disaggregate")))
+        if seeds:
+            def span(base: str) -> str:
+                xs = [by[k]["split"] / by[k][base] for k in seeds]
+                return f"{min(xs):.2f}-{max(xs):.2f}x" if len(xs) > 1 else f"{xs[0]:.2f}x"
+            out += (f"; on 2 CPU instances (seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}, "
+                    f"the paper's placement) capacity {span('disaggregate')} 1P1D and {span('colocate')} colocation")
     return out + "."
 
 

@@ -370,8 +370,8 @@ def _real_why(real: dict[str, Any], wl: str) -> str:
             f"{real['setup']['batching']} local policy as the other two; the split runs split "
             f"{each(sp, 'split_fraction', '.0f', 100)} % of their requests ({PLACEMENT[sp[0]['layout']]}), "
             f"{each(sp, 'kv_mb_per_request', '.1f')} MB of KV a request; P99 TBT at capacity "
-            f"{each(by['colocate'], 'tbt_p99_ms', '.0f')} / {each(by['disaggregate'], 'tbt_p99_ms', '.0f')} / "
-            f"{each(sp, 'tbt_p99_ms', '.0f')} ms (PD Coloc. / PD Disagg. / split{', each per seed' if len(sp) > 1 else ''})")
+            f"{each(by['colocate'], 'tbt_p99_ms', '.0f')} ms (PD Coloc.), {each(by['disaggregate'], 'tbt_p99_ms', '.0f')} "
+            f"(PD Disagg.), {each(sp, 'tbt_p99_ms', '.0f')} (split){', per seed' if len(sp) > 1 else ''}")
     row = sp[0]
     prof = row.get("profile")
     if prof:
