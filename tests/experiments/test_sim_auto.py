@@ -222,6 +222,11 @@ def test_the_command_writes_its_json_figures_and_page(tmp_path, capsys):
     assert "gives the bound's figure again on every seed" in page.read_text()
     assert main(["bench", "sim-auto", "--output", str(out), "--all-schedules", "--schedule-levels", "nope"]) == 2
     assert "no level 'nope' in the run" in capsys.readouterr().err
+    # a later run of the trace leaves the old schedules off its page: they were run on another trace
+    res["trace"]["levels"]["paper rule"]["runs"]["swap"][0]["whole"]["ttft_p99_ms"] = 1.0
+    (out / "auto_sim.json").write_text(json.dumps(res))
+    assert main(["bench", "sim-auto", "--output", str(out), "--page", str(page), "--replot"]) == 0
+    assert "**Every schedule**" not in page.read_text() and "was run on another trace" in capsys.readouterr().err
 
 
 def test_every_schedule_is_judged_by_its_best_against_the_best_fixed_response():

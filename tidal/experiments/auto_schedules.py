@@ -98,4 +98,26 @@ def run_schedules(res: dict[str, Any], levels: list[str], n_seeds: int, jobs: in
     return out
 
 
-__all__ = ["FILE", "all_schedules", "judge", "run_schedules", "schedule_run"]
+def matches(res: dict[str, Any], sched: dict[str, Any]) -> bool:
+    """Whether ``sched`` (``auto_schedules.json``) was run on ``res``'s trace: the same phases, and per
+    level and seed the same best fixed response's P99 TTFT and the same recorded bound's (a later
+    ``sim-auto`` run's trace gives other figures, and the old schedules would no longer belong to it)."""
+    tr = res.get("trace") or {}
+    if sched.get("phases") != tr.get("phases"):
+        return False
+    for level, lv in sched.get("levels", {}).items():
+        mine = tr.get("levels", {}).get(level)
+        if mine is None:
+            return False
+        for k, j in enumerate(lv["judged"]):
+            fixed = [mine["runs"][s][k]["whole"]["ttft_p99_ms"] for s in AR.FIXED]
+            if j["best_fixed_p99_ms"] != min(fixed, key=_p99):
+                return False
+            bound = (mine.get("bounds") or {}).get("hindsight")
+            if "hindsight_p99_ms" in j and (bound is None or
+                                            j["hindsight_p99_ms"]["recorded"] != bound["runs"][k]["whole"]["ttft_p99_ms"]):
+                return False
+    return True
+
+
+__all__ = ["FILE", "all_schedules", "judge", "matches", "run_schedules", "schedule_run"]

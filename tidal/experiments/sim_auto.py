@@ -324,12 +324,17 @@ def _all_schedules(res: dict[str, Any], args: argparse.Namespace, path: str, t0:
 
 def _write(res: dict[str, Any], args: argparse.Namespace, path: str) -> int:
     from tidal.experiments.auto_page import summary_lines, write_page, write_plots
-    from tidal.experiments.auto_schedules import FILE
+    from tidal.experiments.auto_schedules import FILE, matches
 
     sched = os.path.join(os.path.dirname(path), FILE)
     if os.path.isfile(sched):  # --all-schedules' runs on this trace, read beside it
         with open(sched, encoding="utf-8") as f:
-            res = {**res, "schedules": json.load(f)}
+            got = json.load(f)
+        if matches(res, got):
+            res = {**res, "schedules": got}
+        else:
+            print(f"{PROG}: {sched} was run on another trace than {path}: left off the page "
+                  "(run --all-schedules again)", file=sys.stderr)
     figures = write_plots(res, args.output)
     if args.page:
         write_page(res, args.page, figures)
