@@ -230,7 +230,7 @@ def best_over(j: dict[str, Any]) -> list[float | None]:
     return [None if any(r[k] is None for r in ratios) else min(r[k] for r in ratios) for k in range(len(ratios[0]))]
 
 
-def _bound_trace(d: dict[str, Any], bounds: dict[str, dict[str, str]]) -> list[str]:
+def _bound_trace(d: dict[str, Any], bounds: dict[str, dict[str, str]], every: bool = False) -> list[str]:
     """Each bound's schedule and figures, judged as auto's are, and the whole-trace ratio the bar asks."""
     from tidal.experiments.auto_runs import FIXED
     from tidal.experiments.sim_auto import TRACE_BAR
@@ -249,7 +249,8 @@ def _bound_trace(d: dict[str, Any], bounds: dict[str, dict[str, str]]) -> list[s
                 + f": at least {TRACE_BAR:g}x on {reach} of {len(vs_best)} seeds. Where it falls short, choosing "
                   "each phase's best response does not meet the whole-trace bar on that seed (the other "
                   f"{len(FIXED) ** len(v['schedules'][0]) - 1} schedules of the fixed responses over "
-                  "the phases were not run). Requests lost: "
+                  + ("the phases: the next paragraph, on the seeds it names" if every else
+                     "the phases were not run") + "). Requests lost: "
                 + _per_seed(j["lost"]["auto"], str) + ".", ""]
     return out
 
@@ -380,7 +381,7 @@ def write_page(res: dict[str, Any], path: str, figures: list[str]) -> None:
             L += [f"### {level}: " + ", ".join(f"{ph} {r:.3g}" for ph, r in d["rates"].items()) + " req/s", ""]
             L += _phase_table(d, tr["phases"]) + [""] + _claims(d["judged"]) + [""]
             L += _ablation_trace(d, st.get("systems", {}), st.get("ablations", {}))
-            L += _bound_trace(d, st.get("bounds", {}))
+            L += _bound_trace(d, st.get("bounds", {}), bool(_schedules_trace(level, res.get("schedules"))))
             L += _schedules_trace(level, res.get("schedules"))
             L += _why_trace(d, st['instances'])
             a = d["runs"]["auto"]
