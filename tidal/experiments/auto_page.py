@@ -381,8 +381,8 @@ def write_page(res: dict[str, Any], path: str, figures: list[str]) -> None:
             L += [f"### {level}: " + ", ".join(f"{ph} {r:.3g}" for ph, r in d["rates"].items()) + " req/s", ""]
             L += _phase_table(d, tr["phases"]) + [""] + _claims(d["judged"]) + [""]
             L += _ablation_trace(d, st.get("systems", {}), st.get("ablations", {}))
-            L += _bound_trace(d, st.get("bounds", {}), bool(_schedules_trace(level, res.get("schedules"))))
-            L += _schedules_trace(level, res.get("schedules"))
+            every = _schedules_trace(level, res.get("schedules"))
+            L += _bound_trace(d, st.get("bounds", {}), bool(every)) + every
             L += _why_trace(d, st['instances'])
             a = d["runs"]["auto"]
             counts: dict[str, int] = {}

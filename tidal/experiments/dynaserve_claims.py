@@ -235,10 +235,12 @@ def readme_line(claims: list[Claim], fit: dict[str, Any] | None, real: dict[str,
     if fixed:
         out += f"; with fixed roles (one instance every request's alpha) {fixed[0]:.2f}-{fixed[1]:.2f}x tuned colocation"
     if real is not None:  # per seed, each layout's capacity on the same requests and arrivals
+        from tidal.experiments.dynaserve_real import CLAIM_LAYOUTS, row_seed
+
         by: dict[int, dict[str, Any]] = {}
         for r in real["rows"]:
-            by.setdefault(int(r.get("seed", 0)), {})[r["layout"]] = r.get("capacity_rps")
-        seeds = sorted(k for k, v in by.items() if all(v.get(x) for x in ("split", "colocate", "disaggregate")))
+            by.setdefault(row_seed(r), {})[r["layout"]] = r.get("capacity_rps")
+        seeds = sorted(k for k, v in by.items() if all(v.get(x) for x in CLAIM_LAYOUTS))
         if seeds:
             def span(base: str) -> str:
                 xs = [by[k]["split"] / by[k][base] for k in seeds]

@@ -38,6 +38,11 @@ LAYOUTS = {
 CLAIM_LAYOUTS = ("colocate", "disaggregate", "split")  # what the claims compare; the rest are labelled rows
 
 
+def row_seed(row: dict[str, Any]) -> int:
+    """A row's seed (a run recorded before the real runs had seeds ran seed 0)."""
+    return int(row.get("seed", 0))
+
+
 @dataclass
 class RealSetup:
     scale: float = 4.0  # the shapes' lengths divided by this

@@ -40,6 +40,7 @@ from tidal.common.machine import usable_cores
 from tidal.common.results import write_json
 from tidal.experiments import dynaserve_claims as C
 from tidal.experiments import sim_dynaserve as D
+from tidal.experiments.dynaserve_real import row_seed as _seed
 from tidal.experiments.reproduce import (
     Progress,
     Report,
@@ -285,10 +286,6 @@ def _recorded_real(path: str) -> dict[str, Any]:
     return {"setup": st, "rows": rec["rows"], "command": rec["command"], "machine": rec.get("machine")}
 
 
-def _seed(row: dict[str, Any]) -> int:
-    return int(row.get("seed", 0))  # a run recorded before the real runs had seeds ran seed 0
-
-
 def _real_rows(real: dict[str, Any] | None, wl: str) -> dict[str, list[dict[str, Any]]]:
     """Per layout its rows on workload ``wl``'s shape, one a seed, in seed order."""
     if real is None:
@@ -301,9 +298,10 @@ def _real_rows(real: dict[str, Any] | None, wl: str) -> dict[str, list[dict[str,
 
 def _paired(by: dict[str, list[dict[str, Any]]]) -> tuple[list[int], dict[str, list[dict[str, Any]]]]:
     """The seeds every claim layout ran, and each claim layout's rows on just those seeds."""
-    keys = ("split", "colocate", "disaggregate")
-    seeds = sorted(set.intersection(*({_seed(r) for r in by.get(k, [])} for k in keys)))
-    return seeds, {k: [r for r in by.get(k, []) if _seed(r) in seeds] for k in keys}
+    from tidal.experiments.dynaserve_real import CLAIM_LAYOUTS
+
+    seeds = sorted(set.intersection(*({_seed(r) for r in by.get(k, [])} for k in CLAIM_LAYOUTS)))
+    return seeds, {k: [r for r in by.get(k, []) if _seed(r) in seeds] for k in CLAIM_LAYOUTS}
 
 
 # the words for the split layout's placement (dynaserve_real.LAYOUTS)
