@@ -5,15 +5,17 @@ own (started, measured and stopped by its pid, one at a time, so the runs never 
 ``preempt`` with recompute (vLLM), ``preempt`` with swap (InferCept-like), ``migrate`` (Llumnix-like:
 running requests move with their KV to the instance with room) and ``drop`` (KunServe:
 the throttled pair drops half of its layers each, runs as one pipeline and exchanges KV, Sec. 4).
-Every run sees the same BurstGPT-shaped requests (Gamma arrivals, ``--burstiness`` < 1) through
-``tidal bench serve``, in the memory-bound regime (``tidal.experiments.kunserve_real.resolve``):
-the rate keeps every 20 s window within 85 % of the 2 instances' measured capacity, the pool is
-2x vLLM's mean KV in use (unless ``--rate`` / ``--kv-cache-memory`` are given). While it runs, ``/admin/state`` is sampled to draw each instance's KV
-capacity (blocks) and use over time, with the drop and restore events. Prints a table (TTFT and
-TPOT percentiles, goodput, events), writes one JSON and a PNG. Usage::
+Every run of a seed sees the same BurstGPT-shaped requests (Gamma arrivals, ``--burstiness`` < 1)
+through ``tidal bench serve``, in the memory-bound regime (``tidal.experiments.kunserve_real.resolve``):
+the rate keeps every 20 s window of every seed within 85 % of the 2 instances' measured capacity,
+the pool is 2x vLLM's mean KV in use over the seeds (unless ``--rate`` / ``--kv-cache-memory`` are
+given). While it runs, ``/admin/state`` is sampled to draw each instance's KV capacity (blocks) and
+use over time, with the drop and restore events. Prints a table (TTFT and TPOT percentiles,
+goodput, events) per seed, writes one JSON (rewritten after each run, ``"complete": false`` until
+the last; ``tidal reproduce kunserve --real-json`` reads it) and a PNG of the first seed. Usage::
 
     python benchmarks/kunserve_serve.py [--rate R] [--burstiness 0.5] [--num-requests 24]
-        [--kv-cache-memory SIZE] [--systems preempt,swap,migrate,drop]
+        [--kv-cache-memory SIZE] [--systems preempt,swap,migrate,drop] [--seeds 0,1,2]
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import sys
 from tidal.common.machine import describe, machine_info
 from tidal.common.plots import pyplot, save_figure
 from tidal.common.results import write_json
-from tidal.experiments.kunserve_real import SYSTEMS, RealSetup, resolve, run
+from tidal.experiments.kunserve_real import SYSTEMS, RealSetup, record, resolve, run
 
 
 def main() -> int:
@@ -43,26 +45,31 @@ def main() -> int:
                    help="per instance (default: 2x vLLM's mean KV in use with a large pool)")
     p.add_argument("--probe-requests", type=int, default=d.probe_requests)
     p.add_argument("--window-s", type=float, default=d.window_s)
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seeds", default=",".join(map(str, d.seeds)), help="the arrivals' draws, comma-separated")
     p.add_argument("--output", default="results/kunserve_serve.json")
     args = p.parse_args()
-    setup = RealSetup(**{k: v for k, v in vars(args).items() if k not in ("systems", "output")})
+    try:
+        seeds = tuple(int(x) for x in args.seeds.split(","))
+    except ValueError:
+        p.error(f"--seeds: comma-separated integers, not {args.seeds!r}")
+    setup = RealSetup(**{k: v for k, v in vars(args).items() if k not in ("systems", "output", "seeds")}, seeds=seeds)
     stem = os.path.splitext(args.output)[0]
+    command, info = " ".join(["python", *sys.argv]), machine_info()
     setup, regime = resolve(setup, stem, log=lambda msg: print(msg, flush=True))
-    rows = run(args.systems.split(","), setup, stem, log=lambda msg: print(msg, flush=True))
+    rows = run(args.systems.split(","), setup, stem, log=lambda msg: print(msg, flush=True),
+               on_row=lambda rows: write_json(record(command, setup, regime, rows, False, info), args.output))
 
     print(f"\nmachine: {describe(machine_info())}; {args.num_requests} {args.workload} requests "
           f"(<= {args.max_input_len}/{args.max_output_len} tokens) at {setup.rate} req/s, Gamma burstiness "
           f"{args.burstiness}; KV {setup.kv_cache_memory} bytes per instance; SLO {args.slo}; regime {regime}")
-    print(f"{'system':<34}{'TTFT p50':>9}{'TTFT p99':>9}{'TPOT p50':>9}{'TPOT p99':>9}{'goodput':>9}{'SLO':>6}"
+    print(f"{'system':<34}{'seed':>5}{'TTFT p50':>9}{'TTFT p99':>9}{'TPOT p50':>9}{'TPOT p99':>9}{'goodput':>9}{'SLO':>6}"
           f"{'preempt':>8}{'events':>7}")
     for r in rows:
-        print(f"{r['system']:<34}{r['ttft_p50_ms']:>9.0f}{r['ttft_p99_ms']:>9.0f}{r['tpot_p50_ms']:>9.0f}"
+        print(f"{r['system']:<34}{r['seed']:>5}{r['ttft_p50_ms']:>9.0f}{r['ttft_p99_ms']:>9.0f}{r['tpot_p50_ms']:>9.0f}"
               f"{r['tpot_p99_ms']:>9.0f}{r['goodput_tok_s']:>9.1f}{r['attainment']:>6.0%}{r['preemptions']:>8}"
               f"{len(r['events']):>7}")
-    write_json({"command": " ".join(sys.argv), "machine": machine_info(), "args": vars(args),
-                "setup": setup.__dict__, "regime": regime, "rows": rows}, args.output)
-    _plot(rows, stem + ".png")
+    write_json(record(command, setup, regime, rows, True, info), args.output)
+    _plot([r for r in rows if r["seed"] == setup.seeds[0]], stem + ".png")
     print(f"wrote {args.output} and {stem}.png")
     return 0
 
@@ -85,7 +92,7 @@ def _plot(rows: list[dict], path: str) -> None:
             if e.get("kind") in colors:
                 ax.axvline(e["seen_s"], color=colors[e["kind"]], linestyle=":", linewidth=1)
         ax.set_ylabel("KV blocks")
-        ax.set_title(f"{r['system']}: TTFT p99 {r['ttft_p99_ms']:.0f} ms", fontsize=9)
+        ax.set_title(f"{r['system']}, seed {r['seed']}: TTFT p99 {r['ttft_p99_ms']:.0f} ms", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="upper right")
     axes[-1, 0].set_xlabel("time since the load started (s)")

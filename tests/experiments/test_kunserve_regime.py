@@ -55,6 +55,16 @@ def test_the_mean_rate_keeps_every_window_under_the_share_of_capacity():
     assert R.window_rates(gen(rate * 1.05), 300.0).max() > 0.85 * 40.0  # a little more breaks it
 
 
+def test_the_mean_rate_over_several_seeds_keeps_every_seeds_windows_under_the_share():
+    """Several seeds' arrivals: the rate is one, and the busiest window of any seed is under the share."""
+    gens = [lambda r, k=k: R.bursty_arrivals(np.random.default_rng(k), 300.0, r) for k in (3, 4, 5)]
+    rate, peak = R.rate_under_capacity(40.0, lambda r: [g(r) for g in gens], 300.0)
+    peaks = [R.window_rates(g(rate), 300.0).max() for g in gens]
+    assert max(peaks) == pytest.approx(peak) and peak <= 0.85 * 40.0
+    alone = [R.rate_under_capacity(40.0, g, 300.0)[0] for g in gens]
+    assert rate <= min(alone) + 1e-9  # above a seed's own rate, that seed's busiest window is over the share
+
+
 def test_the_demand_search_brackets_then_bisects_to_the_highest_rate_within_the_share():
     """The paper's 60 % rule on a demand that grows as rate / 10 (crossing 60 % at 6 req/s): up 1.5x
     from 2 until over, then halves the bracket until it is 3 % wide; every probe is kept."""
@@ -170,9 +180,10 @@ def test_the_real_runs_arrivals_are_the_ones_bench_serve_sends():
     args = build_parser().parse_args(["bench", "serve", "--base-url", "http://x", "--workload", s.workload,
                                       "--max-input-len", str(s.max_input_len), "--max-output-len",
                                       str(s.max_output_len), "--num-requests", str(s.num_requests), "--rate", "0.4",
-                                      "--burstiness", str(s.burstiness), "--seed", str(s.seed)])
+                                      "--burstiness", str(s.burstiness), "--seed", "2"])
     sent = [r.arrival_s for r in W.make_requests(_workload_options(args, args.rate, args.num_requests))]
-    assert list(s.arrivals(0.4)) == pytest.approx(sent) and len(sent) == s.num_requests
+    assert list(s.arrivals(0.4, 2)) == pytest.approx(sent) and len(sent) == s.num_requests
+    assert list(s.arrivals(0.4, 1)) != pytest.approx(sent)  # the seed is the draw
 
 
 def test_the_real_pool_is_read_from_the_sampled_state():

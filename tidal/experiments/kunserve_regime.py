@@ -138,13 +138,14 @@ def window_rates(times: np.ndarray, duration_s: float | None, window_s: float = 
 
 def rate_under_capacity(capacity: float, gen: Any, duration_s: float | None, share: float = CAPACITY_SHARE,
                         steps: int = 200, window_s: float = WINDOW_S) -> tuple[float, float]:
-    """The highest mean rate whose arrivals ``gen(rate)`` keep every ``window_s`` window at or
-    under ``share * capacity``, on a geometric grid of ``steps`` rates from 1/50 of that limit to
-    it (a scan, not a bisection: with few arrivals the busiest window is not monotone in the
-    rate); returns (rate, its busiest window's rate)."""
+    """The highest mean rate whose arrivals ``gen(rate)`` (one array, or a list of them: one a seed,
+    each kept) keep every ``window_s`` window at or under ``share * capacity``, on a geometric grid
+    of ``steps`` rates from 1/50 of that limit to it (a scan, not a bisection: with few arrivals the
+    busiest window is not monotone in the rate); returns (rate, its busiest window's rate)."""
     limit = share * capacity
     for rate in np.geomspace(limit, limit / 50, steps):  # the mean is at most the busiest window's rate
-        peak = float(window_rates(gen(float(rate)), duration_s, window_s).max())
+        got = gen(float(rate))
+        peak = max(float(window_rates(a, duration_s, window_s).max()) for a in (got if isinstance(got, list) else [got]))
         if peak <= limit:
             return float(rate), peak
     raise RegimeError(f"no mean rate keeps every {window_s:g} s window under {limit:.3g} req/s")

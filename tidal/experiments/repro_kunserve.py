@@ -8,8 +8,9 @@ It runs :mod:`tidal.experiments.sim_kunserve` (``tidal bench sim-kunserve``) twi
 cost and the shrunken pool as labelled rows; ``kunserve_sim.json``) and cluster B (Qwen-2.5-72B at
 TP 4 on H800s, LongBench, with Fig. 16's extreme burst; ``kunserve_sim_72b.json``), and reads the
 claims off their JSON. ``--quick``: cluster A only, LongBench-like lengths, 60 s of arrivals,
-vLLM / KunServe / KunServe w/o lookahead, a short search and capacity probe. The real column: the
-same policies on 2 CPU instances, run without ``--quick`` or read from ``--real-json`` (a recorded
+vLLM / KunServe / KunServe w/o lookahead, a short search and capacity probe; ``--reuse-sim``
+reads the two JSON already in ``--output`` instead. The real column: the same policies on 2 CPU
+instances on several seeds, run without ``--quick`` or read from ``--real-json`` (a recorded
 ``kunserve_real.json``).
 """
 
@@ -54,9 +55,8 @@ def _figures(data: dict[str, Any]) -> list[str]:
 
 
 def reproduce(args: argparse.Namespace, log: Progress) -> Report:
-    a = run_bench(K.add_parser, _bench_argv(args, "a"), os.path.join(args.output, "kunserve_sim.json"), log)
-    b = None if args.quick else run_bench(K.add_parser, _bench_argv(args, "b"),
-                                          os.path.join(args.output, "kunserve_sim_72b.json"), log)
+    a = _sim(args, "a", "kunserve_sim.json", log)
+    b = None if args.quick else _sim(args, "b", "kunserve_sim_72b.json", log)
     report = Report("kunserve", "KunServe: drop layers instead of preempting under memory pressure (Fig. 13-16)",
                     C.setup_text(a, b), args.quick, data={"sim": _slim(a), "sim_72b": _slim(b) if b else None},
                     figures=_figures(a) + (_figures(b) if b else []))
@@ -77,31 +77,38 @@ def reproduce(args: argparse.Namespace, log: Progress) -> Report:
     return report
 
 
+def _sim(args: argparse.Namespace, cluster: str, name: str, log: Progress) -> dict[str, Any]:
+    """One cluster's ``tidal bench sim-kunserve`` run, or with ``--reuse-sim`` its JSON already in
+    ``--output`` (it records the command that wrote it)."""
+    path = os.path.join(args.output, name)
+    if getattr(args, "reuse_sim", False) and os.path.exists(path):
+        log(f"reusing {path} (written by its own command)")
+        with open(path) as f:
+            return json.load(f)
+    return run_bench(K.add_parser, _bench_argv(args, cluster), path, log)
+
+
 def _real(args: argparse.Namespace, log: Progress) -> dict[str, Any] | None:
     """The real runs: read from ``--real-json``, or run here (full run, not ``--no-real``)."""
+    from tidal.experiments import kunserve_real as R
+
     recorded = getattr(args, "real_json", None)
     if recorded:
         with open(recorded) as f:
-            real = json.load(f)
-        missing = {"setup", "regime", "rows"} - set(real)
-        if missing:
-            raise ValueError(f"{recorded}: not a kunserve_real.json (no {', '.join(sorted(missing))})")
-        return real
+            return R.check_record(json.load(f), recorded)
     if not runs_real(args):
         return None
+    from tidal.common.machine import machine_info
     from tidal.common.results import command_line
-    from tidal.experiments import kunserve_real
 
+    out, command = os.path.join(args.output, "kunserve_real.json"), command_line("tidal reproduce")
     with tempfile.TemporaryDirectory(prefix="tidal-kunserve-real-") as tmp:  # each run's records: not kept
         # the memory-bound regime first: the capacity probe, the rate under it, the pool from the mean in use
-        setup, regime = kunserve_real.resolve(kunserve_real.RealSetup(), os.path.join(tmp, "run"), log)
-        rows = kunserve_real.run(list(kunserve_real.SYSTEMS), setup, os.path.join(tmp, "run"), log)
-    real = {"command": command_line("tidal reproduce"), "setup": setup.__dict__, "regime": regime,
-            "engine_flags": setup.engine_flags(),
-            "rows": {r["system"]: {k: v for k, v in r.items() if k not in ("timeline", "events")}
-                     | {"num_events": len(r["events"]), "event_kinds": sorted({e.get("kind", "") for e in r["events"]})}
-                     for r in rows}}
-    write_json(real, os.path.join(args.output, "kunserve_real.json"))
+        setup, regime = R.resolve(R.RealSetup(), os.path.join(tmp, "run"), log)
+        rows = R.run(list(R.SYSTEMS), setup, os.path.join(tmp, "run"), log,
+                     on_row=lambda rows: write_json(R.record(command, setup, regime, rows, False, machine_info()), out))
+    real = R.record(command, setup, regime, rows, True, machine_info())
+    write_json(real, out)
     return real
 
 

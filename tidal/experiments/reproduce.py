@@ -291,10 +291,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--real-json", default=None, metavar="PATH",
                    help="dynaserve: the real column from a recorded `python benchmarks/dynaserve_serve.py` run's "
                         "JSON instead of running it again (about 7 minutes a layout here); kunserve: from a recorded "
-                        "kunserve_real.json")
+                        "kunserve_real.json (`tidal reproduce kunserve`'s or `python benchmarks/kunserve_serve.py`'s)")
     p.add_argument("--reuse-sim", action="store_true",
-                   help="dynaserve: read the simulator runs already in --output (each JSON records the command that "
-                        "wrote it) instead of running them again (hours on two cores)")
+                   help="dynaserve, kunserve: read the simulator runs already in --output (each JSON records the "
+                        "command that wrote it) instead of running them again (hours on two cores)")
     p.add_argument("--no-plots", action="store_true", help="write no figures")
     p.add_argument("--no-progress", action="store_true", help="no progress lines")
     p.set_defaults(func=run)
