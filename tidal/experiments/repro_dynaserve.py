@@ -121,6 +121,8 @@ def _fit(args: argparse.Namespace, log: Progress) -> dict[str, Any] | None:
 def reproduce(args: argparse.Namespace, log: Progress) -> Report:
     from tidal.sim.jitter import FITTED
 
+    reused = getattr(args, "reuse_sim", False) and all(  # every simulator run read back, none run here
+        os.path.exists(os.path.join(args.output, n)) for n in ((SIM,) if args.quick else (SIM, FIG9, GRID, EXTRA, FIG10)))
     sim = _run_or_reuse(args, SIM, QUICK if args.quick else FULL, log)
     fig9 = None if args.quick else _run_or_reuse(args, FIG9, FULL_FIG9, log)
     grid = None if args.quick else _run_or_reuse(args, GRID, FULL_GRID, log)
@@ -129,7 +131,8 @@ def reproduce(args: argparse.Namespace, log: Progress) -> Report:
     runs = {name: d for name, d in ((SIM, sim), (FIG9, fig9), (GRID, grid)) if d is not None}
     report = Report(
         "dynaserve", "DynaServe: split micro-requests vs colocation vs P/D disaggregation (Sec. 6, Fig. 8-11, "
-                     "Tables 1-2)", _setup_text(runs, fit, FITTED), args.quick, data=_slim(runs, extra, fit))
+                     "Tables 1-2)", _setup_text(runs, fit, FITTED), args.quick, data=_slim(runs, extra, fit),
+        reused_sim=reused)
     if not args.no_plots:
         report.figures = _plots(runs, extra, args.output)
     recorded, real = getattr(args, "real_json", None), None

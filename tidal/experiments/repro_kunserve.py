@@ -55,15 +55,18 @@ def _figures(data: dict[str, Any]) -> list[str]:
 
 
 def reproduce(args: argparse.Namespace, log: Progress) -> Report:
+    names = ("kunserve_sim.json",) if args.quick else ("kunserve_sim.json", "kunserve_sim_72b.json")
+    reused = getattr(args, "reuse_sim", False) and all(os.path.exists(os.path.join(args.output, n)) for n in names)
     a = _sim(args, "a", "kunserve_sim.json", log)
     b = None if args.quick else _sim(args, "b", "kunserve_sim_72b.json", log)
     report = Report("kunserve", "KunServe: drop layers instead of preempting under memory pressure (Fig. 13-16)",
                     C.setup_text(a, b), args.quick, data={"sim": _slim(a), "sim_72b": _slim(b) if b else None},
-                    figures=_figures(a) + (_figures(b) if b else []))
+                    figures=_figures(a) + (_figures(b) if b else []), reused_sim=reused)
     real = _real(args, log)
     if real is not None:
         report.data["real"] = real
-        report.setup += (f" Real column: recorded by `{real['command']}` ({real.get('source', 'this run')}; read from "
+        source = f"{real['source']}; " if real.get("source") else ""
+        report.setup += (f" Real column: recorded by `{real['command']}` ({source}read from "
                          f"`{os.path.basename(args.real_json)}`)." if getattr(args, "real_json", None) else
                          " Real column: run by this command (its record: `kunserve_real.json`).")
     for ds, d in a["datasets"].items():

@@ -107,17 +107,21 @@ class Report:
     figures: list[str] = field(default_factory=list)  # file names, next to the JSON
     wall_time_s: float = 0.0
     command: str = ""
+    reused_sim: bool = False  # --reuse-sim: the simulator runs were read from their recorded JSON, not run
 
     def to_dict(self) -> dict[str, Any]:
         return {"paper": self.paper, "title": self.title, "setup": self.setup, "quick": self.quick,
-                "command": self.command, "wall_time_s": self.wall_time_s, "machine": machine_info(),
+                "command": self.command, "wall_time_s": self.wall_time_s, "reused_sim": self.reused_sim,
+                "machine": machine_info(),
                 "data": self.data, "figures": self.figures,
                 "claims": [c.__dict__ for c in self.claims]}
 
     def markdown(self, figure_dir: str = "") -> str:
         lines = [f"## {self.title}", "", self.setup, "",
                  f"Command: `{self.command}` ({self.wall_time_s:.0f} s on this machine"
-                 f"{', quick setup' if self.quick else ''}).", "",
+                 f"{', quick setup' if self.quick else ''}"
+                 f"{'; the simulator runs read from the JSON their own commands wrote' if self.reused_sim else ''}).",
+                 "",
                  "| claim | paper | tidal simulated | tidal real | why they differ |", "|---|---|---|---|---|"]
         lines += [c.row() for c in self.claims]
         lines.append("")
