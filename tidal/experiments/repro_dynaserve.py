@@ -44,10 +44,12 @@ from tidal.experiments.dynaserve_real import row_seed as _seed
 from tidal.experiments.reproduce import (
     Progress,
     Report,
+    all_reused,
     beats,
     fmt_ratio,
     ratio,
     run_bench,
+    run_or_reuse,
     runs_real,
 )
 
@@ -95,12 +97,7 @@ def _bench_argv(args: argparse.Namespace, base: list[str]) -> list[str]:
 
 
 def _run_or_reuse(args: argparse.Namespace, name: str, base: list[str], log: Progress) -> dict[str, Any]:
-    path = os.path.join(args.output, name)
-    if getattr(args, "reuse_sim", False) and os.path.exists(path):
-        log(f"reusing {path} (written by its own command)")
-        with open(path) as f:
-            return json.load(f)
-    return run_bench(D.add_parser, _bench_argv(args, base), path, log)
+    return run_or_reuse(args, D.add_parser, _bench_argv(args, base), os.path.join(args.output, name), log)
 
 
 def _fit(args: argparse.Namespace, log: Progress) -> dict[str, Any] | None:
@@ -121,8 +118,7 @@ def _fit(args: argparse.Namespace, log: Progress) -> dict[str, Any] | None:
 def reproduce(args: argparse.Namespace, log: Progress) -> Report:
     from tidal.sim.jitter import FITTED
 
-    reused = getattr(args, "reuse_sim", False) and all(  # every simulator run read back, none run here
-        os.path.exists(os.path.join(args.output, n)) for n in ((SIM,) if args.quick else (SIM, FIG9, GRID, EXTRA, FIG10)))
+    reused = all_reused(args, (SIM,) if args.quick else (SIM, FIG9, GRID, EXTRA, FIG10))
     sim = _run_or_reuse(args, SIM, QUICK if args.quick else FULL, log)
     fig9 = None if args.quick else _run_or_reuse(args, FIG9, FULL_FIG9, log)
     grid = None if args.quick else _run_or_reuse(args, GRID, FULL_GRID, log)

@@ -26,7 +26,7 @@ from tidal.common.machine import usable_cores
 from tidal.common.results import write_json
 from tidal.experiments import kunserve_claims as C
 from tidal.experiments import sim_kunserve as K
-from tidal.experiments.reproduce import Progress, Report, run_bench, runs_real
+from tidal.experiments.reproduce import Progress, Report, all_reused, run_or_reuse, runs_real
 
 FIGURES = ("", "_search", "_slo", "_pipeline_fit", "_extreme")  # the page shows these of each bench run
 
@@ -56,9 +56,10 @@ def _figures(data: dict[str, Any]) -> list[str]:
 
 def reproduce(args: argparse.Namespace, log: Progress) -> Report:
     names = ("kunserve_sim.json",) if args.quick else ("kunserve_sim.json", "kunserve_sim_72b.json")
-    reused = getattr(args, "reuse_sim", False) and all(os.path.exists(os.path.join(args.output, n)) for n in names)
-    a = _sim(args, "a", "kunserve_sim.json", log)
-    b = None if args.quick else _sim(args, "b", "kunserve_sim_72b.json", log)
+    reused = all_reused(args, names)
+    a = run_or_reuse(args, K.add_parser, _bench_argv(args, "a"), os.path.join(args.output, names[0]), log)
+    b = None if args.quick else run_or_reuse(args, K.add_parser, _bench_argv(args, "b"),
+                                             os.path.join(args.output, names[1]), log)
     report = Report("kunserve", "KunServe: drop layers instead of preempting under memory pressure (Fig. 13-16)",
                     C.setup_text(a, b), args.quick, data={"sim": _slim(a), "sim_72b": _slim(b) if b else None},
                     figures=_figures(a) + (_figures(b) if b else []), reused_sim=reused)
@@ -78,17 +79,6 @@ def reproduce(args: argparse.Namespace, log: Progress) -> Report:
             report.claims += C.extreme_claims(b["extreme_burst"])
     report.data["readme_line"] = C.readme_line(report.claims, a, b, real)
     return report
-
-
-def _sim(args: argparse.Namespace, cluster: str, name: str, log: Progress) -> dict[str, Any]:
-    """One cluster's ``tidal bench sim-kunserve`` run, or with ``--reuse-sim`` its JSON already in
-    ``--output`` (it records the command that wrote it)."""
-    path = os.path.join(args.output, name)
-    if getattr(args, "reuse_sim", False) and os.path.exists(path):
-        log(f"reusing {path} (written by its own command)")
-        with open(path) as f:
-            return json.load(f)
-    return run_bench(K.add_parser, _bench_argv(args, cluster), path, log)
 
 
 def _real(args: argparse.Namespace, log: Progress) -> dict[str, Any] | None:

@@ -227,6 +227,22 @@ def bench_parser(add_parser: Callable[[argparse._SubParsersAction], None]) -> ar
     return p
 
 
+def run_or_reuse(args: argparse.Namespace, add_parser: Callable[[argparse._SubParsersAction], None], argv: list[str],
+                 out: str, log: Progress) -> dict[str, Any]:
+    """:func:`run_bench`, or with ``--reuse-sim`` the JSON already at ``out`` (it records the command
+    that wrote it)."""
+    if getattr(args, "reuse_sim", False) and os.path.exists(out):
+        log(f"reusing {out} (written by its own command)")
+        with open(out) as f:
+            return json.load(f)
+    return run_bench(add_parser, argv, out, log)
+
+
+def all_reused(args: argparse.Namespace, names: Sequence[str]) -> bool:
+    """``--reuse-sim`` and every one of ``names`` already in ``--output``: no simulator run here."""
+    return bool(getattr(args, "reuse_sim", False)) and all(os.path.exists(os.path.join(args.output, n)) for n in names)
+
+
 def run_bench(add_parser: Callable[[argparse._SubParsersAction], None], argv: list[str], out: str,
               log: Progress) -> dict[str, Any]:
     """Run ``tidal bench ...`` (``argv``, writing its JSON to ``out``) through its own parser and
