@@ -111,3 +111,13 @@ def test_a_page_read_from_recorded_simulator_runs_says_so():
     assert "; the simulator runs read from the JSON their own commands wrote)." in Report(
         "p", "t", "", False, command="c", reused_sim=True).markdown()
     assert "read from the JSON" not in Report("p", "t", "", False, command="c").markdown()
+
+
+def test_the_real_column_is_drawn_from_the_record(tmp_path):
+    """``kunserve_real.png``: a PNG is written from the record, whatever seeds it holds."""
+    from tidal.experiments.kunserve_plots import plot_real
+
+    path = plot_real(_kunserve_real({0: {}, 3: {}}), str(tmp_path / "kunserve_real.png"))
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert os.path.getsize(path) > 5000

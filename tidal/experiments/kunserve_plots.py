@@ -10,6 +10,8 @@
 - ``STEM_extreme.png``: Fig. 16: KV demand and TTFT over time under the replayed burst, each
   system's memory limit;
 - ``STEM_DATASET_SYSTEM_instances.png``: seed 0's per-instance timelines of each headline system.
+
+:func:`plot_real` draws the real column (``kunserve_real.png``, written by ``tidal reproduce kunserve``).
 """
 
 from __future__ import annotations
@@ -200,3 +202,25 @@ def _extreme(plt: Any, report: dict[str, Any], stem: str) -> str | None:
 
 
 __all__ = ["plots"]
+
+
+def plot_real(real: dict[str, Any], path: str) -> str:
+    """The real column drawn: per system its P99 TTFT and P50 TPOT on each seed (dots) and their
+    median (bar), from a ``kunserve_real.json`` record (2 CPU instances, paired seeds)."""
+    from tidal.common.plots import pyplot, save_figure
+    from tidal.experiments.kunserve_real import SYSTEMS, by_system
+
+    plt = pyplot()
+    seeds, rows = by_system(real)
+    labels = [name for name, _ in SYSTEMS.values() if name in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, (key, title) in zip(axes, (("ttft_p99_ms", "P99 TTFT (ms)"), ("tpot_p50_ms", "P50 TPOT (ms)")), strict=True):
+        for i, lb in enumerate(labels):
+            vals = [r[key] for r in rows[lb]]
+            ax.bar(i, float(np.median(vals)), color="tab:red" if lb == DROP else "tab:gray", alpha=0.6)
+            ax.scatter([i] * len(vals), vals, color="black", s=14, zorder=3)
+        ax.set_xticks(range(len(labels)), [_short(lb) for lb in labels], rotation=15, fontsize=8)
+        ax.set_ylabel(title)
+        ax.grid(axis="y", alpha=0.3)
+    return save_figure(plt, fig, path, f"KunServe's real column: 2 CPU instances, seeds "
+                                       f"{', '.join(map(str, seeds))} (bars: median, dots: each seed)")

@@ -64,6 +64,10 @@ def reproduce(args: argparse.Namespace, log: Progress) -> Report:
                     C.setup_text(a, b), args.quick, data={"sim": _slim(a), "sim_72b": _slim(b) if b else None},
                     figures=_figures(a) + (_figures(b) if b else []), reused_sim=reused)
     real = _real(args, log)
+    if real is not None and not args.no_plots:
+        from tidal.experiments.kunserve_plots import plot_real
+
+        report.figures.append(os.path.basename(plot_real(real, os.path.join(args.output, "kunserve_real.png"))))
     if real is not None:
         report.data["real"] = real
         source = f"{real['source']}; " if real.get("source") else ""
