@@ -162,7 +162,7 @@ def test_a_regime_trace_puts_each_phase_in_its_window():
 
 
 @needs_traces
-def test_the_command_writes_its_json_figures_and_page(tmp_path, capsys):
+def test_the_command_writes_its_json_figures_and_page(tmp_path, capsys, monkeypatch):
     from tidal.cli import main
 
     out, page = tmp_path / "auto", tmp_path / "auto.md"
@@ -222,6 +222,20 @@ def test_the_command_writes_its_json_figures_and_page(tmp_path, capsys):
     assert "gives the bound's figure again on every seed" in page.read_text()
     assert main(["bench", "sim-auto", "--output", str(out), "--all-schedules", "--schedule-levels", "nope"]) == 2
     assert "no level 'nope' in the run" in capsys.readouterr().err
+    # the same command again resumes: the level-seed pairs already in auto_schedules.json are read, none run
+    import tidal.experiments.parallel as P
+
+    def no_runs(fn, calls, jobs, on_done=None):
+        assert not calls, f"{len(calls)} schedule runs where every pair was read back"
+        return []
+    monkeypatch.setattr(P, "run_all", no_runs)
+    assert main(["bench", "sim-auto", "--output", str(out), "--page", str(page), "--all-schedules",
+                 "--schedule-levels", "paper rule", "--no-progress"]) == 0
+    again = json.loads((out / "auto_schedules.json").read_text())
+    assert again["read_back"] == [["paper rule", 0]] and again["levels"] == sch["levels"]
+    assert again["wall_time_before_s"] == pytest.approx(sch["wall_time_s"])
+    assert "on seeds 0 (seed 0 read back from an earlier run in `auto_schedules.json`))" in page.read_text()
+    monkeypatch.undo()
     # a later run of the trace leaves the old schedules off its page: they were run on another trace
     res["trace"]["levels"]["paper rule"]["runs"]["swap"][0]["whole"]["ttft_p99_ms"] = 1.0
     (out / "auto_sim.json").write_text(json.dumps(res))

@@ -263,10 +263,13 @@ def _schedules_trace(level: str, sched: dict[str, Any] | None) -> list[str]:
         return []
     j = lv["judged"]
     n = j[0]["schedules"]
+    back = [seed for lv_name, seed in sched.get("read_back") or [] if lv_name == level]
     reach = sum(1 for x in j if x["ratio"] is not None and x["ratio"] >= sched["bar"])
     same = [x["hindsight_p99_ms"] for x in j if "hindsight_p99_ms" in x]
     out = [f"**Every schedule** ({n}: each of the four fixed responses for each of the {len(sched['phases'])} phases, "
-           f"pinned as the bound above, `{sched['command']}`, on seeds {', '.join(map(str, lv['seeds']))}). The best "
+           f"pinned as the bound above, `{sched['command']}`, on seeds {', '.join(map(str, lv['seeds']))}"
+           + (f" (seed{'s' if len(back) > 1 else ''} {', '.join(map(str, back))} read back from an earlier run in "
+              "`auto_schedules.json`)" if back else "") + "). The best "
            "schedule per seed, its whole-trace P99 TTFT and the best fixed response's over it: " + "; ".join(
                f"seed {x['seed']}: {', '.join(x['best'])} {_ms(x['best_p99_ms'])} ms vs {x['best_fixed']} "
                f"{_ms(x['best_fixed_p99_ms'])} ms = {_x(x['ratio'])} ({x['schedules_reaching_bar']} of {n} "

@@ -59,8 +59,10 @@ def judge(level: dict[str, Any], runs: list[list[dict[str, Any]]], seeds: list[i
 
 
 def run_schedules(res: dict[str, Any], levels: list[str], n_seeds: int, jobs: int, traces_dir: str | None,
-                  log: Callable[[str], None]) -> dict[str, Any]:
-    """Every schedule on the first ``n_seeds`` seeds of each of ``levels`` of ``auto_sim.json``'s trace."""
+                  log: Callable[[str], None], previous: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every schedule on the first ``n_seeds`` seeds of each of ``levels`` of ``auto_sim.json``'s trace.
+    ``previous``: an ``auto_schedules.json`` of this trace (:func:`matches`); a level's seeds it holds
+    are read from it, not run again (the runs are deterministic), so a longer run resumes a shorter one."""
     from tidal.experiments.parallel import run_all
     from tidal.experiments.sim_auto import TRACE_BAR
     from tidal.sim.models import get_model
@@ -72,21 +74,30 @@ def run_schedules(res: dict[str, Any], levels: list[str], n_seeds: int, jobs: in
     max_len = get_model(AR.MODEL).max_position_embeddings
     seeds = list(st["seeds"])[:n_seeds]
     scheds = all_schedules(tr["phases"])
-    out: dict[str, Any] = {"bar": TRACE_BAR, "phases": tr["phases"], "levels": {}}
+    kept: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for level, lv in ((previous or {}).get("levels") or {}).items():
+        for seed, runs in zip(lv["seeds"], lv["runs"], strict=True):
+            if len(runs) == len(scheds):
+                kept[(level, seed)] = runs
+    todo = [(level, seed) for level in levels for seed in seeds if (level, seed) not in kept]
+    out: dict[str, Any] = {"bar": TRACE_BAR, "phases": tr["phases"], "levels": {},
+                           "read_back": [[lv, sd] for lv in levels for sd in seeds if (lv, sd) in kept]}
     calls = [(tr["levels"][level]["rates"], st["phase_duration_s"], seed, max_len, traces_dir, s)
-             for level in levels for seed in seeds for s in scheds]
+             for level, seed in todo for s in scheds]
     done = [0]
 
     def progress(i: int, r: dict[str, Any]) -> None:
         done[0] += 1
         if done[0] % 16 == 0 or done[0] == len(calls):
             log(f"{done[0]}/{len(calls)} schedule runs")
-    log(f"{len(scheds)} schedules x {len(seeds)} seeds x {len(levels)} levels: {len(calls)} runs")
-    got = run_all(schedule_run, calls, jobs, on_done=progress)
-    for n, level in enumerate(levels):
+    log(f"{len(scheds)} schedules x {len(seeds)} seeds x {len(levels)} levels: {len(calls)} runs"
+        + (f" ({len(out['read_back'])} level-seed pairs read from the previous run)" if out["read_back"] else ""))
+    got = run_all(schedule_run, calls, jobs, on_done=progress) if calls else []
+    for k, key in enumerate(todo):
+        kept[key] = got[k * len(scheds):(k + 1) * len(scheds)]
+    for level in levels:
         lv = tr["levels"][level]
-        at = n * len(seeds) * len(scheds)
-        per = [got[at + k * len(scheds):at + (k + 1) * len(scheds)] for k in range(len(seeds))]
+        per = [kept[(level, seed)] for seed in seeds]
         judged = judge(lv, per, seeds, TRACE_BAR)
         bound = (lv.get("bounds") or {}).get("hindsight")
         if bound:  # the same schedule as the recorded bound's run gives the same figure: the runs are deterministic

@@ -259,7 +259,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "auto_sim.json trace (a bound; writes auto_schedules.json and, with --page, the page)")
     p.add_argument("--schedule-levels", default=None, help="--all-schedules: the levels (default: every level)")
     p.add_argument("--schedule-seeds", type=F.positive_int, default=None,
-                   help="--all-schedules: the run's first this many seeds (default: all)")
+                   help="--all-schedules: the run's first this many seeds (default: all); the level-seed pairs an "
+                        "auto_schedules.json of the same trace in --output holds are read from it, not run again")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
 
@@ -311,13 +312,22 @@ def _all_schedules(res: dict[str, Any], args: argparse.Namespace, path: str, t0:
               else list(res["trace"]["levels"]))
     command = command_line(PROG)
     print(f"command: {command}")
+    previous = None
+    old = os.path.join(args.output, S.FILE)
+    if os.path.isfile(old):  # a run on this trace already: its level-seed pairs are read, not run again
+        with open(old, encoding="utf-8") as f:
+            previous = json.load(f)
+        if not S.matches(res, previous):
+            previous = None
     try:
         out = S.run_schedules(res, levels, args.schedule_seeds or len(res["setup"]["seeds"]), args.jobs,
-                              args.traces_dir, log)
+                              args.traces_dir, log, previous)
     except (ValueError, AT.TraceError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    out.update(command=command, machine=machine_info(), wall_time_s=time.perf_counter() - t0)
+    out.update(command=command, machine=machine_info(), wall_time_s=time.perf_counter() - t0,
+               wall_time_before_s=(previous or {}).get("wall_time_s", 0.0) + (previous or {}).get("wall_time_before_s", 0.0)
+               if out["read_back"] else 0.0)
     write_json(out, os.path.join(args.output, S.FILE))
     return _write(res, args, path)
 
