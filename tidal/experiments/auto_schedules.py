@@ -131,4 +131,18 @@ def matches(res: dict[str, Any], sched: dict[str, Any]) -> bool:
     return True
 
 
-__all__ = ["FILE", "all_schedules", "judge", "matches", "run_schedules", "schedule_run"]
+def read(res: dict[str, Any], directory: str) -> tuple[dict[str, Any] | None, bool]:
+    """``directory``'s ``auto_schedules.json`` when it was run on ``res``'s trace (:func:`matches`), else
+    None; and whether a file was there that belongs to another trace."""
+    import json
+    import os
+
+    path = os.path.join(directory, FILE)
+    if not os.path.isfile(path):
+        return None, False
+    with open(path, encoding="utf-8") as f:
+        got = json.load(f)
+    return (got, False) if matches(res, got) else (None, True)
+
+
+__all__ = ["FILE", "all_schedules", "judge", "matches", "read", "run_schedules", "schedule_run"]

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from tidal.experiments.reproduce import MARGIN_PAST_BRACKET, Claim, claims_range, vs_paper
+from tidal.experiments.reproduce import MARGIN_PAST_BRACKET, Claim, claims_range, ratio_span, vs_paper
 
 MARGIN = 0.02  # beyond rounding and noise (reproduce.MARGIN's 2 %)
 PAPER_CAP = "1.15-3.07x PD Coloc., 1.09-1.67x PD Disagg. (Sec. 1, Fig. 9; 14B on average 2.37x and 1.37x)"
@@ -243,8 +243,7 @@ def readme_line(claims: list[Claim], fit: dict[str, Any] | None, real: dict[str,
         seeds = sorted(k for k, v in by.items() if all(v.get(x) for x in CLAIM_LAYOUTS))
         if seeds:
             def span(base: str) -> str:
-                xs = [by[k]["split"] / by[k][base] for k in seeds]
-                return f"{min(xs):.2f}-{max(xs):.2f}x" if len(xs) > 1 else f"{xs[0]:.2f}x"
+                return ratio_span([by[k]["split"] / by[k][base] for k in seeds])
             out += (f"; on 2 CPU instances (seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}, "
                     f"the paper's placement) capacity {span('disaggregate')} 1P1D and {span('colocate')} colocation")
     return out + "."

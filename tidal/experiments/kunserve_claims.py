@@ -21,7 +21,16 @@ from tidal.experiments.kunserve_runs import (
     VLLM,
     VLLM_PP,
 )
-from tidal.experiments.reproduce import Claim, beats, claims_range, fmt_ratio, ratio, vs_paper
+from tidal.experiments.reproduce import (
+    Claim,
+    beats,
+    claims_range,
+    fmt_ratio,
+    holds_on_seeds,
+    ratio,
+    ratio_span,
+    vs_paper,
+)
 
 REAL = ("not run here: the paper's model (14B) does not fit this 2-core CPU; the same policies on 2 real "
         "CPU instances of the default model run without --quick (or with --real)")
@@ -312,8 +321,7 @@ def readme_line(claims: list[Claim], a: dict[str, Any], b: dict[str, Any] | None
         def span(base: str) -> str:  # the baseline's P99 TTFT over KunServe's, lowest to highest seed
             g = [x for x in (ratio(b["ttft_p99_ms"], d["ttft_p99_ms"]) for b, d in zip(rows[base], rows[DROP],
                                                                                      strict=True)) if x is not None]
-            lo, hi = (f"{min(g):.2f}", f"{max(g):.2f}") if g else ("n/a", "n/a")
-            return "n/a" if not g else f"{lo}x" if lo == hi else f"{lo}-{hi}x"
+            return ratio_span(g) if g else "n/a"
 
         out += (f"; on 2 CPU instances (the shrunken-pool regime, seeds {', '.join(map(str, seeds))}) P99 TTFT "
                 + ", ".join(f"{span(x)} {n}" for x, n in names.items() if x in rows) + " over KunServe's")
@@ -357,7 +365,6 @@ def real_cell(real: dict[str, Any], base: str) -> str:
                 f"{g['unlimited_mean_blocks']:.0f} blocks, is less)" if floor else "2x vLLM's mean in use")
                 + f"; vLLM's peak with a large pool is {g['unlimited_peak_blocks'] / g['num_blocks']:.0%} of it")
     per = " per seed" if len(seeds) > 1 else ""
-    holds = "yes" if all(wins) else (f"**no**, {sum(wins)} of {len(wins)} seeds" if len(wins) > 1 else "**no**")
     return (f"{' / '.join(_ms(x['ttft_p99_ms']) for x in drop)} vs {' / '.join(_ms(x['ttft_p99_ms']) for x in b)}"
             f"{per}: {', '.join(map(fmt_ratio, gains))} lower"
             + (f" (median {fmt_ratio(statistics.median(known))})" if len(known) > 1 else "")
@@ -365,7 +372,7 @@ def real_cell(real: dict[str, Any], base: str) -> str:
             f"model, {st['num_requests']} {st['workload']}-shaped requests a seed at {st['rate']:g} req/s, burstiness "
             f"{st['burstiness']:g}{cap}; KV {_mib(st['kv_cache_memory'])} each{pool}; seed{'s' if len(seeds) > 1 else ''} "
             f"{', '.join(map(str, seeds))} on a 2-core machine, the shrunken-pool regime; a P99 of "
-            f"{st['num_requests']} requests is near the slowest one's) (direction holds: {holds})")
+            f"{st['num_requests']} requests is near the slowest one's) (direction holds: {holds_on_seeds(wins)})")
 
 
 def _why_real_swap(real: dict[str, Any]) -> str:

@@ -201,9 +201,6 @@ def _extreme(plt: Any, report: dict[str, Any], stem: str) -> str | None:
     return png
 
 
-__all__ = ["plots"]
-
-
 def plot_real(real: dict[str, Any], path: str) -> str:
     """The real column drawn: per system its P99 TTFT and P50 TPOT on each seed (dots) and their
     median (bar), from a ``kunserve_real.json`` record (2 CPU instances, paired seeds)."""
@@ -224,3 +221,6 @@ def plot_real(real: dict[str, Any], path: str) -> str:
         ax.grid(axis="y", alpha=0.3)
     return save_figure(plt, fig, path, f"KunServe's real column: 2 CPU instances, seeds "
                                        f"{', '.join(map(str, seeds))} (bars: median, dots: each seed)")
+
+
+__all__ = ["plot_real", "plots"]

@@ -47,6 +47,7 @@ from tidal.experiments.reproduce import (
     all_reused,
     beats,
     fmt_ratio,
+    holds_on_seeds,
     ratio,
     run_bench,
     run_or_reuse,
@@ -332,14 +333,11 @@ def _real_cells(real: dict[str, Any] | None, wl: str) -> tuple[str, str, str]:
             return f"< {st['search_low']:g}"
         return f">= {c:.2f}" if c >= st["search_high"] else f"{c:.2f}"
 
-    def holds(wins: list[bool]) -> str:
-        return "yes" if all(wins) else f"**no**, {sum(wins)} of {len(wins)} seeds" if len(wins) > 1 else "**no**"
-
     def cap_cell(base: list[dict[str, Any]]) -> str:
         gains = ", ".join(fmt_ratio(ratio(a["capacity_rps"], b["capacity_rps"])) for a, b in zip(split, base, strict=True))
         wins = [beats(a["capacity_rps"], b["capacity_rps"]) for a, b in zip(split, base, strict=True)]
         return (f"{' / '.join(map(cap, split))} vs {' / '.join(map(cap, base))} rps{per}: {gains} ({where}) "
-                f"(direction holds: {holds(wins)})")
+                f"(direction holds: {holds_on_seeds(wins)})")
 
     def tok(rows: list[dict[str, Any]]) -> str:
         return " / ".join(f"{r['goodput_tok_s']:.0f}" for r in rows)
@@ -347,7 +345,7 @@ def _real_cells(real: dict[str, Any] | None, wl: str) -> tuple[str, str, str]:
     wins = [beats(s["goodput_tok_s"], c["goodput_tok_s"]) and beats(s["goodput_tok_s"], d["goodput_tok_s"])
             for s, c, d in zip(split, coloc, disagg, strict=True)]
     good = (f"{tok(split)} vs {tok(coloc)} (PD Coloc.) and {tok(disagg)} tok/s (PD Disagg.){per}, each at its own "
-            f"capacity ({where}) (direction holds: {holds(wins)})")
+            f"capacity ({where}) (direction holds: {holds_on_seeds(wins)})")
     return cap_cell(coloc), cap_cell(disagg), good
 
 

@@ -98,13 +98,13 @@ def _real(args: argparse.Namespace, log: Progress) -> dict[str, Any] | None:
     from tidal.common.machine import machine_info
     from tidal.common.results import command_line
 
-    out, command = os.path.join(args.output, "kunserve_real.json"), command_line("tidal reproduce")
+    out, command, info = os.path.join(args.output, "kunserve_real.json"), command_line("tidal reproduce"), machine_info()
     with tempfile.TemporaryDirectory(prefix="tidal-kunserve-real-") as tmp:  # each run's records: not kept
         # the memory-bound regime first: the capacity probe, the rate under it, the pool from the mean in use
         setup, regime = R.resolve(R.RealSetup(), os.path.join(tmp, "run"), log)
         rows = R.run(list(R.SYSTEMS), setup, os.path.join(tmp, "run"), log,
-                     on_row=lambda rows: write_json(R.record(command, setup, regime, rows, False, machine_info()), out))
-    real = R.record(command, setup, regime, rows, True, machine_info())
+                     on_row=lambda rows: write_json(R.record(command, setup, regime, rows, False, info), out))
+    real = R.record(command, setup, regime, rows, True, info)
     write_json(real, out)
     return real
 

@@ -190,6 +190,17 @@ def fmt_ratio(r: float | None) -> str:
     return "n/a" if r is None else f"{r:.2f}x"
 
 
+def holds_on_seeds(wins: Sequence[bool]) -> str:
+    """A real direction's verdict over paired seeds: it holds only when it holds on every seed."""
+    return "yes" if all(wins) else f"**no**, {sum(wins)} of {len(wins)} seeds" if len(wins) > 1 else "**no**"
+
+
+def ratio_span(xs: Sequence[float]) -> str:
+    """Per-seed ratios as one range, lowest to highest (one figure when they round alike)."""
+    lo, hi = f"{min(xs):.2f}", f"{max(xs):.2f}"
+    return f"{lo}x" if lo == hi else f"{lo}-{hi}x"
+
+
 def claims_range(claims: Sequence[Claim], prefix: str, contains: str
                  ) -> tuple[float, float, float, float, int, int] | None:
     """(lowest and highest median ratio, lowest and highest seed, claims that hold, claims) of the

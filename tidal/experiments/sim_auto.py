@@ -312,39 +312,30 @@ def _all_schedules(res: dict[str, Any], args: argparse.Namespace, path: str, t0:
               else list(res["trace"]["levels"]))
     command = command_line(PROG)
     print(f"command: {command}")
-    previous = None
-    old = os.path.join(args.output, S.FILE)
-    if os.path.isfile(old):  # a run on this trace already: its level-seed pairs are read, not run again
-        with open(old, encoding="utf-8") as f:
-            previous = json.load(f)
-        if not S.matches(res, previous):
-            previous = None
+    previous = S.read(res, args.output)[0]  # a run on this trace already: its level-seed pairs are read, not run
     try:
         out = S.run_schedules(res, levels, args.schedule_seeds or len(res["setup"]["seeds"]), args.jobs,
                               args.traces_dir, log, previous)
     except (ValueError, AT.TraceError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
+    before = previous.get("wall_time_s", 0.0) + previous.get("wall_time_before_s", 0.0) if previous else 0.0
     out.update(command=command, machine=machine_info(), wall_time_s=time.perf_counter() - t0,
-               wall_time_before_s=(previous or {}).get("wall_time_s", 0.0) + (previous or {}).get("wall_time_before_s", 0.0)
-               if out["read_back"] else 0.0)
+               wall_time_before_s=before if out["read_back"] else 0.0)
     write_json(out, os.path.join(args.output, S.FILE))
     return _write(res, args, path)
 
 
 def _write(res: dict[str, Any], args: argparse.Namespace, path: str) -> int:
     from tidal.experiments.auto_page import summary_lines, write_page, write_plots
-    from tidal.experiments.auto_schedules import FILE, matches
+    from tidal.experiments.auto_schedules import FILE, read
 
-    sched = os.path.join(os.path.dirname(path), FILE)
-    if os.path.isfile(sched):  # --all-schedules' runs on this trace, read beside it
-        with open(sched, encoding="utf-8") as f:
-            got = json.load(f)
-        if matches(res, got):
-            res = {**res, "schedules": got}
-        else:
-            print(f"{PROG}: {sched} was run on another trace than {path}: left off the page "
-                  "(run --all-schedules again)", file=sys.stderr)
+    got, other = read(res, os.path.dirname(path))  # --all-schedules' runs on this trace, read beside it
+    if got is not None:
+        res = {**res, "schedules": got}
+    elif other:
+        print(f"{PROG}: {os.path.join(os.path.dirname(path), FILE)} was run on another trace than {path}: left off "
+              "the page (run --all-schedules again)", file=sys.stderr)
     figures = write_plots(res, args.output)
     if args.page:
         write_page(res, args.page, figures)
