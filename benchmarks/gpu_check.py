@@ -1,6 +1,7 @@
 """The GPU check a developer runs when a device is lent (issue 41): one script, one log, one JSON.
 
     python benchmarks/gpu_check.py --out DIR [--tokenizer DIR] [--stages models,parity,steps,offline,serve]
+                                   [--baseline TREE]
 
 Stages, each in its own process under a time limit (a hang or a crash costs that stage only):
 - ``models``: random-weight Llama checkpoints of the Llama-3.2-1B and Llama-3-8B shapes (vocabulary 49,152,
@@ -11,7 +12,15 @@ Stages, each in its own process under a time limit (a hang or a crash costs that
   ``AnalyticCostModel``'s prediction for this GPU (the ratio the issue asks for);
 - ``offline``: ``tidal bench offline --device cuda`` (tidal, transformers generate, generate_batch), 8B;
 - ``serve``: ``tidal serve`` on CUDA (one instance, ``--instances 2``, 1P1D, split) answering the same
-  greedy requests as one instance, 1B shape.
+  greedy requests as one instance, 1B shape;
+- ``kernels``: the fused elementwise kernels (engine/triton_fused.py) against the torch ops they replace on
+  the 8B shape (bfloat16: bit for bit, or how many elements differ), their times, the decoder's matrix
+  products at 1 and 32 rows against the bytes they read, and the device-to-device copy bandwidth.
+
+``--baseline TREE`` (a directory holding an earlier commit's ``tidal/``) runs the stages of ``--ab-stages``
+(default steps and offline) once on that tree ("before") and once on this one ("after"), one after the other
+in the same run: a change measured against the previous commit on the same GPU. ``steps`` also records the
+GPU kernels of a few decode steps (torch.profiler, the largest first) at batch 1 and 32.
 
 ``--device cpu --tiny`` runs every stage on a 2-layer model on the CPU: how the script is tested before a
 GPU is lent. Every figure goes to ``DIR/gpu_check.json`` (one object per stage) and the log to stdout.
@@ -134,7 +143,6 @@ def stage_parity(args) -> dict:
 def stage_steps(args) -> dict:
     import torch
 
-    from tidal import SamplingParams
     from tidal.config import EngineConfig
     from tidal.engine.llm_engine import LLMEngine
     from tidal.sim.analytic import AnalyticCostModel
@@ -143,41 +151,108 @@ def stage_steps(args) -> dict:
     path = os.path.join(args.models, args.step_shape)
     hw_name = _hardware_name(args)
     out: dict = {"hardware_model": hw_name, "shape": args.step_shape}
-    for label, kw in (("eager", {"enforce_eager": True}), ("graphs", {})):
+    modes = {"eager": {"enforce_eager": True}, "graphs": {}}
+    for label in args.step_modes.split(","):
         e = LLMEngine(EngineConfig.from_kwargs(model=path, dtype="bfloat16", device=args.device,
                                                kv_cache_memory="8GiB", max_num_seqs=64,
-                                               max_num_batched_tokens=4096, **kw))
+                                               max_num_batched_tokens=4096, **modes[label]))
         model = AnalyticCostModel(e.arch, get_hardware(hw_name), dtype_bytes=2) if hw_name else None
-        res = {"attention": e.model.attention_backend}
+        weight_bytes = sum(p.numel() * p.element_size() for p in e.model.parameters())
+        res = {"attention": e.model.attention_backend, "weight_gb": round(weight_bytes / 1e9, 3)}
         for batch in (1, 32):
-            for i, p in enumerate(_prompts(batch, 128, 128, seed=batch)):
-                e.add_request(f"{label}-{batch}-{i}", None,
-                              SamplingParams(temperature=0, max_tokens=80, ignore_eos=True), prompt_token_ids=p)
-            times, walls, ratios = [], [], []
-            steps = 0
-            while e.has_unfinished_requests():
-                t0 = time.perf_counter()
-                e.step()
-                wall = time.perf_counter() - t0
-                comp = e.last_result.composition
-                steps += 1
-                if comp.num_prefill_tokens or comp.num_decode_seqs != batch or steps < 8:
-                    continue  # decodes of the whole batch only, after a few warm steps
-                times.append(e.last_result.step_time_s)
-                walls.append(wall)
-                if model is not None:
-                    ratios.append(e.last_result.step_time_s / model.decode_step_time_at(list(comp.context_lens), 0))
-            res[f"batch{batch}"] = {
-                "step_ms_median": round(1e3 * statistics.median(times), 3),
-                "engine_step_ms_median": round(1e3 * statistics.median(walls), 3),
-                "steps": len(times),
-                "vs_analytic": round(statistics.median(ratios), 3) if ratios else None}
-            log(f"steps {label} batch {batch}: {res[f'batch{batch}']}")
+            res[f"batch{batch}"] = _time_decodes(e, f"{label}-{batch}", batch, model, weight_bytes,
+                                                 profile=label == "graphs" and args.profile_steps)
+            log(f"steps {label} batch {batch}: {_brief(res[f'batch{batch}'])}")
+        if label == "graphs" and args.partitions and e.runner.graphs is not None:
+            res["partition"] = _partition_variants(e, args, model, weight_bytes)
         if e.runner.graphs is not None:
             res["graph_pool_mib"] = round(e.runner.graphs.pool_bytes / 2**20, 1)
         out[label] = res
         del e
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return out
+
+
+def _brief(r: dict) -> dict:
+    return {k: v for k, v in r.items() if k != "kernels"}
+
+
+def _time_decodes(e, tag: str, batch: int, model, weight_bytes: int, profile: bool = False) -> dict:
+    """Decode steps of ``batch`` 128-token prompts (80 tokens each): the median step of the whole batch, the
+    engine's step around it, the analytic model's ratio and the weights' read rate; with ``profile``, the
+    GPU kernels of five of those steps by total time."""
+    import torch
+
+    from tidal import SamplingParams
+
+    for i, p in enumerate(_prompts(batch, 128, 128, seed=batch)):
+        e.add_request(f"{tag}-{i}", None, SamplingParams(temperature=0, max_tokens=80, ignore_eos=True),
+                      prompt_token_ids=p)
+    times, walls, ratios = [], [], []
+    steps, prof = 0, None
+    while e.has_unfinished_requests():
+        if profile and steps == 20:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                      torch.profiler.ProfilerActivity.CUDA])
+            prof.__enter__()
+        t0 = time.perf_counter()
+        e.step()
+        wall = time.perf_counter() - t0
+        steps += 1
+        if prof is not None and steps == 25:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            prof.__exit__(None, None, None)
+        comp = e.last_result.composition
+        if comp.num_prefill_tokens or comp.num_decode_seqs != batch or steps < 8:
+            continue  # decodes of the whole batch only, after a few warm steps
+        times.append(e.last_result.step_time_s)
+        walls.append(wall)
+        if model is not None:
+            ratios.append(e.last_result.step_time_s / model.decode_step_time_at(list(comp.context_lens), 0))
+    step = statistics.median(times)
+    out = {"step_ms_median": round(1e3 * step, 3), "engine_step_ms_median": round(1e3 * statistics.median(walls), 3),
+           "steps": len(times), "vs_analytic": round(statistics.median(ratios), 3) if ratios else None,
+           "weights_tb_s": round(weight_bytes / step / 1e12, 3),
+           "hbm_fraction": round(weight_bytes / step / HBM_BYTES_S, 3)}
+    if prof is not None:
+        out["kernels"] = _kernel_table(prof, steps=5)
+    return out
+
+
+HBM_BYTES_S = 4.8e12  # the H200's datasheet bandwidth: the issue's "fraction of HBM" is against it
+
+
+def _kernel_table(prof, steps: int, top: int = 40) -> dict:
+    """The profiled GPU kernels by total time: per step, microseconds and calls, the largest first."""
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "self_device_time_total", None)
+        if t is None:
+            t = getattr(ev, "self_cuda_time_total", 0)
+        if t and ev.device_type.name == "CUDA":
+            rows.append((ev.key[:120], round(t / steps, 1), round(ev.count / steps, 2)))
+    rows.sort(key=lambda r: -r[1])
+    return {"per_step_us_total": round(sum(r[1] for r in rows), 1), "kernels_per_step": round(sum(r[2] for r in rows), 1),
+            "top": rows[:top]}
+
+
+def _partition_variants(e, args, model, weight_bytes: int) -> dict:
+    """The decode steps again with other FlashDecoding span lengths (tokens a program covers): the graphs are
+    captured anew for each (the split count is part of a graph)."""
+    from tidal.engine import attention, triton_attention
+
+    out = {}
+    keep = attention.PARTITION
+    try:
+        for part in (int(x) for x in args.partitions.split(",")):
+            attention.PARTITION = triton_attention.PARTITION = part
+            e.runner.graphs.graphs = {}
+            out[part] = {b: _brief(_time_decodes(e, f"part{part}-{b}", b, model, weight_bytes)) for b in (1, 32)}
+            log(f"steps partition {part}: {out[part]}")
+    finally:
+        attention.PARTITION = triton_attention.PARTITION = keep
+        e.runner.graphs.graphs = {}
     return out
 
 
@@ -192,16 +267,21 @@ def _hardware_name(args) -> str | None:
 
 def stage_offline(args) -> dict:
     path = os.path.join(args.models, args.offline_shape)
-    dst = os.path.join(args.out, "offline.json")
+    dst = os.path.join(args.out, f"offline-{args.tree}.json")
     cmd = [sys.executable, "-m", "tidal.cli", "bench", "offline", "--model", path, "--device", args.device,
            "--dtype", "bfloat16" if args.device.startswith("cuda") else "float32",
-           "--systems", args.offline_systems, "--workloads", args.offline_workloads, "--repeats", "1",
+           "--systems", args.offline_systems, "--workloads", args.offline_workloads, "--repeats",
+           str(args.offline_repeats),
            "--no-peak", "--no-prefill-runs", "--no-plots", "--no-progress", "--output", dst]
     log("offline:", " ".join(cmd))
-    subprocess.run(cmd, check=True, timeout=args.stage_timeout - 10)
+    # run from the tree's root: ``-m`` puts the working directory first on sys.path, ahead of PYTHONPATH
+    cwd = args.baseline if args.tree == "before" else ROOT
+    subprocess.run(cmd, check=True, timeout=args.stage_timeout - 10, cwd=cwd)
     with open(dst) as f:
         data = json.load(f)
-    return {"command": " ".join(cmd), "summary": _offline_summary(data)}
+    imported = subprocess.run([sys.executable, "-c", "import tidal; print(tidal.__file__)"], cwd=cwd,
+                              capture_output=True, text=True, check=True).stdout.strip()  # the CLI's tidal
+    return {"command": " ".join(cmd), "summary": _offline_summary(data), "cli_tidal": imported}
 
 
 def _offline_summary(data: dict) -> dict:
@@ -279,8 +359,93 @@ def stage_profile(args) -> dict:
     return {"command": " ".join(cmd), "fit_lines": lines}
 
 
+def stage_kernels(args) -> dict:
+    """The fused kernels against torch's ops (bit for bit in bfloat16 on the GPU), the time of each against
+    the ops it replaces, the decoder's matrix products against their bytes, and the copy bandwidth."""
+    import torch
+    from triton.testing import do_bench
+
+    dev, dt = args.device, torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    g = torch.Generator(device=dev).manual_seed(0)
+    out: dict = {"dtype": str(dt)}
+    if dev.startswith("cuda"):
+        n = 1 << 30
+        a, b = torch.empty(n, dtype=torch.uint8, device=dev), torch.empty(n, dtype=torch.uint8, device=dev)
+        a.random_(generator=g)
+        out["copy_tb_s"] = round(2 * n / do_bench(lambda: b.copy_(a), return_mode="median") / 1e9, 3)
+        del a, b
+
+    def bench(fn) -> float:
+        return round(1e3 * do_bench(fn, warmup=5, rep=20, return_mode="median"), 2) if dev.startswith("cuda") else 0.0
+
+    for t in (1, 32, 512):
+        out[f"tokens{t}"] = _kernel_checks(t, SHAPES[args.step_shape], dev, dt, g, bench)
+        log(f"kernels {t} tokens: " + json.dumps(out[f"tokens{t}"]))
+    return out
+
+
+def _diff(x, y) -> dict:
+    return {"differ": int((x != y).sum()), "of": x.numel(), "max_abs": float((x.float() - y.float()).abs().max())}
+
+
+def _kernel_checks(t: int, shape: tuple, dev: str, dt, g, bench) -> dict:
+    """One row count of :func:`stage_kernels`."""
+    import torch
+    import torch.nn.functional as F
+
+    from tidal.engine import triton_fused as tf
+    from tidal.engine.model import Rotary
+
+    h, _, heads, kvh, inter, _ = shape
+    d = h // heads
+    r: dict = {}
+    x, res = (torch.randn(t, h, generator=g, device=dev).to(dt) for _ in range(2))
+    w = torch.randn(h, generator=g, device=dev).to(dt)
+    o, s2 = tf.rms_norm(x, w, 1e-5, residual=res)
+    r["add_rms_norm"] = {**_diff(o, w * F.rms_norm(x + res, (h,), eps=1e-5)), "residual": _diff(s2, x + res),
+                         "fused_us": bench(lambda: tf.rms_norm(x, w, 1e-5, residual=res)),
+                         "torch_us": bench(lambda: w * F.rms_norm(x + res, (h,), eps=1e-5))}
+    qkv = torch.randn(t, (heads + 2 * kvh) * d, generator=g, device=dev).to(dt)
+    pos = torch.randint(0, 4000, (t,), generator=g, device=dev)
+    cos = torch.randn(4096, d // 2, generator=g, device=dev)[pos].unsqueeze(1).to(dt)
+    sin = torch.randn(4096, d // 2, generator=g, device=dev)[pos].unsqueeze(1).to(dt)
+    kc, vc = (torch.zeros(1024, 16, kvh, d, dtype=dt, device=dev) for _ in range(2))
+    slots = torch.randperm(1024 * 16, generator=g, device=dev)[:t]
+    q = tf.rope_write_kv(qkv, cos, sin, kc, vc, slots, heads, kvh, d)
+
+    def torch_rope():
+        qk = Rotary.apply(qkv[:, :(heads + kvh) * d].view(t, -1, d), cos, sin)
+        kc.view(-1, kvh, d).index_copy_(0, slots, qk[:, heads:])
+        vc.view(-1, kvh, d).index_copy_(0, slots, qkv[:, (heads + kvh) * d:].view(t, kvh, d))
+        return qk
+
+    kf, vf = kc.clone(), vc.clone()
+    qk = torch_rope()
+    r["rope_write_kv"] = {"q": _diff(q, qk[:, :heads]), "k": _diff(kf, kc), "v": _diff(vf, vc),
+                          "fused_us": bench(lambda: tf.rope_write_kv(qkv, cos, sin, kc, vc, slots, heads, kvh, d)),
+                          "torch_us": bench(torch_rope)}
+    gu = torch.randn(t, 2 * inter, generator=g, device=dev).to(dt)
+    gate, up = gu.chunk(2, dim=-1)
+    r["silu_mul"] = {**_diff(tf.silu_mul(gu), F.silu(gate) * up), "fused_us": bench(lambda: tf.silu_mul(gu)),
+                     "torch_us": bench(lambda: F.silu(gate) * up)}
+    r["matmul"] = {name: _matmul_rate(t, n, k, dev, dt, g, bench) for name, (n, k) in {
+        "qkv": ((heads + 2 * kvh) * d, h), "o": (h, h), "gate_up": (2 * inter, h), "down": (h, inter)}.items()}
+    return r
+
+
+def _matmul_rate(t: int, n: int, k: int, dev: str, dt, g, bench) -> dict:
+    """``F.linear`` of ``t`` rows through an [n, k] weight: microseconds and the weight's read rate (TB/s)."""
+    import torch
+    import torch.nn.functional as F
+
+    wt = torch.randn(n, k, generator=g, device=dev).to(dt)
+    xx = torch.randn(t, k, generator=g, device=dev).to(dt)
+    us = bench(lambda: F.linear(xx, wt))
+    return {"us": us, "tb_s": round(wt.numel() * wt.element_size() / us / 1e6, 3) if us else None}
+
+
 STAGES = {"models": stage_models, "parity": stage_parity, "steps": stage_steps, "offline": stage_offline,
-          "serve": stage_serve, "profile": stage_profile}
+          "serve": stage_serve, "profile": stage_profile, "kernels": stage_kernels}
 
 
 # ============================================================================ driver
@@ -298,20 +463,32 @@ def main() -> int:
                     help="seconds for the whole check: no stage starts past it, each gets what is left")
     ap.add_argument("--offline-systems", default="tidal,hf,hf-cb")
     ap.add_argument("--offline-workloads", default="c,b,a")
+    ap.add_argument("--offline-repeats", type=int, default=1)
     ap.add_argument("--parity-tokens", type=int, default=32)
+    ap.add_argument("--baseline", default=None, help="a tree holding an earlier commit's tidal/ (see above)")
+    ap.add_argument("--ab-stages", default="steps,offline", help="the stages run on both trees")
+    ap.add_argument("--step-modes", default="eager,graphs", help="the steps stage's engines")
+    ap.add_argument("--profile-steps", action="store_true", help="the GPU kernels of the graphs' decode steps")
+    ap.add_argument("--partitions", default="", help="the steps again with these FlashDecoding spans, e.g. 256,128")
     ap.add_argument("--stage", default=None, help=argparse.SUPPRESS)  # run one stage in this process
+    ap.add_argument("--tree", default="after", help=argparse.SUPPRESS)  # which tree the stage runs on
     args = ap.parse_args()
-    args.models = args.models or os.path.join(os.path.dirname(os.path.abspath(args.out)), "models")
+    args.out = os.path.abspath(args.out)
+    args.models = os.path.abspath(args.models or os.path.join(os.path.dirname(args.out), "models"))
     big = "tiny" if args.tiny else "8b"
     small = "tiny" if args.tiny else "1b"
     args.shapes = sorted({big, small})
     args.parity_shape, args.step_shape, args.offline_shape, args.serve_shape = small, big, big, small
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.models, exist_ok=True)
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    if args.baseline:
+        args.baseline = os.path.abspath(args.baseline)
+    tree = args.baseline if args.tree == "before" else ROOT
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p)
     if args.stage:
         result = STAGES[args.stage](args)
-        with open(os.path.join(args.models, f"stage-{args.stage}.json"), "w") as f:
+        result["tree"] = _tree_identity(tree)
+        with open(os.path.join(args.models, f"stage-{args.stage}-{args.tree}.json"), "w") as f:
             json.dump(result, f, indent=1)
         return 0
     report = {"argv": sys.argv, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -323,39 +500,62 @@ def main() -> int:
     except Exception as e:  # noqa: BLE001
         report["torch"] = f"unavailable ({e})"
     start = time.perf_counter()
+    ab = set(args.ab_stages.split(",")) if args.baseline else set()
     for stage in args.stages.split(","):
-        t0 = time.perf_counter()
-        limit = dict((k, int(v)) for k, v in (x.split("=") for x in args.stage_timeouts.split(",") if x)).get(
-            stage, args.stage_timeout)
-        if args.deadline:
-            limit = min(limit, int(args.deadline - (t0 - start)))
-            if limit < 20:
-                log(f"== stage {stage}: skipped (deadline)")
-                report[stage] = {"rc": "skipped (deadline)"}
-                continue
-        cmd = [sys.executable, os.path.abspath(__file__), "--stage", stage, *sys.argv[1:], "--stage-timeout",
-               str(limit)]
-        log(f"== stage {stage}")
-        proc = subprocess.Popen(cmd, start_new_session=True)
-        try:
-            rc = proc.wait(limit)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            rc = "timeout"
-        took = round(time.perf_counter() - t0, 1)
-        entry: dict = {"rc": rc, "seconds": took}
-        path = os.path.join(args.models, f"stage-{stage}.json")
-        if rc == 0 and os.path.exists(path):
-            with open(path) as f:
-                entry["result"] = json.load(f)
-        report[stage] = entry
-        log(f"== stage {stage}: rc {rc} in {took} s")
-        with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
-            json.dump(report, f, indent=1)
+        for tree in ("before", "after") if stage in ab else ("after",):
+            entry = _run_stage(args, stage, tree, start)
+            if stage in ab:
+                report.setdefault(stage, {})[tree] = entry
+            else:
+                report[stage] = entry
+            with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
+                json.dump(report, f, indent=1)
     return 0
 
 
+def _tree_identity(root: str) -> dict:
+    """Where the stage's ``tidal`` was imported from, and the commit a ``COMMIT`` file in that tree names."""
+    import tidal
+
+    commit = os.path.join(root, "COMMIT")
+    return {"tidal": os.path.dirname(os.path.abspath(tidal.__file__)),
+            "commit": open(commit).read().strip() if os.path.exists(commit) else None}
+
+
+def _run_stage(args, stage: str, tree: str, start: float) -> dict:
+    """One stage in its own process (and process group) under its time limit, on one tree."""
+    t0 = time.perf_counter()
+    limit = dict((k, int(v)) for k, v in (x.split("=") for x in args.stage_timeouts.split(",") if x)).get(
+        stage, args.stage_timeout)
+    if args.deadline:
+        limit = min(limit, int(args.deadline - (t0 - start)))
+        if limit < 20:
+            log(f"== stage {stage} ({tree}): skipped (deadline)")
+            return {"rc": "skipped (deadline)"}
+    argv = [a for a in sys.argv[1:]]
+    cmd = [sys.executable, os.path.abspath(__file__), "--stage", stage, *argv, "--stage-timeout", str(limit),
+           "--tree", tree]
+    log(f"== stage {stage} ({tree})")
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        rc = proc.wait(limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        rc = "timeout"
+    took = round(time.perf_counter() - t0, 1)
+    entry: dict = {"rc": rc, "seconds": took}
+    path = os.path.join(args.models, f"stage-{stage}-{tree}.json")
+    if rc == 0 and os.path.exists(path):
+        with open(path) as f:
+            entry["result"] = json.load(f)
+    log(f"== stage {stage} ({tree}): rc {rc} in {took} s")
+    return entry
+
+
 if __name__ == "__main__":
-    sys.path.insert(0, ROOT)
+    # a stage on the "before" tree imports that tree's tidal (the argument is read before anything imports it)
+    before = "--tree" in sys.argv and sys.argv[sys.argv.index("--tree") + 1] == "before"
+    base = sys.argv[sys.argv.index("--baseline") + 1] if "--baseline" in sys.argv else None
+    sys.path.insert(0, os.path.abspath(base) if before and base else ROOT)
     sys.exit(main())

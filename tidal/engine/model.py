@@ -159,7 +159,36 @@ class DecoderLayer(nn.Module):
                    qkv[:, q + kvs:].view(T, self.num_kv_heads, self.head_dim), kv, batch, self.scale)
         return torch.ops.tidal.layer_attn_out(a, h, norm2, ws, qs, dm, shapes, eps)
 
+    def fused_forward(self, h: torch.Tensor, kv: KVLayer, batch: AttentionBatch,
+                      residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward with its elementwise work in Triton kernels (engine/triton_fused.py): the norms (each with
+        the residual add before it), RoPE with the K/V writes, and SiLU-and-product each one kernel. The
+        layer's input is ``h + residual`` (``h`` alone if None); it returns ``(out, residual)`` whose sum is
+        the layer's output, so that the next layer's norm does the add (vLLM's fused add-norm)."""
+        from tidal.engine import triton_fused as tf
+
+        T, eps = h.shape[0], self.input_layernorm.eps
+        x, residual = tf.rms_norm(h, self.input_layernorm.weight, eps, residual=residual)
+        qkv = self.qkv_proj(x)
+        q = tf.rope_write_kv(qkv, *batch.rope, kv.k, kv.v, batch.slot_mapping, self.num_heads, self.num_kv_heads,
+                             self.head_dim)
+        k_new = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, self.num_kv_heads, self.head_dim)
+        a = attend(q, k_new, k_new, kv, batch, self.scale)  # (the Triton kernels read K and V from the cache)
+        x, residual = tf.rms_norm(self.o_proj(a.view(T, self.q_size)), self.post_attention_layernorm.weight,
+                                  self.post_attention_layernorm.eps, residual=residual)
+        return self.down_proj(tf.silu_mul(self.gate_up_proj(x))), residual
+
+    @staticmethod
+    def fuses(batch: AttentionBatch) -> bool:
+        """Whether a step runs :meth:`fused_forward`: the Triton attention's steps (a CUDA graph's too), not
+        under --compile (Inductor fuses those itself)."""
+        return batch.triton_attention and (batch.varlen is not None or not batch.prefills) and \
+            not torch.compiler.is_compiling()
+
     def forward(self, h: torch.Tensor, kv: KVLayer, batch: AttentionBatch) -> torch.Tensor:
+        if self.fuses(batch):
+            out, residual = self.fused_forward(h, kv, batch)
+            return out + residual
         T = h.shape[0]
         x = self.input_layernorm(h)
         qkv = self.qkv_proj(x)
@@ -475,6 +504,11 @@ class LlamaModel(nn.Module):
         if wide:
             dtype, h = h.dtype, h.float()
             batch.rope = self.rotary.tables(batch.positions, torch.float32)
+        if DecoderLayer.fuses(batch):  # the Triton kernels: each layer's residual add done by the next one's norm
+            residual = None
+            for i in ids:
+                h, residual = self.layers[str(i)].fused_forward(h, kv_caches[i], batch, residual)
+            return h if residual is None else h + residual
         for i in ids:
             layer = self.layers[str(i)]
             args = layer.native_args() if native or wide else None

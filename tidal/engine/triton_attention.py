@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from tidal.engine.attention import PARTITION, num_splits
+from tidal.engine.triton_fused import merge_splits
 
 TILE_N = 32  # keys a loop iteration reads (two 16-token blocks)
 BLOCK_M = 32  # query rows of a prefill tile
@@ -103,8 +104,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
         IEEE=q.dtype == torch.float32)
     if splits == 1:
         return o[:, :, 0].to(q.dtype)
-    w = torch.softmax(lse, dim=-1)  # exp(lse_s - logsumexp(lse)): each span's share of the softmax
-    return (o * w.unsqueeze(-1)).sum(2).to(q.dtype)
+    return merge_splits(o, lse, q.dtype)  # sum_s exp(lse_s - logsumexp(lse)) o_s: each span's share, one kernel
 
 
 @triton.jit
