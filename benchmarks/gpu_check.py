@@ -151,20 +151,21 @@ def stage_steps(args) -> dict:
     path = os.path.join(args.models, args.step_shape)
     hw_name = _hardware_name(args)
     out: dict = {"hardware_model": hw_name, "shape": args.step_shape}
-    modes = {"eager": {"enforce_eager": True}, "graphs": {}}
+    # graphs-cublas: the decoder's products in cuBLAS rather than engine/triton_skinny.py (TIDAL_SKINNY_GEMM=0)
+    modes = {"eager": {"enforce_eager": True}, "graphs": {}, "graphs-cublas": {}}
     for label in args.step_modes.split(","):
+        os.environ["TIDAL_SKINNY_GEMM"] = "0" if label == "graphs-cublas" else "1"
         e = LLMEngine(EngineConfig.from_kwargs(model=path, dtype="bfloat16", device=args.device,
                                                kv_cache_memory="8GiB", max_num_seqs=64,
                                                max_num_batched_tokens=4096, **modes[label]))
         model = AnalyticCostModel(e.arch, get_hardware(hw_name), dtype_bytes=2) if hw_name else None
         weight_bytes = sum(p.numel() * p.element_size() for p in e.model.parameters())
-        res = {"attention": e.model.attention_backend, "weight_gb": round(weight_bytes / 1e9, 3)}
+        res = {"attention": e.model.attention_backend, "weight_gb": round(weight_bytes / 1e9, 3),
+               "skinny": getattr(e.model, "skinny", None) is not None}
         for batch in (1, 32):
             res[f"batch{batch}"] = _time_decodes(e, f"{label}-{batch}", batch, model, weight_bytes,
-                                                 profile=label == "graphs" and args.profile_steps)
+                                                 profile=label.startswith("graphs") and args.profile_steps)
             log(f"steps {label} batch {batch}: {_brief(res[f'batch{batch}'])}")
-        if label == "graphs" and args.partitions and e.runner.graphs is not None:
-            res["partition"] = _partition_variants(e, args, model, weight_bytes)
         if e.runner.graphs is not None:
             res["graph_pool_mib"] = round(e.runner.graphs.pool_bytes / 2**20, 1)
         out[label] = res
@@ -237,25 +238,6 @@ def _kernel_table(prof, steps: int, top: int = 40) -> dict:
             "top": rows[:top]}
 
 
-def _partition_variants(e, args, model, weight_bytes: int) -> dict:
-    """The decode steps again with other FlashDecoding span lengths (tokens a program covers): the graphs are
-    captured anew for each (the split count is part of a graph)."""
-    from tidal.engine import attention, triton_attention
-
-    out = {}
-    keep = attention.PARTITION
-    try:
-        for part in (int(x) for x in args.partitions.split(",")):
-            attention.PARTITION = triton_attention.PARTITION = part
-            e.runner.graphs.graphs = {}
-            out[part] = {b: _brief(_time_decodes(e, f"part{part}-{b}", b, model, weight_bytes)) for b in (1, 32)}
-            log(f"steps partition {part}: {out[part]}")
-    finally:
-        attention.PARTITION = triton_attention.PARTITION = keep
-        e.runner.graphs.graphs = {}
-    return out
-
-
 def _hardware_name(args) -> str | None:
     import torch
 
@@ -301,6 +283,7 @@ def stage_serve(args) -> dict:
     modes = {"one": [], "split": ["--instances", "2", "--mode", "split"],
              "disaggregate": ["--instances", "2", "--mode", "disaggregate", "--prefill-instances", "1"],
              "instances2": ["--instances", "2"]}
+    modes = {m: modes[m] for m in ["one", *(m for m in args.serve_modes.split(",") if m != "one")]}
     out, ref = {}, None
     for i, (mode, extra) in enumerate(modes.items()):
         port = 18500 + i
@@ -335,6 +318,7 @@ def stage_serve(args) -> dict:
                                                                                    zip(got, ref, strict=True)),
                          "of": len(prompts)}
             log(f"serve {mode}: {out[mode]}")
+            _save_stage(args, "serve", out)  # kept if the stage is stopped at its limit
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             try:
@@ -378,7 +362,7 @@ def stage_kernels(args) -> dict:
     def bench(fn) -> float:
         return round(1e3 * do_bench(fn, warmup=5, rep=20, return_mode="median"), 2) if dev.startswith("cuda") else 0.0
 
-    for t in (1, 32, 512):
+    for t in (1, 32, 64):
         out[f"tokens{t}"] = _kernel_checks(t, SHAPES[args.step_shape], dev, dt, g, bench)
         log(f"kernels {t} tokens: " + json.dumps(out[f"tokens{t}"]))
     return out
@@ -434,14 +418,28 @@ def _kernel_checks(t: int, shape: tuple, dev: str, dt, g, bench) -> dict:
 
 
 def _matmul_rate(t: int, n: int, k: int, dev: str, dt, g, bench) -> dict:
-    """``F.linear`` of ``t`` rows through an [n, k] weight: microseconds and the weight's read rate (TB/s)."""
+    """``F.linear`` of ``t`` rows through an [n, k] weight (cuBLAS) against engine/triton_skinny.py's kernel:
+    microseconds, the weight's read rate (TB/s), and the kernel's relative difference from cuBLAS."""
     import torch
     import torch.nn.functional as F
+
+    from tidal.engine import triton_skinny as ts
 
     wt = torch.randn(n, k, generator=g, device=dev).to(dt)
     xx = torch.randn(t, k, generator=g, device=dev).to(dt)
     us = bench(lambda: F.linear(xx, wt))
-    return {"us": us, "tb_s": round(wt.numel() * wt.element_size() / us / 1e6, 3) if us else None}
+    gb = wt.numel() * wt.element_size() / 1e9
+    out = {"us": us, "tb_s": round(gb / us * 1e3, 3) if us else None}
+    if dev.startswith("cuda"):
+        sk = ts.Skinny.for_device(torch.device(dev))
+        p = ts.plan(t, n, k, sk.sms)
+        if p is not None:
+            ref = F.linear(xx, wt).float()
+            got = sk(xx, wt).float()
+            sus = bench(lambda: sk(xx, wt))
+            out.update({"skinny_us": sus, "skinny_tb_s": round(gb / sus * 1e3, 3) if sus else None,
+                        "split": p.split, "skinny_rel_err": float((got - ref).norm() / ref.norm())})
+    return out
 
 
 STAGES = {"models": stage_models, "parity": stage_parity, "steps": stage_steps, "offline": stage_offline,
@@ -469,7 +467,7 @@ def main() -> int:
     ap.add_argument("--ab-stages", default="steps,offline", help="the stages run on both trees")
     ap.add_argument("--step-modes", default="eager,graphs", help="the steps stage's engines")
     ap.add_argument("--profile-steps", action="store_true", help="the GPU kernels of the graphs' decode steps")
-    ap.add_argument("--partitions", default="", help="the steps again with these FlashDecoding spans, e.g. 256,128")
+    ap.add_argument("--serve-modes", default="one,split,disaggregate,instances2")
     ap.add_argument("--stage", default=None, help=argparse.SUPPRESS)  # run one stage in this process
     ap.add_argument("--tree", default="after", help=argparse.SUPPRESS)  # which tree the stage runs on
     args = ap.parse_args()
@@ -488,8 +486,7 @@ def main() -> int:
     if args.stage:
         result = STAGES[args.stage](args)
         result["tree"] = _tree_identity(tree)
-        with open(os.path.join(args.models, f"stage-{args.stage}-{args.tree}.json"), "w") as f:
-            json.dump(result, f, indent=1)
+        _save_stage(args, args.stage, result)
         return 0
     report = {"argv": sys.argv, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:
@@ -513,6 +510,11 @@ def main() -> int:
     return 0
 
 
+def _save_stage(args, stage: str, result: dict) -> None:
+    with open(os.path.join(args.models, f"stage-{stage}-{args.tree}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+
+
 def _tree_identity(root: str) -> dict:
     """Where the stage's ``tidal`` was imported from, and the commit a ``COMMIT`` file in that tree names."""
     import tidal
@@ -524,7 +526,7 @@ def _tree_identity(root: str) -> dict:
 
 def _run_stage(args, stage: str, tree: str, start: float) -> dict:
     """One stage in its own process (and process group) under its time limit, on one tree."""
-    t0 = time.perf_counter()
+    t0, started = time.perf_counter(), time.time()
     limit = dict((k, int(v)) for k, v in (x.split("=") for x in args.stage_timeouts.split(",") if x)).get(
         stage, args.stage_timeout)
     if args.deadline:
@@ -546,7 +548,7 @@ def _run_stage(args, stage: str, tree: str, start: float) -> dict:
     took = round(time.perf_counter() - t0, 1)
     entry: dict = {"rc": rc, "seconds": took}
     path = os.path.join(args.models, f"stage-{stage}-{tree}.json")
-    if rc == 0 and os.path.exists(path):
+    if os.path.exists(path) and os.path.getmtime(path) >= started - 1:  # (a stopped stage's partial result too)
         with open(path) as f:
             entry["result"] = json.load(f)
     log(f"== stage {stage} ({tree}): rc {rc} in {took} s")

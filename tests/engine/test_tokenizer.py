@@ -61,6 +61,23 @@ def test_encode_decode_matches_transformers(tok: Tokenizer, text: str):
     assert tok.encode(text, add_special_tokens=False) == tok.hf.encode(text, add_special_tokens=False)
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ids=st.lists(st.integers(0, 49151), max_size=24), skip=st.booleans())
+def test_decode_takes_the_rust_path_and_equals_transformers(tok: Tokenizer, ids: list[int], skip: bool):
+    """Any ids (special tokens, partial characters): the Rust object's decode, which tidal calls directly,
+    gives transformers' text."""
+    assert tok._rust() is not None
+    assert tok.decode(ids, skip_special_tokens=skip) == tok.hf.decode(ids, skip_special_tokens=skip)
+
+
+def test_decode_with_space_clean_up_goes_through_transformers(tok: Tokenizer, monkeypatch):
+    twin = tok.clone()
+    monkeypatch.setattr(twin.hf, "clean_up_tokenization_spaces", True, raising=False)
+    assert twin._rust() is None
+    ids = twin.encode("a , b .")
+    assert twin.decode(ids) == twin.hf.decode(ids, skip_special_tokens=True)
+
+
 def test_special_tokens_decode(tok: Tokenizer):
     ids = tok.encode("hi") + [2]
     assert tok.decode(ids) == "hi"
