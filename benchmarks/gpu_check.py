@@ -19,7 +19,8 @@ Stages, each in its own process under a time limit (a hang or a crash costs that
 
 ``--baseline TREE`` (a directory holding an earlier commit's ``tidal/``) runs the stages of ``--ab-stages``
 (default steps and offline) once on that tree ("before") and once on this one ("after"), one after the other
-in the same run: a change measured against the previous commit on the same GPU. ``steps`` also records the
+in the same run: a change measured against the previous commit on the same GPU. ``--offline-cublas`` adds
+an offline run of this tree with the few-row products in cuBLAS ("after-cublas"). ``steps`` also records the
 GPU kernels of a few decode steps (torch.profiler, the largest first) at batch 1 and 32.
 
 ``--device cpu --tiny`` runs every stage on a 2-layer model on the CPU: how the script is tested before a
@@ -468,6 +469,8 @@ def main() -> int:
     ap.add_argument("--step-modes", default="eager,graphs", help="the steps stage's engines")
     ap.add_argument("--profile-steps", action="store_true", help="the GPU kernels of the graphs' decode steps")
     ap.add_argument("--serve-modes", default="one,split,disaggregate,instances2")
+    ap.add_argument("--offline-cublas", action="store_true",
+                    help="offline once more on this tree with TIDAL_SKINNY_GEMM=0 (the tree 'after-cublas')")
     ap.add_argument("--stage", default=None, help=argparse.SUPPRESS)  # run one stage in this process
     ap.add_argument("--tree", default="after", help=argparse.SUPPRESS)  # which tree the stage runs on
     args = ap.parse_args()
@@ -482,6 +485,8 @@ def main() -> int:
     if args.baseline:
         args.baseline = os.path.abspath(args.baseline)
     tree = args.baseline if args.tree == "before" else ROOT
+    if args.tree == "after-cublas":  # this tree with the decoder's products in cuBLAS (engine/triton_skinny.py off)
+        os.environ["TIDAL_SKINNY_GEMM"] = "0"
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p)
     if args.stage:
         result = STAGES[args.stage](args)
@@ -499,9 +504,12 @@ def main() -> int:
     start = time.perf_counter()
     ab = set(args.ab_stages.split(",")) if args.baseline else set()
     for stage in args.stages.split(","):
-        for tree in ("before", "after") if stage in ab else ("after",):
+        trees = ("before", "after") if stage in ab else ("after",)
+        if stage == "offline" and args.offline_cublas:
+            trees = (*trees, "after-cublas")
+        for tree in trees:
             entry = _run_stage(args, stage, tree, start)
-            if stage in ab:
+            if len(trees) > 1:
                 report.setdefault(stage, {})[tree] = entry
             else:
                 report[stage] = entry
