@@ -15,16 +15,18 @@ Stages, each in its own process under a time limit (a hang or a crash costs that
   greedy requests as one instance, 1B shape;
 - ``kernels``: the fused elementwise kernels (engine/triton_fused.py) against the torch ops they replace on
   the 8B shape (bfloat16: bit for bit, or how many elements differ), their times, the decoder's matrix
-  products at 1 and 32 rows against the bytes they read, and the device-to-device copy bandwidth.
+  products (cuBLAS) at 1, 32 and 64 rows against the bytes they read, and the device-to-device copy
+  bandwidth.
 
 ``--baseline TREE`` (a directory holding an earlier commit's ``tidal/``) runs the stages of ``--ab-stages``
 (default steps and offline) once on that tree ("before") and once on this one ("after"), one after the other
-in the same run: a change measured against the previous commit on the same GPU. ``--offline-cublas`` adds
-an offline run of this tree with the few-row products in cuBLAS ("after-cublas"). ``steps`` also records the
+in the same run: a change measured against the previous commit on the same GPU. ``steps`` also records the
 GPU kernels of a few decode steps (torch.profiler, the largest first) at batch 1 and 32.
 
 ``--device cpu --tiny`` runs every stage on a 2-layer model on the CPU: how the script is tested before a
-GPU is lent. Every figure goes to ``DIR/gpu_check.json`` (one object per stage) and the log to stdout.
+GPU is lent. Every figure goes to ``DIR/gpu_check.json`` (one object per stage) and the log to stdout;
+``--record PATH`` also writes the performance page's record of the check (``tidal bench report`` reads it
+from ``benchmarks/results/``), and ``--summarize REPORT --record PATH`` writes it from a saved report.
 """
 
 from __future__ import annotations
@@ -152,20 +154,17 @@ def stage_steps(args) -> dict:
     path = os.path.join(args.models, args.step_shape)
     hw_name = _hardware_name(args)
     out: dict = {"hardware_model": hw_name, "shape": args.step_shape}
-    # graphs-cublas: the decoder's products in cuBLAS rather than engine/triton_skinny.py (TIDAL_SKINNY_GEMM=0)
-    modes = {"eager": {"enforce_eager": True}, "graphs": {}, "graphs-cublas": {}}
+    modes = {"eager": {"enforce_eager": True}, "graphs": {}}
     for label in args.step_modes.split(","):
-        os.environ["TIDAL_SKINNY_GEMM"] = "0" if label == "graphs-cublas" else "1"
         e = LLMEngine(EngineConfig.from_kwargs(model=path, dtype="bfloat16", device=args.device,
                                                kv_cache_memory="8GiB", max_num_seqs=64,
                                                max_num_batched_tokens=4096, **modes[label]))
         model = AnalyticCostModel(e.arch, get_hardware(hw_name), dtype_bytes=2) if hw_name else None
         weight_bytes = sum(p.numel() * p.element_size() for p in e.model.parameters())
-        res = {"attention": e.model.attention_backend, "weight_gb": round(weight_bytes / 1e9, 3),
-               "skinny": getattr(e.model, "skinny", None) is not None}
+        res = {"attention": e.model.attention_backend, "weight_gb": round(weight_bytes / 1e9, 3)}
         for batch in (1, 32):
             res[f"batch{batch}"] = _time_decodes(e, f"{label}-{batch}", batch, model, weight_bytes,
-                                                 profile=label.startswith("graphs") and args.profile_steps)
+                                                 profile=label == "graphs" and args.profile_steps)
             log(f"steps {label} batch {batch}: {_brief(res[f'batch{batch}'])}")
         if e.runner.graphs is not None:
             res["graph_pool_mib"] = round(e.runner.graphs.pool_bytes / 2**20, 1)
@@ -419,28 +418,112 @@ def _kernel_checks(t: int, shape: tuple, dev: str, dt, g, bench) -> dict:
 
 
 def _matmul_rate(t: int, n: int, k: int, dev: str, dt, g, bench) -> dict:
-    """``F.linear`` of ``t`` rows through an [n, k] weight (cuBLAS) against engine/triton_skinny.py's kernel:
-    microseconds, the weight's read rate (TB/s), and the kernel's relative difference from cuBLAS."""
+    """``F.linear`` of ``t`` rows through an [n, k] weight (cuBLAS): microseconds and the weight's read rate."""
     import torch
     import torch.nn.functional as F
-
-    from tidal.engine import triton_skinny as ts
 
     wt = torch.randn(n, k, generator=g, device=dev).to(dt)
     xx = torch.randn(t, k, generator=g, device=dev).to(dt)
     us = bench(lambda: F.linear(xx, wt))
-    gb = wt.numel() * wt.element_size() / 1e9
-    out = {"us": us, "tb_s": round(gb / us * 1e3, 3) if us else None}
-    if dev.startswith("cuda"):
-        sk = ts.Skinny.for_device(torch.device(dev))
-        p = ts.plan(t, n, k, sk.sms)
-        if p is not None:
-            ref = F.linear(xx, wt).float()
-            got = sk(xx, wt).float()
-            sus = bench(lambda: sk(xx, wt))
-            out.update({"skinny_us": sus, "skinny_tb_s": round(gb / sus * 1e3, 3) if sus else None,
-                        "split": p.split, "skinny_rel_err": float((got - ref).norm() / ref.norm())})
-    return out
+    return {"us": us, "tb_s": round(wt.numel() * wt.element_size() / us / 1e6, 3) if us else None}
+
+
+# ============================================================================ the page's record
+def figures(report: dict) -> list[list[str]]:
+    """The performance page's rows (``tidal bench report``'s ``figures`` record) from a check's report."""
+    rows: list[list[str]] = []
+
+    def res(stage: str, tree: str | None = None) -> dict:
+        entry = report.get(stage) or {}
+        entry = entry.get(tree) or {} if tree else entry
+        return entry.get("result") or {}
+
+    def commit(r: dict) -> str:
+        return (r.get("tree") or {}).get("commit") or "?"
+
+    k = res("kernels")
+    if k.get("copy_tb_s"):
+        rows.append(["device-to-device copy (read + write)", f"{k['copy_tb_s']:.2f} TB/s"])
+    for key, r in k.items():
+        if not key.startswith("tokens"):
+            continue
+        t = key.removeprefix("tokens")
+        fused = [f"{name} {r[name]['fused_us']:.1f} us (torch's ops {r[name]['torch_us']:.1f})"
+                 for name in ("add_rms_norm", "rope_write_kv", "silu_mul") if name in r]
+        differ = sum(v["differ"] for name in ("add_rms_norm", "rope_write_kv", "silu_mul") if name in r
+                     for v in ([r[name]] + [r[name][x] for x in ("residual", "q", "k", "v") if x in r[name]])
+                     if "differ" in v)
+        rows.append([f"fused kernels, {t} tokens ({k.get('dtype')}, 8B shape)",
+                     "; ".join(fused) + f"; elements differing from torch's ops: {differ}"])
+        mm = r.get("matmul") or {}
+        cells = []
+        for name, m in mm.items():
+            cell = f"{name} {m['us']:.1f} us = {m['tb_s']:.2f} TB/s"
+            if m.get("skinny_us"):
+                cell += f" (Triton split-K {m['skinny_us']:.1f} us = {m['skinny_tb_s']:.2f} TB/s)"
+            cells.append(cell)
+        if cells:
+            rows.append([f"cuBLAS products, {t} rows (weight read rate)", "; ".join(cells)])
+    st = res("steps")
+    for mode, r in st.items():
+        if not isinstance(r, dict) or "batch1" not in r:
+            continue
+        for b in ("batch1", "batch32"):
+            x = r.get(b) or {}
+            if not x:
+                continue
+            line = (f"{x['step_ms_median']:.2f} ms a step ({x['hbm_fraction'] * 100:.0f} % of 4.8 TB/s for the "
+                    f"weights), engine step {x['engine_step_ms_median']:.2f} ms, analytic model x{x['vs_analytic']}")
+            kern = x.get("kernels")
+            if kern and kern.get("top"):
+                top = ", ".join(f"{name.split('(')[0][:40]} {us:.0f}" for name, us, _ in kern["top"][:6])
+                line += (f"; GPU kernels {kern['per_step_us_total'] / 1e3:.2f} ms in {kern['kernels_per_step']:.0f} "
+                         f"launches a step, the largest (us a step): {top}")
+            rows.append([f"decode step, {st.get('shape')} bf16, {mode}, batch {b.removeprefix('batch')} "
+                         f"(tidal {commit(st)})", line])
+    off = report.get("offline") or {}
+    trees = [t for t in ("before", "after", "after-cublas") if t in off] if "after" in off else []
+    base = res("offline", "before").get("summary") if "before" in off else None
+    for t in trees:
+        r = res("offline", t)
+        if not r:
+            continue
+        cells = []
+        for w, v in (r.get("summary") or {}).items():
+            tok = (v.get("output_tok_s") or {}).get("tidal")
+            b = ((base or {}).get(w, {}).get("output_tok_s") or {}).get("tidal")
+            cells.append(f"({w}) {tok:.1f}" + (f" = {tok / b:.2f}x before" if b and t != "before" else ""))
+        rows.append([f"tidal bench offline, out tok/s, tree {t} (tidal {commit(r)})", "; ".join(cells)])
+    p = res("parity")
+    for mode in ("graphs", "eager"):
+        if mode in p:
+            rows.append([f"float32 greedy tokens equal to transformers, 1B shape, {mode} (tidal {commit(p)})",
+                         f"{p[mode]['equal']}/{p[mode]['of']} prompts ({p[mode]['attention']} attention)"])
+    sv = res("serve")
+    modes = [m for m in sv if m != "tree"]
+    if modes:
+        rows.append([f"tidal serve answers equal to one instance, 1B shape (tidal {commit(sv)})",
+                     "; ".join(f"{m} {sv[m]['equal_to_one_instance']}/{sv[m]['of']}" for m in modes)])
+    return rows
+
+
+def write_record(report: dict, dst: str, machine_from: str | None, notes: str | None, title: str | None = None) -> None:
+    """A ``figures`` record of this check for ``tidal bench report``: its rows, the command, the date, and the
+    machine of an offline JSON of the same run (so that it sits with that machine's runs on the page)."""
+    machine = {"gpu": report.get("gpu")}
+    if machine_from:
+        with open(machine_from) as f:
+            machine = json.load(f).get("machine") or machine
+    started = report.get("started", "")
+    record = {"benchmark": "benchmarks/gpu_check.py", "title": title or f"GPU check on {report.get('gpu')}",
+              "command": "python " + " ".join(report.get("argv", [])),
+              "date": started.replace(" ", "T") + "+00:00" if started else None, "machine": machine,
+              "versions": {"torch": report.get("torch")}, "figures": figures(report)}
+    if notes:
+        record["notes"] = notes
+    with open(dst, "w") as f:
+        json.dump(record, f, indent=1)
+    log(f"wrote {dst} ({len(record['figures'])} rows)")
 
 
 STAGES = {"models": stage_models, "parity": stage_parity, "steps": stage_steps, "offline": stage_offline,
@@ -469,11 +552,21 @@ def main() -> int:
     ap.add_argument("--step-modes", default="eager,graphs", help="the steps stage's engines")
     ap.add_argument("--profile-steps", action="store_true", help="the GPU kernels of the graphs' decode steps")
     ap.add_argument("--serve-modes", default="one,split,disaggregate,instances2")
-    ap.add_argument("--offline-cublas", action="store_true",
-                    help="offline once more on this tree with TIDAL_SKINNY_GEMM=0 (the tree 'after-cublas')")
+    ap.add_argument("--record", default=None, help="also write the performance page's record of the check here")
+    ap.add_argument("--summarize", default=None, metavar="REPORT",
+                    help="write --record from a saved gpu_check.json and run nothing")
+    ap.add_argument("--machine-from", default=None, help="the record's machine: that of this offline JSON")
+    ap.add_argument("--notes", default=None, help="the record's notes")
+    ap.add_argument("--title", default=None, help="the record's title")
     ap.add_argument("--stage", default=None, help=argparse.SUPPRESS)  # run one stage in this process
     ap.add_argument("--tree", default="after", help=argparse.SUPPRESS)  # which tree the stage runs on
     args = ap.parse_args()
+    if args.summarize:
+        if not args.record:
+            ap.error("--summarize needs --record")
+        with open(args.summarize) as f:
+            write_record(json.load(f), args.record, args.machine_from, args.notes, args.title)
+        return 0
     args.out = os.path.abspath(args.out)
     args.models = os.path.abspath(args.models or os.path.join(os.path.dirname(args.out), "models"))
     big = "tiny" if args.tiny else "8b"
@@ -485,8 +578,6 @@ def main() -> int:
     if args.baseline:
         args.baseline = os.path.abspath(args.baseline)
     tree = args.baseline if args.tree == "before" else ROOT
-    if args.tree == "after-cublas":  # this tree with the decoder's products in cuBLAS (engine/triton_skinny.py off)
-        os.environ["TIDAL_SKINNY_GEMM"] = "0"
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p)
     if args.stage:
         result = STAGES[args.stage](args)
@@ -505,8 +596,6 @@ def main() -> int:
     ab = set(args.ab_stages.split(",")) if args.baseline else set()
     for stage in args.stages.split(","):
         trees = ("before", "after") if stage in ab else ("after",)
-        if stage == "offline" and args.offline_cublas:
-            trees = (*trees, "after-cublas")
         for tree in trees:
             entry = _run_stage(args, stage, tree, start)
             if len(trees) > 1:
@@ -515,6 +604,10 @@ def main() -> int:
                 report[stage] = entry
             with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
                 json.dump(report, f, indent=1)
+    if args.record:
+        after = os.path.join(args.out, "offline-after.json")
+        write_record(report, args.record, args.machine_from or (after if os.path.exists(after) else None), args.notes,
+                     args.title)
     return 0
 
 

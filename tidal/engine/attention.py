@@ -57,7 +57,6 @@ class AttentionBatch:
     native_attention: bool = False  # decodes attend with tidal's paged kernel (set by the model)
     triton_attention: bool = False  # decodes and prefills attend with the Triton kernels (set by the model)
     varlen: object | None = None  # the prefills as the Triton kernel reads them (triton_attention.VarlenMeta)
-    skinny: object | None = None  # the few-row matrix products' kernel (triton_skinny.Skinny; set by the model)
 
 
 class KVLayer:

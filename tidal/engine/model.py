@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from collections.abc import Iterable
 
 import torch
@@ -168,28 +167,16 @@ class DecoderLayer(nn.Module):
         the layer's output, so that the next layer's norm does the add (vLLM's fused add-norm)."""
         from tidal.engine import triton_fused as tf
 
-        T, eps, mm = h.shape[0], self.input_layernorm.eps, self._matmul(batch.skinny)
+        T, eps = h.shape[0], self.input_layernorm.eps
         x, residual = tf.rms_norm(h, self.input_layernorm.weight, eps, residual=residual)
-        qkv = mm(self.qkv_proj, x)
+        qkv = self.qkv_proj(x)
         q = tf.rope_write_kv(qkv, *batch.rope, kv.k, kv.v, batch.slot_mapping, self.num_heads, self.num_kv_heads,
                              self.head_dim)
         k_new = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, self.num_kv_heads, self.head_dim)
         a = attend(q, k_new, k_new, kv, batch, self.scale)  # (the Triton kernels read K and V from the cache)
-        x, residual = tf.rms_norm(mm(self.o_proj, a.view(T, self.q_size)), self.post_attention_layernorm.weight,
+        x, residual = tf.rms_norm(self.o_proj(a.view(T, self.q_size)), self.post_attention_layernorm.weight,
                                   self.post_attention_layernorm.eps, residual=residual)
-        return mm(self.down_proj, tf.silu_mul(mm(self.gate_up_proj, x))), residual
-
-    @staticmethod
-    def _matmul(skinny):
-        """A layer's product: the few-row kernel (engine/triton_skinny.py) where it takes the shape, else the
-        Linear (cuBLAS, or a 4-bit copy)."""
-        if skinny is None:
-            return lambda lin, x: lin(x)
-
-        def mm(lin: Linear, x: torch.Tensor) -> torch.Tensor:
-            y = skinny(x, lin.weight) if lin.int4 is None and lin.bias is None else None
-            return lin(x) if y is None else y
-        return mm
+        return self.down_proj(tf.silu_mul(self.gate_up_proj(x))), residual
 
     @staticmethod
     def fuses(batch: AttentionBatch) -> bool:
@@ -250,7 +237,6 @@ class LlamaModel(nn.Module):
         # a bfloat16 model's decode-only steps in the fused float32 layer over its bfloat16 KV (set_attention)
         self.native_bf16_decode = False
         self.triton_attention = False  # the Triton kernels (set_attention)
-        self.skinny = None  # the few-row products in Triton, a 16-bit model's on CUDA (set_attention)
         self.kernels = "torch"  # whose 4/8-bit kernels: torch's, or "tidal" (engine/native.py: float32/bf16 on CPU)
 
     def set_attention(self, backend: str, kv_dtype: torch.dtype) -> str:
@@ -268,12 +254,6 @@ class LlamaModel(nn.Module):
                 self.triton_attention = True
             elif backend == "triton":
                 raise ConfigError(f"--attention-backend triton: {why}")
-        self.skinny = None
-        if self.triton_attention and self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16) \
-                and os.environ.get("TIDAL_SKINNY_GEMM", "1") != "0":  # (float32 keeps cuBLAS: its parity checks)
-            from tidal.engine.triton_skinny import Skinny
-
-            self.skinny = Skinny.for_device(self.device)
         return self.attention_backend
 
     @property
@@ -511,7 +491,6 @@ class LlamaModel(nn.Module):
         batch.rope = self.rotary.tables(batch.positions, h.dtype)
         batch.native_attention = self.native_attention
         batch.triton_attention = self.triton_attention
-        batch.skinny = self.skinny
         # eager steps run the layers in C++ (engine/kernels/decode_layer.cpp, what DecoderLayer.forward
         # computes): a step of decodes only as one call a layer, a step with prefills as the two halves
         # around the Python attention; under --compile Inductor fuses the Python layers instead
