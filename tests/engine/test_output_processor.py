@@ -92,3 +92,39 @@ def test_the_engine_finishes_a_stopped_sequence_after_its_step(make_engine):
     assert "s" not in engine.scheduler.requests and not engine.has_unfinished_requests()
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks  # no KV leak
     assert out.metrics.finished_time == calls[0][1]["now"]
+
+
+def _final_outputs(engine, requests, final_only):
+    for rid, prompt, sp in requests:
+        engine.add_request(rid, None, sp, prompt_token_ids=prompt, final_only=final_only)
+    got, seen = {}, []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen.append(out.finished)
+            if out.finished:
+                got[out.request_id] = out
+    return got, seen
+
+
+def test_final_only_gives_the_streamed_outputs_once(make_tiny_engine):
+    """LLM.generate's final-only outputs (text decoded once at the end where no stop string needs it as it
+    grows) against the same requests streamed step by step: every field of every finished output is equal,
+    and nothing unfinished comes back. Random weights sample odd bytes: partial UTF-8 characters included."""
+    prompts = [[(41 * i + 13 * j) % 40000 + 100 for j in range(n)] for i, n in enumerate((7, 30, 12, 21))]
+    params = [SamplingParams(temperature=1.0, seed=3, max_tokens=40, ignore_eos=True, n=2, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=33, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=5, max_tokens=40, ignore_eos=True, stop=["e", " a"]),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=25, skip_special_tokens=False)]
+    reqs = [(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+    streamed, seen_streamed = _final_outputs(make_tiny_engine(max_num_seqs=8), reqs, final_only=False)
+    final, seen_final = _final_outputs(make_tiny_engine(max_num_seqs=8), reqs, final_only=True)
+    assert all(seen_final) and len(seen_final) == len(reqs) and not all(seen_streamed)
+    assert set(final) == set(streamed) == {r for r, _, _ in reqs}
+    for rid in final:
+        a, b = final[rid], streamed[rid]
+        assert len(a.outputs) == len(b.outputs)
+        for x, y in zip(a.outputs, b.outputs, strict=True):
+            assert (x.text, x.token_ids, x.finish_reason, x.stop_reason, x.logprobs, x.cumulative_logprob) == \
+                   (y.text, y.token_ids, y.finish_reason, y.stop_reason, y.logprobs, y.cumulative_logprob)
+            assert x.text  # (some text to compare)
+    assert any(o.finish_reason == "stop" for o in final["r2"].outputs)  # the stop-string request kept its path

@@ -69,7 +69,7 @@ class LLM:
             rid = str(next(self._ids))
             text, toks = self._split_prompt(p)
             self.engine.add_request(rid, text, sp, prompt_token_ids=toks,
-                                    priority=priority[i] if priority else 0)
+                                    priority=priority[i] if priority else 0, final_only=True)
             ids.append(rid)
         return self._run(ids, use_tqdm)
 

@@ -111,10 +111,12 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int] | None = None,
                     params: SamplingParams | None = None, *, prompt_token_ids: list[int] | None = None,
                     arrival_time: float | None = None, priority: int = 0,
-                    request_class: str | RequestClass = RequestClass.ONLINE, pause_at: int | None = None) -> None:
+                    request_class: str | RequestClass = RequestClass.ONLINE, pause_at: int | None = None,
+                    final_only: bool = False) -> None:
         """Queue a request. ``pause_at`` (n=1 only) makes it DynaServe's alpha micro-request: it
         pauses, holding its KV, once that many tokens have KV (``transfer.drain_reached_pause``).
-        Refused (:class:`~tidal.core.validation.RequestRejected`) as :mod:`tidal.core.validation` says."""
+        Refused (:class:`~tidal.core.validation.RequestRejected`) as :mod:`tidal.core.validation` says.
+        ``final_only``: :meth:`step` returns its output once, finished (``OutputProcessor.add_request``)."""
         params = params or SamplingParams()
         if pause_at is not None and (params.n != 1 or pause_at < 1):
             raise ValueError("pause_at needs n=1 and a split point >= 1")
@@ -138,7 +140,7 @@ class LLMEngine:
                                 eos_token_ids=self.eos_token_ids, priority=priority,
                                 request_class=RequestClass(request_class), pause_at=pause_at))
         self.core.add_requests(reqs)  # the scheduler checks each sequence's id, context and KV room
-        self.outputs.add_request(request_id, text, params, reqs, arrival)
+        self.outputs.add_request(request_id, text, params, reqs, arrival, final_only=final_only)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix block (vLLM's ``reset_prefix_cache``); blocks in use stay.

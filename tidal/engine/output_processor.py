@@ -34,6 +34,7 @@ class SequenceState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     stop_time: float | None = None  # when a stop string ended it (the scheduler finishes it then)
+    deferred: list[int] | None = None  # a final-only request's ids, detokenized once when it finishes
 
     @property
     def finished(self) -> bool:
@@ -50,6 +51,7 @@ class RequestState:
     params: SamplingParams
     sequences: list[SequenceState]
     arrival_time: float
+    final_only: bool = False  # one output, when every sequence has finished (LLM.generate's)
 
 
 @dataclass(frozen=True)
@@ -84,13 +86,18 @@ class OutputProcessor:
         return iter(self.states)
 
     def add_request(self, request_id: str, prompt: str | None, params: SamplingParams,
-                    sequences: list[Request], arrival_time: float) -> RequestState:
-        """Track a request whose ``sequences`` (its ``n`` children) the scheduler now holds."""
-        state = RequestState(request_id, prompt, list(sequences[0].prompt_token_ids), params, [], arrival_time)
+                    sequences: list[Request], arrival_time: float, final_only: bool = False) -> RequestState:
+        """Track a request whose ``sequences`` (its ``n`` children) the scheduler now holds. ``final_only``
+        (vLLM's ``RequestOutputKind.FINAL_ONLY``, what ``LLM.generate`` reads): no output until every sequence
+        has finished, and, where no stop string needs the text as it grows, each sequence's text decoded once
+        at its end (the same text: the detokenizer's output does not depend on how its ids arrive)."""
+        state = RequestState(request_id, prompt, list(sequences[0].prompt_token_ids), params, [], arrival_time,
+                             final_only=final_only)
         for i, req in enumerate(sequences):
             detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
                                            skip_special_tokens=params.skip_special_tokens)
-            state.sequences.append(SequenceState(i, req, detok, logprobs=[] if params.logprobs is not None else None))
+            state.sequences.append(SequenceState(i, req, detok, logprobs=[] if params.logprobs is not None else None,
+                                                 deferred=[] if final_only and not params.stop else None))
             self._parent[req.request_id] = (request_id, i)
         self.states[request_id] = state
         return state
@@ -131,8 +138,10 @@ class OutputProcessor:
             touched[state.request_id] = state
         outs = []
         for state in touched.values():
-            outs.append(self._output(state))
-            if all(seq.finished for seq in state.sequences):
+            done = all(seq.finished for seq in state.sequences)
+            if done or not state.final_only:
+                outs.append(self._output(state))
+            if done:
                 self.remove(state.request_id)
         return ProcessedOutputs(outs, to_finish)
 
@@ -140,10 +149,16 @@ class OutputProcessor:
     def _apply(sp: SamplingParams, seq: SequenceState, upd: RequestUpdate) -> bool:
         """Add one update's tokens to ``seq``; True when a stop string ended a sequence the
         scheduler has not finished."""
-        new_text = seq.detok.add_tokens(upd.new_token_ids)
         if seq.logprobs is not None:
             seq.logprobs.extend(upd.new_logprobs)
             seq.cumulative_logprob += sum(lp.logprob for lp in upd.new_logprobs)
+        if seq.deferred is not None:  # final-only, no stop strings: the text once, at the end
+            seq.deferred.extend(upd.new_token_ids)
+            if upd.finished:
+                seq.text = seq.detok.add_tokens(seq.deferred) + seq.detok.flush()
+                seq.finish_reason, seq.stop_reason = upd.finish_reason, upd.stop_reason
+            return False
+        new_text = seq.detok.add_tokens(upd.new_token_ids)
         before = len(seq.text)
         seq.text += new_text
         if upd.finished:
