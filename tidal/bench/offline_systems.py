@@ -280,7 +280,7 @@ class TidalRunner(SystemRunner):
             for p in prompts:
                 self._counter += 1
                 rid = f"bench-{self._counter}"
-                engine.add_request(rid, None, params, prompt_token_ids=p)
+                engine.add_request(rid, None, params, prompt_token_ids=p, final_only=True)  # as LLM.generate does
                 rids.append(rid)
             while engine.has_unfinished_requests():
                 outs = engine.step()
