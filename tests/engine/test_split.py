@@ -125,3 +125,21 @@ def test_pause_at_needs_a_single_sequence(make_engine, prompt):
     e = make_engine()
     with pytest.raises(ValueError, match="pause_at"):
         e.add_request("r", None, SamplingParams(n=2, max_tokens=4), prompt_token_ids=prompt, pause_at=3)
+
+
+def test_split_under_the_graphs_static_step_continues_identically(make_engine, prompt, alone, monkeypatch):
+    """The CUDA graphs' branch (on CPU its padded static step, run eagerly): beta, after importing alpha's KV,
+    decodes through it and gives one engine's tokens and text."""
+    from tidal.engine.llm_engine import LLMEngine
+
+    monkeypatch.setattr(LLMEngine, "static_decode_on_cpu", True)
+    built = []
+
+    def make(**kw):
+        built.append(make_engine(max_model_len=256, **kw))
+        return built[-1]
+
+    tokens, text, _, _ = _split_run(make, prompt, len(prompt) + 4, layers_per_chunk=16)
+    assert (tokens, text) == alone
+    beta = built[1]
+    assert beta.runner.graphs is not None and beta.runner.graphs.replays > 0
