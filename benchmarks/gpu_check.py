@@ -635,8 +635,7 @@ def _run_stage(args, stage: str, tree: str, start: float) -> dict:
         if limit < 20:
             log(f"== stage {stage} ({tree}): skipped (deadline)")
             return {"rc": "skipped (deadline)"}
-    argv = [a for a in sys.argv[1:]]
-    cmd = [sys.executable, os.path.abspath(__file__), "--stage", stage, *argv, "--stage-timeout", str(limit),
+    cmd = [sys.executable, os.path.abspath(__file__), "--stage", stage, *sys.argv[1:], "--stage-timeout", str(limit),
            "--tree", tree]
     log(f"== stage {stage} ({tree})")
     proc = subprocess.Popen(cmd, start_new_session=True)
