@@ -448,12 +448,13 @@ def figures(report: dict) -> list[list[str]]:
         if not key.startswith("tokens"):
             continue
         t = key.removeprefix("tokens")
+        plural = "" if t == "1" else "s"
         fused = [f"{name} {r[name]['fused_us']:.1f} us (torch's ops {r[name]['torch_us']:.1f})"
                  for name in ("add_rms_norm", "rope_write_kv", "silu_mul") if name in r]
         differ = sum(v["differ"] for name in ("add_rms_norm", "rope_write_kv", "silu_mul") if name in r
                      for v in ([r[name]] + [r[name][x] for x in ("residual", "q", "k", "v") if x in r[name]])
                      if "differ" in v)
-        rows.append([f"fused kernels, {t} tokens ({k.get('dtype')}, 8B shape)",
+        rows.append([f"fused kernels, {t} token{plural} ({k.get('dtype')}, 8B shape)",
                      "; ".join(fused) + f"; elements differing from torch's ops: {differ}"])
         mm = r.get("matmul") or {}
         cells = []
@@ -463,7 +464,7 @@ def figures(report: dict) -> list[list[str]]:
                 cell += f" (Triton split-K {m['skinny_us']:.1f} us = {m['skinny_tb_s']:.2f} TB/s)"
             cells.append(cell)
         if cells:
-            rows.append([f"cuBLAS products, {t} rows (weight read rate)", "; ".join(cells)])
+            rows.append([f"cuBLAS products, {t} row{plural} (weight read rate)", "; ".join(cells)])
     st = res("steps")
     for mode, r in st.items():
         if not isinstance(r, dict) or "batch1" not in r:
