@@ -154,17 +154,26 @@ def stage_steps(args) -> dict:
     path = os.path.join(args.models, args.step_shape)
     hw_name = _hardware_name(args)
     out: dict = {"hardware_model": hw_name, "shape": args.step_shape}
+    from tidal.engine import attention
+
     modes = {"eager": {"enforce_eager": True}, "graphs": {}}
+    default_span = attention.PARTITION
     for label in args.step_modes.split(","):
+        # "graphs@128": a fresh engine whose FlashDecoding programs each cover 128 tokens of context (default
+        # 512): more programs at short contexts, more (empty) ones at long table widths
+        mode, _, span = label.partition("@")
+        if mode not in modes or (span and not span.isdigit()):
+            raise SystemExit(f"--step-modes: {label!r} is not eager, graphs or graphs@TOKENS")
+        _set_span(int(span) if span else default_span)
         e = LLMEngine(EngineConfig.from_kwargs(model=path, dtype="bfloat16", device=args.device,
                                                kv_cache_memory="8GiB", max_num_seqs=64,
-                                               max_num_batched_tokens=4096, **modes[label]))
+                                               max_num_batched_tokens=4096, **modes[mode]))
         model = AnalyticCostModel(e.arch, get_hardware(hw_name), dtype_bytes=2) if hw_name else None
         weight_bytes = sum(p.numel() * p.element_size() for p in e.model.parameters())
         res = {"attention": e.model.attention_backend, "weight_gb": round(weight_bytes / 1e9, 3)}
         for batch in (1, 32):
             res[f"batch{batch}"] = _time_decodes(e, f"{label}-{batch}", batch, model, weight_bytes,
-                                                 profile=label == "graphs" and args.profile_steps)
+                                                 profile=mode == "graphs" and args.profile_steps)
             log(f"steps {label} batch {batch}: {_brief(res[f'batch{batch}'])}")
         if e.runner.graphs is not None:
             res["graph_pool_mib"] = round(e.runner.graphs.pool_bytes / 2**20, 1)
@@ -172,6 +181,18 @@ def stage_steps(args) -> dict:
         del e
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return out
+
+
+def _set_span(tokens: int) -> None:
+    """The FlashDecoding span (tokens of context a decode program covers) for engines built after this."""
+    from tidal.engine import attention
+
+    attention.PARTITION = tokens
+    try:
+        from tidal.engine import triton_attention
+    except ImportError:  # no Triton here: only the span count in attention.py matters
+        return
+    triton_attention.PARTITION = tokens
 
 
 def _brief(r: dict) -> dict:
@@ -550,7 +571,8 @@ def main() -> int:
     ap.add_argument("--parity-tokens", type=int, default=32)
     ap.add_argument("--baseline", default=None, help="a tree holding an earlier commit's tidal/ (see above)")
     ap.add_argument("--ab-stages", default="steps,offline", help="the stages run on both trees")
-    ap.add_argument("--step-modes", default="eager,graphs", help="the steps stage's engines")
+    ap.add_argument("--step-modes", default="eager,graphs",
+                    help="the steps stage's engines: eager, graphs, graphs@TOKENS (another FlashDecoding span)")
     ap.add_argument("--profile-steps", action="store_true", help="the GPU kernels of the graphs' decode steps")
     ap.add_argument("--serve-modes", default="one,split,disaggregate,instances2")
     ap.add_argument("--record", default=None, help="also write the performance page's record of the check here")
