@@ -8,9 +8,12 @@ random-weight ``tiny_llama`` (4 layers): none of this depends on the weights' va
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton backend's case runs its kernels on the CPU
 
 from tests.engine.test_parity import mixed_prompts
 from tidal import LLM, SamplingParams
@@ -102,10 +105,14 @@ def _outputs(engine, done):
     return done
 
 
-@pytest.mark.parametrize("restore", [False, True])
-def test_head_tail_pair_after_a_drop_matches_one_engine(make_tiny_engine, prompts, reference, restore):
-    head = make_tiny_engine(max_num_batched_tokens=64, num_blocks_override=60)
-    tail = make_tiny_engine(max_num_batched_tokens=64, num_blocks_override=60)
+@pytest.mark.parametrize("restore,backend", [(False, "auto"), (True, "auto"), (False, "triton")])
+def test_head_tail_pair_after_a_drop_matches_one_engine(make_tiny_engine, prompts, reference, restore, backend):
+    """(``triton``: the Triton attention and fused kernels, under Triton's interpreter: a stage's hidden states
+    leave with the residual added, the tail's first norm starts afresh.)"""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    head = make_tiny_engine(max_num_batched_tokens=64, num_blocks_override=60, attention_backend=backend)
+    tail = make_tiny_engine(max_num_batched_tokens=64, num_blocks_override=60, attention_backend=backend)
     L = head.arch.num_layers
     head_layers, tail_layers = list(range(L // 2)), list(range(L // 2, L))
     # before the drop: prompts 0-2 on the head, 3-4 on the tail, each some way into its work
