@@ -187,12 +187,7 @@ def _set_span(tokens: int) -> None:
     """The FlashDecoding span (tokens of context a decode program covers) for engines built after this."""
     from tidal.engine import attention
 
-    attention.PARTITION = tokens
-    try:
-        from tidal.engine import triton_attention
-    except ImportError:  # no Triton here: only the span count in attention.py matters
-        return
-    triton_attention.PARTITION = tokens
+    attention.PARTITION = tokens  # (the split count and the Triton kernel both read it there)
 
 
 def _brief(r: dict) -> dict:

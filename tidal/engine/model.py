@@ -491,12 +491,17 @@ class LlamaModel(nn.Module):
         batch.rope = self.rotary.tables(batch.positions, h.dtype)
         batch.native_attention = self.native_attention
         batch.triton_attention = self.triton_attention
+        ids = self.layer_ids if layer_ids is None else layer_ids
+        if DecoderLayer.fuses(batch):  # the Triton kernels: each layer's residual add done by the next one's norm
+            residual = None
+            for i in ids:
+                h, residual = self.layers[str(i)].fused_forward(h, kv_caches[i], batch, residual)
+            return h if residual is None else h + residual
         # eager steps run the layers in C++ (engine/kernels/decode_layer.cpp, what DecoderLayer.forward
         # computes): a step of decodes only as one call a layer, a step with prefills as the two halves
         # around the Python attention; under --compile Inductor fuses the Python layers instead
         native = self.native_attention and not torch.compiler.is_compiling()
         decodes_only = not batch.prefills and len(batch.decode_groups) == 1
-        ids = self.layer_ids if layer_ids is None else layer_ids
         # a bfloat16 model's step of decodes: the fused float32 layers over the bfloat16 KV cache (the
         # hidden states widened here and rounded back after the last layer), when every layer has them
         wide = (self.native_bf16_decode and decodes_only and not torch.compiler.is_compiling()
@@ -504,11 +509,6 @@ class LlamaModel(nn.Module):
         if wide:
             dtype, h = h.dtype, h.float()
             batch.rope = self.rotary.tables(batch.positions, torch.float32)
-        if DecoderLayer.fuses(batch):  # the Triton kernels: each layer's residual add done by the next one's norm
-            residual = None
-            for i in ids:
-                h, residual = self.layers[str(i)].fused_forward(h, kv_caches[i], batch, residual)
-            return h if residual is None else h + residual
         for i in ids:
             layer = self.layers[str(i)]
             args = layer.native_args() if native or wide else None

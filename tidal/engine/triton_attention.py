@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tidal.engine.attention import PARTITION, num_splits
+from tidal.engine import attention
+from tidal.engine.attention import num_splits
 from tidal.engine.triton_fused import merge_splits
 
 TILE_N = 32  # keys a loop iteration reads (two 16-token blocks)
@@ -100,7 +101,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
         q, k_cache, v_cache, tables, lens, o, lse, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BS=bs, TILE=TILE_N, PART=PARTITION,
+        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BS=bs, TILE=TILE_N, PART=attention.PARTITION,
         IEEE=q.dtype == torch.float32)
     if splits == 1:
         return o[:, :, 0].to(q.dtype)
