@@ -23,6 +23,9 @@ Stages, each in its own process under a time limit (a hang or a crash costs that
 in the same run: a change measured against the previous commit on the same GPU. ``steps`` also records the
 GPU kernels of a few decode steps (torch.profiler, the largest first) at batch 1 and 32.
 
+``--offline-async`` runs the offline stage once more on this tree with ``--async-scheduling`` (tree
+"after-async"); ``--step-modes async`` and ``--serve-modes async`` time its decode steps and check its answers.
+
 ``--device cpu --tiny`` runs every stage on a 2-layer model on the CPU: how the script is tested before a
 GPU is lent. Every figure goes to ``DIR/gpu_check.json`` (one object per stage) and the log to stdout;
 ``--record PATH`` also writes the performance page's record of the check (``tidal bench report`` reads it
@@ -156,14 +159,14 @@ def stage_steps(args) -> dict:
     out: dict = {"hardware_model": hw_name, "shape": args.step_shape}
     from tidal.engine import attention
 
-    modes = {"eager": {"enforce_eager": True}, "graphs": {}}
+    modes = {"eager": {"enforce_eager": True}, "graphs": {}, "async": {"async_scheduling": True}}
     default_span = attention.PARTITION
     for label in args.step_modes.split(","):
         # "graphs@128": a fresh engine whose FlashDecoding programs each cover 128 tokens of context (default
         # 512): more programs at short contexts, more (empty) ones at long table widths
         mode, _, span = label.partition("@")
         if mode not in modes or (span and not span.isdigit()):
-            raise SystemExit(f"--step-modes: {label!r} is not eager, graphs or graphs@TOKENS")
+            raise SystemExit(f"--step-modes: {label!r} is not eager, graphs, async or graphs@TOKENS")
         _set_span(int(span) if span else default_span)
         e = LLMEngine(EngineConfig.from_kwargs(model=path, dtype="bfloat16", device=args.device,
                                                kv_cache_memory="8GiB", max_num_seqs=64,
@@ -270,7 +273,8 @@ def stage_offline(args) -> dict:
            "--dtype", "bfloat16" if args.device.startswith("cuda") else "float32",
            "--systems", args.offline_systems, "--workloads", args.offline_workloads, "--repeats",
            str(args.offline_repeats),
-           "--no-peak", "--no-prefill-runs", "--no-plots", "--no-progress", "--output", dst]
+           "--no-peak", "--no-prefill-runs", "--no-plots", "--no-progress", "--output", dst,
+           *(["--async-scheduling"] if args.tree == "after-async" else [])]
     log("offline:", " ".join(cmd))
     # run from the tree's root: ``-m`` puts the working directory first on sys.path, ahead of PYTHONPATH
     cwd = args.baseline if args.tree == "before" else ROOT
@@ -298,7 +302,7 @@ def stage_serve(args) -> dict:
     prompts = _prompts(6, 8, 120, seed=3)
     modes = {"one": [], "split": ["--instances", "2", "--mode", "split"],
              "disaggregate": ["--instances", "2", "--mode", "disaggregate", "--prefill-instances", "1"],
-             "instances2": ["--instances", "2"]}
+             "instances2": ["--instances", "2"], "async": ["--async-scheduling"]}
     modes = {m: modes[m] for m in ["one", *(m for m in args.serve_modes.split(",") if m != "one")]}
     out, ref = {}, None
     for i, (mode, extra) in enumerate(modes.items()):
@@ -499,7 +503,7 @@ def figures(report: dict) -> list[list[str]]:
             rows.append([f"decode step, {st.get('shape')} bf16, {mode}, batch {b.removeprefix('batch')} "
                          f"(tidal {commit(st)})", line])
     off = report.get("offline") or {}
-    trees = [t for t in ("before", "after", "after-cublas") if t in off] if "after" in off else []
+    trees = [t for t in ("before", "after", "after-cublas", "after-async") if t in off] if "after" in off else []
     base = res("offline", "before").get("summary") if "before" in off else None
     for t in trees:
         r = res("offline", t)
@@ -566,6 +570,8 @@ def main() -> int:
     ap.add_argument("--parity-tokens", type=int, default=32)
     ap.add_argument("--baseline", default=None, help="a tree holding an earlier commit's tidal/ (see above)")
     ap.add_argument("--ab-stages", default="steps,offline", help="the stages run on both trees")
+    ap.add_argument("--offline-async", action="store_true",
+                    help="run the offline stage once more on this tree with --async-scheduling (tree after-async)")
     ap.add_argument("--step-modes", default="eager,graphs",
                     help="the steps stage's engines: eager, graphs, graphs@TOKENS (another FlashDecoding span)")
     ap.add_argument("--profile-steps", action="store_true", help="the GPU kernels of the graphs' decode steps")
@@ -614,6 +620,8 @@ def main() -> int:
     ab = set(args.ab_stages.split(",")) if args.baseline else set()
     for stage in args.stages.split(","):
         trees = ("before", "after") if stage in ab else ("after",)
+        if stage == "offline" and args.offline_async:
+            trees = (*trees, "after-async")
         for tree in trees:
             entry = _run_stage(args, stage, tree, start)
             if len(trees) > 1:

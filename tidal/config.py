@@ -126,10 +126,13 @@ class ModelConfig:
     quantization: str = "auto"  # int4 kernels for 4-bit stored weights: auto (where faster) | none | int4
     compile: bool = False  # steps of decodes as torch.compile graphs (tidal.engine.compiled)
     enforce_eager: bool = False  # CUDA: no decode CUDA graphs (tidal.engine.cuda_graph)
+    # greedy decode steps on CUDA graphs run ahead of the host, the next planned while one computes
+    # (tidal.engine.engine_core.EngineCore.step)
+    async_scheduling: bool = False
     attention_backend: str = "auto"  # auto | torch | triton (tidal.engine.triton_attention)
 
     def __post_init__(self) -> None:
-        for name in ("compile", "enforce_eager"):
+        for name in ("compile", "enforce_eager", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false; got {getattr(self, name)!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -91,6 +91,7 @@ class BenchOptions:
     output_len: int | None = None
     num_threads: int | None = None
     device: str = "cpu"  # cuda: tidal and transformers on the GPU (llama.cpp stays a CPU peer)
+    async_scheduling: bool = False  # tidal's --async-scheduling (greedy decode steps on CUDA graphs)
     seed: int = 0
     max_num_batched_tokens: int | None = None
     hf_cb_max_batch_tokens: int = 512
@@ -178,6 +179,7 @@ def run_benchmark(opts: BenchOptions) -> BenchResult:
                                opts.output_len)
     ctx = BenchContext(
         model_path=ckpt.path, dtype=opts.dtype, num_threads=threads, arch=arch, eos_token_id=eos, device=opts.device,
+        async_scheduling=opts.async_scheduling,
         max_requests=max(w.num_requests for w in workloads),
         max_seq_len=max(max(w.prompt_lens) + w.output_len for w in workloads), workloads=workloads,
         max_num_batched_tokens=opts.max_num_batched_tokens, hf_cb_max_batch_tokens=opts.hf_cb_max_batch_tokens,
@@ -460,7 +462,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-peak", action="store_true", help="skip the matmul peak measurement")
     p.add_argument("--no-prefill-runs", action="store_true",
                    help="skip the prefill-only runs (no decode estimate for the peers)")
-    F.add_engine_flags(p, only=("model", "dtype", "num_threads", "device"), choices={"dtype": ("auto", *CPU_DTYPES)},
+    F.add_engine_flags(p, only=("model", "dtype", "num_threads", "device", "async_scheduling"),
+                       choices={"dtype": ("auto", *CPU_DTYPES)},
                        defaults={"device": "cpu"},
                        helps={"dtype": "weights/activations dtype of every system; auto: what tidal's engine "
                                        "picks on this CPU (bfloat16 where native and timed faster, else float32)",
@@ -489,6 +492,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         workloads=args.workloads, systems=args.systems, repeats=args.repeats, dtype=args.dtype, model=args.model,
         output=args.output or None, plot="" if args.no_plots else args.plot, num_requests=args.num_requests,
         output_len=args.output_len, num_threads=args.num_threads, seed=args.seed, device=args.device,
+        async_scheduling=bool(args.async_scheduling),
         max_num_batched_tokens=args.max_num_batched_tokens, hf_cb_max_batch_tokens=args.hf_cb_max_batch_tokens,
         hf_cb_page_size=args.hf_cb_page_size, hf_cb_max_requests=args.hf_cb_max_requests,
         measure_peak=not args.no_peak, prefill_runs=not args.no_prefill_runs, quiet=args.no_progress)

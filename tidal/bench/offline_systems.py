@@ -150,6 +150,7 @@ class BenchContext:
     hf_cb_page_size: int = 64
     hf_cb_max_requests: int | None = 16  # None: every request of the largest workload at once
     device: str = "cpu"  # tidal's and transformers' device (llama.cpp is a CPU peer)
+    async_scheduling: bool = False  # tidal's --async-scheduling
 
     @property
     def torch_dtype(self):
@@ -253,7 +254,8 @@ class TidalRunner(SystemRunner):
         self.kwargs = dict(
             dtype=self.ctx.dtype, device=self.ctx.device, max_num_seqs=max(64, self.ctx.max_requests),
             max_num_batched_tokens=self.ctx.max_num_batched_tokens, kv_cache_memory=self._kv_bytes(),
-            num_threads=self.ctx.num_threads, quantization=self.quantization, compile=self.compile)
+            num_threads=self.ctx.num_threads, quantization=self.quantization, compile=self.compile,
+            async_scheduling=self.ctx.async_scheduling)
         self.llm = LLM(model=self.ctx.model_path, **self.kwargs)
 
     def settings(self) -> dict[str, Any]:
@@ -265,7 +267,8 @@ class TidalRunner(SystemRunner):
                 "max_num_batched_tokens": sc.max_num_batched_tokens, "kv_cache_memory": cc.kv_cache_memory,
                 "num_kv_blocks": self.llm.engine.kv_manager.num_blocks, "block_size": cc.block_size,
                 "batching": sc.batching, "num_threads": self.ctx.num_threads,
-                "weights": describe_quantization(self.llm.engine.quantization), "compile": self.compile}
+                "weights": describe_quantization(self.llm.engine.quantization), "compile": self.compile,
+                "async_scheduling": self.ctx.async_scheduling}
 
     def generate(self, prompts: list[list[int]], output_len: int) -> RunOutput:
         from tidal import SamplingParams

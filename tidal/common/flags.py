@@ -117,6 +117,10 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     _flag("--enforce-eager", action="store_true", default=None,
           help="CUDA: run decode steps eagerly instead of replaying CUDA graphs captured at start-up "
                "(one per padded batch size up to --max-num-seqs)"),
+    _flag("--async-scheduling", action="store_true", default=None,
+          help="CUDA: plan and launch each greedy decode step while the one before computes, its tokens fed on "
+               "the GPU, so that scheduling and outputs overlap the model (steps of decodes replayed as CUDA "
+               "graphs; other steps run as without it)"),
     _flag("--attention-backend", default=None, choices=list(ATTENTION_BACKENDS),
           help="auto: Triton paged attention on CUDA (blocks read in place, one call a layer for all decodes "
                "and one for all prefill chunks), tidal's C++ kernels in float32 on CPU, else torch's SDPA"),

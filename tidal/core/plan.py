@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 
 from tidal.core.sampling import SamplingParams
 
+# a decode chunk's token while the step before it still runs: the executor takes that step's sample
+# for the request (Scheduler.plan_overlapped, --async-scheduling)
+PENDING_TOKEN = -1
+
 
 @dataclass(slots=True)
 class ScheduledChunk:

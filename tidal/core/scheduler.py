@@ -22,8 +22,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from tidal.config import SchedulerConfig
+from tidal.core.decode_steps import DecodeSteps
 from tidal.core.kv_manager import KVCacheManager, PrefixHit
 from tidal.core.plan import (
+    PENDING_TOKEN,
     BatchComposition,
     RequestUpdate,
     ScheduledChunk,
@@ -60,7 +62,7 @@ class StepBudget:
         self.tokens -= chunk.num_tokens
 
 
-class Scheduler(QueueReport):
+class Scheduler(DecodeSteps, QueueReport):
     def __init__(
         self,
         config: SchedulerConfig,
@@ -460,6 +462,9 @@ class Scheduler(QueueReport):
             req = self.requests.get(chunk.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            if chunk.token_ids[0] == PENDING_TOKEN and (req.num_computed_tokens != chunk.start
+                                                         or req.num_tokens != chunk.start + 1):
+                continue  # planned ahead of a token the request did not take (it stopped there, or was paused)
             req.num_computed_tokens += chunk.num_tokens
             self.kv.cache_blocks(req)
             if not chunk.sample:
@@ -484,86 +489,6 @@ class Scheduler(QueueReport):
         elif req.pause_at is not None:
             self._check_pause(req)
         return upd
-
-    # ------------------------------------------------------------------ decode-only steps, without a plan
-    def decode_positions(self, last: list[tuple[str, int]] | None = None) -> list[tuple[str, int]] | None:
-        """When the next step is sure to be "every running request decodes one token": (request id,
-        position of its token) for each, in running order (a cost model needs the positions); else None.
-
-        That holds when nothing waits or is swapped, the policy is passive (:func:`is_passive`), the
-        token budget covers every running request, each has exactly one token to compute and no
-        pause point, and the free blocks cover their new blocks (so nobody is preempted). Then
-        :meth:`begin_decodes` and :meth:`end_decodes` change the state exactly as ``schedule`` and
-        ``update`` would, without building chunks, a plan or a result (a simulator's fast path).
-
-        ``last``: this method's answer for the step :meth:`end_decodes` just ended, nothing else
-        having happened since. If that step finished nobody, all but the blocks still hold and only
-        the positions moved on, so only the blocks are checked again."""
-        running = self.running
-        if last is not None and len(running) == len(last):
-            positions = [(rid, p + 1) for rid, p in last]
-        else:
-            if (not self._passive or self.waiting or self.swapped or not running
-                    or len(running) > self.config.max_num_batched_tokens):
-                return None
-            positions = []
-            for req in running:
-                p = req.num_computed_tokens
-                if len(req.prompt_token_ids) + len(req.output_token_ids) - p != 1 or req.pause_at is not None:
-                    return None
-                positions.append((req.request_id, p))
-        kv = self.kv
-        # with a host tier, a step that would evict cached blocks must store them: a planned step
-        if kv.blocks_for_one_more(positions) > (kv.num_plain_free_blocks if kv.host_tier else kv.num_free_blocks):
-            return None
-        return positions
-
-    def begin_decodes(self, positions: list[tuple[str, int]]) -> tuple[Request, ...]:
-        """``schedule`` for the step :meth:`decode_positions` just vouched for (``positions`` is its
-        answer): the blocks, the step id; returns the batch for :meth:`end_decodes`."""
-        self.kv.allocate_one_more(positions)
-        # no plan: the ids finished since the last one stay for the next plan (an executor's state)
-        self._step_id += 1
-        return tuple(self.running)
-
-    def end_decodes(self, batch: tuple[Request, ...], token: int, now: float) -> list[RequestUpdate]:
-        """``update`` for that step: each request of ``batch`` sampled ``token``."""
-        updates, self._pending_updates = self._pending_updates, []
-        for req in batch:
-            req.num_computed_tokens += 1
-            self.kv.cache_blocks(req)
-            updates.append(self._take_token(req, token, now))
-        return updates
-
-    def decode_run_room(self, token: int) -> int:
-        """How many decode-only steps in a row (each as :meth:`decode_positions` vouches for) every
-        running request can take, sampling ``token`` each time, without any of them finishing: the
-        fewest tokens left before a length limit, less the one that would finish it; 0 when
-        ``token`` may stop a request, one has no token yet, or updates are pending. For
-        :meth:`end_decode_run`."""
-        if self._pending_updates or not self.running:
-            return 0
-        room = 1 << 62
-        for req in self.running:
-            sp = req.sampling_params
-            if (not req.output_token_ids  # its first token (a prompt's last token left to compute)
-                    or token in sp.stop_token_ids or (not sp.ignore_eos and token in req.eos_token_ids)):
-                return 0
-            room = min(room, req.output_limit() - len(req.output_token_ids) - 1)
-        return max(room, 0)
-
-    def end_decode_run(self, steps: int, token: int, now: float) -> None:
-        """``begin_decodes`` and ``end_decodes`` of ``steps`` consecutive decode-only steps that
-        finish nobody (at most :meth:`decode_run_room`), the last ending at ``now``, once their
-        blocks are allocated: each running request took ``steps`` tokens ``token``. No updates:
-        the caller records the tokens (a simulator's run of steps)."""
-        self._step_id += steps
-        tokens = [token] * steps
-        for req in self.running:
-            req.num_computed_tokens += steps
-            req.output_token_ids.extend(tokens)
-            req.last_token_time = now
-            self.kv.cache_blocks(req)
 
     def _check_pause(self, req: Request) -> None:
         if req.pause_at is not None and req.num_computed_tokens >= req.pause_at:

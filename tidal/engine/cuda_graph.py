@@ -61,6 +61,17 @@ def graph_pool_bytes(num_seqs: int, hidden: int, intermediate: int, vocab: int, 
     return num_seqs * (per_row + heads * splits * (head_dim + 1) * 4) + (8 << 20)
 
 
+class _Staging:
+    """One set of host buffers a step's inputs are written to and copied from (pinned on CUDA)."""
+
+    def __init__(self, n: int, width: int, table_dtype: torch.dtype, pin: bool):
+        self.tensors = (torch.zeros(n, dtype=torch.long, pin_memory=pin), torch.zeros(n, dtype=torch.long, pin_memory=pin),
+                        torch.zeros(n, dtype=torch.long, pin_memory=pin),
+                        torch.zeros(n, width, dtype=table_dtype, pin_memory=pin),
+                        torch.zeros(n, dtype=torch.long, pin_memory=pin))  # ids, positions, slots, tables, fed rows
+        self.arrays = tuple(t.numpy() for t in self.tensors)
+
+
 class GraphedDecode:
     def __init__(self, model: LlamaModel, kv_cache: PagedKVCache, max_num_seqs: int, max_model_len: int,
                  capture: bool):
@@ -76,12 +87,11 @@ class GraphedDecode:
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)
         self.slots = torch.zeros(n, dtype=torch.long, device=dev)
         self.tables = torch.zeros(n, self.width, dtype=ttype, device=dev)
-        pin = dev.type == "cuda"  # host staging: one copy of each buffer a step
-        self.h_ids = torch.zeros(n, dtype=torch.long, pin_memory=pin)
-        self.h_positions = torch.zeros(n, dtype=torch.long, pin_memory=pin)
-        self.h_slots = torch.zeros(n, dtype=torch.long, pin_memory=pin)
-        self.h_tables = torch.zeros(n, self.width, dtype=ttype, pin_memory=pin)
-        self.h_np = (self.h_ids.numpy(), self.h_positions.numpy(), self.h_slots.numpy(), self.h_tables.numpy())
+        self.feed_rows = torch.zeros(n, dtype=torch.long, device=dev)  # a fed step's rows of the step before
+        # host staging, one copy of each buffer a step, in two sets taken in turn: a step planned while the
+        # one before runs (--async-scheduling) fills one set while the other's copies may still be queued
+        self.staging = [_Staging(n, self.width, ttype, pin=dev.type == "cuda") for _ in range(2)]
+        self._turn = 0
         self.layer_ids = tuple(model.layer_ids)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
@@ -113,13 +123,16 @@ class GraphedDecode:
                                decode_groups=[DecodeGroup(0, n, tables, mask, lens)], prefills=[], block_size=self.bs)
         return self.model.compute_logits(self.model(self.model.embed(self.ids[:n]), batch, self.kv.layers))
 
-    def _fill(self, chunks: list[ScheduledChunk], n: int) -> None:
+    def _fill(self, chunks: list[ScheduledChunk], n: int, feed: tuple[torch.Tensor, list[int]] | None) -> None:
         """Copy this step's decodes into the static buffers; rows past them are padding (the scratch block).
-        The host side writes through numpy views (a tensor element write costs microseconds a row)."""
+        The host side writes through numpy views (a tensor element write costs microseconds a row).
+        ``feed``: the token ids are on the device, row ``i``'s at ``feed[0][feed[1][i]]``."""
         bs, scratch, k = self.bs, self.kv.scratch_block, len(chunks)
-        ids, pos, slots, tables = self.h_np
+        stage = self.staging[self._turn]
+        self._turn ^= 1
+        ids, pos, slots, tables, rows = stage.arrays
         starts = [c.start for c in chunks]
-        ids[:k] = [c.token_ids[0] for c in chunks]
+        ids[:k] = 0 if feed is not None else [c.token_ids[0] for c in chunks]
         pos[:k] = starts
         slots[:k] = [c.block_table[p // bs] * bs + p % bs for c, p in zip(chunks, starts, strict=True)]
         used = max(starts) // bs + 1
@@ -131,19 +144,27 @@ class GraphedDecode:
             pos[k:n] = 0
             slots[k:n] = scratch * bs
             tables[k:n, 0] = scratch
-        self.ids[:n].copy_(self.h_ids[:n], non_blocking=True)
-        self.positions[:n].copy_(self.h_positions[:n], non_blocking=True)
-        self.slots[:n].copy_(self.h_slots[:n], non_blocking=True)
-        self.tables[:n, :used].copy_(self.h_tables[:n, :used], non_blocking=True)
+        h_ids, h_pos, h_slots, h_tables, h_rows = stage.tensors
+        self.ids[:n].copy_(h_ids[:n], non_blocking=True)
+        self.positions[:n].copy_(h_pos[:n], non_blocking=True)
+        self.slots[:n].copy_(h_slots[:n], non_blocking=True)
+        self.tables[:n, :used].copy_(h_tables[:n, :used], non_blocking=True)
+        if feed is not None:  # the ids the step before sampled, gathered on the device (no host round trip)
+            tokens, src = feed
+            rows[:k] = src
+            self.feed_rows[:k].copy_(h_rows[:k], non_blocking=True)
+            torch.index_select(tokens, 0, self.feed_rows[:k], out=self.ids[:k])
 
     @torch.inference_mode()
-    def logits(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """This step's logits [len(chunks), vocab], from the graph of its padded size."""
+    def logits(self, chunks: list[ScheduledChunk], feed: tuple[torch.Tensor, list[int]] | None = None) -> torch.Tensor:
+        """This step's logits [len(chunks), vocab], from the graph of its padded size. ``feed``: the
+        rows' token ids are not known on the host yet (``(tokens, rows)``: row ``i`` takes
+        ``tokens[rows[i]]``, a sample still on the device)."""
         n = pad_to(len(chunks), self.sizes)
         state = self._state()
         if state != self.state:  # new layers or KV tensors: the graphs point at the old ones
             self.state, self.graphs = state, {}
-        self._fill(chunks, n)
+        self._fill(chunks, n, feed)
         self.replays += 1
         if not self.capture:
             return self._forward(n)[:len(chunks)]

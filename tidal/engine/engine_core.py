@@ -27,7 +27,7 @@ from tidal.engine.kv_cache import PagedKVCache, kv_block_bytes
 from tidal.engine.loader import LoadedCheckpoint
 from tidal.engine.model import LlamaModel
 from tidal.engine.quant import describe_quantization
-from tidal.engine.runner import ModelRunner
+from tidal.engine.runner import InFlight, ModelRunner
 from tidal.engine.sizing import num_kv_blocks, resolve_device, resolve_dtype
 
 log = logging.getLogger("tidal.engine")
@@ -99,6 +99,12 @@ class EngineCore:
 
             self.runner.compiled = CompiledDecode(self.model, self.kv_cache)
             self.runner.compiled.warm_up()
+        self.async_scheduling = mc.async_scheduling
+        if mc.async_scheduling and not graphs:
+            startup_line("note: --async-scheduling overlaps the decode steps of CUDA graphs, which this engine does "
+                         "not run (CPU, --enforce-eager, --compile or a pipeline stage): its steps run as without it")
+        self.inflight: InFlight | None = None  # a decode step launched, its samples not yet applied
+        self.overlapped_steps = 0  # steps planned and launched while the step before ran
         self.last_result: StepResult | None = None
         self.last_plan: StepPlan | None = None
         self.num_steps = 0
@@ -126,9 +132,26 @@ class EngineCore:
 
     # ------------------------------------------------------------------ step
     def step(self, clock: Callable[[], float]) -> list[RequestUpdate]:
-        """One step: schedule at ``clock()``, run the plan on the model, apply its result."""
-        plan = self.scheduler.schedule(clock())
-        result = self.runner.execute(plan)
+        """One step: schedule at ``clock()``, run the plan on the model, apply its result.
+
+        With ``--async-scheduling`` (vLLM's async scheduling), a decode step the graphs take runs ahead
+        of the host: it is launched, the next decode step is planned and launched behind it (its
+        tokens are the first one's samples, fed on the device), and only then does the host wait for
+        the first step's samples and apply them. Scheduling, the token bookkeeping and the output side
+        run while the device computes. A step that cannot follow so (a request joins, a sampler that
+        is not greedy, a prefill) is planned by ``schedule`` once the step before is applied."""
+        if self.inflight is None:
+            plan = self.scheduler.schedule(clock())
+            if not (self.async_scheduling and self.runner.can_overlap(plan)):
+                return self._apply(plan, self.runner.execute(plan), clock)
+            self.inflight = self.runner.launch(plan)
+        step = self.inflight
+        nxt = self.scheduler.plan_overlapped(step.plan) if self.runner.overlap_ready() else None
+        self.inflight = self.runner.launch(nxt, after=step) if nxt is not None else None
+        self.overlapped_steps += nxt is not None
+        return self._apply(step.plan, self.runner.collect(step), clock)
+
+    def _apply(self, plan: StepPlan, result: StepResult, clock: Callable[[], float]) -> list[RequestUpdate]:
         self.last_plan, self.last_result = plan, result
         self.num_steps += 1
         return self.scheduler.update(plan, result, clock())
@@ -138,6 +161,8 @@ class EngineCore:
         """What runs the model, as start-up prints it: ``"bfloat16, weights: int4 for ..."``."""
         compiled = "; decode steps compiled (--compile)" if self.runner.compiled is not None else ""
         compiled += "; decode steps as CUDA graphs" if self.cuda_graphs else ""
+        compiled += ", greedy ones planned while the one before runs (--async-scheduling)" if (
+            self.cuda_graphs and self.async_scheduling) else ""
         attention = {"tidal-cpu": "; decode attention: tidal's paged kernel",
                      "triton": "; attention: Triton paged kernels"}.get(self.model.attention_backend, "")
         kv = f"; KV cache {str(self.kv_dtype).removeprefix('torch.')}" if self.kv_dtype != self.dtype else ""

@@ -158,7 +158,7 @@ class LLMEngine:
         return len(self.outputs)
 
     def has_runnable_requests(self) -> bool:
-        return self.scheduler.has_runnable()
+        return self.scheduler.has_runnable() or self.core.inflight is not None
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:

@@ -17,6 +17,8 @@ unpadded run; what is not computed is a pad token's attention over the real cont
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -29,6 +31,28 @@ from tidal.engine.kv_cache import PagedKVCache
 from tidal.engine.model import LlamaModel
 from tidal.engine.sampler import Sampler
 from tidal.engine.stage import StageLink, split_microbatches
+
+
+@dataclass
+class InFlight:
+    """A decode step launched on the device whose samples the host has not read yet (--async-scheduling)."""
+
+    plan: StepPlan
+    rows: list[ScheduledChunk]  # the step's rows, in order
+    tokens: torch.Tensor  # [rows]: the greedy samples, on the device
+    host: torch.Tensor  # their copy on the host (pinned on CUDA), whole once ``done`` has fired
+    began: Any  # (:func:`_mark`) before the step's first copy
+    done: Any  # after the samples' copy
+
+
+def _mark(device: torch.device) -> Any:
+    """A point in a step: a CUDA event recorded on the current stream, or (CPU, where a step runs as it is
+    launched) the ``perf_counter``."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev
 
 
 class ModelRunner:
@@ -48,6 +72,8 @@ class ModelRunner:
         self._scratch: dict[int, KVLayer] | None = None
         self.compiled: CompiledDecode | None = None  # --compile (set by the engine)
         self.graphs: GraphedDecode | None = None  # CUDA graphs of decode steps (set by the engine)
+        self._sample_staging: list[torch.Tensor] = []  # two pinned buffers of sampled ids, taken in turn
+        self._sample_turn = 0
 
     # ------------------------------------------------------------------ batch layout
     def _build_batch(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, AttentionBatch]:
@@ -232,4 +258,56 @@ class ModelRunner:
         elif self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         result.step_time_s = time.perf_counter() - t0
+        return result
+
+    # ------------------------------------------------------------------ steps run ahead of the host
+    def overlap_ready(self) -> bool:
+        """Whether a decode step can run ahead of the host (--async-scheduling): the graphs' static step
+        (CUDA graphs, or in tests their CPU twin) on the model as built, no pipeline link, no compile, no
+        logits kept."""
+        g = self.graphs
+        return (g is not None and self.link is None and self.compiled is None and not self.keep_logits
+                and tuple(self.model.layer_ids) == g.layer_ids)
+
+    def can_overlap(self, plan: StepPlan) -> bool:
+        """Whether ``plan`` can be launched and its samples read later: sampled decodes the graphs take,
+        every row greedy without logprobs (the sample is the argmax, taken on the device), no copies
+        and no padding."""
+        return (self.overlap_ready() and not plan.is_empty and not plan.swap_out and not plan.swap_in
+                and not plan.composition.num_padded_tokens and self.graphs.takes(list(plan.chunks))
+                and all(c.sampling.greedy and c.sampling.logprobs is None for c in plan.chunks))
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan, after: InFlight | None = None) -> InFlight:
+        """Queue ``plan`` (:meth:`can_overlap`) on the device and return at once; :meth:`collect` reads its
+        samples. ``after``: the step before, still in flight, whose samples are this plan's tokens
+        (:data:`~tidal.core.plan.PENDING_TOKEN`), taken on the device. The rows are ordered as
+        :meth:`execute` orders decodes, longest context first."""
+        self.sampler.forget(plan.finished)
+        rows = sorted(plan.chunks, key=lambda c: -c.context_len)
+        feed = None
+        if after is not None:
+            at = {c.request_id: i for i, c in enumerate(after.rows)}
+            feed = (after.tokens, [at[c.request_id] for c in rows])
+        if not self._sample_staging:
+            n, pin = self.graphs.sizes[-1], self.device.type == "cuda"
+            self._sample_staging = [torch.zeros(n, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        began = _mark(self.device)
+        tokens = self.graphs.logits(rows, feed).argmax(-1)  # Sampler.sample's greedy rows: the argmax
+        host = self._sample_staging[self._sample_turn][:len(rows)]  # (the step before still reads the other)
+        self._sample_turn ^= 1
+        host.copy_(tokens, non_blocking=True)
+        done = _mark(self.device)
+        return InFlight(plan, rows, tokens, host, began, done)
+
+    def collect(self, step: InFlight) -> StepResult:
+        """Wait for a launched step's samples (only for that step: the one queued after it runs on) and
+        return its result; its time is the device's, from its first copy to its samples' copy."""
+        if isinstance(step.done, float):
+            seconds = step.done - step.began
+        else:
+            step.done.synchronize()
+            seconds = step.began.elapsed_time(step.done) / 1e3
+        result = StepResult(step_id=step.plan.step_id, composition=step.plan.composition, step_time_s=seconds)
+        result.sampled = dict(zip((c.request_id for c in step.rows), step.host.tolist(), strict=True))
         return result
