@@ -9,7 +9,7 @@ import torch
 
 from tidal import SamplingParams
 from tidal.config import CacheConfig, ConfigError, ModelConfig
-from tidal.engine.cuda_graph import pad_to, padded_sizes
+from tidal.engine.cuda_graph import GraphedDecode, pad_to, padded_sizes
 from tidal.engine.kv_cache import PagedKVCache
 from tidal.engine.llm_engine import LLMEngine
 
@@ -53,6 +53,42 @@ def test_static_padded_step_gives_the_dynamic_tokens(make_tiny_engine, monkeypat
     assert e.kv_cache.layers[0].k.shape[0] == e.kv_manager.num_blocks + 1  # the scratch block
     assert _run(e, PROMPTS) == want
     assert g.replays > 0
+
+
+def _record_on_cpu(self, n):
+    """GraphedDecode._record's stand-in on the CPU: a "graph" whose replay runs the static step again on
+    the buffers as they are then and writes its logits into the tensor captured."""
+    out = self._forward(n).clone()
+
+    def replay():
+        out.copy_(self._forward(n))
+
+    return replay, out
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_graph_captured_mid_run_replays_that_steps_inputs(make_tiny_engine, monkeypatch, async_scheduling):
+    """A size is captured when a step first needs it, and again after the layers or the KV tensors change
+    (KunServe's restore, a pool resize). Capture runs on padding rows: it must come before the step's
+    inputs are written, or that step computes the padding's logits."""
+    kw = dict(max_num_seqs=6, max_num_batched_tokens=32)
+    want = _run(make_tiny_engine(max_model_len=256, **kw), PROMPTS, max_tokens=12)
+    e = _static_engine(make_tiny_engine, monkeypatch, async_scheduling=async_scheduling, **kw)
+    monkeypatch.setattr(GraphedDecode, "_record", _record_on_cpu)
+    g = e.runner.graphs
+    g.capture = True  # on demand only: the engine captures every size at start-up on CUDA alone
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for i, p in enumerate(PROMPTS):
+        e.add_request(f"r{i}", None, params, prompt_token_ids=p)
+    got, steps = {}, 0
+    while e.has_unfinished_requests():
+        if steps == 6:
+            g.state = ()  # as after a restore: every graph is dropped and the next step captures again
+        for o in e.step():
+            if o.finished:
+                got[o.request_id] = list(o.outputs[0].token_ids)
+        steps += 1
+    assert got == want and g.captures > len(g.graphs) > 0  # (sizes were captured again after the reset)
 
 
 def test_padded_rows_write_only_the_scratch_block(make_tiny_engine, monkeypatch):

@@ -23,6 +23,7 @@ CI checks that it gives the same tokens as the dynamic step.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -93,7 +94,7 @@ class GraphedDecode:
         self.staging = [_Staging(n, self.width, ttype, pin=dev.type == "cuda") for _ in range(2)]
         self._turn = 0
         self.layer_ids = tuple(model.layer_ids)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}  # size -> (replay, its logits)
         self.pool = None
         self.state: tuple = self._state()
         self.replays = 0  # steps that ran a graph (or, on CPU, the static step)
@@ -164,14 +165,14 @@ class GraphedDecode:
         state = self._state()
         if state != self.state:  # new layers or KV tensors: the graphs point at the old ones
             self.state, self.graphs = state, {}
+        if self.capture and n not in self.graphs:
+            self._capture(n)  # on padding rows, so before this step's inputs are written
         self._fill(chunks, n, feed)
         self.replays += 1
         if not self.capture:
             return self._forward(n)[:len(chunks)]
-        if n not in self.graphs:
-            self._capture(n)
-        graph, out = self.graphs[n]
-        graph.replay()
+        replay, out = self.graphs[n]
+        replay()
         return out[:len(chunks)]
 
     # ------------------------------------------------------------------ capture
@@ -185,14 +186,19 @@ class GraphedDecode:
     def _capture(self, n: int) -> None:
         self._pad_all(n)  # capture on padding rows only: no request's KV is written
         self._forward(n)  # compiles the Triton kernels and settles the allocator, outside the capture
+        self.graphs[n] = self._record(n)
+        self.captures += 1
+
+    def _record(self, n: int) -> tuple[Callable[[], None], torch.Tensor]:
+        """The decode step on the first ``n`` rows captured as a CUDA graph in the shared pool: its replay
+        and the logits tensor each replay writes."""
         torch.cuda.synchronize(self.device)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             out = self._forward(n)
-        self.graphs[n] = (graph, out)
-        self.captures += 1
+        return graph.replay, out
 
     @torch.inference_mode()
     def capture_all(self) -> float:
