@@ -350,11 +350,13 @@ def stage_serve(args) -> dict:
 
 
 def stage_profile(args) -> dict:
-    """``tidal profile`` on the GPU (the quick grid): the fit's R^2 of its step times."""
+    """``tidal profile`` on the GPU (``--profile-grid``: the quick grid, or the full one that drives the
+    simulator): the fit's R^2 of its step times."""
     path = os.path.join(args.models, args.step_shape)
     dst = os.path.join(args.out, "profile.json")
-    cmd = [sys.executable, "-m", "tidal.cli", "profile", "--model", path, "--device", args.device, "--quick",
-           "--no-live", "--repeats", "5", "--kv-cache-memory", "8GiB", "--no-progress", "--output", dst,
+    quick = ["--quick", "--no-live"] if args.profile_grid == "quick" else []
+    cmd = [sys.executable, "-m", "tidal.cli", "profile", "--model", path, "--device", args.device, *quick,
+           "--repeats", "5", "--kv-cache-memory", "8GiB", "--no-progress", "--output", dst,
            "--dtype", "bfloat16" if args.device.startswith("cuda") else "float32"]
     log("profile:", " ".join(cmd))
     run = subprocess.run(cmd, check=True, timeout=args.stage_timeout - 10, capture_output=True, text=True)
@@ -575,6 +577,8 @@ def main() -> int:
     ap.add_argument("--step-modes", default="eager,graphs",
                     help="the steps stage's engines: eager, graphs, graphs@TOKENS (another FlashDecoding span)")
     ap.add_argument("--profile-steps", action="store_true", help="the GPU kernels of the graphs' decode steps")
+    ap.add_argument("--profile-grid", default="quick", choices=["quick", "full"],
+                    help="the profile stage's grid: tidal profile --quick --no-live, or its full grid and live steps")
     ap.add_argument("--serve-modes", default="one,split,disaggregate,instances2")
     ap.add_argument("--record", default=None, help="also write the performance page's record of the check here")
     ap.add_argument("--summarize", default=None, metavar="REPORT",
