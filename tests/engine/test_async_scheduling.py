@@ -85,15 +85,36 @@ def test_a_late_arrival_and_an_abort_while_a_step_is_in_flight(make_tiny_engine,
     _free_at_the_end(e)
 
 
-def test_sampled_or_logprob_rows_run_synchronously(make_tiny_engine, monkeypatch):
+def test_sampled_rows_run_synchronously(make_tiny_engine, monkeypatch):
     seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=8, ignore_eos=True)
-    lp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
-    for params in (seeded, lp):
-        reqs = [(f"r{i}", p, params) for i, p in enumerate(PROMPTS[:3])]
-        want, _ = _drive(_engine(make_tiny_engine, monkeypatch, False), reqs)
-        e = _engine(make_tiny_engine, monkeypatch, True)
-        got, _ = _drive(e, reqs)
-        assert got == want and e.core.overlapped_steps == 0 and e.core.inflight is None
+    reqs = [(f"r{i}", p, seeded) for i, p in enumerate(PROMPTS[:3])]
+    want, _ = _drive(_engine(make_tiny_engine, monkeypatch, False), reqs)
+    e = _engine(make_tiny_engine, monkeypatch, True)
+    got, _ = _drive(e, reqs)
+    assert got == want and e.core.overlapped_steps == 0 and e.core.inflight is None
+
+
+def _logprobs_of(engine, reqs):
+    for rid, prompt, params in reqs:
+        engine.add_request(rid, None, params, prompt_token_ids=prompt)
+    out = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = (list(o.outputs[0].token_ids), o.outputs[0].logprobs)
+    return out
+
+
+def test_logprobs_rows_are_taken_on_the_device_and_equal_the_samplers(make_tiny_engine, monkeypatch):
+    """Greedy rows asking for logprobs run ahead too: the chosen token's log-probability and the top k are
+    computed on the device for every row of the step and copied behind its samples."""
+    reqs = [(f"r{i}", p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=lp))
+            for i, (p, lp) in enumerate(zip(PROMPTS[:4], (2, None, 0, 5), strict=True))]
+    want = _logprobs_of(_engine(make_tiny_engine, monkeypatch, False), reqs)
+    e = _engine(make_tiny_engine, monkeypatch, True)
+    got = _logprobs_of(e, reqs)
+    assert got == want and e.core.overlapped_steps > 0
+    assert want["r1"][1] is None and len(want["r3"][1][-1].top) == 5 and want["r2"][1][-1].top == ()
 
 
 def test_the_step_after_is_fed_on_the_device(make_tiny_engine, monkeypatch):

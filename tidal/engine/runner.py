@@ -29,7 +29,7 @@ from tidal.engine.compiled import CompiledDecode
 from tidal.engine.cuda_graph import GraphedDecode
 from tidal.engine.kv_cache import PagedKVCache
 from tidal.engine.model import LlamaModel
-from tidal.engine.sampler import Sampler
+from tidal.engine.sampler import Sampler, token_logprobs
 from tidal.engine.stage import StageLink, split_microbatches
 
 
@@ -43,6 +43,8 @@ class InFlight:
     host: torch.Tensor  # their copy on the host (pinned on CUDA), whole once ``done`` has fired
     began: Any  # (:func:`_mark`) before the step's first copy
     done: Any  # after the samples' copy
+    # rows asking for logprobs: every row's chosen token's log-probability and top (values, ids), on the host
+    logprobs: list[torch.Tensor] | None = None
 
 
 def _mark(device: torch.device) -> Any:
@@ -271,11 +273,11 @@ class ModelRunner:
 
     def can_overlap(self, plan: StepPlan) -> bool:
         """Whether ``plan`` can be launched and its samples read later: sampled decodes the graphs take,
-        every row greedy without logprobs (the sample is the argmax, taken on the device), no copies
+        every row greedy (the sample is the argmax, and any logprobs, taken on the device), no copies
         and no padding."""
         return (self.overlap_ready() and not plan.is_empty and not plan.swap_out and not plan.swap_in
                 and not plan.composition.num_padded_tokens and self.graphs.takes(list(plan.chunks))
-                and all(c.sampling.greedy and c.sampling.logprobs is None for c in plan.chunks))
+                and all(c.sampling.greedy for c in plan.chunks))
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan, after: InFlight | None = None) -> InFlight:
@@ -293,12 +295,29 @@ class ModelRunner:
             n, pin = self.graphs.sizes[-1], self.device.type == "cuda"
             self._sample_staging = [torch.zeros(n, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         began = _mark(self.device)
-        tokens = self.graphs.logits(rows, feed).argmax(-1)  # Sampler.sample's greedy rows: the argmax
+        logits = self.graphs.logits(rows, feed)
+        tokens = logits.argmax(-1)  # Sampler.sample's greedy rows: the argmax
         host = self._sample_staging[self._sample_turn][:len(rows)]  # (the step before still reads the other)
         self._sample_turn ^= 1
         host.copy_(tokens, non_blocking=True)
-        done = _mark(self.device)
-        return InFlight(plan, rows, tokens, host, began, done)
+        lps = self._logprobs(logits, tokens, rows)
+        return InFlight(plan, rows, tokens, host, began, _mark(self.device), lps)
+
+    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, rows: list[ScheduledChunk]
+                  ) -> list[torch.Tensor] | None:
+        """Sampler.sample's logprobs, for every row at once when any asks (one row's log-softmax does not
+        depend on the others'): each row's chosen token's and its top k's, k the largest asked, copied to
+        the host behind the step's samples."""
+        ks = [c.sampling.logprobs for c in rows if c.sampling.logprobs is not None]
+        if not ks:
+            return None
+        logp = logits.float().log_softmax(-1)
+        parts = [logp.gather(1, tokens.unsqueeze(1)).squeeze(1), *(logp.topk(max(ks), dim=-1) if max(ks) else ())]
+        pin = self.device.type == "cuda"
+        out = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in parts]
+        for dst, t in zip(out, parts, strict=True):
+            dst.copy_(t, non_blocking=True)
+        return out
 
     def collect(self, step: InFlight) -> StepResult:
         """Wait for a launched step's samples (only for that step: the one queued after it runs on) and
@@ -309,5 +328,14 @@ class ModelRunner:
             step.done.synchronize()
             seconds = step.began.elapsed_time(step.done) / 1e3
         result = StepResult(step_id=step.plan.step_id, composition=step.plan.composition, step_time_s=seconds)
-        result.sampled = dict(zip((c.request_id for c in step.rows), step.host.tolist(), strict=True))
+        tokens = step.host.tolist()
+        result.sampled = dict(zip((c.request_id for c in step.rows), tokens, strict=True))
+        if step.logprobs is not None:
+            chosen, *top = (t.tolist() for t in step.logprobs)
+            top_v, top_i = top if top else ((), ())
+            for j, c in enumerate(step.rows):
+                n = c.sampling.logprobs
+                if n is not None:
+                    result.logprobs[c.request_id] = token_logprobs(tokens[j], chosen[j], top_i[j] if n else (),
+                                                                   top_v[j] if n else (), n)
         return result

@@ -98,6 +98,11 @@ class Sampler:
             top_i = top_i.tolist() if k else None
             for j, i in enumerate(want):
                 n = params[i].logprobs
-                top = tuple(zip(top_i[j][:n], top_v[j][:n], strict=True)) if n else ()
-                lps[i] = TokenLogprobs(token_list[i], chosen[j], top)
+                lps[i] = token_logprobs(token_list[i], chosen[j], top_i[j] if n else (), top_v[j] if n else (), n)
         return token_list, lps
+
+
+def token_logprobs(token: int, chosen: float, top_ids: Sequence[int], top_values: Sequence[float],
+                   n: int) -> TokenLogprobs:
+    """A sampled token's log-probability and the ``n`` likeliest (id, log-probability), likeliest first."""
+    return TokenLogprobs(token, chosen, tuple(zip(top_ids[:n], top_values[:n], strict=True)) if n else ())
