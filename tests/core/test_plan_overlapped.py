@@ -22,12 +22,12 @@ def _overlappable(plan) -> bool:
 
 def run_overlapped(sched: Scheduler, reqs, token_fn, abort_at: dict[int, str] | None = None):
     """The engine's loop (EngineCore.step) with a fabricated executor; returns the outputs, the finishes
-    and how many steps were planned ahead."""
+    and how many steps were planned ahead (in all, and while requests waited)."""
     outputs = {r.request_id: [] for r in reqs}
     finish = {}
     for r in reqs:
         sched.add_request(r)
-    inflight, now, ahead, steps = None, 0.0, 0, 0
+    inflight, now, ahead, steps, queued = None, 0.0, 0, 0, 0
     while sched.has_unfinished() or inflight is not None:
         steps += 1
         assert steps < 5000
@@ -44,6 +44,7 @@ def run_overlapped(sched: Scheduler, reqs, token_fn, abort_at: dict[int, str] | 
             nxt = sched.plan_overlapped(inflight)
         if nxt is not None:
             ahead += 1
+            queued += bool(sched.waiting)
             before = {c.request_id: c for c in inflight.chunks}
             for c in nxt.chunks:
                 assert c.token_ids == (PENDING_TOKEN,) and c.sample
@@ -58,7 +59,7 @@ def run_overlapped(sched: Scheduler, reqs, token_fn, abort_at: dict[int, str] | 
                 finish[u.request_id] = (u.finish_reason, u.stop_reason)
         sched.kv.check_invariants()
         inflight = nxt
-    return outputs, finish, ahead
+    return outputs, finish, (ahead, queued)
 
 
 def eos_sometimes(rid: str, index: int) -> int:
@@ -71,25 +72,46 @@ def _requests(rng: random.Random, n: int):
             for i in range(n)]
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_the_synchronous_schedulers_tokens_and_finishes(seed):
-    rng = random.Random(seed)
-    blocks = rng.choice([7, 9, 64])  # tight pools: some steps cannot be planned ahead, some preempt
-    want = Driver(make_scheduler(num_blocks=blocks, max_seqs=6))
-    for r in _requests(random.Random(seed), 10):
+def _compare(reqs, num_blocks: int, max_seqs: int, token_fn=None) -> int:
+    """The overlapped loop against the synchronous one on ``reqs()``'s requests; returns the steps planned
+    ahead while requests waited."""
+    want = Driver(make_scheduler(num_blocks=num_blocks, max_seqs=max_seqs))
+    for r in reqs():
         want.add(r)
-    want.run(token_fn=eos_sometimes)
-    sched = make_scheduler(num_blocks=blocks, max_seqs=6)
-    outputs, finish, ahead = run_overlapped(sched, _requests(random.Random(seed), 10), eos_sometimes)
+    token_fn = token_fn or eos_sometimes
+    want.run(token_fn=token_fn)
+    sched = make_scheduler(num_blocks=num_blocks, max_seqs=max_seqs)
+    outputs, finish, (ahead, queued) = run_overlapped(sched, reqs(), token_fn)
     assert outputs == want.outputs and finish == want.finish
     assert ahead > 0
     assert sched.kv.num_free_blocks == sched.kv.num_blocks and not sched.requests
+    return queued
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_synchronous_schedulers_tokens_and_finishes(seed):
+    blocks = random.Random(seed).choice([7, 9, 64])  # tight pools: some steps cannot be planned ahead, some preempt
+    _compare(lambda: _requests(random.Random(seed), 10), blocks, 6)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_steps_are_planned_ahead_while_requests_wait_for_a_seat(seed):
+    """A queue longer than the seats: while every seat stays taken, waiting requests change nothing; a seat
+    an EOS frees is taken a step later than the synchronous scheduler takes it, with the same tokens."""
+    def reqs():
+        rng = random.Random(seed)
+        return [make_request(f"q{i}", rng.randint(1, 12), max_tokens=rng.randint(8, 30), eos=(3,)) for i in range(16)]
+
+    def eos_rarely(rid: str, index: int) -> int:
+        return 3 if (zlib.crc32(rid.encode()) + index) % 23 == 0 else fake_token(rid, index)
+
+    assert _compare(reqs, 64, 4, eos_rarely) > 10
 
 
 def test_an_abort_while_the_step_after_is_planned():
     sched = make_scheduler()
     reqs = [make_request(f"r{i}", 5, max_tokens=10) for i in range(3)]
-    outputs, finish, ahead = run_overlapped(sched, reqs, fake_token, abort_at={5: "r1"})
+    outputs, finish, (ahead, _) = run_overlapped(sched, reqs, fake_token, abort_at={5: "r1"})
     assert len(outputs["r1"]) < 10 and "r1" not in finish and "r1" not in sched.requests  # no token after it
     assert all(outputs[r] == [fake_token(r, i) for i in range(10)] for r in ("r0", "r2"))
     assert ahead > 0 and sched.kv.num_free_blocks == sched.kv.num_blocks
@@ -105,6 +127,14 @@ def _decoding(sched: Scheduler, n: int = 3, **kw):
     return d, plan
 
 
+def test_with_every_seat_taken_a_waiting_request_changes_nothing():
+    sched = make_scheduler(max_seqs=3)
+    _, plan = _decoding(sched)
+    sched.add_request(make_request("late", 4))
+    nxt = sched.plan_overlapped(plan)  # schedule would admit nobody either: no seat
+    assert [c.request_id for c in nxt.chunks] == [c.request_id for c in plan.chunks]
+
+
 def test_a_request_whose_length_ends_in_flight_sits_out():
     sched = make_scheduler()
     d = Driver(sched)
@@ -116,9 +146,18 @@ def test_a_request_whose_length_ends_in_flight_sits_out():
 
 
 def test_nothing_is_planned_ahead_when_the_schedule_must_decide():
-    # a request waiting to join
+    # a request waiting while a seat is free
     sched = make_scheduler()
     _, plan = _decoding(sched)
+    sched.add_request(make_request("late", 4))
+    assert sched.plan_overlapped(plan) is None
+    # every seat taken, but one frees: its request's length ends in the step in flight
+    sched = make_scheduler(max_seqs=3)
+    d = Driver(sched)
+    for i, n in enumerate((16, 16, 2)):
+        d.add(make_request(f"r{i}", 4, max_tokens=n))
+    d.step()
+    plan = sched.schedule(1.0)
     sched.add_request(make_request("late", 4))
     assert sched.plan_overlapped(plan) is None
     # a policy that decides each step

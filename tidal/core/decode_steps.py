@@ -27,6 +27,7 @@ class DecodeSteps:
     _pending_updates: list[RequestUpdate]
     _finished_since_plan: list[str]
     _step_id: int
+    last_caps: Any
 
     def _free_for_one_more(self, positions: list[tuple[str, int]]) -> bool:
         """Whether the free blocks cover one more token each of ``positions`` (request id, tokens held);
@@ -40,15 +41,17 @@ class DecodeSteps:
         the host plans step k+1 while the device computes step k). Each chunk's token is
         :data:`PENDING_TOKEN`, the one ``inflight`` samples for that request.
 
-        It holds when ``inflight`` decoded every running request (nobody joined, resumed or waits since;
-        each still has exactly ``inflight``'s token in computation), the policy is passive, none has a
-        pause point, and the free blocks cover the new ones (nobody is preempted). A request whose
-        ``inflight`` token is its last by length sits this step out; one that stops on the token it
-        samples there (an EOS, a stop token or string) decodes once more, and :meth:`update` drops that
-        row. None: nothing planned, nothing allocated (``schedule`` plans the step once
-        ``inflight``'s tokens are in)."""
+        It holds when ``inflight`` decoded every running request (nobody joined or resumed since; each
+        still has exactly ``inflight``'s token in computation), the policy is passive, none has a pause
+        point, the token budget covers them and the free blocks cover the new ones (nobody is
+        preempted); with requests waiting, only while every seat stays taken (``schedule`` would admit
+        nobody either). A request whose ``inflight`` token is its last by length sits this step out; one
+        that stops on the token it samples there (an EOS, a stop token or string) decodes once more,
+        :meth:`update` drops that row, and a request waiting for its seat joins a step later than
+        ``schedule`` alone would have it join. None: nothing planned, nothing allocated (``schedule``
+        plans the step once ``inflight``'s tokens are in)."""
         running = self.running
-        if not self._passive or self.waiting or self.swapped or self._pending_updates or not running:
+        if not self._passive or self.swapped or self._pending_updates or not running:
             return None
         planned = {c.request_id: c for c in inflight.chunks}
         if len(running) > len(planned):
@@ -61,6 +64,9 @@ class DecodeSteps:
                 return None
             if len(req.output_token_ids) + 1 < req.output_limit():  # else inflight's token is its last
                 held.append((req, c.start + 1))
+        caps = self.last_caps  # (a passive policy's: the same every step)
+        if len(held) > caps.token_budget or (self.waiting and len(held) < caps.max_num_seqs):
+            return None  # not every decode fits the budget, or a seat is free for an admission
         positions = [(req.request_id, p) for req, p in held]
         if not held or not self._free_for_one_more(positions):
             return None
