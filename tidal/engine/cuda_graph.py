@@ -66,10 +66,10 @@ class _Staging:
     """One set of host buffers a step's inputs are written to and copied from (pinned on CUDA)."""
 
     def __init__(self, n: int, width: int, table_dtype: torch.dtype, pin: bool):
-        self.tensors = (torch.zeros(n, dtype=torch.long, pin_memory=pin), torch.zeros(n, dtype=torch.long, pin_memory=pin),
-                        torch.zeros(n, dtype=torch.long, pin_memory=pin),
-                        torch.zeros(n, width, dtype=table_dtype, pin_memory=pin),
-                        torch.zeros(n, dtype=torch.long, pin_memory=pin))  # ids, positions, slots, tables, fed rows
+        # ids, positions, slots, block tables, and a fed step's rows of the step before
+        shapes = ((n,), (n,), (n,), (n, width), (n,))
+        dtypes = (torch.long, torch.long, torch.long, table_dtype, torch.long)
+        self.tensors = tuple(torch.zeros(s, dtype=d, pin_memory=pin) for s, d in zip(shapes, dtypes, strict=True))
         self.arrays = tuple(t.numpy() for t in self.tensors)
 
 
