@@ -10,6 +10,8 @@ import zlib
 import pytest
 
 from tests.core.test_scheduler import Driver, fake_token, make_request, make_scheduler
+from tidal.config import SchedulerConfig
+from tidal.core.kv_manager import KVCacheManager
 from tidal.core.plan import PENDING_TOKEN, StepResult
 from tidal.core.policy import SchedulingPolicy, StepCaps
 from tidal.core.scheduler import Scheduler
@@ -72,15 +74,15 @@ def _requests(rng: random.Random, n: int):
             for i in range(n)]
 
 
-def _compare(reqs, num_blocks: int, max_seqs: int, token_fn=None) -> int:
+def _compare(reqs, num_blocks: int, max_seqs: int, token_fn=None, make=make_scheduler) -> int:
     """The overlapped loop against the synchronous one on ``reqs()``'s requests; returns the steps planned
     ahead while requests waited."""
-    want = Driver(make_scheduler(num_blocks=num_blocks, max_seqs=max_seqs))
+    want = Driver(make(num_blocks=num_blocks, max_seqs=max_seqs))
     for r in reqs():
         want.add(r)
     token_fn = token_fn or eos_sometimes
     want.run(token_fn=token_fn)
-    sched = make_scheduler(num_blocks=num_blocks, max_seqs=max_seqs)
+    sched = make(num_blocks=num_blocks, max_seqs=max_seqs)
     outputs, finish, (ahead, queued) = run_overlapped(sched, reqs(), token_fn)
     assert outputs == want.outputs and finish == want.finish
     assert ahead > 0
@@ -106,6 +108,36 @@ def test_steps_are_planned_ahead_while_requests_wait_for_a_seat(seed):
         return 3 if (zlib.crc32(rid.encode()) + index) % 23 == 0 else fake_token(rid, index)
 
     assert _compare(reqs, 64, 4, eos_rarely) > 10
+
+
+def _prefill_first(num_blocks, max_seqs):
+    kv = KVCacheManager(num_blocks=num_blocks, block_size=4)
+    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=32, scheduling="prefill-first"),
+                     kv, watermark=0.0)
+
+
+def _cached_with_host_tier(num_blocks, max_seqs):
+    kv = KVCacheManager(num_blocks=num_blocks, block_size=4, num_host_blocks=16, enable_caching=True, host_tier=True)
+    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=32), kv, watermark=0.0)
+
+
+@pytest.mark.parametrize("make", [_prefill_first, _cached_with_host_tier])
+@pytest.mark.parametrize("seed", range(3))
+def test_prefill_first_steps_and_a_prefix_cache_with_a_host_tier(make, seed):
+    def reqs():  # a shared 2-block head, so the cache hits (and, in a small pool, evicts to the host tier)
+        rng = random.Random(seed)
+        out = []
+        for i in range(12):
+            r = make_request(f"s{i}", rng.randint(2, 10), max_tokens=rng.randint(3, 16), eos=(3,))
+            r.prompt_token_ids[:0] = range(5000, 5008)
+            out.append(r)
+        return out
+
+    _compare(reqs, 12, 4, make=make)
+    sched = make(12, 4)
+    run_overlapped(sched, reqs(), eos_sometimes)
+    if sched.kv.enable_caching:
+        assert sched.prefix_hits > 0
 
 
 def test_an_abort_while_the_step_after_is_planned():
