@@ -330,15 +330,20 @@ def stage_serve(args) -> dict:
             got = []
             with httpx.Client(timeout=120) as c:
                 model = c.get(url + "/v1/models").json()["data"][0]["id"]
-                for p in prompts:
+                # greedy, then seeded sampling (drawn on the GPU: the same draws with --async-scheduling; a
+                # request whose decode moves to another instance starts its generator again there)
+                for j, p in enumerate(prompts + prompts[:3]):
+                    sampling = {"temperature": 0} if j < len(prompts) else {"temperature": 0.8, "top_p": 0.9,
+                                                                            "seed": 7 + j}
                     r = c.post(url + "/v1/completions", json={"model": model, "prompt": p, "max_tokens": 16,
-                                                              "temperature": 0})
+                                                              **sampling})
                     r.raise_for_status()
                     got.append(r.json()["choices"][0]["text"])
             ref = got if ref is None else ref
-            out[mode] = {"start_s": round(started, 1), "equal_to_one_instance": sum(a == b for a, b in
-                                                                                   zip(got, ref, strict=True)),
-                         "of": len(prompts)}
+            same = [a == b for a, b in zip(got, ref, strict=True)]
+            out[mode] = {"start_s": round(started, 1), "equal_to_one_instance": sum(same[:len(prompts)]),
+                         "of": len(prompts), "seeded_equal_to_one_instance": sum(same[len(prompts):]),
+                         "seeded_of": 3}
             log(f"serve {mode}: {out[mode]}")
             _save_stage(args, "serve", out)  # kept if the stage is stopped at its limit
         finally:

@@ -82,6 +82,11 @@ def figures(report: dict) -> list[list[str]]:
     if modes:
         rows.append([f"tidal serve answers equal to one instance, 1B shape (tidal {commit(sv)})",
                      "; ".join(f"{m} {sv[m]['equal_to_one_instance']}/{sv[m]['of']}" for m in modes)])
+        seeded = [m for m in modes if "seeded_of" in sv[m]]
+        if seeded:
+            rows.append([f"tidal serve seeded sampling equal to one instance, 1B shape (tidal {commit(sv)})",
+                         "; ".join(f"{m} {sv[m]['seeded_equal_to_one_instance']}/{sv[m]['seeded_of']}"
+                                   for m in seeded)])
     pr = res("profile")
     if pr.get("fit_lines"):
         grid = "quick grid" if "--quick" in pr.get("command", "") else "full grid and live steps"

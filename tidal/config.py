@@ -126,7 +126,7 @@ class ModelConfig:
     quantization: str = "auto"  # int4 kernels for 4-bit stored weights: auto (where faster) | none | int4
     compile: bool = False  # steps of decodes as torch.compile graphs (tidal.engine.compiled)
     enforce_eager: bool = False  # CUDA: no decode CUDA graphs (tidal.engine.cuda_graph)
-    # greedy decode steps on CUDA graphs run ahead of the host, the next planned while one computes
+    # decode steps on CUDA graphs run ahead of the host, the next planned while one computes
     # (tidal.engine.engine_core.EngineCore.step)
     async_scheduling: bool = False
     attention_backend: str = "auto"  # auto | torch | triton (tidal.engine.triton_attention)

@@ -1,4 +1,4 @@
-"""--async-scheduling: a greedy decode step runs ahead of the host, the next one planned and launched
+"""--async-scheduling: a decode step runs ahead of the host, the next one planned and launched
 behind it with its tokens fed from the first one's samples on the device (EngineCore.step,
 Scheduler.plan_overlapped, ModelRunner.launch / collect). On the CPU the graphs' static step runs eagerly
 (no graphs), which runs every part of it but the CUDA events; the outputs must be the synchronous
@@ -85,13 +85,30 @@ def test_a_late_arrival_and_an_abort_while_a_step_is_in_flight(make_tiny_engine,
     _free_at_the_end(e)
 
 
-def test_sampled_rows_run_synchronously(make_tiny_engine, monkeypatch):
-    seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=8, ignore_eos=True)
-    reqs = [(f"r{i}", p, seeded) for i, p in enumerate(PROMPTS[:3])]
-    want, _ = _drive(_engine(make_tiny_engine, monkeypatch, False), reqs)
-    e = _engine(make_tiny_engine, monkeypatch, True)
-    got, _ = _drive(e, reqs)
-    assert got == want and e.core.overlapped_steps == 0 and e.core.inflight is None
+def test_sampled_rows_run_ahead_too(make_tiny_engine, monkeypatch):
+    """The sampler draws on the device without waiting for it, in step order as the synchronous engine does:
+    seeded rows (each its own generator) give its tokens whatever stops them; unseeded rows share the
+    engine's generator, so they give its tokens while no request stops on a token (a stopped request's
+    extra row would take draws)."""
+    def seeded(i, **kw):
+        return SamplingParams(temperature=0.8, top_p=0.9, seed=3 + i, max_tokens=12, ignore_eos=True, **kw)
+
+    first, _ = _drive(_engine(make_tiny_engine, monkeypatch, False),
+                      [(f"s{i}", p, seeded(i)) for i, p in enumerate(PROMPTS[:4])])
+    cases = [  # seeded, each but the first stopping on the token it samples 3rd-5th
+        [(f"s{i}", p, seeded(i, **({"stop_token_ids": [first[f"s{i}"][0][2 + i]]} if i else {})))
+         for i, p in enumerate(PROMPTS[:4])],
+        [(f"u{i}", p, SamplingParams(temperature=1.0, top_k=40, max_tokens=6 + i, ignore_eos=True))
+         for i, p in enumerate(PROMPTS[:4])],
+    ]
+    stops = []
+    for reqs in cases:
+        want, _ = _drive(_engine(make_tiny_engine, monkeypatch, False), reqs)
+        e = _engine(make_tiny_engine, monkeypatch, True)
+        got, _ = _drive(e, reqs)
+        assert got == want and e.core.overlapped_steps > 0
+        stops.append(sum(w[2] == "stop" for w in want.values()))
+    assert stops == [3, 0]
 
 
 def _logprobs_of(engine, reqs):

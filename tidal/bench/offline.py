@@ -91,7 +91,7 @@ class BenchOptions:
     output_len: int | None = None
     num_threads: int | None = None
     device: str = "cpu"  # cuda: tidal and transformers on the GPU (llama.cpp stays a CPU peer)
-    async_scheduling: bool = False  # tidal's --async-scheduling (greedy decode steps on CUDA graphs)
+    async_scheduling: bool = False  # tidal's --async-scheduling (decode steps on CUDA graphs)
     seed: int = 0
     max_num_batched_tokens: int | None = None
     hf_cb_max_batch_tokens: int = 512

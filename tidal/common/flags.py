@@ -118,7 +118,7 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
           help="CUDA: run decode steps eagerly instead of replaying CUDA graphs captured at start-up "
                "(one per padded batch size up to --max-num-seqs)"),
     _flag("--async-scheduling", action="store_true", default=None,
-          help="CUDA: plan and launch each greedy decode step while the one before computes, its tokens fed on "
+          help="CUDA: plan and launch each decode step while the one before computes, its tokens fed on "
                "the GPU, so that scheduling and outputs overlap the model (steps of decodes replayed as CUDA "
                "graphs; other steps run as without it)"),
     _flag("--attention-backend", default=None, choices=list(ATTENTION_BACKENDS),

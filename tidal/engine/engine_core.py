@@ -161,7 +161,7 @@ class EngineCore:
         """What runs the model, as start-up prints it: ``"bfloat16, weights: int4 for ..."``."""
         compiled = "; decode steps compiled (--compile)" if self.runner.compiled is not None else ""
         compiled += "; decode steps as CUDA graphs" if self.cuda_graphs else ""
-        compiled += ", greedy ones planned while the one before runs (--async-scheduling)" if (
+        compiled += ", each planned while the one before runs (--async-scheduling)" if (
             self.cuda_graphs and self.async_scheduling) else ""
         attention = {"tidal-cpu": "; decode attention: tidal's paged kernel",
                      "triton": "; attention: Triton paged kernels"}.get(self.model.attention_backend, "")

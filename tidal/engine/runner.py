@@ -39,7 +39,7 @@ class InFlight:
 
     plan: StepPlan
     rows: list[ScheduledChunk]  # the step's rows, in order
-    tokens: torch.Tensor  # [rows]: the greedy samples, on the device
+    tokens: torch.Tensor  # [rows]: the samples, on the device
     host: torch.Tensor  # their copy on the host (pinned on CUDA), whole once ``done`` has fired
     began: Any  # (:func:`_mark`) before the step's first copy
     done: Any  # after the samples' copy
@@ -272,12 +272,10 @@ class ModelRunner:
                 and tuple(self.model.layer_ids) == g.layer_ids)
 
     def can_overlap(self, plan: StepPlan) -> bool:
-        """Whether ``plan`` can be launched and its samples read later: sampled decodes the graphs take,
-        every row greedy (the sample is the argmax, and any logprobs, taken on the device), no copies
-        and no padding."""
+        """Whether ``plan`` can be launched and its samples read later: sampled decodes the graphs take (the
+        samples and any logprobs are drawn on the device), no copies and no padding."""
         return (self.overlap_ready() and not plan.is_empty and not plan.swap_out and not plan.swap_in
-                and not plan.composition.num_padded_tokens and self.graphs.takes(list(plan.chunks))
-                and all(c.sampling.greedy for c in plan.chunks))
+                and not plan.composition.num_padded_tokens and self.graphs.takes(list(plan.chunks)))
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan, after: InFlight | None = None) -> InFlight:
@@ -296,7 +294,7 @@ class ModelRunner:
             self._sample_staging = [torch.zeros(n, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         began = _mark(self.device)
         logits = self.graphs.logits(rows, feed)
-        tokens = logits.argmax(-1)  # Sampler.sample's greedy rows: the argmax
+        tokens = self.sampler.draw(logits, [c.request_id for c in rows], [c.sampling for c in rows])
         host = self._sample_staging[self._sample_turn][:len(rows)]  # (the step before still reads the other)
         self._sample_turn ^= 1
         host.copy_(tokens, non_blocking=True)

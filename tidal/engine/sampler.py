@@ -12,78 +12,110 @@ from tidal.core.sampling import SamplingParams
 MIN_TEMPERATURE = 1e-5  # (vLLM's _SAMPLING_EPS) a lower one samples as this: logits / 1e-45 overflow float32
 
 
+def _small(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A few per-row values as a tensor on ``device``, copied from pinned memory without waiting for the
+    device's queue (a plain copy from pageable memory would wait for it: a step run ahead of the host,
+    --async-scheduling, samples before the step before has finished)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+
+
 class Sampler:
+    """Draws on the logits' device: on the CPU with CPU generators, on CUDA with CUDA generators (each seeded
+    as the CPU's, though their streams differ, so a seeded request's tokens on CUDA are not the CPU's)."""
+
     def __init__(self, seed: int = 0):
+        self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)  # for requests without a seed
+        self._device_generators: dict[torch.device, torch.Generator] = {}
         self._request_gens: dict[str, torch.Generator] = {}
 
     def forget(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
             self._request_gens.pop(rid, None)
 
-    def _gen(self, request_id: str, seed: int) -> torch.Generator:
+    def _gen(self, request_id: str, seed: int, device: torch.device) -> torch.Generator:
         g = self._request_gens.get(request_id)
         if g is None:
-            g = self._request_gens[request_id] = torch.Generator().manual_seed(seed)
+            g = self._request_gens[request_id] = torch.Generator(device=device).manual_seed(seed)
+        return g
+
+    def _engine_gen(self, device: torch.device) -> torch.Generator:
+        """The generator of requests without a seed, on ``device``."""
+        if device.type == "cpu":
+            return self.generator
+        g = self._device_generators.get(device)
+        if g is None:
+            g = self._device_generators[device] = torch.Generator(device=device).manual_seed(self.seed)
         return g
 
     @staticmethod
     def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
         """Apply temperature, top-k, top-p and min-p; returns probabilities [S, V]."""
+        dev = logits.device
         # a temperature below MIN_TEMPERATURE (a denormal, say) would overflow the logits: it samples as that
-        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).clamp_(min=MIN_TEMPERATURE).unsqueeze(1)
+        temps = _small([p.temperature for p in params], logits.dtype, dev).clamp_(min=MIN_TEMPERATURE).unsqueeze(1)
         logits = logits / temps
         ks = [p.top_k if p.top_k > 0 else 0 for p in params]
         if any(ks):
             vocab = logits.shape[1]
             kmax = min(max(ks), vocab)
             kth = logits.topk(kmax, dim=-1).values  # [S, kmax], descending
-            idx = torch.tensor([min(k, vocab) - 1 if k else kmax - 1 for k in ks]).unsqueeze(1)
+            idx = _small([min(k, vocab) - 1 if k else kmax - 1 for k in ks], torch.long, dev).unsqueeze(1)
             thresh = kth.gather(1, idx)
-            off = torch.tensor([k == 0 for k in ks]).unsqueeze(1)
+            off = _small([k == 0 for k in ks], torch.bool, dev).unsqueeze(1)
             logits = torch.where(off | (logits >= thresh), logits, torch.full_like(logits, -float("inf")))
         probs = logits.softmax(-1)
         tops = [p.top_p for p in params]
         if any(t < 1.0 for t in tops):
             sp, si = probs.sort(dim=-1, descending=True)
             cum = sp.cumsum(-1)
-            top_p = torch.tensor(tops, dtype=probs.dtype).unsqueeze(1)
+            top_p = _small(tops, probs.dtype, dev).unsqueeze(1)
             drop_sorted = (cum - sp) >= top_p  # keep the smallest prefix whose mass reaches top_p
             drop_sorted[:, 0] = False  # and the likeliest token always (a top_p that rounds to 0 in float32)
             drop = torch.zeros_like(drop_sorted).scatter(1, si, drop_sorted)
             probs = probs.masked_fill(drop, 0.0)
         mins = [p.min_p for p in params]
         if any(m > 0 for m in mins):
-            min_p = torch.tensor(mins, dtype=probs.dtype).unsqueeze(1)
+            min_p = _small(mins, probs.dtype, dev).unsqueeze(1)
             probs = probs.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, 0.0)
         return probs / probs.sum(-1, keepdim=True)
+
+    def draw(self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams]
+             ) -> torch.Tensor:
+        """The sampled token of each row, as a tensor on the logits' device, read by nobody yet: the argmax
+        for greedy rows, a draw from the filtered distribution for the others (a request's own generator
+        when it has a seed, else the engine's). Nothing here waits for the device."""
+        tokens = logits.argmax(-1)
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not random_rows:
+            return tokens
+        dev = logits.device
+        rows = _small(random_rows, torch.long, dev)
+        probs = self._filter(logits[rows].float(), [params[i] for i in random_rows])
+        # exponential-race sampling: argmax(p / q), q ~ Exp(1), draws a token with probability p (it is what
+        # torch.multinomial does for one sample, less its check of p, which waits for the device)
+        picked = torch.empty(len(random_rows), dtype=torch.long, device=dev)
+        plain = []
+        for j, i in enumerate(random_rows):
+            seed = params[i].seed
+            if seed is not None:
+                q = torch.empty_like(probs[j]).exponential_(generator=self._gen(request_ids[i], seed, dev))
+                picked[j] = (probs[j] / q).argmax()
+            else:
+                plain.append(j)
+        if plain:
+            pj = _small(plain, torch.long, dev)
+            p = probs[pj]
+            q = torch.empty_like(p).exponential_(generator=self._engine_gen(dev))
+            picked[pj] = (p / q).argmax(-1)
+        tokens[rows] = picked
+        return tokens
 
     def sample(self, logits: torch.Tensor, request_ids: Sequence[str],
                params: Sequence[SamplingParams]) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits: [S, V] float32 on any device. Returns token ids and optional logprobs."""
-        greedy = [p.greedy for p in params]
-        tokens = logits.argmax(-1)
-        random_rows = [i for i, g in enumerate(greedy) if not g]
-        if random_rows:
-            rows = torch.tensor(random_rows, device=logits.device)
-            sub = logits[rows].float().cpu()
-            probs = self._filter(sub, [params[i] for i in random_rows])
-            picked = torch.empty(len(random_rows), dtype=torch.long)
-            plain = []
-            for j, i in enumerate(random_rows):
-                seed = params[i].seed
-                if seed is not None:
-                    g = self._gen(request_ids[i], seed)
-                    picked[j] = torch.multinomial(probs[j], 1, generator=g)[0]
-                else:
-                    plain.append(j)
-            if plain:
-                pj = torch.tensor(plain)
-                p = probs[pj]
-                q = torch.empty_like(p).exponential_(generator=self.generator)
-                picked[pj] = (p / q).argmax(-1)  # exponential-race sampling == multinomial
-            tokens = tokens.cpu()
-            tokens[rows.cpu()] = picked
+        tokens = self.draw(logits, request_ids, params)
         token_list = tokens.tolist()
         lps: list[TokenLogprobs | None] = [None] * len(params)
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
