@@ -161,14 +161,15 @@ def stage_steps(args) -> dict:
     out: dict = {"hardware_model": hw_name, "shape": args.step_shape}
     from tidal.engine import attention
 
-    modes = {"eager": {"enforce_eager": True}, "graphs": {}, "async": {"async_scheduling": True}}
+    # "sampled": the graphs' steps with every request sampling (temperature 0.8, top-p 0.9) instead of greedy
+    modes = {"eager": {"enforce_eager": True}, "graphs": {}, "async": {"async_scheduling": True}, "sampled": {}}
     default_span = attention.PARTITION
     for label in args.step_modes.split(","):
         # "graphs@128": a fresh engine whose FlashDecoding programs each cover 128 tokens of context (default
         # 512): more programs at short contexts, more (empty) ones at long table widths
         mode, _, span = label.partition("@")
         if mode not in modes or (span and not span.isdigit()):
-            raise SystemExit(f"--step-modes: {label!r} is not eager, graphs, async or graphs@TOKENS")
+            raise SystemExit(f"--step-modes: {label!r} is not eager, graphs, async, sampled or graphs@TOKENS")
         _set_span(int(span) if span else default_span)
         e = LLMEngine(EngineConfig.from_kwargs(model=path, dtype="bfloat16", device=args.device,
                                                kv_cache_memory="8GiB", max_num_seqs=64,
@@ -178,7 +179,8 @@ def stage_steps(args) -> dict:
         res = {"attention": e.model.attention_backend, "weight_gb": round(weight_bytes / 1e9, 3)}
         for batch in (1, 32):
             res[f"batch{batch}"] = _time_decodes(e, f"{label}-{batch}", batch, model, weight_bytes,
-                                                 profile=mode == "graphs" and args.profile_steps)
+                                                 profile=mode == "graphs" and args.profile_steps,
+                                                 sampled=mode == "sampled")
             log(f"steps {label} batch {batch}: {_brief(res[f'batch{batch}'])}")
         if e.runner.graphs is not None:
             res["graph_pool_mib"] = round(e.runner.graphs.pool_bytes / 2**20, 1)
@@ -199,7 +201,8 @@ def _brief(r: dict) -> dict:
     return {k: v for k, v in r.items() if k != "kernels"}
 
 
-def _time_decodes(e, tag: str, batch: int, model, weight_bytes: int, profile: bool = False) -> dict:
+def _time_decodes(e, tag: str, batch: int, model, weight_bytes: int, profile: bool = False,
+                  sampled: bool = False) -> dict:
     """Decode steps of ``batch`` 128-token prompts (80 tokens each): the median step of the whole batch, the
     engine's step around it, the analytic model's ratio and the weights' read rate; with ``profile``, the
     GPU kernels of five of those steps by total time."""
@@ -208,8 +211,8 @@ def _time_decodes(e, tag: str, batch: int, model, weight_bytes: int, profile: bo
     from tidal import SamplingParams
 
     for i, p in enumerate(_prompts(batch, 128, 128, seed=batch)):
-        e.add_request(f"{tag}-{i}", None, SamplingParams(temperature=0, max_tokens=80, ignore_eos=True),
-                      prompt_token_ids=p)
+        how = {"temperature": 0.8, "top_p": 0.9, "seed": i} if sampled else {"temperature": 0}
+        e.add_request(f"{tag}-{i}", None, SamplingParams(max_tokens=80, ignore_eos=True, **how), prompt_token_ids=p)
     times, walls, ratios = [], [], []
     steps, prof = 0, None
     while e.has_unfinished_requests():
