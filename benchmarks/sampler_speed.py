@@ -1,7 +1,8 @@
 """The sampler's time per step on this machine: ``Sampler.sample`` on random logits for a batch of sampled
 rows (temperature only, top-k, top-p, seeded or not), at the default model's vocabulary (49,152) and
-Llama 3's (128,256), beside greedy rows. A sampled request's step pays this on top of the model's step
-(the OpenAI API samples at temperature 1 unless a request says otherwise).
+Llama 3's (128,256), beside greedy rows; and the default model's engine, greedy against sampled (output
+tokens a second). A sampled request's step pays the sampler on top of the model's step (the OpenAI API
+samples at temperature 1 unless a request says otherwise).
 
     .venv/bin/python benchmarks/sampler_speed.py [--batches 1,32] [--vocabs 49152,128256] [--repeats 7]
                                                  [--device cpu] [--output PATH]
@@ -56,9 +57,37 @@ def time_sampler(batches: list[int], vocabs: list[int], repeats: int, device: st
                         t0 = time.perf_counter()
                         sampler.sample(logits, ids, params)
                         times.append(time.perf_counter() - t0)
-                    rows.append({"vocab": vocab, "batch": batch, "logits": shape, "config": name,
-                                 "ms_median": round(1e3 * statistics.median(times), 3)})
+                    rows.append({"label": f"vocabulary {vocab:,}, batch {batch}, {shape} logits, {name}",
+                                 "value": round(1e3 * statistics.median(times), 3), "unit": "ms"})
     return rows
+
+
+def time_engine(batch: int, repeats: int, device: str) -> list[dict]:
+    """The default model's engine on ``batch`` requests of 64 prompt tokens and 64 output tokens each (every
+    token the model's step plus the sampler's): output tokens a second, greedy against sampled."""
+    from tidal import SamplingParams
+    from tidal.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_kwargs(device=device, max_num_seqs=batch)
+    prompts = [[(37 * i + 11 * j) % 40000 + 100 for j in range(64)] for i in range(batch)]
+    rows = []
+    for name, kw in ENGINE_CONFIGS.items():
+        walls = []
+        for r in range(repeats + 1):  # the first warms
+            t0 = time.perf_counter()
+            for i, p in enumerate(prompts):
+                engine.add_request(f"{name}-{r}-{i}", None, SamplingParams(max_tokens=64, ignore_eos=True, **kw),
+                                   prompt_token_ids=p, final_only=True)
+            while engine.has_unfinished_requests():
+                engine.step()
+            walls.append(time.perf_counter() - t0)
+        rows.append({"label": f"default model, {batch} requests x 64 -> 64 tokens, {name}",
+                     "value": round(batch * 64 / statistics.median(walls[1:]), 1), "unit": "out tok/s"})
+    return rows
+
+
+ENGINE_CONFIGS = {"greedy": {"temperature": 0.0}, "temperature 1.0": {"temperature": 1.0},
+                  "top-p 0.9": {"temperature": 0.8, "top_p": 0.9}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--tree", default=None, help="also time this checkout's sampler (its tidal/), in the same run")
+    ap.add_argument("--engine-batch", type=int, default=32,
+                    help="also run the default model's engine on this many requests, greedy and sampled (0: no)")
     ap.add_argument("--output", default=None, help="write the figures as JSON here")
     ap.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)  # a --tree child: JSON rows out
     args = ap.parse_args(argv)
@@ -82,8 +113,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    def measure() -> list[dict]:
+        rows = time_sampler(batches, vocabs, args.repeats, args.device)
+        return rows + (time_engine(args.engine_batch, 3, args.device) if args.engine_batch > 0 else [])
+
     if args.rows_only:
-        print(json.dumps(time_sampler(batches, vocabs, args.repeats, args.device)))
+        print(json.dumps(measure()))
         return 0
     from tidal.common.machine import machine_info
     from tidal.common.results import command_line, write_figures
@@ -92,34 +127,35 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info(num_threads=torch.get_num_threads(), device=args.device)
     print(f"command: {cmd}\nmachine: {machine.get('cpu_model')}, {machine.get('cores', '?')} cores, "
           f"device {args.device}, {torch.get_num_threads()} threads", flush=True)
-    trees = {"this tree": time_sampler(batches, vocabs, args.repeats, args.device)}
+    trees = {"this tree": measure()}
     if args.tree:
         env = {**os.environ, "PYTHONPATH": os.path.abspath(args.tree)}
         child = [sys.executable, os.path.abspath(__file__), "--rows-only", "--batches", args.batches, "--vocabs",
-                 args.vocabs, "--repeats", str(args.repeats), "--device", args.device]
+                 args.vocabs, "--repeats", str(args.repeats), "--device", args.device, "--engine-batch",
+                 str(args.engine_batch)]
         out = subprocess.run(child, env=env, cwd=os.path.abspath(args.tree), check=True, capture_output=True,
                              text=True)
         rev = subprocess.run(["git", "-C", args.tree, "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True).stdout.strip()
         trees[f"tree {rev or args.tree}"] = json.loads(out.stdout.strip().splitlines()[-1])
     names = list(trees)
-    print(f"\n{'vocab':>7} {'batch':>5} {'logits':>7}  {'config':<18} " + " ".join(f"{n[:18]:>18}" for n in names)
-          + " (ms, median)")
+    figures = []
     for i, row in enumerate(trees[names[0]]):
-        cells = " ".join(f"{trees[n][i]['ms_median']:>18.3f}" for n in names)
-        print(f"{row['vocab']:>7} {row['batch']:>5} {row['logits']:>7}  {row['config']:<18} {cells}")
-    if args.output:
-        figures = []
-        for i, row in enumerate(trees[names[0]]):
-            value = f"{row['ms_median']:.2f} ms"
-            for n in names[1:]:
-                other = trees[n][i]["ms_median"]
-                value += f"; {n}: {other:.2f} ms = {other / row['ms_median']:.1f}x this one's time"
-            figures.append([f"vocabulary {row['vocab']:,}, batch {row['batch']}, {row['logits']} logits, "
-                            f"{row['config']}", value])
-        write_figures(args.output, PROG, f"Sampler time a step ({args.device}, {torch.get_num_threads()} threads)",
+        value = f"{row['value']:,} {row['unit']}"
+        for n in names[1:]:
+            other = trees[n][i]["value"]
+            ratio = other / row["value"] if row["unit"] == "ms" else row["value"] / other
+            value += f"; {n}: {other:,} {row['unit']} (this one {ratio:.1f}x as fast)"
+        figures.append([row["label"], value])
+    if not args.output:
+        for label, value in figures:
+            print(f"  {label}: {value}")
+    else:
+        write_figures(args.output, PROG, f"Sampling: the sampler's time a step, and the engine greedy against sampled ({args.device}, "
+                      f"{torch.get_num_threads()} threads)",
                       PROG, figures, "Sampler.sample on random logits, median of "
-                      f"{args.repeats}; peaked: normal logits x {SHAPES['peaked']}, flat: x {SHAPES['flat']}.",
+                      f"{args.repeats}; peaked: normal logits x {SHAPES['peaked']}, flat: x {SHAPES['flat']}. The "
+                      "engine rows: the default model, final-only outputs, median of 3 runs after one warm run.",
                       {"trees": trees})
     return 0
 

@@ -17,10 +17,13 @@ def test_the_record(tmp_path, capsys):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = tmp_path / "s.json"
-    assert mod.main(["--batches", "1,3", "--vocabs", "300", "--repeats", "1", "--output", str(out)]) == 0
+    assert mod.main(["--batches", "1,3", "--vocabs", "300", "--repeats", "1", "--engine-batch", "2",
+                     "--output", str(out)]) == 0
     rec = json.loads(out.read_text())
     assert kind_of(rec) == "figures"
     per = len(mod.CONFIGS) + (len(mod.CONFIGS) - 1) * (len(mod.SHAPES) - 1)  # greedy on one shape only
-    assert len(rec["figures"]) == 2 * per
-    assert all(v.endswith(" ms") and float(v.split()[0]) >= 0 for _, v in rec["figures"])
-    assert "vocabulary 300, batch 3, peaked logits, top-p 0.9" in [n for n, _ in rec["figures"]]
+    assert len(rec["figures"]) == 2 * per + len(mod.ENGINE_CONFIGS)
+    assert all(v.endswith((" ms", " tok/s")) and float(v.split()[0].replace(",", "")) > 0 for _, v in rec["figures"])
+    names = [n for n, _ in rec["figures"]]
+    assert "vocabulary 300, batch 3, peaked logits, top-p 0.9" in names
+    assert "default model, 2 requests x 64 -> 64 tokens, top-p 0.9" in names
