@@ -41,9 +41,16 @@ def _drive(engine, requests, abort_at=None, late=None):
 
 
 def _free_at_the_end(engine):
+    """Every block back; a step still in flight after the last output holds only finished requests' rows,
+    and the next step drops it."""
     kv = engine.kv_manager
     assert kv.num_free_blocks == kv.num_blocks and not engine.scheduler.running
-    assert not engine.has_runnable_requests() or engine.core.inflight is not None
+    left = engine.core.inflight
+    if left is not None:
+        assert engine.has_runnable_requests()
+        assert not any(c.request_id in engine.scheduler.requests for c in left.plan.chunks)
+        assert engine.step() == [] and engine.core.inflight is None
+    assert not engine.has_runnable_requests() and kv.num_free_blocks == kv.num_blocks
 
 
 def test_the_outputs_are_the_synchronous_engines_whatever_stops_a_request(make_tiny_engine, monkeypatch):
@@ -186,3 +193,16 @@ def test_an_engine_without_graphs_says_so_and_runs_as_without_it(make_tiny_engin
     got, _ = _drive(e, [(f"r{i}", p, params) for i, p in enumerate(PROMPTS[:2])])
     assert all(len(v[0]) == 6 for v in got.values()) and e.core.overlapped_steps == 0
     assert "async-scheduling" not in e.describe_weights()
+
+
+def test_a_step_left_in_flight_by_the_last_stop_is_dropped_by_the_next(make_tiny_engine, monkeypatch):
+    """The last request stops on a token it samples: the step planned after it is still in flight when the
+    engine has no more requests (its row is the stopped request's); the next step drops it."""
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    first, _ = _drive(_engine(make_tiny_engine, monkeypatch, False), [("a", PROMPTS[1], plain)])
+    stop = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[first["a"][0][4]])
+    e = _engine(make_tiny_engine, monkeypatch, True)
+    got, _ = _drive(e, [("a", PROMPTS[1], stop)])
+    assert got["a"][0] == first["a"][0][:5] and got["a"][2] == "stop"
+    assert e.core.inflight is not None and e.has_runnable_requests()
+    _free_at_the_end(e)
