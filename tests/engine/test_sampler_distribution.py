@@ -37,11 +37,16 @@ def reference(logits: np.ndarray, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0
     return p
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.6), dict(temperature=1.3, top_k=3),
-                                dict(temperature=1.0, top_p=0.8), dict(temperature=0.9, min_p=0.2),
-                                dict(temperature=1.0, top_k=5, top_p=0.9)])
+SETUPS = [dict(temperature=1.0), dict(temperature=0.6), dict(temperature=1.3, top_k=3),
+          dict(temperature=1.0, top_p=0.8), dict(temperature=0.9, min_p=0.2), dict(temperature=1.0, top_k=5, top_p=0.9)]
+
+
+# rows that all keep a top k are drawn among those alone; the whole vocabulary's filter draws them too
+@pytest.mark.parametrize("kw, among_top_k", [(kw, True) for kw in SETUPS] + [(kw, False) for kw in SETUPS if "top_k" in kw])
 @pytest.mark.parametrize("seeded", [False, True])
-def test_the_draws_follow_the_filtered_distribution(kw, seeded):
+def test_the_draws_follow_the_filtered_distribution(kw, among_top_k, seeded, monkeypatch):
+    if not among_top_k:
+        monkeypatch.setattr(S, "TOP_K_DIRECT", 0)
     n = 20000 if not seeded else 400  # seeded: each row a request of its own (its own generator)
     logits = torch.tensor(LOGITS, dtype=torch.float32).repeat(n, 1)
     params = [SamplingParams(seed=i if seeded else None, **kw) for i in range(n)]

@@ -12,6 +12,8 @@ from tidal.core.sampling import SamplingParams
 # top-p on the CPU: the likeliest this many tokens (the fewest first) are sorted alone when they hold every
 # row's top_p; on 32 rows of 49,152, a top-256 took 2.7 ms, a top-4096 11 ms and a whole sort 56 ms
 TOP_P_CANDIDATES = (256, 4096)
+# rows that all keep their top k, k at most this, are drawn among their likeliest k tokens alone
+TOP_K_DIRECT = 4096
 MIN_TEMPERATURE = 1e-5  # (vLLM's _SAMPLING_EPS) a lower one samples as this: logits / 1e-45 overflow float32
 
 
@@ -110,6 +112,31 @@ class Sampler:
         idx = torch.searchsorted(cum, (1 - u).unsqueeze(1) * cum[:, -1:])
         return idx.squeeze(1).clamp_(max=weights.shape[1] - 1)  # (a row of NaN logits: not past the end)
 
+    @staticmethod
+    def _draw_among_top_k(logits: torch.Tensor, params: Sequence[SamplingParams], u: torch.Tensor) -> torch.Tensor:
+        """``_filter`` and ``_inverse_cdf`` for rows that each keep only their top k (k <= TOP_K_DIRECT), done
+        on the likeliest max-k tokens alone, which come sorted: temperature, each row's k, softmax, top-p
+        (the sorted prefix, no sort), min-p (against the first), then the draw; a token's id is its
+        candidate's. (Where the k-th likeliest token ties with the next, these keep exactly k, ``_filter``
+        every tied token.)"""
+        dev = logits.device
+        kmax = min(max(p.top_k for p in params), logits.shape[1])
+        vals, ids = logits.topk(kmax, dim=-1)  # sorted, likeliest first
+        temps = _small([p.temperature for p in params], vals.dtype, dev).clamp_(min=MIN_TEMPERATURE).unsqueeze(1)
+        vals = vals / temps
+        ks = _small([min(p.top_k, kmax) for p in params], torch.long, dev).unsqueeze(1)
+        vals = vals.masked_fill(torch.arange(kmax, device=dev).unsqueeze(0) >= ks, -float("inf"))
+        probs = vals.softmax(-1)
+        tops = [p.top_p for p in params]
+        if any(t < 1.0 for t in tops):
+            keep = (probs.cumsum(-1) - probs) < _small(tops, probs.dtype, dev).unsqueeze(1)
+            keep[:, 0] = True
+            probs = probs * keep
+        mins = [p.min_p for p in params]
+        if any(m > 0 for m in mins):
+            probs = probs.masked_fill(probs < _small(mins, probs.dtype, dev).unsqueeze(1) * probs[:, :1], 0.0)
+        return ids.gather(1, Sampler._inverse_cdf(probs, u).unsqueeze(1)).squeeze(1)
+
     def draw(self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams]
              ) -> torch.Tensor:
         """The sampled token of each row, as a tensor on the logits' device, read by nobody yet: the argmax
@@ -121,10 +148,11 @@ class Sampler:
         dev = logits.device
         every = len(random_rows) == len(params)
         rows = None if every else _small(random_rows, torch.long, dev)
-        probs = self._filter(logits.float() if every else logits[rows].float(), [params[i] for i in random_rows])
+        sub = logits.float() if every else logits[rows].float()
+        chosen = [params[i] for i in random_rows]
         # one uniform number a row: a request's own generator when it has a seed, else the engine's (in row
         # order); drawn where the logits are, never waiting for the device
-        u = torch.empty(len(random_rows), dtype=probs.dtype, device=dev)
+        u = torch.empty(len(random_rows), dtype=torch.float32, device=dev)
         plain = []
         for j, i in enumerate(random_rows):
             seed = params[i].seed
@@ -133,9 +161,13 @@ class Sampler:
             else:
                 plain.append(j)
         if plain:
-            u[_small(plain, torch.long, dev)] = torch.rand(len(plain), dtype=probs.dtype, device=dev,
+            u[_small(plain, torch.long, dev)] = torch.rand(len(plain), dtype=torch.float32, device=dev,
                                                            generator=self._engine_gen(dev))
-        picked = self._inverse_cdf(probs, u)
+        kmax = max(p.top_k for p in chosen)
+        if min(p.top_k for p in chosen) > 0 and kmax <= TOP_K_DIRECT:  # every row keeps its top k: among them
+            picked = self._draw_among_top_k(sub, chosen, u)
+        else:
+            picked = self._inverse_cdf(self._filter(sub, chosen), u)
         if every:
             return picked
         tokens = logits.argmax(-1)
