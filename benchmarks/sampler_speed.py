@@ -47,7 +47,8 @@ def time_sampler(batches: list[int], vocabs: list[int], repeats: int, device: st
                 logits = (torch.randn(batch, vocab, generator=g) * scale).to(device)
                 sampler = Sampler(0)
                 ids = [f"r{i}" for i in range(batch)]
-                setups = {name: [SamplingParams(**{**kw, **({"seed": i} if "seed" in kw else {})}) for i in range(batch)]
+                setups = {name: [SamplingParams(**{**kw, **({"seed": i} if "seed" in kw else {})})
+                                 for i in range(batch)]
                           for name, kw in CONFIGS.items() if shape == "peaked" or name != "greedy"}
                 for params in setups.values():  # warm every setup first (the allocator grows its heap once)
                     sampler.sample(logits, ids, params)
@@ -151,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         for label, value in figures:
             print(f"  {label}: {value}")
     else:
-        write_figures(args.output, PROG, f"Sampling: the sampler's time a step, and the engine greedy against sampled ({args.device}, "
-                      f"{torch.get_num_threads()} threads)",
+        write_figures(args.output, PROG, "Sampling: the sampler's time a step, and the engine greedy against sampled "
+                      f"({args.device}, {torch.get_num_threads()} threads)",
                       PROG, figures, "Sampler.sample on random logits, median of "
                       f"{args.repeats}; peaked: normal logits x {SHAPES['peaked']}, flat: x {SHAPES['flat']}. The "
                       "engine rows: the default model, final-only outputs, median of 3 runs after one warm run.",

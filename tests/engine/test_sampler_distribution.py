@@ -42,7 +42,8 @@ SETUPS = [dict(temperature=1.0), dict(temperature=0.6), dict(temperature=1.3, to
 
 
 # rows that all keep a top k are drawn among those alone; the whole vocabulary's filter draws them too
-@pytest.mark.parametrize("kw, among_top_k", [(kw, True) for kw in SETUPS] + [(kw, False) for kw in SETUPS if "top_k" in kw])
+@pytest.mark.parametrize("kw, among_top_k",
+                         [(kw, True) for kw in SETUPS] + [(kw, False) for kw in SETUPS if "top_k" in kw])
 @pytest.mark.parametrize("seeded", [False, True])
 def test_the_draws_follow_the_filtered_distribution(kw, among_top_k, seeded, monkeypatch):
     if not among_top_k:

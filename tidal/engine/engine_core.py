@@ -138,8 +138,8 @@ class EngineCore:
         of the host: it is launched, the next decode step is planned and launched behind it (its
         tokens are the first one's samples, fed on the device), and only then does the host wait for
         the first step's samples and apply them. Scheduling, the token bookkeeping and the output side
-        run while the device computes. A step that cannot follow so (a request joins, a sampler that
-        is not greedy, a prefill) is planned by ``schedule`` once the step before is applied."""
+        run while the device computes. A step that cannot follow so (a request joins, a prefill, a
+        preemption) is planned by ``schedule`` once the step before is applied."""
         if self.inflight is None:
             plan = self.scheduler.schedule(clock())
             if not (self.async_scheduling and self.runner.can_overlap(plan)):

@@ -29,7 +29,7 @@ from tidal.engine.compiled import CompiledDecode
 from tidal.engine.cuda_graph import GraphedDecode
 from tidal.engine.kv_cache import PagedKVCache
 from tidal.engine.model import LlamaModel
-from tidal.engine.sampler import Sampler, token_logprobs
+from tidal.engine.sampler import Sampler, logprob_parts, token_logprobs
 from tidal.engine.stage import StageLink, split_microbatches
 
 
@@ -303,14 +303,12 @@ class ModelRunner:
 
     def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, rows: list[ScheduledChunk]
                   ) -> list[torch.Tensor] | None:
-        """Sampler.sample's logprobs, for every row at once when any asks (one row's log-softmax does not
-        depend on the others'): each row's chosen token's and its top k's, k the largest asked, copied to
-        the host behind the step's samples."""
+        """Sampler.sample's logprobs (:func:`~tidal.engine.sampler.logprob_parts`), for every row at once when
+        any asks, k the largest asked, copied to the host behind the step's samples."""
         ks = [c.sampling.logprobs for c in rows if c.sampling.logprobs is not None]
         if not ks:
             return None
-        logp = logits.float().log_softmax(-1)
-        parts = [logp.gather(1, tokens.unsqueeze(1)).squeeze(1), *(logp.topk(max(ks), dim=-1) if max(ks) else ())]
+        parts = logprob_parts(logits, tokens, max(ks))
         pin = self.device.type == "cuda"
         out = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in parts]
         for dst, t in zip(out, parts, strict=True):
@@ -329,11 +327,8 @@ class ModelRunner:
         tokens = step.host.tolist()
         result.sampled = dict(zip((c.request_id for c in step.rows), tokens, strict=True))
         if step.logprobs is not None:
-            chosen, *top = (t.tolist() for t in step.logprobs)
-            top_v, top_i = top if top else ((), ())
+            parts = [t.tolist() for t in step.logprobs]
             for j, c in enumerate(step.rows):
-                n = c.sampling.logprobs
-                if n is not None:
-                    result.logprobs[c.request_id] = token_logprobs(tokens[j], chosen[j], top_i[j] if n else (),
-                                                                   top_v[j] if n else (), n)
+                if c.sampling.logprobs is not None:
+                    result.logprobs[c.request_id] = token_logprobs(tokens[j], c.sampling.logprobs, j, parts)
         return result

@@ -183,20 +183,26 @@ class Sampler:
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         if want:
             rows = torch.tensor(want, device=logits.device)
-            logp = logits[rows].float().log_softmax(-1)
             k = max(params[i].logprobs for i in want)
-            top_v, top_i = (logp.topk(k, dim=-1) if k else (None, None))
-            chosen = logp.gather(1, torch.tensor([token_list[i] for i in want], device=logits.device).unsqueeze(1))
-            chosen = chosen.squeeze(1).tolist()
-            top_v = top_v.tolist() if k else None
-            top_i = top_i.tolist() if k else None
+            parts = [t.tolist() for t in logprob_parts(logits[rows], tokens[rows], k)]
             for j, i in enumerate(want):
-                n = params[i].logprobs
-                lps[i] = token_logprobs(token_list[i], chosen[j], top_i[j] if n else (), top_v[j] if n else (), n)
+                lps[i] = token_logprobs(token_list[i], params[i].logprobs, j, parts)
         return token_list, lps
 
 
-def token_logprobs(token: int, chosen: float, top_ids: Sequence[int], top_values: Sequence[float],
-                   n: int) -> TokenLogprobs:
-    """A sampled token's log-probability and the ``n`` likeliest (id, log-probability), likeliest first."""
-    return TokenLogprobs(token, chosen, tuple(zip(top_ids[:n], top_values[:n], strict=True)) if n else ())
+def logprob_parts(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> list[torch.Tensor]:
+    """Each row's log-probability of its sampled token and, when ``k``, its ``k`` likeliest tokens'
+    (values, ids): ``[chosen]`` or ``[chosen, top_values, top_ids]``, where the logits are (one row's
+    log-softmax does not depend on the others')."""
+    logp = logits.float().log_softmax(-1)
+    return [logp.gather(1, tokens.unsqueeze(1)).squeeze(1), *(logp.topk(k, dim=-1) if k else ())]
+
+
+def token_logprobs(token: int, n: int, row: int, parts: list[list]) -> TokenLogprobs:
+    """Row ``row``'s record from :func:`logprob_parts` (as lists): its sampled token's log-probability and
+    the ``n`` likeliest (id, log-probability), likeliest first."""
+    chosen, *top = parts
+    if not n:
+        return TokenLogprobs(token, chosen[row], ())
+    top_values, top_ids = top
+    return TokenLogprobs(token, chosen[row], tuple(zip(top_ids[row][:n], top_values[row][:n], strict=True)))
